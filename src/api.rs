@@ -1,0 +1,89 @@
+//! The backend contract: what a driver must offer for events and fences.
+
+use core::fmt::Debug;
+use core::hash::Hash;
+use core::time::Duration;
+
+use crate::ServerError;
+
+/// How an event is created.
+///
+/// Fences want [`EventFlags::FENCE`]: no timestamps (cheaper to record) and a
+/// blocking synchronize, so a thread waiting on one sleeps in the driver rather
+/// than spinning. Timing events ([`EventFlags::TIMING`]) keep timestamps for
+/// [`EventApi::event_elapsed`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct EventFlags {
+    /// Record a timestamp, so the time between two events can be read.
+    pub timing: bool,
+    /// A synchronize on this event sleeps instead of spinning.
+    pub blocking_sync: bool,
+}
+
+impl EventFlags {
+    /// For fences: no timing, blocking synchronize.
+    pub const FENCE: Self = Self {
+        timing: false,
+        blocking_sync: true,
+    };
+    /// For profiling: timing on, blocking synchronize.
+    pub const TIMING: Self = Self {
+        timing: true,
+        blocking_sync: true,
+    };
+}
+
+/// A backend's event and stream calls, shaped like a driver's C API.
+///
+/// Every function is static and works on raw handles; [`Event`](crate::Event)
+/// and [`EventFence`](crate::EventFence) add ownership and the fallbacks.
+/// Implementations must never panic on a driver or user fault: every failure
+/// comes back as a [`ServerError`].
+///
+/// Driver rules an implementation keeps (CUDA driver API semantics):
+/// - an event never recorded is complete;
+/// - a record replaces the event's previous record, and a query, synchronize
+///   or stream wait refers to the most recent record at the time of the call;
+/// - destroying an event whose work is pending is allowed and does not block.
+pub trait EventApi: Sized + Send + Sync + 'static {
+    /// The backend's name, e.g. `"Cuda"` or `"Host"`.
+    const BACKEND: &'static str;
+
+    /// A stream handle: cheap to copy, usable as a map key.
+    type Stream: Copy + Send + Sync + Eq + Hash + Debug + 'static;
+
+    /// A raw event. Owned: [`EventApi::event_destroy`] consumes it.
+    type Event: Send + Sync + 'static;
+
+    /// Create an event belonging to `stream`'s device and context.
+    ///
+    /// The stream is named because an event belongs to a context: CUDA refuses
+    /// to record an event on a stream of another context.
+    fn event_create(stream: Self::Stream, flags: EventFlags) -> Result<Self::Event, ServerError>;
+
+    /// Record `event` at the current end of `stream`'s work.
+    fn event_record(event: &Self::Event, stream: Self::Stream) -> Result<(), ServerError>;
+
+    /// Ask, without blocking, whether the device has reached `event`.
+    ///
+    /// Three outcomes: `Ok(true)` reached, `Ok(false)` not yet, `Err` a fault
+    /// (never folded into "not yet").
+    fn event_query(event: &Self::Event) -> Result<bool, ServerError>;
+
+    /// Block the calling thread until the device has reached `event`.
+    fn event_synchronize(event: &Self::Event) -> Result<(), ServerError>;
+
+    /// Release `event`. Must not block, even when its work is still pending.
+    fn event_destroy(event: Self::Event) -> Result<(), ServerError>;
+
+    /// Make `stream`'s later work wait, on the device, for `event`'s most
+    /// recent record. Does not block the host.
+    fn stream_wait_event(stream: Self::Stream, event: &Self::Event) -> Result<(), ServerError>;
+
+    /// Block the calling thread until all work queued on `stream` is done.
+    fn stream_synchronize(stream: Self::Stream) -> Result<(), ServerError>;
+
+    /// Device time from `start` to `end`; both must be timing events and
+    /// reached.
+    fn event_elapsed(start: &Self::Event, end: &Self::Event) -> Result<Duration, ServerError>;
+}

@@ -1,0 +1,126 @@
+//! The CUDA backend, on cudarc's driver API loaded at run time.
+//!
+//! The crate builds and runs without CUDA: the driver library is looked for on
+//! first use, and its absence (or a driver too old, or no device) is a
+//! [`ServerError::Unavailable`], never a panic. Fence events are created with
+//! `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`, so a thread waiting on
+//! one sleeps in the driver instead of spinning; every call binds the
+//! stream's or event's context on the calling thread first, so any thread
+//! (a waiter thread has no current context) may wait.
+//!
+//! From cudarc, a fence is one call:
+//!
+//! ```no_run
+//! use device_events::cuda;
+//!
+//! let ctx = cuda::context(0)?; // an Arc<cudarc::driver::CudaContext>
+//! let stream = ctx.new_stream()?; // an Arc<cudarc::driver::CudaStream>
+//! // ... launch work on `stream` with cudarc ...
+//! let fence = cuda::fence(&stream);
+//! assert_eq!(format!("{fence:?}"), "CudaFence");
+//! fence.wait_sync()?;
+//! # Ok::<(), device_events::ServerError>(())
+//! ```
+
+mod driver;
+mod sleep;
+mod stream;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use cudarc;
+use cudarc::driver::{CudaContext, CudaStream};
+pub use driver::CudaEvent;
+pub use sleep::SleepKernel;
+pub use stream::CudaStreamHandle;
+
+use crate::{EventApi, EventFence, EventFlags, ServerError};
+
+/// The CUDA backend; see the [module](self) docs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cuda;
+
+/// A fence on a CUDA stream.
+pub type CudaFence = EventFence<Cuda>;
+
+/// Whether the driver loads and reports at least one device.
+pub fn is_available() -> bool {
+    device_count().is_ok_and(|count| count > 0)
+}
+
+/// How many CUDA devices the driver reports.
+///
+/// # Errors
+///
+/// [`ServerError::Unavailable`] without a driver.
+pub fn device_count() -> Result<usize, ServerError> {
+    driver::ensure_loaded()?;
+    let count = CudaContext::device_count()?;
+    Ok(usize::try_from(count).unwrap_or(0))
+}
+
+/// The primary context of device `ordinal`, after checking that the driver
+/// and the device exist (cudarc alone would panic without a driver).
+///
+/// # Errors
+///
+/// [`ServerError::Unavailable`] without a driver or without that device.
+pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
+    let count = device_count()?;
+    if ordinal >= count {
+        return Err(ServerError::Unavailable {
+            backend: driver::BACKEND,
+            reason: format!("no CUDA device {ordinal}: the driver reports {count}"),
+        });
+    }
+    Ok(CudaContext::new(ordinal)?)
+}
+
+/// A fence at the current end of a cudarc stream, in one call.
+pub fn fence(stream: &Arc<CudaStream>) -> CudaFence {
+    EventFence::new(CudaStreamHandle::new(stream))
+}
+
+impl EventApi for Cuda {
+    const BACKEND: &'static str = driver::BACKEND;
+    type Stream = CudaStreamHandle;
+    type Event = CudaEvent;
+
+    fn event_create(stream: CudaStreamHandle, flags: EventFlags) -> Result<CudaEvent, ServerError> {
+        driver::ensure_loaded()?;
+        let stream = stream.resolve("cuEventCreate")?;
+        CudaEvent::create(stream.context(), flags.timing, flags.blocking_sync)
+    }
+
+    fn event_record(event: &CudaEvent, stream: CudaStreamHandle) -> Result<(), ServerError> {
+        event.record(&*stream.resolve("cuEventRecord")?)
+    }
+
+    fn event_query(event: &CudaEvent) -> Result<bool, ServerError> {
+        event.query()
+    }
+
+    fn event_synchronize(event: &CudaEvent) -> Result<(), ServerError> {
+        event.synchronize()
+    }
+
+    fn event_destroy(event: CudaEvent) -> Result<(), ServerError> {
+        event.destroy()
+    }
+
+    fn stream_wait_event(stream: CudaStreamHandle, event: &CudaEvent) -> Result<(), ServerError> {
+        event.wait_on(&*stream.resolve("cuStreamWaitEvent")?)
+    }
+
+    fn stream_synchronize(stream: CudaStreamHandle) -> Result<(), ServerError> {
+        driver::ensure_loaded()?;
+        let stream = stream.resolve("cuStreamSynchronize")?;
+        driver::synchronize_stream(&stream)
+    }
+
+    fn event_elapsed(start: &CudaEvent, end: &CudaEvent) -> Result<Duration, ServerError> {
+        let ms = end.elapsed_ms(start)?;
+        Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1000.0))
+    }
+}

@@ -1,0 +1,190 @@
+//! [`HostEvent`]: a marker that host streams pass when they reach it.
+
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
+
+use super::error;
+use crate::ServerError;
+
+/// Host events alive in the process, for leak checks.
+static LIVE_EVENTS: AtomicUsize = AtomicUsize::new(0);
+
+/// How many host events exist right now (created and not yet released by
+/// every stream marker that refers to them). Tests use it to prove that no
+/// path leaks an event.
+pub fn live_events() -> usize {
+    LIVE_EVENTS.load(Ordering::SeqCst)
+}
+
+/// The host backend's raw event: shared by its owner and the stream markers
+/// that will signal it.
+///
+/// Each record starts a new *generation*; the event is reached for a waiter
+/// once the generation that was latest when the waiter asked has been passed.
+/// That is the driver's rule: a query, synchronize or stream wait refers to the
+/// most recent record at the time of the call.
+#[derive(Clone)]
+pub struct HostEvent {
+    pub(super) inner: Arc<EventInner>,
+}
+
+pub(super) struct EventInner {
+    state: Mutex<EventState>,
+    changed: Condvar,
+    timing: bool,
+}
+
+#[derive(Default)]
+struct EventState {
+    /// The generation of the latest record; 0 when never recorded.
+    recorded: u64,
+    /// The highest generation a stream has passed.
+    reached: u64,
+    /// When the latest record was reached, for timing events.
+    reached_at: Option<Instant>,
+    /// The highest generation lost to a stream fault, with the fault.
+    fault: Option<(u64, String)>,
+}
+
+impl EventState {
+    /// `Some(result)` once generation `target` is settled.
+    fn settled(&self, target: u64) -> Option<Result<(), String>> {
+        if self.reached >= target {
+            return Some(Ok(()));
+        }
+        match &self.fault {
+            Some((generation, message)) if *generation >= target => Some(Err(message.clone())),
+            _ => None,
+        }
+    }
+}
+
+impl HostEvent {
+    pub(super) fn new(timing: bool) -> Self {
+        LIVE_EVENTS.fetch_add(1, Ordering::SeqCst);
+        Self {
+            inner: Arc::new(EventInner {
+                state: Mutex::new(EventState::default()),
+                changed: Condvar::new(),
+                timing,
+            }),
+        }
+    }
+
+    /// Start a new generation; the caller queues a marker for it.
+    pub(super) fn next_generation(&self) -> u64 {
+        let mut state = self.inner.lock();
+        state.recorded += 1;
+        state.reached_at = None;
+        state.recorded
+    }
+
+    /// The generation a waiter asking now refers to.
+    pub(super) fn latest_generation(&self) -> u64 {
+        self.inner.lock().recorded
+    }
+
+    /// A stream passed the marker of `generation`.
+    pub(super) fn signal(&self, generation: u64) {
+        let mut state = self.inner.lock();
+        state.reached = state.reached.max(generation);
+        if generation == state.recorded && self.inner.timing {
+            state.reached_at = Some(Instant::now());
+        }
+        drop(state);
+        self.inner.changed.notify_all();
+    }
+
+    /// The stream holding the marker of `generation` faulted.
+    pub(super) fn fail(&self, generation: u64, message: &str) {
+        let mut state = self.inner.lock();
+        if state.fault.as_ref().is_none_or(|(g, _)| *g < generation) {
+            state.fault = Some((generation, message.to_owned()));
+        }
+        drop(state);
+        self.inner.changed.notify_all();
+    }
+
+    /// Whether `generation` has been passed; a fault is an error.
+    pub(super) fn query(&self, call: &'static str) -> Result<bool, ServerError> {
+        let state = self.inner.lock();
+        match state.settled(state.recorded) {
+            Some(Ok(())) => Ok(true),
+            Some(Err(message)) => Err(error::faulted(call, message)),
+            None => Ok(false),
+        }
+    }
+
+    /// Block until `generation` is passed or lost to a fault.
+    pub(super) fn wait_for(&self, generation: u64, call: &'static str) -> Result<(), ServerError> {
+        let mut state = self.inner.lock();
+        loop {
+            match state.settled(generation) {
+                Some(result) => return result.map_err(|message| error::faulted(call, message)),
+                None => {
+                    state = self
+                        .inner
+                        .changed
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner)
+                }
+            }
+        }
+    }
+
+    /// When the latest record was reached.
+    pub(super) fn reached_at(&self, call: &'static str) -> Result<Instant, ServerError> {
+        if !self.inner.timing {
+            return Err(error::call(
+                call,
+                error::INVALID_HANDLE,
+                "the event was created without timing",
+            ));
+        }
+        let state = self.inner.lock();
+        if state.recorded == 0 {
+            return Err(error::call(
+                call,
+                error::INVALID_HANDLE,
+                "the event was never recorded",
+            ));
+        }
+        if let Some(Err(message)) = state.settled(state.recorded) {
+            return Err(error::faulted(call, message));
+        }
+        state
+            .reached_at
+            .ok_or_else(|| error::call(call, error::NOT_READY, "the event is not reached yet"))
+    }
+
+    /// Device time from `start` to `end`.
+    pub(super) fn elapsed(start: &Self, end: &Self) -> Result<Duration, ServerError> {
+        const CALL: &str = "event_elapsed";
+        let (start, end) = (start.reached_at(CALL)?, end.reached_at(CALL)?);
+        Ok(end.saturating_duration_since(start))
+    }
+}
+
+impl EventInner {
+    fn lock(&self) -> MutexGuard<'_, EventState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl Drop for EventInner {
+    fn drop(&mut self) {
+        LIVE_EVENTS.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+impl fmt::Debug for HostEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let state = self.inner.lock();
+        f.debug_struct("HostEvent")
+            .field("recorded", &state.recorded)
+            .field("reached", &state.reached)
+            .finish()
+    }
+}

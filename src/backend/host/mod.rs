@@ -1,0 +1,111 @@
+//! The host backend: streams that are CPU worker queues.
+//!
+//! It implements [`EventApi`] with the same semantics as the CUDA backend, so
+//! every behaviour of fences and the waiter can be tested, benchmarked and
+//! demonstrated on a machine without a GPU, and GPU-shaped pipelines can run
+//! on a CPU.
+//!
+//! ```
+//! use device_events::host::{Host, HostStream};
+//! use device_events::{EventApi, EventFence};
+//!
+//! let stream = HostStream::new()?;
+//! stream.launch(|| println!("runs on the stream's worker"))?;
+//! let fence = EventFence::<Host>::new(stream.handle());
+//! assert_eq!(format!("{fence:?}"), "HostFence");
+//! fence.wait_sync()?;
+//! Host::stream_synchronize(stream.handle())?;
+//! # Ok::<(), device_events::ServerError>(())
+//! ```
+
+mod event;
+mod stream;
+
+use std::time::Duration;
+
+pub use event::{live_events, HostEvent};
+pub use stream::{HostStream, HostStreamHandle};
+
+use crate::{EventApi, EventFlags, ServerError};
+
+const BACKEND: &str = "Host";
+
+/// The host backend; see the [module](self) docs.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Host;
+
+impl EventApi for Host {
+    const BACKEND: &'static str = BACKEND;
+    type Stream = HostStreamHandle;
+    type Event = HostEvent;
+
+    fn event_create(stream: HostStreamHandle, flags: EventFlags) -> Result<HostEvent, ServerError> {
+        stream.resolve("event_create")?;
+        Ok(HostEvent::new(flags.timing))
+    }
+
+    fn event_record(event: &HostEvent, stream: HostStreamHandle) -> Result<(), ServerError> {
+        stream.resolve("event_record")?.record(event)
+    }
+
+    fn event_query(event: &HostEvent) -> Result<bool, ServerError> {
+        event.query("event_query")
+    }
+
+    fn event_synchronize(event: &HostEvent) -> Result<(), ServerError> {
+        event.wait_for(event.latest_generation(), "event_synchronize")
+    }
+
+    fn event_destroy(event: HostEvent) -> Result<(), ServerError> {
+        // Markers still queued hold their own reference; the event is freed
+        // when the last of them is passed, as a driver frees a destroyed event
+        // once its work completes.
+        drop(event);
+        Ok(())
+    }
+
+    fn stream_wait_event(stream: HostStreamHandle, event: &HostEvent) -> Result<(), ServerError> {
+        stream.resolve("stream_wait_event")?.wait_event(event)
+    }
+
+    fn stream_synchronize(stream: HostStreamHandle) -> Result<(), ServerError> {
+        stream.resolve("stream_synchronize")?.synchronize()
+    }
+
+    fn event_elapsed(start: &HostEvent, end: &HostEvent) -> Result<Duration, ServerError> {
+        HostEvent::elapsed(start, end)
+    }
+}
+
+/// The host backend's errors, with the CUDA codes of the same meaning.
+mod error {
+    use crate::ServerError;
+
+    /// `CUDA_ERROR_INVALID_HANDLE`.
+    pub(super) const INVALID_HANDLE: (i32, &str) = (400, "invalid handle");
+    /// `CUDA_ERROR_NOT_READY`.
+    pub(super) const NOT_READY: (i32, &str) = (600, "not ready");
+    /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports.
+    const LAUNCH_FAILED: (i32, &str) = (719, "launch failed");
+
+    pub(super) fn call(call: &'static str, (code, name): (i32, &str), message: &str) -> ServerError {
+        ServerError::Call {
+            backend: super::BACKEND,
+            call,
+            code,
+            name: name.to_owned(),
+            message: message.to_owned(),
+        }
+    }
+
+    pub(super) fn faulted(call: &'static str, message: String) -> ServerError {
+        let (code, name) = LAUNCH_FAILED;
+        ServerError::Faulted {
+            backend: super::BACKEND,
+            call,
+            code,
+            name: name.to_owned(),
+            message,
+        }
+    }
+}

@@ -1,0 +1,295 @@
+//! [`HostStream`]: an in-order queue of CPU work on its own worker thread.
+
+use std::collections::VecDeque;
+use std::fmt;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::thread::{self, JoinHandle};
+
+use super::error;
+use super::event::HostEvent;
+use crate::backend::registry::Registry;
+use crate::ServerError;
+
+/// Every live host stream, so a copied handle can never dangle.
+static STREAMS: Registry<StreamShared> = Registry::new();
+
+/// A CPU stream: closures launched on it run one after another, in order, on
+/// the stream's own worker thread, the way kernels run on a GPU stream.
+///
+/// Events recorded on it are markers in its queue, reached when the worker
+/// passes them; a device-side wait is a queued wait on the worker. A panic in
+/// launched work faults the stream for good, as an illegal address faults a
+/// CUDA context: every later launch, record, wait or synchronize on it returns
+/// [`ServerError::Faulted`], and pending waits resolve with that error.
+///
+/// Dropping the stream finishes its queued work and joins its thread. A
+/// [`HostStreamHandle`] that outlives it gives an error when used.
+pub struct HostStream {
+    shared: Arc<StreamShared>,
+    handle: HostStreamHandle,
+    worker: Option<JoinHandle<()>>,
+}
+
+/// A copyable handle to a [`HostStream`], taken by
+/// [`EventFence::new`](crate::EventFence::new) and the [`Host`](super::Host)
+/// calls. It does not keep the stream alive: calls through the handle of a
+/// dropped stream return an invalid-handle error.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HostStreamHandle {
+    id: u64,
+}
+
+pub(super) struct StreamShared {
+    state: Mutex<StreamState>,
+    /// The worker waits here for work.
+    work_queued: Condvar,
+    /// Synchronizing threads wait here for the worker's progress.
+    progressed: Condvar,
+}
+
+#[derive(Default)]
+struct StreamState {
+    queue: VecDeque<Op>,
+    /// Operations queued since the stream started.
+    queued: u64,
+    /// Operations finished (run, or dropped by a fault).
+    finished: u64,
+    /// Set by the first panic; never cleared.
+    fault: Option<String>,
+    /// Set when the owner drops the stream: no new work.
+    closing: bool,
+}
+
+enum Op {
+    Work(Box<dyn FnOnce() + Send + 'static>),
+    Signal(HostEvent, u64),
+    Wait(HostEvent, u64),
+}
+
+impl HostStream {
+    /// Start a stream and its worker thread.
+    ///
+    /// # Errors
+    ///
+    /// The operating system refused to start the thread.
+    pub fn new() -> Result<Self, ServerError> {
+        let shared = Arc::new(StreamShared {
+            state: Mutex::new(StreamState::default()),
+            work_queued: Condvar::new(),
+            progressed: Condvar::new(),
+        });
+        let id = STREAMS.register(&shared);
+        let worker_shared = shared.clone();
+        let worker = thread::Builder::new()
+            .name(format!("host-stream-{id}"))
+            .spawn(move || worker_shared.run())
+            .map_err(|err| {
+                STREAMS.remove(id);
+                ServerError::Unavailable {
+                    backend: super::BACKEND,
+                    reason: format!("could not start a stream thread: {err}"),
+                }
+            })?;
+        Ok(Self {
+            shared,
+            handle: HostStreamHandle { id },
+            worker: Some(worker),
+        })
+    }
+
+    /// Queue `work` to run after everything queued on this stream before it.
+    ///
+    /// # Errors
+    ///
+    /// The stream is faulted: an earlier launch panicked.
+    pub fn launch<F>(&self, work: F) -> Result<(), ServerError>
+    where
+        F: FnOnce() + Send + 'static,
+    {
+        self.shared.push("launch", Op::Work(Box::new(work)))
+    }
+
+    /// The copyable handle that fences and [`Host`](super::Host) calls take.
+    pub fn handle(&self) -> HostStreamHandle {
+        self.handle
+    }
+
+    /// Whether a launch on this stream has panicked.
+    pub fn is_faulted(&self) -> bool {
+        self.shared.lock().fault.is_some()
+    }
+}
+
+impl Drop for HostStream {
+    fn drop(&mut self) {
+        STREAMS.remove(self.handle.id);
+        self.shared.lock().closing = true;
+        self.shared.work_queued.notify_all();
+        if let Some(worker) = self.worker.take() {
+            // Work that drops its own stream must not join itself.
+            if worker.thread().id() != thread::current().id() && worker.join().is_err() {
+                log::error!("a host stream's worker thread panicked outside launched work");
+            }
+        }
+    }
+}
+
+impl HostStreamHandle {
+    /// The stream's shared state, or an invalid-handle error once dropped.
+    pub(super) fn resolve(self, call: &'static str) -> Result<Arc<StreamShared>, ServerError> {
+        STREAMS
+            .get(self.id)
+            .ok_or_else(|| error::call(call, error::INVALID_HANDLE, "the stream was dropped"))
+    }
+}
+
+impl StreamShared {
+    fn lock(&self) -> MutexGuard<'_, StreamState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queue `op` unless the stream is faulted or closing.
+    fn push(&self, call: &'static str, op: Op) -> Result<(), ServerError> {
+        let mut state = self.lock();
+        state.accepting(call)?;
+        state.queue.push_back(op);
+        state.queued += 1;
+        drop(state);
+        self.work_queued.notify_one();
+        Ok(())
+    }
+
+    /// Queue a marker for a new generation of `event`.
+    pub(super) fn record(&self, event: &HostEvent) -> Result<(), ServerError> {
+        // Lock order: stream, then event. Taking the generation under the
+        // stream lock keeps generations in queue order on this stream.
+        let mut state = self.lock();
+        state.accepting("event_record")?;
+        let generation = event.next_generation();
+        state.queue.push_back(Op::Signal(event.clone(), generation));
+        state.queued += 1;
+        drop(state);
+        self.work_queued.notify_one();
+        Ok(())
+    }
+
+    /// Queue a wait for the latest record of `event`.
+    pub(super) fn wait_event(&self, event: &HostEvent) -> Result<(), ServerError> {
+        let generation = event.latest_generation();
+        if generation == 0 {
+            // Never recorded: complete, by the driver's rule.
+            return self.lock().accepting("stream_wait_event");
+        }
+        self.push("stream_wait_event", Op::Wait(event.clone(), generation))
+    }
+
+    /// Block until everything queued before this call has finished.
+    pub(super) fn synchronize(&self) -> Result<(), ServerError> {
+        const CALL: &str = "stream_synchronize";
+        let mut state = self.lock();
+        let target = state.queued;
+        loop {
+            if let Some(message) = &state.fault {
+                return Err(error::faulted(CALL, message.clone()));
+            }
+            if state.finished >= target {
+                return Ok(());
+            }
+            state = self
+                .progressed
+                .wait(state)
+                .unwrap_or_else(PoisonError::into_inner);
+        }
+    }
+
+    /// The worker: run operations in order until closed and drained.
+    fn run(&self) {
+        loop {
+            let op = {
+                let mut state = self.lock();
+                loop {
+                    if let Some(op) = state.queue.pop_front() {
+                        break op;
+                    }
+                    if state.closing {
+                        return;
+                    }
+                    state = self
+                        .work_queued
+                        .wait(state)
+                        .unwrap_or_else(PoisonError::into_inner);
+                }
+            };
+            let fault = match op {
+                Op::Work(work) => catch_unwind(AssertUnwindSafe(work))
+                    .err()
+                    .map(|payload| ServerError::panic_message(payload.as_ref())),
+                Op::Signal(event, generation) => {
+                    event.signal(generation);
+                    None
+                }
+                Op::Wait(event, generation) => event
+                    .wait_for(generation, "stream_wait_event")
+                    .err()
+                    .map(|err| format!("a stream this one waited on failed: {err}")),
+            };
+            let dropped = {
+                let mut state = self.lock();
+                state.finished += 1;
+                match fault {
+                    Some(message) => state.fault_with(message),
+                    None => Vec::new(),
+                }
+            };
+            self.progressed.notify_all();
+            // User closures are dropped outside the lock: their drops may do
+            // anything, including touching this stream.
+            drop(dropped);
+        }
+    }
+}
+
+impl StreamState {
+    fn accepting(&self, call: &'static str) -> Result<(), ServerError> {
+        if let Some(message) = &self.fault {
+            return Err(error::faulted(call, message.clone()));
+        }
+        if self.closing {
+            return Err(error::call(
+                call,
+                error::INVALID_HANDLE,
+                "the stream is being dropped",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Fault the stream: fail every queued marker and hand back the queued
+    /// operations, which will never run.
+    fn fault_with(&mut self, message: String) -> Vec<Op> {
+        let dropped: Vec<Op> = self.queue.drain(..).collect();
+        for op in &dropped {
+            if let Op::Signal(event, generation) = op {
+                event.fail(*generation, &message);
+            }
+        }
+        self.finished += dropped.len() as u64;
+        self.fault = Some(message);
+        dropped
+    }
+}
+
+impl fmt::Debug for HostStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostStream")
+            .field("id", &self.handle.id)
+            .finish_non_exhaustive()
+    }
+}
+
+impl fmt::Debug for HostStreamHandle {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "HostStreamHandle({})", self.id)
+    }
+}

@@ -1,0 +1,118 @@
+//! [`Event`]: one raw device event, destroyed when dropped.
+
+use core::fmt;
+use core::time::Duration;
+
+use crate::{EventApi, EventFlags, ServerError};
+
+/// One device event, owned: it is destroyed when dropped, on every path
+/// (after a failed wait too).
+///
+/// Dropping an event whose work is still pending does not block: the driver
+/// releases it once the work completes.
+///
+/// # Example
+///
+/// ```
+/// use device_events::host::{Host, HostStream};
+/// use device_events::{Event, EventFlags};
+///
+/// let stream = HostStream::new()?;
+/// stream.launch(|| { /* work */ })?;
+/// let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE)?;
+/// event.record(stream.handle())?;
+/// event.wait()?;
+/// assert!(event.is_complete()?);
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+pub struct Event<A: EventApi> {
+    /// `None` only inside `drop`, once destroyed.
+    raw: Option<A::Event>,
+}
+
+impl<A: EventApi> Event<A> {
+    /// Create an event on `stream`'s device; it is not recorded yet (and, by
+    /// the driver's rule, reports complete until it is).
+    ///
+    /// # Errors
+    ///
+    /// The driver refused to create the event, or `stream` is invalid.
+    pub fn new(stream: A::Stream, flags: EventFlags) -> Result<Self, ServerError> {
+        Ok(Self {
+            raw: Some(A::event_create(stream, flags)?),
+        })
+    }
+
+    /// Record this event at the current end of `stream`'s work, replacing any
+    /// earlier record.
+    ///
+    /// # Errors
+    ///
+    /// The driver refused the record, or the stream is faulted or invalid.
+    pub fn record(&self, stream: A::Stream) -> Result<(), ServerError> {
+        A::event_record(self.raw(), stream)
+    }
+
+    /// Whether the device has reached this event, without blocking.
+    ///
+    /// # Errors
+    ///
+    /// A fault of the device or stream; never folded into `Ok(false)`.
+    pub fn is_complete(&self) -> Result<bool, ServerError> {
+        A::event_query(self.raw())
+    }
+
+    /// Block the calling thread until the device has reached this event.
+    ///
+    /// # Errors
+    ///
+    /// A fault of the work before the event, or a refused call.
+    pub fn wait(&self) -> Result<(), ServerError> {
+        A::event_synchronize(self.raw())
+    }
+
+    /// Make `stream` wait for this event on the device; the host does not
+    /// block.
+    ///
+    /// # Errors
+    ///
+    /// The driver refused the dependency.
+    pub fn wait_async(&self, stream: A::Stream) -> Result<(), ServerError> {
+        A::stream_wait_event(stream, self.raw())
+    }
+
+    /// Device time from `start` to this event; both need
+    /// [`EventFlags::TIMING`] and must have been reached.
+    ///
+    /// # Errors
+    ///
+    /// Either event has no timing, is not reached, or is faulted.
+    pub fn elapsed_since(&self, start: &Self) -> Result<Duration, ServerError> {
+        A::event_elapsed(start.raw(), self.raw())
+    }
+
+    /// The raw event, for backends and the waiter.
+    pub fn raw(&self) -> &A::Event {
+        // The only `None` is set in `drop`, after which `self` is gone.
+        match &self.raw {
+            Some(raw) => raw,
+            None => unreachable!("an Event is only emptied by its drop"),
+        }
+    }
+}
+
+impl<A: EventApi> Drop for Event<A> {
+    fn drop(&mut self) {
+        if let Some(raw) = self.raw.take() {
+            if let Err(err) = A::event_destroy(raw) {
+                log::error!("a {} event could not be destroyed: {err}", A::BACKEND);
+            }
+        }
+    }
+}
+
+impl<A: EventApi> fmt::Debug for Event<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}Event", A::BACKEND)
+    }
+}

@@ -1,0 +1,158 @@
+//! [`EventFence`]: a point in a stream that others can wait for.
+
+use core::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::{Event, EventApi, EventFlags, ServerError};
+
+/// Orders fences across the process: a later fence on a stream has a larger
+/// number, which is all the waiter needs to serve a stream's fences in order.
+static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
+
+/// An event recorded on a stream and handed out, so a caller can wait for that
+/// stream's work from outside whatever owns the stream.
+///
+/// Recording costs the host nothing: the owner records one and returns, and
+/// whoever holds the fence waits on its own time, in one of three ways:
+/// [`wait_sync`](Self::wait_sync) blocks the host,
+/// [`wait_async`](Self::wait_async) makes another stream wait on the device,
+/// and (with the waiter) `.await` sleeps a task.
+///
+/// When the driver refuses to create or record the event, the stream is
+/// synchronized on the spot instead, which keeps every guarantee a fence
+/// gives; only when that fails too does the fence hold the error.
+///
+/// # Example
+///
+/// ```
+/// use device_events::host::{Host, HostStream};
+/// use device_events::EventFence;
+/// use std::sync::atomic::{AtomicBool, Ordering};
+/// use std::sync::Arc;
+///
+/// let producer = HostStream::new()?;
+/// let consumer = HostStream::new()?;
+/// let written = Arc::new(AtomicBool::new(false));
+///
+/// let flag = written.clone();
+/// producer.launch(move || flag.store(true, Ordering::SeqCst))?;
+/// // The consumer's later work runs after the producer's, without the host
+/// // waiting for either.
+/// EventFence::<Host>::new(producer.handle()).wait_async(consumer.handle())?;
+/// let flag = written.clone();
+/// consumer.launch(move || assert!(flag.load(Ordering::SeqCst)))?;
+///
+/// EventFence::<Host>::new(consumer.handle()).wait_sync()?;
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+pub struct EventFence<A: EventApi> {
+    /// `Ok(None)` when the fence was reached at creation (a refused event whose
+    /// stream was synchronized instead).
+    event: Result<Option<Event<A>>, ServerError>,
+    stream: A::Stream,
+    sequence: u64,
+}
+
+impl<A: EventApi> EventFence<A> {
+    /// Record a fence at the current position of `stream`.
+    ///
+    /// When the driver refuses the event, `stream` is synchronized instead (with
+    /// a warning logged), and the fence is already reached. Errors surface when
+    /// the fence is waited on.
+    pub fn new(stream: A::Stream) -> Self {
+        let sequence = NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed);
+        let recorded = Event::new(stream, EventFlags::FENCE)
+            .and_then(|event| event.record(stream).map(|()| event));
+        let event = match recorded {
+            Ok(event) => Ok(Some(event)),
+            Err(err) => {
+                log::warn!(
+                    "a {} fence could not be recorded, synchronizing its stream instead: {err}",
+                    A::BACKEND
+                );
+                A::stream_synchronize(stream).map(|()| None)
+            }
+        };
+        Self {
+            event,
+            stream,
+            sequence,
+        }
+    }
+
+    /// Block until the device has reached this fence, so everything queued on
+    /// its stream before it is done.
+    ///
+    /// # Errors
+    ///
+    /// The error the fence holds (the driver refused the event and the stream
+    /// synchronize both), or the driver's error from the wait, e.g. a faulted
+    /// stream.
+    pub fn wait_sync(self) -> Result<(), ServerError> {
+        match self.event? {
+            Some(event) => event.wait(),
+            None => Ok(()),
+        }
+    }
+
+    /// Make `stream` wait for this fence on the device, so work queued on it
+    /// afterwards runs behind the fenced stream's. Does not block the host,
+    /// unless the driver refuses the dependency: the host then waits for the
+    /// fence itself (with a warning logged), which orders the work just the
+    /// same.
+    ///
+    /// # Errors
+    ///
+    /// The error the fence holds, or, on the fallback path, the error of the
+    /// host wait.
+    pub fn wait_async(self, stream: A::Stream) -> Result<(), ServerError> {
+        let Some(event) = self.event? else {
+            return Ok(());
+        };
+        if let Err(err) = event.wait_async(stream) {
+            log::warn!(
+                "a {} stream could not be made to wait on a fence, waiting on the host: {err}",
+                A::BACKEND
+            );
+            event.wait()?;
+        }
+        Ok(())
+    }
+
+    /// Whether the device has reached this fence, without blocking.
+    ///
+    /// # Errors
+    ///
+    /// The error the fence holds, or a fault reported by the driver (never
+    /// folded into `Ok(false)`).
+    pub fn is_complete(&self) -> Result<bool, ServerError> {
+        match &self.event {
+            Ok(Some(event)) => event.is_complete(),
+            Ok(None) => Ok(true),
+            Err(err) => Err(err.clone()),
+        }
+    }
+
+    /// The stream this fence was recorded on.
+    pub fn stream(&self) -> A::Stream {
+        self.stream
+    }
+
+    /// The fence's place in the process-wide order of fences: a later fence
+    /// on the same stream has a larger number.
+    pub fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    /// Whether the fence was resolved at creation (the stream synchronized
+    /// instead of an event recorded), successfully or not.
+    pub fn is_resolved_at_creation(&self) -> bool {
+        !matches!(self.event, Ok(Some(_)))
+    }
+}
+
+impl<A: EventApi> fmt::Debug for EventFence<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}Fence", A::BACKEND)
+    }
+}

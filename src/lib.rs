@@ -1,0 +1,61 @@
+//! Wait for GPU stream work from Rust: on the host, on another stream, or
+//! (soon) from async code.
+//!
+//! # The problem
+//!
+//! GPU work is queued on streams and runs later. A caller that needs the
+//! result must learn when the device has reached a point in a stream, and a
+//! caller that owns the stream behind a lock must not block while holding it.
+//!
+//! # The answer
+//!
+//! An [`EventFence`] records a device event at the current end of a stream.
+//! Recording costs the host nothing; whoever holds the fence then waits on its
+//! own time:
+//!
+//! - [`EventFence::wait_sync`]: the host blocks until the device has reached
+//!   the fence (for CUDA, sleeping in the driver, not spinning);
+//! - [`EventFence::wait_async`]: another stream waits for it *on the device*,
+//!   and the host never blocks.
+//!
+//! The crate promises what a driver promises: a refused event falls back to
+//! synchronizing the stream, a refused device-side wait falls back to a host
+//! wait (each with a logged warning), and driver faults come back as
+//! [`ServerError`], never as a panic or a hang.
+//!
+//! # Backends
+//!
+//! | backend | module | streams | when |
+//! |---|---|---|---|
+//! | CUDA | [`cuda`] (feature `cuda`, default) | `cudarc` streams | a driver and device are present (loaded at run time) |
+//! | Host | [`host`] | CPU worker queues | always; tests, demos, CPU pipelines |
+//!
+//! Both implement [`EventApi`], a static contract over raw handles shaped like
+//! the CUDA driver API; [`Event`] owns one raw event.
+//!
+//! ```
+//! use device_events::host::{Host, HostStream};
+//! use device_events::EventFence;
+//!
+//! let a = HostStream::new()?;
+//! let b = HostStream::new()?;
+//! a.launch(|| { /* produce */ })?;
+//! EventFence::<Host>::new(a.handle()).wait_async(b.handle())?; // b waits for a, on the "device"
+//! b.launch(|| { /* consume */ })?;
+//! EventFence::<Host>::new(b.handle()).wait_sync()?; // the host waits for both
+//! # Ok::<(), device_events::ServerError>(())
+//! ```
+
+mod api;
+mod backend;
+mod error;
+mod event;
+mod fence;
+
+pub use api::{EventApi, EventFlags};
+#[cfg(feature = "cuda")]
+pub use backend::cuda;
+pub use backend::host;
+pub use error::ServerError;
+pub use event::Event;
+pub use fence::EventFence;
