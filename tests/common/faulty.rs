@@ -1,0 +1,129 @@
+//! `Faulty`: the host backend with faults injected on demand, per stream, so
+//! every fallback of `EventFence` can be reached and asserted.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use device_events::host::{Host, HostEvent, HostStreamHandle};
+use device_events::{EventApi, EventFlags, ServerError};
+
+/// What to refuse or break on one stream. Every injected error's message
+/// carries `label`, so a test can find its own warnings among all logged.
+#[derive(Debug, Clone, Default)]
+pub struct Plan {
+    pub label: &'static str,
+    pub refuse_create: bool,
+    pub refuse_record: bool,
+    /// Refuse device-side waits *of* this stream (it is the waiting one).
+    pub refuse_stream_wait: bool,
+    pub refuse_stream_synchronize: bool,
+    /// Panic inside queries of events created for this stream.
+    pub panic_in_query: bool,
+    /// Panic inside synchronizes of events created for this stream.
+    pub panic_in_synchronize: bool,
+}
+
+static PLANS: Mutex<Option<HashMap<HostStreamHandle, Plan>>> = Mutex::new(None);
+
+/// Inject `plan` into every later call on `stream`.
+pub fn inject(stream: HostStreamHandle, plan: Plan) {
+    PLANS
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .insert(stream, plan);
+}
+
+fn plan_of(stream: HostStreamHandle) -> Plan {
+    PLANS
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .as_ref()
+        .and_then(|plans| plans.get(&stream).cloned())
+        .unwrap_or_default()
+}
+
+fn refused(call: &'static str, label: &str) -> ServerError {
+    ServerError::Call {
+        backend: "Faulty",
+        call,
+        code: 999,
+        name: "injected".to_owned(),
+        message: format!("refused by the fault plan '{label}'"),
+    }
+}
+
+/// The fault-injecting backend.
+pub struct Faulty;
+
+/// A host event that remembers the stream it was created for.
+pub struct FaultyEvent {
+    inner: HostEvent,
+    stream: HostStreamHandle,
+}
+
+impl EventApi for Faulty {
+    const BACKEND: &'static str = "Faulty";
+    type Stream = HostStreamHandle;
+    type Event = FaultyEvent;
+
+    fn event_create(stream: HostStreamHandle, flags: EventFlags) -> Result<FaultyEvent, ServerError> {
+        let plan = plan_of(stream);
+        if plan.refuse_create {
+            return Err(refused("event_create", plan.label));
+        }
+        Ok(FaultyEvent {
+            inner: Host::event_create(stream, flags)?,
+            stream,
+        })
+    }
+
+    fn event_record(event: &FaultyEvent, stream: HostStreamHandle) -> Result<(), ServerError> {
+        let plan = plan_of(stream);
+        if plan.refuse_record {
+            return Err(refused("event_record", plan.label));
+        }
+        Host::event_record(&event.inner, stream)
+    }
+
+    fn event_query(event: &FaultyEvent) -> Result<bool, ServerError> {
+        let plan = plan_of(event.stream);
+        assert!(!plan.panic_in_query, "injected panic in query ({})", plan.label);
+        Host::event_query(&event.inner)
+    }
+
+    fn event_synchronize(event: &FaultyEvent) -> Result<(), ServerError> {
+        let plan = plan_of(event.stream);
+        assert!(
+            !plan.panic_in_synchronize,
+            "injected panic in synchronize ({})",
+            plan.label
+        );
+        Host::event_synchronize(&event.inner)
+    }
+
+    fn event_destroy(event: FaultyEvent) -> Result<(), ServerError> {
+        Host::event_destroy(event.inner)
+    }
+
+    fn stream_wait_event(stream: HostStreamHandle, event: &FaultyEvent) -> Result<(), ServerError> {
+        let plan = plan_of(stream);
+        if plan.refuse_stream_wait {
+            return Err(refused("stream_wait_event", plan.label));
+        }
+        Host::stream_wait_event(stream, &event.inner)
+    }
+
+    fn stream_synchronize(stream: HostStreamHandle) -> Result<(), ServerError> {
+        let plan = plan_of(stream);
+        if plan.refuse_stream_synchronize {
+            return Err(refused("stream_synchronize", plan.label));
+        }
+        Host::stream_synchronize(stream)
+    }
+
+    fn event_elapsed(start: &FaultyEvent, end: &FaultyEvent) -> Result<Duration, ServerError> {
+        Host::event_elapsed(&start.inner, &end.inner)
+    }
+}

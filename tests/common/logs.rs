@@ -1,0 +1,43 @@
+//! Captures log records so tests can assert that a fallback warned.
+
+use std::sync::{Mutex, Once};
+
+static RECORDS: Mutex<Vec<(log::Level, String)>> = Mutex::new(Vec::new());
+static INSTALL: Once = Once::new();
+
+struct Capture;
+
+impl log::Log for Capture {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        let line = record.args().to_string();
+        RECORDS
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .push((record.level(), line));
+    }
+
+    fn flush(&self) {}
+}
+
+/// Install the capturing logger (once per test binary).
+pub fn capture() {
+    INSTALL.call_once(|| {
+        log::set_logger(&Capture).expect("no other logger in tests");
+        log::set_max_level(log::LevelFilter::Trace);
+    });
+}
+
+/// Warnings logged so far whose text contains `needle`.
+pub fn warnings_containing(needle: &str) -> Vec<String> {
+    RECORDS
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .iter()
+        .filter(|(level, line)| *level == log::Level::Warn && line.contains(needle))
+        .map(|(_, line)| line.clone())
+        .collect()
+}

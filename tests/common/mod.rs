@@ -1,0 +1,56 @@
+//! Shared test helpers: a fault-injecting backend over the host backend, a log
+//! capture, and a gate that holds a stream's worker.
+#![allow(dead_code)] // each test binary uses a different part
+
+pub mod faulty;
+pub mod logs;
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use device_events::host::HostStream;
+
+/// Holds a stream's worker inside launched work until opened (or dropped),
+/// so a test controls exactly when the "device" makes progress.
+pub struct Gate {
+    open: mpsc::Sender<()>,
+}
+
+impl Gate {
+    /// Queue work on `stream` that blocks until the gate opens.
+    pub fn hold(stream: &HostStream) -> Self {
+        let (open, opened) = mpsc::channel::<()>();
+        stream
+            .launch(move || {
+                // An error means the sender was dropped: also "open".
+                let _ = opened.recv();
+            })
+            .expect("launch the gate");
+        Self { open }
+    }
+
+    pub fn open(self) {
+        let _ = self.open.send(());
+    }
+}
+
+/// A counter that launched work bumps, to see what has run.
+#[derive(Clone, Default)]
+pub struct Progress(Arc<AtomicUsize>);
+
+impl Progress {
+    pub fn get(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+
+    /// Queue a step on `stream` that bumps the counter.
+    pub fn step_on(&self, stream: &HostStream) {
+        let counter = self.0.clone();
+        stream
+            .launch(move || {
+                counter.fetch_add(1, Ordering::SeqCst);
+            })
+            .expect("launch a step");
+    }
+}

@@ -1,0 +1,158 @@
+//! `Event` on the host backend: three-outcome queries, records, timing, and
+//! no leak on any path.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{Gate, Progress};
+use device_events::host::{live_events, Host, HostStream};
+use device_events::{Event, EventFlags};
+
+/// `live_events` is process-wide and tests run in parallel; leak checks take
+/// this lock and every test that creates events holds it too.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+#[test]
+fn an_event_never_recorded_is_complete() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let _gate = Gate::hold(&stream);
+    let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+    assert!(event.is_complete().unwrap());
+    event.wait().unwrap();
+}
+
+#[test]
+fn query_has_three_outcomes() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+    event.record(stream.handle()).unwrap();
+    assert!(!event.is_complete().unwrap(), "not yet");
+    gate.open();
+    event.wait().unwrap();
+    assert!(event.is_complete().unwrap(), "reached");
+
+    let gate = Gate::hold(&stream);
+    stream.launch(|| panic!("fault")).unwrap();
+    event.record(stream.handle()).unwrap();
+    gate.open();
+    assert!(event.wait().unwrap_err().is_faulted());
+    assert!(event.is_complete().unwrap_err().is_faulted(), "an error, not `false`");
+}
+
+#[test]
+fn a_record_replaces_the_previous_one() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+    event.record(stream.handle()).unwrap();
+    event.wait().unwrap();
+    let gate = Gate::hold(&stream);
+    event.record(stream.handle()).unwrap();
+    assert!(!event.is_complete().unwrap(), "refers to the newest record");
+    gate.open();
+    event.wait().unwrap();
+}
+
+#[test]
+fn a_device_wait_captures_the_record_at_call_time() {
+    let _serial = serial();
+    let producer = HostStream::new().unwrap();
+    let consumer = HostStream::new().unwrap();
+    let event = Event::<Host>::new(producer.handle(), EventFlags::FENCE).unwrap();
+    event.record(producer.handle()).unwrap();
+    event.wait_async(consumer.handle()).unwrap();
+    // Re-recorded behind a gate after the wait was queued: the consumer must
+    // not wait for the new record.
+    let gate = Gate::hold(&producer);
+    event.record(producer.handle()).unwrap();
+    let progress = Progress::default();
+    progress.step_on(&consumer);
+    let after = Event::<Host>::new(consumer.handle(), EventFlags::FENCE).unwrap();
+    after.record(consumer.handle()).unwrap();
+    after.wait().unwrap();
+    assert_eq!(progress.get(), 1);
+    gate.open();
+}
+
+#[test]
+fn elapsed_measures_the_work_between_two_timing_events() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let start = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    start.record(stream.handle()).unwrap();
+    stream
+        .launch(|| std::thread::sleep(Duration::from_millis(30)))
+        .unwrap();
+    end.record(stream.handle()).unwrap();
+    end.wait().unwrap();
+    let elapsed = end.elapsed_since(&start).unwrap();
+    assert!(elapsed >= Duration::from_millis(30), "{elapsed:?}");
+}
+
+#[test]
+fn elapsed_refuses_events_without_timing_or_not_reached() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let start = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+    let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    start.record(stream.handle()).unwrap();
+    end.record(stream.handle()).unwrap();
+    end.wait().unwrap();
+    assert_eq!(end.elapsed_since(&start).unwrap_err().code(), Some(400));
+
+    let start = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    start.record(stream.handle()).unwrap();
+    let gate = Gate::hold(&stream);
+    let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    end.record(stream.handle()).unwrap();
+    assert_eq!(end.elapsed_since(&start).unwrap_err().code(), Some(600));
+    gate.open();
+}
+
+#[test]
+fn events_are_released_on_every_path() {
+    let _serial = serial();
+    let before = live_events();
+    {
+        let stream = HostStream::new().unwrap();
+        // Dropped unrecorded.
+        drop(Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap());
+        // Dropped after a successful wait.
+        let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+        event.record(stream.handle()).unwrap();
+        event.wait().unwrap();
+        drop(event);
+        // Dropped while its record is pending: released once passed.
+        let gate = Gate::hold(&stream);
+        let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+        event.record(stream.handle()).unwrap();
+        drop(event);
+        gate.open();
+        // Dropped after a failed wait.
+        let gate = Gate::hold(&stream);
+        stream.launch(|| panic!("fault")).unwrap();
+        let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+        event.record(stream.handle()).unwrap();
+        gate.open();
+        assert!(event.wait().is_err());
+        drop(event);
+    } // the stream's drop joins its worker, which released its markers
+    assert_eq!(live_events(), before);
+}
+
+#[test]
+fn debug_names_the_backend() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+    assert_eq!(format!("{event:?}"), "HostEvent");
+}

@@ -1,0 +1,178 @@
+//! Every fallback of `EventFence`, reached through the fault-injecting backend.
+
+mod common;
+
+use common::faulty::{inject, Faulty, Plan};
+use common::{logs, Gate, Progress};
+use device_events::host::HostStream;
+use device_events::{EventFence, ServerError};
+
+/// A stream with one step of work held behind a gate, so a fallback that
+/// synchronizes is seen to wait for it.
+fn busy_stream() -> (HostStream, Gate, Progress) {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    progress.step_on(&stream);
+    (stream, gate, progress)
+}
+
+/// Open `gate` from another thread once the test thread is blocked behind it.
+fn open_later(gate: Gate) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        gate.open();
+    })
+}
+
+#[test]
+fn a_refused_create_synchronizes_the_stream_and_warns() {
+    logs::capture();
+    let (stream, gate, progress) = busy_stream();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "refuse-create",
+            refuse_create: true,
+            ..Plan::default()
+        },
+    );
+    let opener = open_later(gate);
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    // The fallback synchronized: the held work is done before `new` returned.
+    assert_eq!(progress.get(), 1);
+    assert!(fence.is_resolved_at_creation());
+    assert!(fence.is_complete().unwrap());
+    fence.wait_sync().unwrap();
+    opener.join().unwrap();
+    let warnings = logs::warnings_containing("refuse-create");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("synchronizing its stream instead"));
+}
+
+#[test]
+fn a_refused_record_synchronizes_the_stream_and_warns() {
+    logs::capture();
+    let (stream, gate, progress) = busy_stream();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "refuse-record",
+            refuse_record: true,
+            ..Plan::default()
+        },
+    );
+    let opener = open_later(gate);
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    assert_eq!(progress.get(), 1);
+    assert!(fence.is_resolved_at_creation());
+    fence.wait_sync().unwrap();
+    opener.join().unwrap();
+    assert_eq!(logs::warnings_containing("refuse-record").len(), 1);
+}
+
+#[test]
+fn a_fence_holds_the_error_when_the_synchronize_fails_too() {
+    logs::capture();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "refuse-all",
+            refuse_create: true,
+            refuse_stream_synchronize: true,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    assert!(fence.is_resolved_at_creation());
+    let held = fence.is_complete().unwrap_err();
+    assert!(matches!(held, ServerError::Call { call: "stream_synchronize", .. }), "{held}");
+    assert_eq!(fence.wait_sync().unwrap_err(), held);
+
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    let other = HostStream::new().unwrap();
+    assert_eq!(fence.wait_async(other.handle()).unwrap_err(), held);
+    assert_eq!(logs::warnings_containing("refuse-all").len(), 2);
+}
+
+#[test]
+fn a_refused_device_wait_waits_on_the_host_and_warns() {
+    logs::capture();
+    let (producer, gate, progress) = busy_stream();
+    let consumer = HostStream::new().unwrap();
+    inject(
+        consumer.handle(),
+        Plan {
+            label: "refuse-stream-wait",
+            refuse_stream_wait: true,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(producer.handle());
+    assert!(!fence.is_resolved_at_creation());
+    let opener = open_later(gate);
+    fence.wait_async(consumer.handle()).unwrap();
+    // The host waited for the producer's work instead.
+    assert_eq!(progress.get(), 1);
+    opener.join().unwrap();
+    let warnings = logs::warnings_containing("refuse-stream-wait");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
+    assert!(warnings[0].contains("waiting on the host"));
+}
+
+#[test]
+fn a_fence_resolved_at_creation_needs_no_device_wait() {
+    logs::capture();
+    let stream = HostStream::new().unwrap();
+    let consumer = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "resolved-then-wait",
+            refuse_create: true,
+            ..Plan::default()
+        },
+    );
+    inject(
+        consumer.handle(),
+        Plan {
+            label: "resolved-then-wait-consumer",
+            refuse_stream_wait: true,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    fence.wait_async(consumer.handle()).unwrap();
+    // No device wait was attempted, so the consumer's refusal never warned.
+    assert!(logs::warnings_containing("resolved-then-wait-consumer").is_empty());
+}
+
+#[test]
+fn a_refused_device_wait_reports_the_fenced_streams_fault() {
+    logs::capture();
+    let producer = HostStream::new().unwrap();
+    let consumer = HostStream::new().unwrap();
+    inject(
+        consumer.handle(),
+        Plan {
+            label: "refuse-wait-faulted",
+            refuse_stream_wait: true,
+            ..Plan::default()
+        },
+    );
+    let gate = Gate::hold(&producer);
+    producer.launch(|| panic!("device fault")).unwrap();
+    let fence = EventFence::<Faulty>::new(producer.handle());
+    gate.open();
+    let err = fence.wait_async(consumer.handle()).unwrap_err();
+    assert!(err.is_faulted(), "{err}");
+    assert_eq!(logs::warnings_containing("refuse-wait-faulted").len(), 1);
+}
+
+#[test]
+fn debug_names_the_backend() {
+    let stream = HostStream::new().unwrap();
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    assert_eq!(format!("{fence:?}"), "FaultyFence");
+}

@@ -1,0 +1,171 @@
+//! `EventFence` on the host backend: host waits, device-side waits, ordering.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+
+use common::{Gate, Progress};
+use device_events::host::{Host, HostStream};
+use device_events::{EventApi, EventFence};
+
+#[test]
+fn wait_sync_returns_after_all_earlier_work() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    for _ in 0..10 {
+        progress.step_on(&stream);
+    }
+    let fence = EventFence::<Host>::new(stream.handle());
+    assert!(!fence.is_complete().unwrap(), "the gate holds the stream");
+    progress.step_on(&stream); // after the fence: not waited for
+    gate.open();
+    fence.wait_sync().unwrap();
+    assert!(progress.get() >= 10);
+    Host::stream_synchronize(stream.handle()).unwrap();
+    assert_eq!(progress.get(), 11);
+}
+
+#[test]
+fn wait_async_orders_another_streams_later_work_without_blocking_the_host() {
+    let producer = HostStream::new().unwrap();
+    let consumer = HostStream::new().unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+
+    let gate = Gate::hold(&producer);
+    let entry = log.clone();
+    producer
+        .launch(move || entry.lock().unwrap().push("produced"))
+        .unwrap();
+    let producer_fence = EventFence::<Host>::new(producer.handle());
+    let probe = EventFence::<Host>::new(producer.handle());
+
+    // The producer is held by the gate, so a host wait here would never
+    // return: returning at all proves the host did not block.
+    EventFence::<Host>::new(producer.handle())
+        .wait_async(consumer.handle())
+        .unwrap();
+    let entry = log.clone();
+    consumer
+        .launch(move || entry.lock().unwrap().push("consumed"))
+        .unwrap();
+    let consumer_fence = EventFence::<Host>::new(consumer.handle());
+
+    assert!(!probe.is_complete().unwrap());
+    assert!(!consumer_fence.is_complete().unwrap(), "the consumer waits on the device");
+    assert!(log.lock().unwrap().is_empty());
+
+    gate.open();
+    consumer_fence.wait_sync().unwrap();
+    assert_eq!(*log.lock().unwrap(), ["produced", "consumed"]);
+    producer_fence.wait_sync().unwrap();
+}
+
+#[test]
+fn a_chain_of_device_waits_orders_many_streams() {
+    let streams: Vec<HostStream> = (0..6).map(|_| HostStream::new().unwrap()).collect();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let gate = Gate::hold(&streams[0]);
+    for (i, stream) in streams.iter().enumerate() {
+        if i > 0 {
+            EventFence::<Host>::new(streams[i - 1].handle())
+                .wait_async(stream.handle())
+                .unwrap();
+        }
+        let entry = log.clone();
+        stream.launch(move || entry.lock().unwrap().push(i)).unwrap();
+    }
+    let last = EventFence::<Host>::new(streams[5].handle());
+    assert!(!last.is_complete().unwrap());
+    gate.open();
+    last.wait_sync().unwrap();
+    assert_eq!(*log.lock().unwrap(), [0, 1, 2, 3, 4, 5]);
+}
+
+#[test]
+fn a_fence_on_an_idle_stream_is_complete_once_the_worker_passes_it() {
+    let stream = HostStream::new().unwrap();
+    let fence = EventFence::<Host>::new(stream.handle());
+    assert!(!fence.is_resolved_at_creation());
+    let again = EventFence::<Host>::new(stream.handle());
+    again.wait_sync().unwrap();
+    assert!(fence.is_complete().unwrap(), "an earlier fence passes first");
+}
+
+#[test]
+fn fences_are_send_and_debug_prints_the_backend() {
+    fn assert_send<T: Send + 'static>(_: &T) {}
+    let stream = HostStream::new().unwrap();
+    let fence = EventFence::<Host>::new(stream.handle());
+    assert_send(&fence);
+    assert_eq!(format!("{fence:?}"), "HostFence");
+    std::thread::spawn(move || fence.wait_sync()).join().unwrap().unwrap();
+}
+
+#[test]
+fn sequence_numbers_grow_in_record_order_and_name_the_stream() {
+    let stream = HostStream::new().unwrap();
+    let first = EventFence::<Host>::new(stream.handle());
+    let second = EventFence::<Host>::new(stream.handle());
+    assert!(second.sequence() > first.sequence());
+    assert_eq!(first.stream(), stream.handle());
+}
+
+#[test]
+fn a_faulted_stream_fails_pending_and_later_fences() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    stream.launch(|| panic!("illegal address")).unwrap();
+    let pending = EventFence::<Host>::new(stream.handle());
+    gate.open();
+    let err = pending.wait_sync().unwrap_err();
+    assert!(err.is_faulted(), "{err}");
+    assert!(err.to_string().contains("illegal address"), "{err}");
+    assert_eq!(err.code(), Some(719));
+
+    // Later fences: the record is refused, the synchronize fallback fails too,
+    // so the fence holds the fault.
+    let later = EventFence::<Host>::new(stream.handle());
+    assert!(later.wait_sync().unwrap_err().is_faulted());
+    let consumer = HostStream::new().unwrap();
+    let later = EventFence::<Host>::new(stream.handle());
+    assert!(later.wait_async(consumer.handle()).unwrap_err().is_faulted());
+}
+
+#[test]
+fn a_stream_waiting_on_a_faulted_stream_faults_too() {
+    let producer = HostStream::new().unwrap();
+    let consumer = HostStream::new().unwrap();
+    let gate = Gate::hold(&producer);
+    producer.launch(|| panic!("bad kernel")).unwrap();
+    EventFence::<Host>::new(producer.handle())
+        .wait_async(consumer.handle())
+        .unwrap();
+    let progress = Progress::default();
+    progress.step_on(&consumer);
+    let consumer_fence = EventFence::<Host>::new(consumer.handle());
+    gate.open();
+    let err = consumer_fence.wait_sync().unwrap_err();
+    assert!(err.is_faulted(), "{err}");
+    assert_eq!(progress.get(), 0, "work behind a failed dependency never runs");
+}
+
+#[test]
+fn a_fence_outlives_its_stream() {
+    let stream = HostStream::new().unwrap();
+    let progress = Progress::default();
+    progress.step_on(&stream);
+    let fence = EventFence::<Host>::new(stream.handle());
+    drop(stream); // finishes queued work
+    fence.wait_sync().unwrap();
+    assert_eq!(progress.get(), 1);
+}
+
+#[test]
+fn a_fence_on_a_dropped_stream_holds_an_invalid_handle_error() {
+    let stream = HostStream::new().unwrap();
+    let handle = stream.handle();
+    drop(stream);
+    let err = EventFence::<Host>::new(handle).wait_sync().unwrap_err();
+    assert_eq!(err.code(), Some(400), "{err}");
+}
