@@ -44,7 +44,10 @@ fn query_has_three_outcomes() {
     event.record(stream.handle()).unwrap();
     gate.open();
     assert!(event.wait().unwrap_err().is_faulted());
-    assert!(event.is_complete().unwrap_err().is_faulted(), "an error, not `false`");
+    assert!(
+        event.is_complete().unwrap_err().is_faulted(),
+        "an error, not `false`"
+    );
 }
 
 #[test]

@@ -87,7 +87,16 @@ fn a_fence_holds_the_error_when_the_synchronize_fails_too() {
     let fence = EventFence::<Faulty>::new(stream.handle());
     assert!(fence.is_resolved_at_creation());
     let held = fence.is_complete().unwrap_err();
-    assert!(matches!(held, ServerError::Call { call: "stream_synchronize", .. }), "{held}");
+    assert!(
+        matches!(
+            held,
+            ServerError::Call {
+                call: "stream_synchronize",
+                ..
+            }
+        ),
+        "{held}"
+    );
     assert_eq!(fence.wait_sync().unwrap_err(), held);
 
     let fence = EventFence::<Faulty>::new(stream.handle());

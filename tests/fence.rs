@@ -52,7 +52,10 @@ fn wait_async_orders_another_streams_later_work_without_blocking_the_host() {
     let consumer_fence = EventFence::<Host>::new(consumer.handle());
 
     assert!(!probe.is_complete().unwrap());
-    assert!(!consumer_fence.is_complete().unwrap(), "the consumer waits on the device");
+    assert!(
+        !consumer_fence.is_complete().unwrap(),
+        "the consumer waits on the device"
+    );
     assert!(log.lock().unwrap().is_empty());
 
     gate.open();
@@ -73,7 +76,9 @@ fn a_chain_of_device_waits_orders_many_streams() {
                 .unwrap();
         }
         let entry = log.clone();
-        stream.launch(move || entry.lock().unwrap().push(i)).unwrap();
+        stream
+            .launch(move || entry.lock().unwrap().push(i))
+            .unwrap();
     }
     let last = EventFence::<Host>::new(streams[5].handle());
     assert!(!last.is_complete().unwrap());
@@ -89,7 +94,10 @@ fn a_fence_on_an_idle_stream_is_complete_once_the_worker_passes_it() {
     assert!(!fence.is_resolved_at_creation());
     let again = EventFence::<Host>::new(stream.handle());
     again.wait_sync().unwrap();
-    assert!(fence.is_complete().unwrap(), "an earlier fence passes first");
+    assert!(
+        fence.is_complete().unwrap(),
+        "an earlier fence passes first"
+    );
 }
 
 #[test]
@@ -99,7 +107,10 @@ fn fences_are_send_and_debug_prints_the_backend() {
     let fence = EventFence::<Host>::new(stream.handle());
     assert_send(&fence);
     assert_eq!(format!("{fence:?}"), "HostFence");
-    std::thread::spawn(move || fence.wait_sync()).join().unwrap().unwrap();
+    std::thread::spawn(move || fence.wait_sync())
+        .join()
+        .unwrap()
+        .unwrap();
 }
 
 #[test]
@@ -129,7 +140,10 @@ fn a_faulted_stream_fails_pending_and_later_fences() {
     assert!(later.wait_sync().unwrap_err().is_faulted());
     let consumer = HostStream::new().unwrap();
     let later = EventFence::<Host>::new(stream.handle());
-    assert!(later.wait_async(consumer.handle()).unwrap_err().is_faulted());
+    assert!(later
+        .wait_async(consumer.handle())
+        .unwrap_err()
+        .is_faulted());
 }
 
 #[test]
@@ -147,7 +161,11 @@ fn a_stream_waiting_on_a_faulted_stream_faults_too() {
     gate.open();
     let err = consumer_fence.wait_sync().unwrap_err();
     assert!(err.is_faulted(), "{err}");
-    assert_eq!(progress.get(), 0, "work behind a failed dependency never runs");
+    assert_eq!(
+        progress.get(),
+        0,
+        "work behind a failed dependency never runs"
+    );
 }
 
 #[test]

@@ -43,16 +43,31 @@ fn a_panic_faults_the_stream_for_good() {
     progress.step_on(&stream); // queued behind the panic: never runs
     gate.open();
     let err = Host::stream_synchronize(stream.handle()).unwrap_err();
-    assert!(matches!(err, ServerError::Faulted { backend: "Host", .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ServerError::Faulted {
+                backend: "Host",
+                ..
+            }
+        ),
+        "{err}"
+    );
     assert!(stream.is_faulted());
     assert_eq!(progress.get(), 0);
 
     // Sticky: every later call fails the same way.
     assert!(stream.launch(|| {}).unwrap_err().is_faulted());
     let event = Host::event_create(stream.handle(), EventFlags::FENCE).unwrap();
-    assert!(Host::event_record(&event, stream.handle()).unwrap_err().is_faulted());
-    assert!(Host::stream_wait_event(stream.handle(), &event).unwrap_err().is_faulted());
-    assert!(Host::stream_synchronize(stream.handle()).unwrap_err().is_faulted());
+    assert!(Host::event_record(&event, stream.handle())
+        .unwrap_err()
+        .is_faulted());
+    assert!(Host::stream_wait_event(stream.handle(), &event)
+        .unwrap_err()
+        .is_faulted());
+    assert!(Host::stream_synchronize(stream.handle())
+        .unwrap_err()
+        .is_faulted());
 }
 
 #[test]

@@ -115,7 +115,11 @@ mod tests {
         assert!(len <= FIRST_SWEEP, "dead entries were swept, {len} left");
         ids.sort_unstable();
         ids.dedup();
-        assert_eq!(ids.len(), FIRST_SWEEP * 4, "every registration got a new id");
+        assert_eq!(
+            ids.len(),
+            FIRST_SWEEP * 4,
+            "every registration got a new id"
+        );
         assert!(ids.iter().all(|id| registry.get(*id).is_none()));
         assert_eq!(registry.get(kept).as_deref(), Some(&usize::MAX));
         registry.remove(kept);

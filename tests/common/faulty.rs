@@ -68,7 +68,10 @@ impl EventApi for Faulty {
     type Stream = HostStreamHandle;
     type Event = FaultyEvent;
 
-    fn event_create(stream: HostStreamHandle, flags: EventFlags) -> Result<FaultyEvent, ServerError> {
+    fn event_create(
+        stream: HostStreamHandle,
+        flags: EventFlags,
+    ) -> Result<FaultyEvent, ServerError> {
         let plan = plan_of(stream);
         if plan.refuse_create {
             return Err(refused("event_create", plan.label));
@@ -89,7 +92,11 @@ impl EventApi for Faulty {
 
     fn event_query(event: &FaultyEvent) -> Result<bool, ServerError> {
         let plan = plan_of(event.stream);
-        assert!(!plan.panic_in_query, "injected panic in query ({})", plan.label);
+        assert!(
+            !plan.panic_in_query,
+            "injected panic in query ({})",
+            plan.label
+        );
         Host::event_query(&event.inner)
     }
 

@@ -5,9 +5,9 @@
 pub mod faulty;
 pub mod logs;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 
 use device_events::host::HostStream;
 

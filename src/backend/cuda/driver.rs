@@ -178,7 +178,11 @@ unsafe impl Sync for CudaEvent {}
 
 impl CudaEvent {
     /// Create an event in `ctx`.
-    pub(super) fn create(ctx: &Arc<CudaContext>, timing: bool, blocking: bool) -> Result<Self, ServerError> {
+    pub(super) fn create(
+        ctx: &Arc<CudaContext>,
+        timing: bool,
+        blocking: bool,
+    ) -> Result<Self, ServerError> {
         let mut flags = 0;
         if !timing {
             flags |= EVENT_DISABLE_TIMING;
@@ -190,7 +194,9 @@ impl CudaEvent {
         let mut raw = ptr::null_mut();
         // SAFETY: `raw` is a valid place for the new handle; the flags are a
         // combination of documented bits.
-        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut raw, flags) })?;
+        check("cuEventCreate", unsafe {
+            sys::cuEventCreate(&mut raw, flags)
+        })?;
         Ok(Self {
             raw,
             ctx: ctx.clone(),
@@ -212,7 +218,9 @@ impl CudaEvent {
         bind(&self.ctx)?;
         // SAFETY: both handles are live: the event is owned by `self`, the
         // stream is borrowed from its owner for the call.
-        check("cuEventRecord", unsafe { sys::cuEventRecord(self.raw, stream.cu_stream()) })
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(self.raw, stream.cu_stream())
+        })
     }
 
     /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
@@ -230,7 +238,9 @@ impl CudaEvent {
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
         bind(&self.ctx)?;
         // SAFETY: the event is live, owned by `self`.
-        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.raw) })
+        check("cuEventSynchronize", unsafe {
+            sys::cuEventSynchronize(self.raw)
+        })
     }
 
     /// Make `stream` wait for this event's latest record, on the device. Works
@@ -304,7 +314,11 @@ unsafe impl Sync for Kernel {}
 
 impl Kernel {
     /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx` and find `name`.
-    pub(super) fn load(ctx: &Arc<CudaContext>, ptx: &CStr, name: &CStr) -> Result<Self, ServerError> {
+    pub(super) fn load(
+        ctx: &Arc<CudaContext>,
+        ptx: &CStr,
+        name: &CStr,
+    ) -> Result<Self, ServerError> {
         bind(ctx)?;
         let mut module = ptr::null_mut();
         // SAFETY: `ptx` is a NUL-terminated image that outlives the call;
@@ -325,7 +339,11 @@ impl Kernel {
     }
 
     /// Launch on one thread of one block with one `u64` argument.
-    pub(super) fn launch_u64(&self, stream: &CudaStream, mut argument: u64) -> Result<(), ServerError> {
+    pub(super) fn launch_u64(
+        &self,
+        stream: &CudaStream,
+        mut argument: u64,
+    ) -> Result<(), ServerError> {
         if stream.context().cu_ctx() != self.ctx.cu_ctx() {
             return Err(ServerError::Call {
                 backend: BACKEND,
@@ -363,5 +381,7 @@ impl Kernel {
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
     bind(stream.context())?;
     // SAFETY: the stream is live, borrowed from its owner for the call.
-    check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream.cu_stream()) })
+    check("cuStreamSynchronize", unsafe {
+        sys::cuStreamSynchronize(stream.cu_stream())
+    })
 }

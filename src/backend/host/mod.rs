@@ -88,7 +88,11 @@ mod error {
     /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports.
     const LAUNCH_FAILED: (i32, &str) = (719, "launch failed");
 
-    pub(super) fn call(call: &'static str, (code, name): (i32, &str), message: &str) -> ServerError {
+    pub(super) fn call(
+        call: &'static str,
+        (code, name): (i32, &str),
+        message: &str,
+    ) -> ServerError {
         ServerError::Call {
             backend: super::BACKEND,
             call,

@@ -1,0 +1,180 @@
+//! The CUDA backend on a real GPU. Without a driver or device each test prints
+//! why it skips and passes; with `DEVICE_EVENTS_REQUIRE_CUDA=1` it fails
+//! instead.
+#![cfg(feature = "cuda")]
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use device_events::cuda::cudarc::driver::CudaContext;
+use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
+use device_events::{Event, EventApi, EventFence, EventFlags, ServerError};
+
+/// Long enough that a host call returning before it ends did not wait for it.
+const LONG: Duration = Duration::from_millis(300);
+
+fn required() -> bool {
+    std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|value| value == "1")
+}
+
+/// The device's context and a sleep kernel, or `None` (skipping) without one.
+fn gpu(test: &str) -> Option<(Arc<CudaContext>, SleepKernel)> {
+    let found = cuda::context(0).and_then(|ctx| SleepKernel::new(&ctx).map(|kernel| (ctx, kernel)));
+    match found {
+        Ok(found) => Some(found),
+        Err(err) if required() => {
+            panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
+        }
+        Err(err) => {
+            eprintln!("skipping {test}: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            None
+        }
+    }
+}
+
+#[test]
+fn without_a_driver_the_backend_is_unavailable_not_a_panic() {
+    match cuda::context(0) {
+        Ok(_) => assert!(cuda::is_available()),
+        Err(err) => {
+            assert!(!required(), "DEVICE_EVENTS_REQUIRE_CUDA=1 but {err}");
+            assert!(err.is_unavailable(), "{err}");
+            assert!(!cuda::is_available());
+            eprintln!("no CUDA here, as expected on this machine: {err}");
+        }
+    }
+}
+
+#[test]
+fn wait_sync_waits_for_device_work() {
+    let Some((ctx, sleep)) = gpu("wait_sync_waits_for_device_work") else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    sleep.launch(&stream, LONG).unwrap();
+    let fence = cuda::fence(&stream);
+    assert_eq!(format!("{fence:?}"), "CudaFence");
+    assert!(!fence.is_resolved_at_creation());
+    assert!(!fence.is_complete().unwrap(), "the kernel is still running");
+    let started = Instant::now();
+    fence.wait_sync().unwrap();
+    assert!(started.elapsed() > Duration::ZERO);
+    let after = cuda::fence(&stream);
+    assert!(
+        after.is_complete().unwrap(),
+        "nothing queued after the kernel"
+    );
+}
+
+#[test]
+fn wait_async_orders_streams_on_the_device_without_blocking_the_host() {
+    let Some((ctx, sleep)) =
+        gpu("wait_async_orders_streams_on_the_device_without_blocking_the_host")
+    else {
+        return;
+    };
+    let producer = ctx.new_stream().unwrap();
+    let consumer = ctx.new_stream().unwrap();
+    sleep.launch(&producer, LONG).unwrap();
+    let producer_done = cuda::fence(&producer);
+    cuda::fence(&producer)
+        .wait_async(CudaStreamHandle::new(&consumer))
+        .unwrap();
+    // Returned while the producer still runs: the host did not wait.
+    assert!(!producer_done.is_complete().unwrap());
+    let consumer_done = cuda::fence(&consumer);
+    assert!(
+        !consumer_done.is_complete().unwrap(),
+        "the consumer waits on the device"
+    );
+    consumer_done.wait_sync().unwrap();
+    assert!(
+        producer_done.is_complete().unwrap(),
+        "the consumer ran after the producer"
+    );
+}
+
+#[test]
+fn a_fence_recorded_on_another_thread_orders_streams() {
+    let Some((ctx, sleep)) = gpu("a_fence_recorded_on_another_thread_orders_streams") else {
+        return;
+    };
+    // The fence is recorded on a fresh thread, which has no current context
+    // until the backend binds the stream's.
+    let producer = ctx.new_stream().unwrap();
+    let consumer = ctx.new_stream().unwrap();
+    sleep.launch(&producer, LONG).unwrap();
+    let handle = CudaStreamHandle::new(&producer);
+    let fence = std::thread::spawn(move || EventFence::<Cuda>::new(handle))
+        .join()
+        .unwrap();
+    let producer_done = cuda::fence(&producer);
+    fence.wait_async(CudaStreamHandle::new(&consumer)).unwrap();
+    cuda::fence(&consumer).wait_sync().unwrap();
+    assert!(producer_done.is_complete().unwrap());
+}
+
+#[test]
+fn a_fence_is_waited_on_from_a_thread_with_no_current_context() {
+    let Some((ctx, sleep)) = gpu("a_fence_is_waited_on_from_a_thread_with_no_current_context")
+    else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    sleep.launch(&stream, LONG).unwrap();
+    let fence = cuda::fence(&stream);
+    let probe = cuda::fence(&stream);
+    std::thread::spawn(move || fence.wait_sync())
+        .join()
+        .unwrap()
+        .unwrap();
+    assert!(probe.is_complete().unwrap());
+}
+
+#[test]
+fn events_query_wait_and_time_device_work() {
+    let Some((ctx, sleep)) = gpu("events_query_wait_and_time_device_work") else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let start = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
+    let end = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
+    assert!(end.is_complete().unwrap(), "never recorded: complete");
+    start.record(handle).unwrap();
+    sleep.launch(&stream, Duration::from_millis(50)).unwrap();
+    end.record(handle).unwrap();
+    assert!(!end.is_complete().unwrap());
+    end.wait().unwrap();
+    assert!(end.is_complete().unwrap());
+    let elapsed = end.elapsed_since(&start).unwrap();
+    assert!(elapsed >= Duration::from_millis(49), "{elapsed:?}");
+
+    let untimed = Event::<Cuda>::new(handle, EventFlags::FENCE).unwrap();
+    untimed.record(handle).unwrap();
+    untimed.wait().unwrap();
+    assert!(
+        untimed.elapsed_since(&start).is_err(),
+        "fence events carry no timing"
+    );
+}
+
+#[test]
+fn a_dropped_stream_handle_is_an_error_and_a_fence_outlives_its_stream() {
+    let Some((ctx, sleep)) =
+        gpu("a_dropped_stream_handle_is_an_error_and_a_fence_outlives_its_stream")
+    else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    sleep.launch(&stream, Duration::from_millis(20)).unwrap();
+    let fence = cuda::fence(&stream);
+    drop(stream);
+    assert!(handle.stream().is_none());
+    let err = Cuda::stream_synchronize(handle).unwrap_err();
+    assert_eq!(err.code(), Some(400), "{err}");
+    fence.wait_sync().unwrap();
+    let err = EventFence::<Cuda>::new(handle).wait_sync().unwrap_err();
+    assert!(matches!(err, ServerError::Call { code: 400, .. }), "{err}");
+}
