@@ -59,3 +59,8 @@ pub use backend::host;
 pub use error::ServerError;
 pub use event::Event;
 pub use fence::EventFence;
+
+/// The README's examples, compiled and run as doctests.
+#[doc = include_str!("../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;
