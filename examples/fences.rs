@@ -41,7 +41,10 @@ fn run_host() -> Result<(), ServerError> {
     // The consumer's later work waits for the producer's, on the "device".
     let queued = Instant::now();
     EventFence::<Host>::new(producer.handle()).wait_async(consumer.handle())?;
-    println!("wait_async returned after {:?}: the host did not block", queued.elapsed());
+    println!(
+        "wait_async returned after {:?}: the host did not block",
+        queued.elapsed()
+    );
 
     let log = timeline.clone();
     consumer.launch(move || {
@@ -91,7 +94,10 @@ mod gpu {
 
             let queued = Instant::now();
             cuda::fence(&producer).wait_async(CudaStreamHandle::new(&consumer))?;
-            println!("wait_async returned after {:?}: the host did not block", queued.elapsed());
+            println!(
+                "wait_async returned after {:?}: the host did not block",
+                queued.elapsed()
+            );
             println!("  producer still running: {}", !produced.is_complete()?);
 
             self.sleep.launch(&consumer, CONSUME)?;

@@ -51,6 +51,9 @@ mod backend;
 mod error;
 mod event;
 mod fence;
+mod loom;
+#[cfg(multi_threading)]
+mod waiter;
 
 pub use api::{EventApi, EventFlags};
 #[cfg(feature = "cuda")]
@@ -59,6 +62,10 @@ pub use backend::host;
 pub use error::ServerError;
 pub use event::Event;
 pub use fence::EventFence;
+#[cfg(multi_threading)]
+pub use waiter::{
+    FenceFuture, Waiter, WaiterBuilder, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_THREADS_LIMIT,
+};
 
 /// The README's examples, compiled and run as doctests.
 #[doc = include_str!("../README.md")]

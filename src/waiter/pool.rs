@@ -1,0 +1,458 @@
+//! [`Pool`]: the waiter's threads, its lanes, and how waits move between them.
+//!
+//! A *lane* holds the pending waits of one stream, ordered by fence sequence.
+//! Work on a stream completes in order, so one thread serves a lane: it blocks
+//! on the oldest wait (sleeping in the driver), resolves it, resolves every
+//! later wait that a query shows reached, then blocks on the next.
+//!
+//! Lane threads are spawned on demand, up to `max_threads`, and leave after
+//! `keep_alive` idle. When more lanes are busy than lane threads may exist,
+//! one extra *poller* thread serves the rest with queries and a bounded
+//! backoff, so no lane waits behind another's slow work. A lane thread that
+//! runs out of work takes a lane back from the poller.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::time::Duration;
+
+use super::slot::Slot;
+use super::waitable::{LaneKey, Waitable};
+use crate::loom::{lock, thread, Arc, Condvar, Mutex, MutexGuard};
+use crate::ServerError;
+
+/// The poller's first pause after a round without progress.
+const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
+/// The poller's longest pause: the most latency an overflow lane can add.
+const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
+
+/// The waiter's settings; see [`WaiterBuilder`](super::WaiterBuilder).
+#[derive(Debug, Clone)]
+pub(crate) struct Config {
+    pub(crate) max_threads: usize,
+    pub(crate) keep_alive: Duration,
+    pub(crate) thread_name: String,
+    pub(crate) spin_budget: Duration,
+}
+
+/// The shared state of a waiter: owned by its threads and its handles.
+pub(crate) struct Pool {
+    pub(crate) config: Config,
+    state: Mutex<State>,
+    /// Idle lane threads wait here for a lane.
+    work: Condvar,
+}
+
+#[derive(Default)]
+struct State {
+    lanes: HashMap<LaneKey, Lane>,
+    /// Lanes with waits and no thread, oldest first.
+    queued: VecDeque<LaneKey>,
+    lane_threads: usize,
+    idle: usize,
+    /// Wake-ups sent to idle threads and not yet taken.
+    notified: usize,
+    poller: bool,
+    peak_threads: usize,
+    pending: usize,
+    shutdown: bool,
+    next_thread: usize,
+}
+
+#[derive(Default)]
+struct Lane {
+    waits: BTreeMap<u64, Wait>,
+    owner: Owner,
+}
+
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+enum Owner {
+    /// Just created: nobody serves it yet.
+    #[default]
+    Nobody,
+    /// In `State::queued`, waiting for a thread.
+    Queued,
+    /// Served by a lane thread.
+    Thread,
+    /// Served by the poller.
+    Poller,
+}
+
+/// One pending wait: what to wait on and where its result goes.
+pub(crate) struct Wait {
+    pub(crate) waitable: Box<dyn Waitable>,
+    pub(crate) slot: Arc<Slot>,
+}
+
+/// What `submit` must do once it has dropped the lock.
+enum Spawn {
+    Nothing,
+    LaneThread(usize),
+    Poller,
+}
+
+impl Pool {
+    pub(crate) fn new(config: Config) -> Self {
+        Self {
+            config,
+            state: Mutex::new(State::default()),
+            work: Condvar::new(),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        lock(&self.state)
+    }
+
+    /// Hand a wait to the pool.
+    ///
+    /// # Errors
+    ///
+    /// [`ServerError::WaiterGone`] after [`Pool::shutdown`]; the wait is
+    /// returned to be dropped by the caller.
+    pub(crate) fn submit(self: &Arc<Self>, wait: Wait) -> Result<(), ServerError> {
+        let key = wait.waitable.lane();
+        let sequence = wait.waitable.sequence();
+        let mut state = self.state();
+        if state.shutdown {
+            drop(state);
+            drop(wait);
+            return Err(ServerError::WaiterGone);
+        }
+        state.pending += 1;
+        let spawn = self.insert(&mut state, key, sequence, wait);
+        drop(state);
+        self.spawn(spawn);
+        Ok(())
+    }
+
+    /// Put `wait` in its lane; a lane nobody serves is queued for a server.
+    fn insert(&self, state: &mut State, key: LaneKey, sequence: u64, wait: Wait) -> Spawn {
+        let lane = state.lanes.entry(key).or_default();
+        lane.waits.insert(sequence, wait);
+        if lane.owner != Owner::Nobody {
+            return Spawn::Nothing;
+        }
+        lane.owner = Owner::Queued;
+        state.queued.push_back(key);
+        self.find_server(state)
+    }
+
+    /// A lane was queued: wake an idle thread, or decide what to spawn.
+    fn find_server(&self, state: &mut State) -> Spawn {
+        if state.idle > state.notified {
+            state.notified += 1;
+            self.work.notify_one();
+            Spawn::Nothing
+        } else if state.lane_threads < self.config.max_threads {
+            state.lane_threads += 1;
+            state.next_thread += 1;
+            state.note_threads();
+            Spawn::LaneThread(state.next_thread)
+        } else if !state.poller {
+            state.poller = true;
+            state.note_threads();
+            Spawn::Poller
+        } else {
+            Spawn::Nothing
+        }
+    }
+
+    fn spawn(self: &Arc<Self>, spawn: Spawn) {
+        let (name, run): (String, fn(Arc<Self>)) = match spawn {
+            Spawn::Nothing => return,
+            Spawn::LaneThread(index) => (
+                format!("{}-{index}", self.config.thread_name),
+                Self::run_lane_thread,
+            ),
+            Spawn::Poller => (
+                format!("{}-poller", self.config.thread_name),
+                Self::run_poller,
+            ),
+        };
+        let pool = self.clone();
+        let spawned = thread::Builder::new().name(name).spawn(move || run(pool));
+        if let Err(err) = spawned {
+            self.spawn_failed(matches!(spawn, Spawn::Poller), &err);
+        }
+    }
+
+    /// Undo the counters of a thread that could not start, and keep serving
+    /// with the threads that exist. With none at all, fail the queued waits
+    /// rather than leave them pending forever.
+    fn spawn_failed(self: &Arc<Self>, poller: bool, err: &std::io::Error) {
+        log::error!("a waiter thread could not be started: {err}");
+        let mut state = self.state();
+        if poller {
+            state.poller = false;
+        } else {
+            state.lane_threads -= 1;
+            if !state.poller {
+                state.poller = true;
+                drop(state);
+                return self.spawn(Spawn::Poller);
+            }
+        }
+        if state.lane_threads > 0 || state.poller {
+            return;
+        }
+        let message = format!("no waiter thread could be started: {err}");
+        let failed = state.take_queued_waits();
+        drop(state);
+        for wait in failed {
+            wait.slot.complete(Err(ServerError::WaiterPanicked {
+                message: message.clone(),
+            }));
+        }
+    }
+
+    /// A lane thread: take a lane, serve it until empty, take the next.
+    fn run_lane_thread(self: Arc<Self>) {
+        let mut current = None;
+        loop {
+            let key = match current.take() {
+                Some(key) => key,
+                None => match self.next_lane() {
+                    Some(key) => key,
+                    None => return,
+                },
+            };
+            if self.serve_lane_once(key) {
+                current = Some(key);
+            }
+        }
+    }
+
+    /// The next lane for a lane thread, or `None` when it should exit (idle
+    /// past keep-alive, or shut down).
+    fn next_lane(&self) -> Option<LaneKey> {
+        let mut state = self.state();
+        loop {
+            if let Some(key) = state.take_lane_for_thread() {
+                return Some(key);
+            }
+            if state.shutdown {
+                state.lane_threads -= 1;
+                return None;
+            }
+            state.idle += 1;
+            let (guard, timeout) = self
+                .work
+                .wait_timeout(state, self.config.keep_alive)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            state = guard;
+            state.idle -= 1;
+            state.notified = state.notified.saturating_sub(1);
+            if timeout.timed_out() {
+                if let Some(key) = state.take_lane_for_thread() {
+                    return Some(key);
+                }
+                state.lane_threads -= 1;
+                return None;
+            }
+        }
+    }
+
+    /// Block on the oldest wait of `key`, then resolve every later one
+    /// already reached. Returns whether the lane still has waits (and is
+    /// still this thread's).
+    fn serve_lane_once(self: &Arc<Self>, key: LaneKey) -> bool {
+        let Some(wait) = self.pop_oldest(key, Owner::Thread) else {
+            return false;
+        };
+        let Wait { waitable, slot } = wait;
+        let result = contain(|| waitable.block());
+        self.resolve(&slot, result);
+        self.resolve_reached(key, Owner::Thread).1
+    }
+
+    /// Resolve, in order, the waits of `key` that a query shows reached; stop
+    /// at the first that is not. Returns how many were resolved and whether
+    /// the lane still has waits.
+    fn resolve_reached(self: &Arc<Self>, key: LaneKey, owner: Owner) -> (usize, bool) {
+        let mut resolved = 0;
+        loop {
+            let Some(wait) = self.pop_oldest(key, owner) else {
+                return (resolved, false);
+            };
+            match contain(|| wait.waitable.query()) {
+                Ok(false) => {
+                    self.put_back(key, wait);
+                    return (resolved, true);
+                }
+                Ok(true) => self.resolve(&wait.slot, Ok(())),
+                Err(err) => self.resolve(&wait.slot, Err(err)),
+            }
+            resolved += 1;
+        }
+    }
+
+    /// Take the oldest live wait of `key` if `owner` serves it, dropping
+    /// cancelled ones on the way (outside the lock). An emptied lane is
+    /// removed, so the next submit queues it afresh.
+    fn pop_oldest(&self, key: LaneKey, owner: Owner) -> Option<Wait> {
+        let mut cancelled = Vec::new();
+        let mut state = self.state();
+        let found = loop {
+            let Some(lane) = state.lanes.get_mut(&key) else {
+                break None;
+            };
+            if lane.owner != owner {
+                break None;
+            }
+            match lane.waits.pop_first() {
+                Some((_, wait)) if wait.slot.is_cancelled() => cancelled.push(wait),
+                Some((_, wait)) => break Some(wait),
+                None => {
+                    state.lanes.remove(&key);
+                    break None;
+                }
+            }
+        };
+        state.pending -= cancelled.len();
+        drop(state);
+        // Dropping a wait destroys its event: done here, off the thread that
+        // dropped the future.
+        drop(cancelled);
+        found
+    }
+
+    /// Return a wait that is not reached yet to its lane. If the lane was
+    /// emptied and removed meanwhile (a thread took it over from the poller
+    /// and found it empty), it is queued afresh, so someone serves it.
+    fn put_back(self: &Arc<Self>, key: LaneKey, wait: Wait) {
+        let sequence = wait.waitable.sequence();
+        let mut state = self.state();
+        if state.shutdown {
+            state.pending -= 1;
+            drop(state);
+            wait.slot.complete(Err(ServerError::WaiterGone));
+            return;
+        }
+        let spawn = self.insert(&mut state, key, sequence, wait);
+        drop(state);
+        self.spawn(spawn);
+    }
+
+    fn resolve(&self, slot: &Slot, result: Result<(), ServerError>) {
+        self.state().pending -= 1;
+        slot.complete(result);
+    }
+
+    /// The poller: serve every lane no lane thread has, with queries and a
+    /// bounded backoff, until there are none.
+    fn run_poller(self: Arc<Self>) {
+        let mut backoff = POLL_BACKOFF_MIN;
+        loop {
+            let keys = {
+                let mut state = self.state();
+                let keys = state.adopt_queued_lanes();
+                if keys.is_empty() {
+                    state.poller = false;
+                    return;
+                }
+                keys
+            };
+            let mut progressed = false;
+            for key in keys {
+                progressed |= self.resolve_reached(key, Owner::Poller).0 > 0;
+            }
+            if progressed {
+                backoff = POLL_BACKOFF_MIN;
+            } else {
+                crate::loom::sleep(backoff);
+                backoff = (backoff * 2).min(POLL_BACKOFF_MAX);
+            }
+        }
+    }
+
+    /// Resolve every pending wait with [`ServerError::WaiterGone`] and let the
+    /// threads exit. Waits a thread is blocked on resolve when the block ends.
+    pub(crate) fn shutdown(&self) {
+        let mut state = self.state();
+        state.shutdown = true;
+        let gone = state
+            .lanes
+            .drain()
+            .flat_map(|(_, lane)| lane.waits.into_values());
+        let gone: Vec<Wait> = gone.collect();
+        state.queued.clear();
+        state.pending -= gone.len();
+        drop(state);
+        self.work.notify_all();
+        for wait in gone {
+            wait.slot.complete(Err(ServerError::WaiterGone));
+        }
+    }
+
+    pub(crate) fn threads(&self) -> usize {
+        let state = self.state();
+        state.lane_threads + usize::from(state.poller)
+    }
+
+    pub(crate) fn peak_threads(&self) -> usize {
+        self.state().peak_threads
+    }
+
+    pub(crate) fn pending(&self) -> usize {
+        self.state().pending
+    }
+}
+
+impl State {
+    fn note_threads(&mut self) {
+        self.peak_threads = self
+            .peak_threads
+            .max(self.lane_threads + usize::from(self.poller));
+    }
+
+    /// A queued lane, or else one taken back from the poller.
+    fn take_lane_for_thread(&mut self) -> Option<LaneKey> {
+        while let Some(key) = self.queued.pop_front() {
+            if let Some(lane) = self.lanes.get_mut(&key) {
+                lane.owner = Owner::Thread;
+                return Some(key);
+            }
+        }
+        let (key, lane) = self
+            .lanes
+            .iter_mut()
+            .find(|(_, lane)| lane.owner == Owner::Poller)?;
+        lane.owner = Owner::Thread;
+        Some(*key)
+    }
+
+    /// Give the poller every queued lane; return all lanes it serves.
+    fn adopt_queued_lanes(&mut self) -> Vec<LaneKey> {
+        while let Some(key) = self.queued.pop_front() {
+            if let Some(lane) = self.lanes.get_mut(&key) {
+                lane.owner = Owner::Poller;
+            }
+        }
+        self.lanes
+            .iter()
+            .filter(|(_, lane)| lane.owner == Owner::Poller)
+            .map(|(key, _)| *key)
+            .collect()
+    }
+
+    /// Remove the waits of every queued lane (no thread will serve them).
+    fn take_queued_waits(&mut self) -> Vec<Wait> {
+        let mut waits = Vec::new();
+        while let Some(key) = self.queued.pop_front() {
+            if let Some(lane) = self.lanes.remove(&key) {
+                waits.extend(lane.waits.into_values());
+            }
+        }
+        self.pending -= waits.len();
+        waits
+    }
+}
+
+/// Run a backend call, turning a panic into an error: the pool keeps serving.
+fn contain<T>(call: impl FnOnce() -> Result<T, ServerError>) -> Result<T, ServerError> {
+    catch_unwind(AssertUnwindSafe(call)).unwrap_or_else(|payload| {
+        Err(ServerError::WaiterPanicked {
+            message: ServerError::panic_message(payload.as_ref()),
+        })
+    })
+}

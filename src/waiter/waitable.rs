@@ -1,0 +1,51 @@
+//! [`Waitable`]: how the waiter sees a fence, without naming a backend.
+
+use std::any::TypeId;
+use std::hash::{Hash, Hasher};
+
+use crate::{EventApi, EventFence, ServerError};
+
+/// Identifies a stream across backends: the backend's type and a hash of its
+/// stream handle. Two streams whose hashes collide share a lane, which costs
+/// only latency (one waits behind the other), never correctness.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct LaneKey {
+    backend: TypeId,
+    stream: u64,
+}
+
+/// What the waiter needs of a fence: which stream, where in it, and the two
+/// ways to ask the device.
+pub(crate) trait Waitable: Send + 'static {
+    /// The lane (stream) this wait belongs to.
+    fn lane(&self) -> LaneKey;
+    /// Its order in the lane: earlier fences on a stream complete first.
+    fn sequence(&self) -> u64;
+    /// Reached, not yet, or a fault; never blocks.
+    fn query(&self) -> Result<bool, ServerError>;
+    /// Block the calling thread until reached (sleeping in the driver).
+    fn block(self: Box<Self>) -> Result<(), ServerError>;
+}
+
+impl<A: EventApi> Waitable for EventFence<A> {
+    fn lane(&self) -> LaneKey {
+        let mut hasher = std::collections::hash_map::DefaultHasher::new();
+        self.stream().hash(&mut hasher);
+        LaneKey {
+            backend: TypeId::of::<A>(),
+            stream: hasher.finish(),
+        }
+    }
+
+    fn sequence(&self) -> u64 {
+        EventFence::sequence(self)
+    }
+
+    fn query(&self) -> Result<bool, ServerError> {
+        self.is_complete()
+    }
+
+    fn block(self: Box<Self>) -> Result<(), ServerError> {
+        self.wait_sync()
+    }
+}
