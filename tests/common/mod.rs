@@ -54,3 +54,18 @@ impl Progress {
             .expect("launch a step");
     }
 }
+
+/// Poll `condition` until it holds, failing the test after `limit`: turns a
+/// hang into a failure. Not a timing assertion: `limit` is far beyond what a
+/// correct run needs.
+pub fn eventually(limit: std::time::Duration, what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + limit;
+    while !condition() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        std::thread::yield_now();
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+}

@@ -1,0 +1,233 @@
+//! Awaits under faults: cancellation, panicking backend calls, faulted and
+//! dropped streams, and shutdown. No future is left pending forever.
+
+mod common;
+
+use std::time::Duration;
+
+use common::faulty::{inject, Faulty, Plan};
+use common::{eventually, Gate, Progress};
+use device_events::host::{live_events, Host, HostStream};
+use device_events::{EventFence, ServerError, Waiter};
+use futures::FutureExt;
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+/// `live_events` is process-wide: the tests of this file run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_time()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn a_timeout_cancels_a_long_wait_and_the_stream_and_waiter_still_serve() {
+    let _serial = serial();
+    let before = live_events();
+    let waiter = Waiter::builder().max_threads(2).build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    progress.step_on(&stream);
+    let fence = EventFence::<Host>::new(stream.handle());
+    let cancelled = runtime().block_on(async {
+        tokio::time::timeout(Duration::from_millis(20), waiter.wait(fence)).await
+    });
+    // The timeout fired and dropping the future did not wait for the gate.
+    assert!(cancelled.is_err());
+    assert_eq!(progress.get(), 0, "the stream is still held");
+
+    // Later work and awaits on the same stream and waiter still resolve.
+    progress.step_on(&stream);
+    let later = EventFence::<Host>::new(stream.handle());
+    gate.open();
+    futures::executor::block_on(waiter.wait(later)).unwrap();
+    assert_eq!(progress.get(), 2);
+    // The cancelled wait's event was released by the waiter.
+    eventually(LIMIT, "cancelled waits released", || {
+        waiter.pending() == 0 && live_events() == before
+    });
+}
+
+#[test]
+fn dropping_a_pending_future_never_blocks_and_releases_its_event() {
+    let _serial = serial();
+    let before = live_events();
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let mut futures: Vec<_> = (0..100)
+        .map(|_| waiter.wait(EventFence::<Host>::new(stream.handle())))
+        .collect();
+    for future in &mut futures {
+        assert!(future.now_or_never().is_none(), "held by the gate");
+    }
+    assert_eq!(waiter.pending(), 100);
+    drop(futures); // returns at once: the gate is still closed
+    gate.open();
+    let last = EventFence::<Host>::new(stream.handle());
+    futures::executor::block_on(waiter.wait(last)).unwrap();
+    eventually(LIMIT, "dropped waits released", || {
+        waiter.pending() == 0 && live_events() == before
+    });
+}
+
+#[test]
+fn a_panic_in_a_waiter_threads_synchronize_resolves_with_an_error() {
+    let _serial = serial();
+    let waiter = Waiter::builder().max_threads(1).build();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "panic-sync",
+            panic_in_synchronize: true,
+            ..Plan::default()
+        },
+    );
+    let gate = Gate::hold(&stream);
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    let future = waiter.wait(fence);
+    let opener = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(10));
+        gate.open();
+    });
+    let err = futures::executor::block_on(future).unwrap_err();
+    assert!(
+        matches!(&err, ServerError::WaiterPanicked { message } if message.contains("panic-sync")),
+        "{err}"
+    );
+    opener.join().unwrap();
+    // The pool keeps serving, on the same thread.
+    let other = HostStream::new().unwrap();
+    let progress = Progress::default();
+    progress.step_on(&other);
+    futures::executor::block_on(waiter.wait(EventFence::<Host>::new(other.handle()))).unwrap();
+    assert_eq!(progress.get(), 1);
+}
+
+#[test]
+fn a_panic_in_a_waiter_threads_query_resolves_with_an_error() {
+    let _serial = serial();
+    let waiter = Waiter::builder().max_threads(1).build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let first = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    let mut second = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    let mut first = Box::pin(first);
+    assert!((&mut first).now_or_never().is_none());
+    assert!((&mut second).now_or_never().is_none());
+    // Both are handed off; now queries of this stream's events panic. The
+    // thread blocks on the first, then queries the second.
+    inject(
+        stream.handle(),
+        Plan {
+            label: "panic-query",
+            panic_in_query: true,
+            ..Plan::default()
+        },
+    );
+    gate.open();
+    futures::executor::block_on(first).unwrap();
+    let err = futures::executor::block_on(second).unwrap_err();
+    assert!(matches!(err, ServerError::WaiterPanicked { .. }), "{err}");
+}
+
+#[test]
+fn a_panic_in_the_first_polls_query_resolves_with_an_error() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "panic-first-query",
+            panic_in_query: true,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    let err = fence.wait().now_or_never().expect("ready").unwrap_err();
+    assert!(matches!(err, ServerError::WaiterPanicked { .. }), "{err}");
+}
+
+#[test]
+fn a_faulted_stream_resolves_every_pending_await_with_the_fault() {
+    let _serial = serial();
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    stream.launch(|| panic!("illegal address")).unwrap();
+    let waits: Vec<_> = (0..50)
+        .map(|_| waiter.wait(EventFence::<Host>::new(stream.handle())))
+        .collect();
+    gate.open();
+    let results = futures::executor::block_on(futures::future::join_all(waits));
+    for result in results {
+        let err = result.unwrap_err();
+        assert!(err.is_faulted(), "{err}");
+    }
+    // And later awaits on it fail at once.
+    let later = EventFence::<Host>::new(stream.handle());
+    assert!(futures::executor::block_on(waiter.wait(later))
+        .unwrap_err()
+        .is_faulted());
+}
+
+#[test]
+fn a_dropped_streams_pending_awaits_resolve() {
+    let _serial = serial();
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    progress.step_on(&stream);
+    let mut waits: Vec<_> = (0..20)
+        .map(|_| waiter.wait(EventFence::<Host>::new(stream.handle())))
+        .collect();
+    for wait in &mut waits {
+        assert!(wait.now_or_never().is_none());
+    }
+    let opener = std::thread::spawn(move || gate.open());
+    drop(stream); // finishes its queued work, then joins its thread
+    opener.join().unwrap();
+    for result in futures::executor::block_on(futures::future::join_all(waits)) {
+        result.unwrap();
+    }
+    assert_eq!(progress.get(), 1);
+}
+
+#[test]
+fn shutdown_resolves_pending_waits_and_refuses_new_ones() {
+    let _serial = serial();
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let mut waits: Vec<_> = (0..10)
+        .map(|_| waiter.wait(EventFence::<Host>::new(stream.handle())))
+        .collect();
+    for wait in &mut waits {
+        assert!(wait.now_or_never().is_none());
+    }
+    waiter.shutdown();
+    waiter.shutdown(); // twice is fine
+    for result in futures::executor::block_on(futures::future::join_all(waits)) {
+        assert_eq!(result.unwrap_err(), ServerError::WaiterGone);
+    }
+    let late = waiter.wait(EventFence::<Host>::new(stream.handle()));
+    assert_eq!(
+        futures::executor::block_on(late).unwrap_err(),
+        ServerError::WaiterGone
+    );
+    gate.open();
+    eventually(LIMIT, "threads exit after shutdown", || {
+        waiter.threads() == 0
+    });
+}

@@ -1,0 +1,180 @@
+//! `fence.await` under every executor, and composed with combinators.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::{Gate, Progress};
+use device_events::host::{Host, HostStream};
+use device_events::{EventFence, FenceFuture, Waiter};
+use futures::future::{join_all, FusedFuture};
+use futures::FutureExt;
+
+fn assert_future_traits<F: std::future::Future + Send + Unpin + 'static + FusedFuture>(_: &F) {}
+
+#[test]
+fn the_future_is_send_static_unpin_and_fused() {
+    let stream = HostStream::new().unwrap();
+    let future: FenceFuture<Host> = EventFence::<Host>::new(stream.handle()).wait();
+    assert_future_traits(&future);
+    assert!(!future.is_terminated());
+}
+
+#[test]
+fn awaits_on_a_tokio_multi_thread_runtime() {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .build()
+        .unwrap();
+    let stream = HostStream::new().unwrap();
+    let progress = Progress::default();
+    let gate = Gate::hold(&stream);
+    progress.step_on(&stream);
+    let fence = EventFence::<Host>::new(stream.handle());
+    let task = runtime.spawn(async move { fence.await });
+    gate.open();
+    runtime.block_on(task).unwrap().unwrap();
+    assert_eq!(progress.get(), 1);
+}
+
+#[test]
+fn awaits_on_a_tokio_current_thread_runtime_without_blocking_it() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    progress.step_on(&stream);
+    let fence = EventFence::<Host>::new(stream.handle());
+    runtime.block_on(async {
+        let waiting = tokio::spawn(async move { fence.await });
+        // The only runtime thread keeps running other tasks while the fence
+        // is pending: a blocking await would never let this task run.
+        let other = tokio::spawn(async { 7 });
+        assert_eq!(other.await.unwrap(), 7);
+        assert!(!waiting.is_finished());
+        gate.open();
+        waiting.await.unwrap().unwrap();
+    });
+    assert_eq!(progress.get(), 1);
+}
+
+#[test]
+fn awaits_under_futures_executor() {
+    let stream = HostStream::new().unwrap();
+    let progress = Progress::default();
+    progress.step_on(&stream);
+    let fence = EventFence::<Host>::new(stream.handle());
+    futures::executor::block_on(async { fence.await }).unwrap();
+    assert_eq!(progress.get(), 1);
+}
+
+#[test]
+fn join_and_join_all_compose_fences_across_streams() {
+    let streams: Vec<HostStream> = (0..8).map(|_| HostStream::new().unwrap()).collect();
+    let gates: Vec<Gate> = streams.iter().map(Gate::hold).collect();
+    let progress = Progress::default();
+    for stream in &streams {
+        progress.step_on(stream);
+    }
+    let (first, second) = (
+        EventFence::<Host>::new(streams[0].handle()),
+        EventFence::<Host>::new(streams[1].handle()),
+    );
+    let rest: Vec<_> = streams[2..]
+        .iter()
+        .map(|stream| EventFence::<Host>::new(stream.handle()).wait())
+        .collect();
+    let opener = std::thread::spawn(move || gates.into_iter().for_each(Gate::open));
+    futures::executor::block_on(async {
+        let (a, b) = futures::join!(first.wait(), second.wait());
+        a.unwrap();
+        b.unwrap();
+        for result in join_all(rest).await {
+            result.unwrap();
+        }
+    });
+    opener.join().unwrap();
+    assert_eq!(progress.get(), 8);
+}
+
+#[test]
+fn a_device_side_dependency_and_an_await_compose() {
+    let producer = HostStream::new().unwrap();
+    let consumer = HostStream::new().unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let gate = Gate::hold(&producer);
+    let entry = log.clone();
+    producer
+        .launch(move || entry.lock().unwrap().push("produce"))
+        .unwrap();
+    EventFence::<Host>::new(producer.handle())
+        .wait_async(consumer.handle())
+        .unwrap();
+    let entry = log.clone();
+    consumer
+        .launch(move || entry.lock().unwrap().push("consume"))
+        .unwrap();
+    let done = EventFence::<Host>::new(consumer.handle());
+    gate.open();
+    futures::executor::block_on(done.wait()).unwrap();
+    assert_eq!(*log.lock().unwrap(), ["produce", "consume"]);
+}
+
+#[test]
+fn a_reached_fence_is_ready_on_first_poll_without_a_thread() {
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let fence = EventFence::<Host>::new(stream.handle());
+    EventFence::<Host>::new(stream.handle())
+        .wait_sync()
+        .unwrap();
+    let mut future = waiter.wait(fence);
+    let polled = (&mut future).now_or_never();
+    assert_eq!(polled, Some(Ok(())));
+    assert!(future.is_terminated());
+    assert_eq!(waiter.peak_threads(), 0, "no hand-off");
+    assert_eq!(waiter.pending(), 0);
+}
+
+#[test]
+fn a_fence_resolved_at_creation_is_ready_on_first_poll() {
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let handle = stream.handle();
+    drop(stream);
+    // Record refused and synchronize failed: the fence holds the error.
+    let fence = EventFence::<Host>::new(handle);
+    assert!(fence.is_resolved_at_creation());
+    let result = waiter.wait(fence).now_or_never().expect("ready at once");
+    assert_eq!(result.unwrap_err().code(), Some(400));
+    assert_eq!(waiter.peak_threads(), 0);
+}
+
+#[test]
+fn a_spin_budget_catches_a_fence_that_passes_while_spinning() {
+    let waiter = Waiter::builder()
+        .spin_budget(Duration::from_secs(5))
+        .build();
+    let stream = HostStream::new().unwrap();
+    stream
+        .launch(|| std::thread::sleep(Duration::from_millis(5)))
+        .unwrap();
+    let fence = EventFence::<Host>::new(stream.handle());
+    let result = waiter
+        .wait(fence)
+        .now_or_never()
+        .expect("spun until reached");
+    result.unwrap();
+    assert_eq!(waiter.peak_threads(), 0, "no hand-off within the budget");
+}
+
+#[test]
+fn debug_names_the_backend_and_state() {
+    let stream = HostStream::new().unwrap();
+    let future = EventFence::<Host>::new(stream.handle()).wait();
+    assert_eq!(format!("{future:?}"), "HostFenceFuture(first poll)");
+}
