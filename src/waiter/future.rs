@@ -88,7 +88,7 @@ impl<A: EventApi> FenceFuture<A> {
             waitable: Box::new(fence),
             slot: slot.clone(),
         };
-        self.pool.submit(wait).map(|()| slot).map_err(Err)
+        Pool::submit(&self.pool, wait).map(|()| slot).map_err(Err)
     }
 }
 

@@ -19,6 +19,8 @@
 //! any other runtime.
 
 mod future;
+#[cfg(all(test, loom))]
+mod loom_models;
 mod pool;
 mod slot;
 mod waitable;

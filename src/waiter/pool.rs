@@ -109,19 +109,19 @@ impl Pool {
     ///
     /// [`ServerError::WaiterGone`] after [`Pool::shutdown`]; the wait is
     /// returned to be dropped by the caller.
-    pub(crate) fn submit(self: &Arc<Self>, wait: Wait) -> Result<(), ServerError> {
+    pub(crate) fn submit(pool: &Arc<Self>, wait: Wait) -> Result<(), ServerError> {
         let key = wait.waitable.lane();
         let sequence = wait.waitable.sequence();
-        let mut state = self.state();
+        let mut state = pool.state();
         if state.shutdown {
             drop(state);
             drop(wait);
             return Err(ServerError::WaiterGone);
         }
         state.pending += 1;
-        let spawn = self.insert(&mut state, key, sequence, wait);
+        let spawn = pool.insert(&mut state, key, sequence, wait);
         drop(state);
-        self.spawn(spawn);
+        Self::spawn(pool, spawn);
         Ok(())
     }
 
@@ -157,31 +157,31 @@ impl Pool {
         }
     }
 
-    fn spawn(self: &Arc<Self>, spawn: Spawn) {
+    fn spawn(pool: &Arc<Self>, spawn: Spawn) {
         let (name, run): (String, fn(Arc<Self>)) = match spawn {
             Spawn::Nothing => return,
             Spawn::LaneThread(index) => (
-                format!("{}-{index}", self.config.thread_name),
+                format!("{}-{index}", pool.config.thread_name),
                 Self::run_lane_thread,
             ),
             Spawn::Poller => (
-                format!("{}-poller", self.config.thread_name),
+                format!("{}-poller", pool.config.thread_name),
                 Self::run_poller,
             ),
         };
-        let pool = self.clone();
-        let spawned = thread::Builder::new().name(name).spawn(move || run(pool));
+        let worker = pool.clone();
+        let spawned = thread::Builder::new().name(name).spawn(move || run(worker));
         if let Err(err) = spawned {
-            self.spawn_failed(matches!(spawn, Spawn::Poller), &err);
+            Self::spawn_failed(pool, matches!(spawn, Spawn::Poller), &err);
         }
     }
 
     /// Undo the counters of a thread that could not start, and keep serving
     /// with the threads that exist. With none at all, fail the queued waits
     /// rather than leave them pending forever.
-    fn spawn_failed(self: &Arc<Self>, poller: bool, err: &std::io::Error) {
+    fn spawn_failed(pool: &Arc<Self>, poller: bool, err: &std::io::Error) {
         log::error!("a waiter thread could not be started: {err}");
-        let mut state = self.state();
+        let mut state = pool.state();
         if poller {
             state.poller = false;
         } else {
@@ -189,7 +189,7 @@ impl Pool {
             if !state.poller {
                 state.poller = true;
                 drop(state);
-                return self.spawn(Spawn::Poller);
+                return Self::spawn(pool, Spawn::Poller);
             }
         }
         if state.lane_threads > 0 || state.poller {
@@ -206,17 +206,17 @@ impl Pool {
     }
 
     /// A lane thread: take a lane, serve it until empty, take the next.
-    fn run_lane_thread(self: Arc<Self>) {
+    fn run_lane_thread(pool: Arc<Self>) {
         let mut current = None;
         loop {
             let key = match current.take() {
                 Some(key) => key,
-                None => match self.next_lane() {
+                None => match pool.next_lane() {
                     Some(key) => key,
                     None => return,
                 },
             };
-            if self.serve_lane_once(key) {
+            if Self::serve_lane_once(&pool, key) {
                 current = Some(key);
             }
         }
@@ -255,32 +255,32 @@ impl Pool {
     /// Block on the oldest wait of `key`, then resolve every later one
     /// already reached. Returns whether the lane still has waits (and is
     /// still this thread's).
-    fn serve_lane_once(self: &Arc<Self>, key: LaneKey) -> bool {
-        let Some(wait) = self.pop_oldest(key, Owner::Thread) else {
+    fn serve_lane_once(pool: &Arc<Self>, key: LaneKey) -> bool {
+        let Some(wait) = pool.pop_oldest(key, Owner::Thread) else {
             return false;
         };
         let Wait { waitable, slot } = wait;
         let result = contain(|| waitable.block());
-        self.resolve(&slot, result);
-        self.resolve_reached(key, Owner::Thread).1
+        pool.resolve(&slot, result);
+        Self::resolve_reached(pool, key, Owner::Thread).1
     }
 
     /// Resolve, in order, the waits of `key` that a query shows reached; stop
     /// at the first that is not. Returns how many were resolved and whether
     /// the lane still has waits.
-    fn resolve_reached(self: &Arc<Self>, key: LaneKey, owner: Owner) -> (usize, bool) {
+    fn resolve_reached(pool: &Arc<Self>, key: LaneKey, owner: Owner) -> (usize, bool) {
         let mut resolved = 0;
         loop {
-            let Some(wait) = self.pop_oldest(key, owner) else {
+            let Some(wait) = pool.pop_oldest(key, owner) else {
                 return (resolved, false);
             };
             match contain(|| wait.waitable.query()) {
                 Ok(false) => {
-                    self.put_back(key, wait);
+                    Self::put_back(pool, key, wait);
                     return (resolved, true);
                 }
-                Ok(true) => self.resolve(&wait.slot, Ok(())),
-                Err(err) => self.resolve(&wait.slot, Err(err)),
+                Ok(true) => pool.resolve(&wait.slot, Ok(())),
+                Err(err) => pool.resolve(&wait.slot, Err(err)),
             }
             resolved += 1;
         }
@@ -319,18 +319,18 @@ impl Pool {
     /// Return a wait that is not reached yet to its lane. If the lane was
     /// emptied and removed meanwhile (a thread took it over from the poller
     /// and found it empty), it is queued afresh, so someone serves it.
-    fn put_back(self: &Arc<Self>, key: LaneKey, wait: Wait) {
+    fn put_back(pool: &Arc<Self>, key: LaneKey, wait: Wait) {
         let sequence = wait.waitable.sequence();
-        let mut state = self.state();
+        let mut state = pool.state();
         if state.shutdown {
             state.pending -= 1;
             drop(state);
             wait.slot.complete(Err(ServerError::WaiterGone));
             return;
         }
-        let spawn = self.insert(&mut state, key, sequence, wait);
+        let spawn = pool.insert(&mut state, key, sequence, wait);
         drop(state);
-        self.spawn(spawn);
+        Self::spawn(pool, spawn);
     }
 
     fn resolve(&self, slot: &Slot, result: Result<(), ServerError>) {
@@ -340,11 +340,11 @@ impl Pool {
 
     /// The poller: serve every lane no lane thread has, with queries and a
     /// bounded backoff, until there are none.
-    fn run_poller(self: Arc<Self>) {
+    fn run_poller(pool: Arc<Self>) {
         let mut backoff = POLL_BACKOFF_MIN;
         loop {
             let keys = {
-                let mut state = self.state();
+                let mut state = pool.state();
                 let keys = state.adopt_queued_lanes();
                 if keys.is_empty() {
                     state.poller = false;
@@ -354,7 +354,7 @@ impl Pool {
             };
             let mut progressed = false;
             for key in keys {
-                progressed |= self.resolve_reached(key, Owner::Poller).0 > 0;
+                progressed |= Self::resolve_reached(&pool, key, Owner::Poller).0 > 0;
             }
             if progressed {
                 backoff = POLL_BACKOFF_MIN;

@@ -14,6 +14,17 @@ pub(crate) struct LaneKey {
     stream: u64,
 }
 
+#[cfg(all(test, loom))]
+impl LaneKey {
+    /// A lane for the loom models, which have no backend.
+    pub(crate) fn for_models(stream: u64) -> Self {
+        Self {
+            backend: TypeId::of::<()>(),
+            stream,
+        }
+    }
+}
+
 /// What the waiter needs of a fence: which stream, where in it, and the two
 /// ways to ask the device.
 pub(crate) trait Waitable: Send + 'static {

@@ -1,0 +1,236 @@
+//! loom models of the waiter's hand-off: a polling task, a waiter thread, the
+//! "device", and a cancelling drop. Run with
+//! `RUSTFLAGS="--cfg loom" cargo test --release --lib loom`.
+
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Duration;
+
+use loom::sync::atomic::{AtomicUsize, Ordering};
+
+use super::pool::{Config, Pool, Wait};
+use super::slot::Slot;
+use super::waitable::{LaneKey, Waitable};
+use crate::loom::{lock, thread, Arc, Condvar, Mutex};
+use crate::ServerError;
+
+/// A waker that counts its wakes and, for a parking task, unparks the thread
+/// that made it, so the task sleeps between polls instead of spinning.
+struct CountingWaker(AtomicUsize, Option<thread::Thread>);
+
+impl Wake for CountingWaker {
+    fn wake(self: std::sync::Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        if let Some(task) = &self.1 {
+            task.unpark();
+        }
+    }
+}
+
+fn counting_waker() -> (Waker, std::sync::Arc<CountingWaker>) {
+    let counter = std::sync::Arc::new(CountingWaker(AtomicUsize::new(0), None));
+    (Waker::from(counter.clone()), counter)
+}
+
+fn parking_waker() -> Waker {
+    Waker::from(std::sync::Arc::new(CountingWaker(
+        AtomicUsize::new(0),
+        Some(thread::current()),
+    )))
+}
+
+/// The "device": a flag its work sets when done.
+#[derive(Default)]
+struct Device {
+    reached: Mutex<bool>,
+    changed: Condvar,
+}
+
+impl Device {
+    fn finish(&self) {
+        *lock(&self.reached) = true;
+        self.changed.notify_all();
+    }
+}
+
+/// A fence on the model's device.
+struct MockFence {
+    reached: Arc<Device>,
+    sequence: u64,
+}
+
+impl Waitable for MockFence {
+    fn lane(&self) -> LaneKey {
+        LaneKey::for_models(0)
+    }
+
+    fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    fn query(&self) -> Result<bool, ServerError> {
+        Ok(*lock(&self.reached.reached))
+    }
+
+    fn block(self: Box<Self>) -> Result<(), ServerError> {
+        let mut reached = lock(&self.reached.reached);
+        while !*reached {
+            reached = self
+                .reached
+                .changed
+                .wait(reached)
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+        }
+        Ok(())
+    }
+}
+
+fn pool() -> Arc<Pool> {
+    Arc::new(Pool::new(Config {
+        max_threads: 1,
+        keep_alive: Duration::ZERO,
+        thread_name: "loom-waiter".to_owned(),
+        spin_budget: Duration::ZERO,
+    }))
+}
+
+fn submit(pool: &Arc<Pool>, reached: &Arc<Device>, sequence: u64, waker: &Waker) -> Arc<Slot> {
+    let slot = Arc::new(Slot::new(waker.clone()));
+    let wait = Wait {
+        waitable: Box::new(MockFence {
+            reached: reached.clone(),
+            sequence,
+        }),
+        slot: slot.clone(),
+    };
+    assert!(Pool::submit(pool, wait).is_ok());
+    slot
+}
+
+/// Poll `slot` as a task would, until it is ready.
+fn poll_until_ready(slot: &Slot, waker: &Waker) -> Result<(), ServerError> {
+    let mut cx = Context::from_waker(waker);
+    loop {
+        match slot.poll(&mut cx) {
+            Poll::Ready(result) => return result,
+            Poll::Pending => thread::park(),
+        }
+    }
+}
+
+#[test]
+fn loom_slot_completion_is_never_lost() {
+    loom::model(|| {
+        let (waker, wakes) = counting_waker();
+        let slot = Arc::new(Slot::new(waker.clone()));
+        let completer = {
+            let slot = slot.clone();
+            thread::spawn(move || slot.complete(Ok(())))
+        };
+        let mut cx = Context::from_waker(&waker);
+        let first = slot.poll(&mut cx);
+        completer.join().unwrap();
+        match first {
+            Poll::Ready(result) => assert!(result.is_ok()),
+            Poll::Pending => {
+                // Pending means the result came later, so its waker fired.
+                assert_eq!(wakes.0.load(Ordering::SeqCst), 1);
+                assert!(matches!(slot.poll(&mut cx), Poll::Ready(Ok(()))));
+            }
+        }
+    });
+}
+
+#[test]
+fn loom_slot_cancel_races_completion() {
+    loom::model(|| {
+        let (waker, wakes) = counting_waker();
+        let slot = Arc::new(Slot::new(waker));
+        let completer = {
+            let slot = slot.clone();
+            thread::spawn(move || slot.complete(Err(ServerError::WaiterGone)))
+        };
+        slot.cancel();
+        completer.join().unwrap();
+        assert!(slot.is_cancelled());
+        assert!(wakes.0.load(Ordering::SeqCst) <= 1);
+        let (noop, _) = counting_waker();
+        let mut cx = Context::from_waker(&noop);
+        assert!(
+            slot.poll(&mut cx).is_pending(),
+            "a cancelled slot keeps no result"
+        );
+    });
+}
+
+#[test]
+fn loom_pool_hands_off_and_resolves() {
+    loom::model(|| {
+        let pool = pool();
+        let reached = Arc::new(Device::default());
+        let waker = parking_waker();
+        let slot = submit(&pool, &reached, 1, &waker);
+        let device = {
+            let reached = reached.clone();
+            thread::spawn(move || reached.finish())
+        };
+        assert!(poll_until_ready(&slot, &waker).is_ok());
+        device.join().unwrap();
+        assert_eq!(pool.pending(), 0);
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_pool_resolves_a_lane_in_order() {
+    loom::model(|| {
+        let pool = pool();
+        let reached = Arc::new(Device::default());
+        let waker = parking_waker();
+        let first = submit(&pool, &reached, 1, &waker);
+        let second = submit(&pool, &reached, 2, &waker);
+        reached.finish();
+        assert!(poll_until_ready(&second, &waker).is_ok());
+        assert!(poll_until_ready(&first, &waker).is_ok());
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_pool_cancelled_wait_is_dropped_and_counted() {
+    loom::model(|| {
+        let pool = pool();
+        let reached = Arc::new(Device::default());
+        let waker = parking_waker();
+        let slot = submit(&pool, &reached, 1, &waker);
+        let device = {
+            let reached = reached.clone();
+            thread::spawn(move || reached.finish())
+        };
+        slot.cancel(); // the future was dropped
+        device.join().unwrap();
+        while pool.pending() != 0 {
+            thread::yield_now();
+        }
+        assert!(slot.is_cancelled());
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_shutdown_races_a_submit() {
+    loom::model(|| {
+        let pool = pool();
+        let reached = Arc::new(Device::default());
+        let waker = parking_waker();
+        let slot = submit(&pool, &reached, 1, &waker);
+        let stopper = {
+            let pool = pool.clone();
+            thread::spawn(move || pool.shutdown())
+        };
+        reached.finish();
+        // Either the thread resolved it, or shutdown did: never pending forever.
+        let result = poll_until_ready(&slot, &waker);
+        assert!(matches!(result, Ok(()) | Err(ServerError::WaiterGone)));
+        stopper.join().unwrap();
+    });
+}
