@@ -178,3 +178,78 @@ fn a_dropped_stream_handle_is_an_error_and_a_fence_outlives_its_stream() {
     let err = EventFence::<Cuda>::new(handle).wait_sync().unwrap_err();
     assert!(matches!(err, ServerError::Call { code: 400, .. }), "{err}");
 }
+
+#[test]
+fn awaited_fences_on_real_streams_resolve_in_a_join() {
+    let Some((ctx, sleep)) = gpu("awaited_fences_on_real_streams_resolve_in_a_join") else {
+        return;
+    };
+    let streams: Vec<_> = (0..4).map(|_| ctx.new_stream().unwrap()).collect();
+    for (i, stream) in streams.iter().enumerate() {
+        sleep
+            .launch(stream, Duration::from_millis(20 * (i as u64 + 1)))
+            .unwrap();
+    }
+    let probes: Vec<_> = streams.iter().map(cuda::fence).collect();
+    let waits: Vec<_> = streams
+        .iter()
+        .map(|stream| cuda::fence(stream).wait())
+        .collect();
+    let results = futures::executor::block_on(futures::future::join_all(waits));
+    for result in results {
+        result.unwrap();
+    }
+    for probe in probes {
+        assert!(probe.is_complete().unwrap());
+    }
+}
+
+#[test]
+fn an_await_on_tokio_does_not_block_the_runtime_and_can_be_cancelled() {
+    let Some((ctx, sleep)) =
+        gpu("an_await_on_tokio_does_not_block_the_runtime_and_can_be_cancelled")
+    else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    sleep.launch(&stream, LONG).unwrap();
+    let waiter = device_events::Waiter::builder().build();
+    let fence = cuda::fence(&stream);
+    let probe = cuda::fence(&stream);
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    let timed_out = runtime.block_on(async {
+        tokio::time::timeout(Duration::from_millis(10), waiter.wait(fence)).await
+    });
+    assert!(timed_out.is_err(), "cancelled before the kernel ended");
+    assert!(
+        !probe.is_complete().unwrap(),
+        "dropping the future did not wait"
+    );
+    // The stream and the waiter still serve.
+    let after = cuda::fence(&stream);
+    runtime.block_on(waiter.wait(after)).unwrap();
+    assert!(probe.is_complete().unwrap());
+}
+
+#[test]
+fn many_awaits_on_few_streams_use_few_threads() {
+    let Some((ctx, sleep)) = gpu("many_awaits_on_few_streams_use_few_threads") else {
+        return;
+    };
+    let waiter = device_events::Waiter::builder().build();
+    let streams: Vec<_> = (0..8).map(|_| ctx.new_stream().unwrap()).collect();
+    let mut waits = Vec::new();
+    for _ in 0..250 {
+        for stream in &streams {
+            sleep.launch(stream, Duration::from_micros(200)).unwrap();
+            waits.push(waiter.wait(cuda::fence(stream)));
+        }
+    }
+    for result in futures::executor::block_on(futures::future::join_all(waits)) {
+        result.unwrap();
+    }
+    assert!(waiter.peak_threads() <= 9, "peak {}", waiter.peak_threads());
+}
