@@ -1,5 +1,5 @@
 //! Wait for GPU stream work from Rust: on the host, on another stream, or
-//! (soon) from async code.
+//! with `.await`.
 //!
 //! # The problem
 //!
@@ -16,7 +16,18 @@
 //! - [`EventFence::wait_sync`]: the host blocks until the device has reached
 //!   the fence (for CUDA, sleeping in the driver, not spinning);
 //! - [`EventFence::wait_async`]: another stream waits for it *on the device*,
-//!   and the host never blocks.
+//!   and the host never blocks;
+//! - `fence.await` (or [`EventFence::wait`] for combinators): a [`Waiter`], a
+//!   small pool of dedicated threads that sleep in the driver, one per busy
+//!   stream, wakes the task; the executor's threads never block.
+//!
+//! # Knobs
+//!
+//! `fence.await` uses [`Waiter::global()`]; [`Waiter::builder()`] makes
+//! others: [`max_threads`](WaiterBuilder::max_threads) (1 to 4096, default
+//! 64), [`keep_alive`](WaiterBuilder::keep_alive) (default 10 s),
+//! [`thread_name`](WaiterBuilder::thread_name), and
+//! [`spin_budget`](WaiterBuilder::spin_budget) (default zero).
 //!
 //! The crate promises what a driver promises: a refused event falls back to
 //! synchronizing the stream, a refused device-side wait falls back to a host
