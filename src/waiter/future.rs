@@ -67,7 +67,10 @@ impl<A: EventApi> FenceFuture<A> {
         fence: EventFence<A>,
         cx: &mut Context<'_>,
     ) -> Result<Arc<Slot>, Result<(), ServerError>> {
-        let started = Instant::now();
+        let budget = self.pool.config.spin_budget;
+        // Read the clock only when spinning is allowed: a ready fence's await
+        // costs one query.
+        let started = (!budget.is_zero()).then(Instant::now);
         loop {
             match catch_unwind(AssertUnwindSafe(|| fence.is_complete())) {
                 Ok(Ok(true)) => return Err(Ok(())),
@@ -77,7 +80,7 @@ impl<A: EventApi> FenceFuture<A> {
                         message: ServerError::panic_message(payload.as_ref()),
                     }))
                 }
-                Ok(Ok(false)) if started.elapsed() < self.pool.config.spin_budget => {
+                Ok(Ok(false)) if started.is_some_and(|started| started.elapsed() < budget) => {
                     std::hint::spin_loop();
                 }
                 Ok(Ok(false)) => break,

@@ -1,0 +1,132 @@
+//! What the benchmark measures: latencies, process CPU time, thread counts.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Nanoseconds since the benchmark's epoch, so instants fit in atomics.
+#[derive(Clone, Copy)]
+pub struct Clock {
+    epoch: Instant,
+}
+
+impl Clock {
+    pub fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+        }
+    }
+
+    pub fn now(&self) -> u64 {
+        self.at(Instant::now())
+    }
+
+    pub fn at(&self, instant: Instant) -> u64 {
+        u64::try_from(instant.saturating_duration_since(self.epoch).as_nanos()).unwrap_or(u64::MAX)
+    }
+}
+
+/// One timestamp per wait, written by whoever observes the moment.
+pub struct Stamps(Vec<AtomicU64>);
+
+impl Stamps {
+    pub fn new(len: usize) -> Arc<Self> {
+        Arc::new(Self((0..len).map(|_| AtomicU64::new(0)).collect()))
+    }
+
+    pub fn set(&self, index: usize, nanos: u64) {
+        self.0[index].store(nanos, Ordering::SeqCst);
+    }
+
+    pub fn get(&self, index: usize) -> u64 {
+        self.0[index].load(Ordering::SeqCst)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+}
+
+/// Latencies (wake minus work end) of every wait, sorted.
+pub fn latencies(ends: &Stamps, wakes: &Stamps) -> Vec<u64> {
+    let mut latencies: Vec<u64> = (0..ends.len())
+        .map(|i| wakes.get(i).saturating_sub(ends.get(i)))
+        .collect();
+    latencies.sort_unstable();
+    latencies
+}
+
+/// The `q` quantile of sorted `values`, in microseconds.
+pub fn quantile_us(sorted: &[u64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let index = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[index] as f64 / 1_000.0
+}
+
+/// CPU time the whole process has used so far (all threads).
+pub fn process_cpu() -> Duration {
+    let mut time = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `time` is a valid, writable timespec; CLOCK_PROCESS_CPUTIME_ID
+    // is supported on every Linux this benchmark runs on.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut time) };
+    if rc != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(time.tv_sec as u64, time.tv_nsec as u32)
+}
+
+/// Threads of this process right now, from /proc.
+pub fn process_threads() -> usize {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|status| {
+            status
+                .lines()
+                .find_map(|line| line.strip_prefix("Threads:"))
+                .and_then(|count| count.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+/// Samples the thread count every millisecond until stopped; keeps the peak.
+pub struct ThreadSampler {
+    stop: Arc<AtomicBool>,
+    peak: Arc<AtomicUsize>,
+    handle: Option<JoinHandle<()>>,
+}
+
+impl ThreadSampler {
+    pub fn start() -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let peak = Arc::new(AtomicUsize::new(process_threads()));
+        let handle = {
+            let (stop, peak) = (stop.clone(), peak.clone());
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    peak.fetch_max(process_threads(), Ordering::Relaxed);
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+        };
+        Self {
+            stop,
+            peak,
+            handle: Some(handle),
+        }
+    }
+
+    /// The peak thread count seen, sampler included.
+    pub fn finish(mut self) -> usize {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(handle) = self.handle.take() {
+            let _ = handle.join();
+        }
+        self.peak.load(Ordering::Relaxed).max(process_threads())
+    }
+}

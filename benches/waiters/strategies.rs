@@ -1,0 +1,168 @@
+//! The ways a caller can wait for fences, side by side.
+
+use std::sync::Arc;
+
+use device_events::{EventApi, EventFence, Waiter};
+use futures::FutureExt;
+use tokio::runtime::Runtime;
+
+use crate::measure::{Clock, Stamps};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strategy {
+    /// This crate: `waiter.wait(fence).await`.
+    Await,
+    /// `tokio::task::spawn_blocking(move || fence.wait_sync())`.
+    SpawnBlocking,
+    /// A dedicated thread per wait, handing the result over a oneshot.
+    ThreadPerWait,
+    /// Query, and `yield_now` until reached, in the task.
+    QueryYield,
+    /// The floor: a thread blocked in the backend's synchronize, no async.
+    RawThread,
+}
+
+pub const ALL: [Strategy; 5] = [
+    Strategy::Await,
+    Strategy::SpawnBlocking,
+    Strategy::ThreadPerWait,
+    Strategy::QueryYield,
+    Strategy::RawThread,
+];
+
+impl Strategy {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Await => "device-events await",
+            Self::SpawnBlocking => "spawn_blocking(wait_sync)",
+            Self::ThreadPerWait => "thread per wait",
+            Self::QueryYield => "query + yield_now",
+            Self::RawThread => "raw blocked thread",
+        }
+    }
+}
+
+/// A fence to wait for: its index (for stamps) and its stream.
+pub struct Pending<A: EventApi> {
+    pub index: usize,
+    pub stream: usize,
+    pub fence: EventFence<A>,
+}
+
+/// Start waiting for every fence with `strategy`, stamping each wake into
+/// `wakes`. Returns a handle that blocks until all are resolved.
+pub fn start<A: EventApi>(
+    strategy: Strategy,
+    runtime: &Runtime,
+    waiter: &Waiter,
+    fences: Vec<Pending<A>>,
+    wakes: &Arc<Stamps>,
+    clock: Clock,
+) -> Box<dyn FnOnce()> {
+    if strategy == Strategy::RawThread {
+        return start_raw(fences, wakes, clock);
+    }
+    let tasks: Vec<_> = fences
+        .into_iter()
+        .map(|Pending { index, fence, .. }| {
+            let wakes = wakes.clone();
+            let waiter = waiter.clone();
+            runtime.spawn(async move {
+                let result = match strategy {
+                    Strategy::Await => waiter.wait(fence).await,
+                    Strategy::SpawnBlocking => {
+                        tokio::task::spawn_blocking(move || fence.wait_sync())
+                            .await
+                            .unwrap_or_else(|err| panic!("spawn_blocking: {err}"))
+                    }
+                    Strategy::ThreadPerWait => {
+                        let (sender, receiver) = futures::channel::oneshot::channel();
+                        std::thread::Builder::new()
+                            .stack_size(64 * 1024)
+                            .spawn(move || {
+                                let _ = sender.send(fence.wait_sync());
+                            })
+                            .expect("spawn a waiting thread");
+                        receiver.await.expect("the waiting thread answers")
+                    }
+                    Strategy::QueryYield => loop {
+                        match fence.is_complete() {
+                            Ok(true) => break Ok(()),
+                            Ok(false) => tokio::task::yield_now().await,
+                            Err(err) => break Err(err),
+                        }
+                    },
+                    Strategy::RawThread => unreachable!("handled above"),
+                };
+                wakes.set(index, clock.now());
+                result
+            })
+        })
+        .collect();
+    let handle = runtime.handle().clone();
+    Box::new(move || {
+        handle.block_on(async {
+            for task in tasks {
+                task.await.expect("task").expect("fence");
+            }
+        })
+    })
+}
+
+/// The floor: one thread per stream, blocked in `wait_sync` on each fence of
+/// its stream in turn.
+fn start_raw<A: EventApi>(
+    fences: Vec<Pending<A>>,
+    wakes: &Arc<Stamps>,
+    clock: Clock,
+) -> Box<dyn FnOnce()> {
+    let mut by_stream: std::collections::BTreeMap<usize, Vec<Pending<A>>> = Default::default();
+    for pending in fences {
+        by_stream.entry(pending.stream).or_default().push(pending);
+    }
+    let threads: Vec<_> = by_stream
+        .into_values()
+        .map(|fences| {
+            let wakes = wakes.clone();
+            std::thread::spawn(move || {
+                for Pending { index, fence, .. } in fences {
+                    fence.wait_sync().expect("fence");
+                    wakes.set(index, clock.now());
+                }
+            })
+        })
+        .collect();
+    Box::new(move || {
+        for thread in threads {
+            thread.join().expect("raw waiting thread");
+        }
+    })
+}
+
+/// Wait for one fence with `strategy` and stamp the wake; for the latency
+/// rounds of scenario 1.
+pub fn wait_one<A: EventApi>(
+    strategy: Strategy,
+    runtime: &Runtime,
+    waiter: &Waiter,
+    pending: Pending<A>,
+    wakes: &Arc<Stamps>,
+    clock: Clock,
+) {
+    if strategy == Strategy::RawThread {
+        let Pending { index, fence, .. } = pending;
+        fence.wait_sync().expect("fence");
+        wakes.set(index, clock.now());
+        return;
+    }
+    start(strategy, runtime, waiter, vec![pending], wakes, clock)();
+}
+
+/// The first poll of an await on a fence already reached.
+pub fn await_ready<A: EventApi>(waiter: &Waiter, fence: EventFence<A>) {
+    waiter
+        .wait(fence)
+        .now_or_never()
+        .expect("a reached fence is ready on first poll")
+        .expect("fence");
+}
