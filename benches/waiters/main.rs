@@ -36,6 +36,8 @@ struct Settings {
     ready: usize,
     idle_waits: usize,
     idle_window: Duration,
+    /// Repetitions of scenario 2; each figure is the median over them.
+    reps: usize,
 }
 
 impl Settings {
@@ -55,6 +57,7 @@ impl Settings {
                 ready: 5_000,
                 idle_waits: 100,
                 idle_window: Duration::from_millis(200),
+                reps: 1,
             }
         } else {
             Self {
@@ -68,6 +71,7 @@ impl Settings {
                 ready: 100_000,
                 idle_waits: 1_000,
                 idle_window: Duration::from_secs(1),
+                reps: 3,
             }
         }
     }
@@ -127,6 +131,7 @@ fn many_pending<R: Rig>(
     rig: &R,
     (streams, per_stream): (usize, usize),
     hold: Duration,
+    reps: usize,
     strategies: &[Strategy],
     clock: Clock,
 ) -> (Table, Vec<(String, Vec<u64>)>) {
@@ -147,65 +152,96 @@ fn many_pending<R: Rig>(
         ],
     );
     table.notes.push(format!(
-        "{} awaits on {streams} streams, released together after {hold:?}",
+        "{} awaits on {streams} streams, released together after {hold:?}; median of {reps} runs",
         streams * per_stream
     ));
     let mut series = Vec::new();
     for &strategy in strategies {
-        rig.drain();
-        let runtime = runtime();
-        let waiter = Waiter::builder().build();
-        let total = streams * per_stream;
-        let (ends, wakes, releases) =
-            (Stamps::new(total), Stamps::new(total), Stamps::new(streams));
-        let baseline = process_threads();
-        let sampler = ThreadSampler::start();
-        let cpu = process_cpu();
-        let setup = Instant::now();
-        for stream in 0..streams {
-            rig.work(stream, hold, &releases, stream);
-        }
-        let mut fences = Vec::with_capacity(total);
-        for round in 0..per_stream {
-            for stream in 0..streams {
-                let index = round * streams + stream;
-                rig.work(stream, Duration::ZERO, &ends, index);
-                fences.push(Pending {
-                    index,
-                    stream,
-                    fence: rig.fence(stream),
-                });
-            }
-        }
-        let finish = strategies::start(strategy, &runtime, &waiter, fences, &wakes, clock);
-        let setup = setup.elapsed();
-        finish();
-        let cpu = process_cpu().saturating_sub(cpu);
-        // The sampler's own thread is not the strategy's.
-        let peak = sampler.finish().saturating_sub(baseline + 1);
-        if setup > hold.mul_f64(0.8) {
-            table.notes.push(format!(
-                "{}: setting up took {setup:?}, close to the hold: not all waits were pending at once",
-                strategy.name()
-            ));
-        }
-        let release = (0..streams).map(|s| releases.get(s)).min().unwrap_or(0);
-        let last = (0..total).map(|i| wakes.get(i)).max().unwrap_or(0);
-        let sorted = latencies(&ends, &wakes);
-        table.row(
-            strategy.name(),
-            vec![
-                last.saturating_sub(release) as f64 / 1e6,
-                quantile_us(&sorted, 0.5),
-                quantile_us(&sorted, 0.99),
-                peak as f64,
-                cpu.as_secs_f64() * 1e3,
-            ],
-        );
-        series.push((strategy.name().to_owned(), sorted));
-        waiter.shutdown();
+        let mut runs: Vec<(Vec<f64>, Vec<u64>)> = (0..reps)
+            .map(|_| {
+                many_pending_once(
+                    rig,
+                    (streams, per_stream),
+                    hold,
+                    strategy,
+                    clock,
+                    &mut table.notes,
+                )
+            })
+            .collect();
+        // The median run by p50, and the median of each figure over the runs.
+        runs.sort_by(|a, b| a.0[1].total_cmp(&b.0[1]));
+        let figures = (0..runs[0].0.len())
+            .map(|column| {
+                let mut values: Vec<f64> = runs.iter().map(|run| run.0[column]).collect();
+                values.sort_by(f64::total_cmp);
+                values[values.len() / 2]
+            })
+            .collect();
+        table.row(strategy.name(), figures);
+        let median = runs.swap_remove(runs.len() / 2);
+        series.push((strategy.name().to_owned(), median.1));
     }
     (table, series)
+}
+
+/// One run of scenario 2 for one strategy: its figures and sorted latencies.
+fn many_pending_once<R: Rig>(
+    rig: &R,
+    (streams, per_stream): (usize, usize),
+    hold: Duration,
+    strategy: Strategy,
+    clock: Clock,
+    notes: &mut Vec<String>,
+) -> (Vec<f64>, Vec<u64>) {
+    rig.drain();
+    let runtime = runtime();
+    let waiter = Waiter::builder().build();
+    let total = streams * per_stream;
+    let (ends, wakes, releases) = (Stamps::new(total), Stamps::new(total), Stamps::new(streams));
+    let baseline = process_threads();
+    let sampler = ThreadSampler::start();
+    let cpu = process_cpu();
+    let setup = Instant::now();
+    for stream in 0..streams {
+        rig.work(stream, hold, &releases, stream);
+    }
+    let mut fences = Vec::with_capacity(total);
+    for round in 0..per_stream {
+        for stream in 0..streams {
+            let index = round * streams + stream;
+            rig.work(stream, Duration::ZERO, &ends, index);
+            fences.push(Pending {
+                index,
+                stream,
+                fence: rig.fence(stream),
+            });
+        }
+    }
+    let finish = strategies::start(strategy, &runtime, &waiter, fences, &wakes, clock);
+    let setup = setup.elapsed();
+    finish();
+    let cpu = process_cpu().saturating_sub(cpu);
+    // The sampler's own thread is not the strategy's.
+    let peak = sampler.finish().saturating_sub(baseline + 1);
+    if setup > hold.mul_f64(0.8) {
+        notes.push(format!(
+            "{}: setting up took {setup:?}, close to the hold: not all waits were pending at once",
+            strategy.name()
+        ));
+    }
+    let release = (0..streams).map(|s| releases.get(s)).min().unwrap_or(0);
+    let last = (0..total).map(|i| wakes.get(i)).max().unwrap_or(0);
+    let sorted = latencies(&ends, &wakes);
+    waiter.shutdown();
+    let figures = vec![
+        last.saturating_sub(release) as f64 / 1e6,
+        quantile_us(&sorted, 0.5),
+        quantile_us(&sorted, 0.99),
+        peak as f64,
+        cpu.as_secs_f64() * 1e3,
+    ];
+    (figures, sorted)
 }
 
 /// Scenario 3: awaiting fences already reached, against `wait_sync` and a
@@ -346,7 +382,14 @@ fn run_all<R: Rig>(rig: &R, settings: &Settings, clock: Clock, tables: &mut Vec<
     println!("  plot: {}", plot.display());
     tables.push(table);
 
-    let (table, series) = many_pending(rig, settings.many, settings.hold, &ALL, clock);
+    let (table, series) = many_pending(
+        rig,
+        settings.many,
+        settings.hold,
+        settings.reps,
+        &ALL,
+        clock,
+    );
     let plot = report::write_latency_svg(
         &format!("latency-many-{}.svg", rig.name()),
         &format!(
@@ -368,7 +411,14 @@ fn run_all<R: Rig>(rig: &R, settings: &Settings, clock: Clock, tables: &mut Vec<
             Strategy::QueryYield,
             Strategy::RawThread,
         ];
-        let (table, _) = many_pending(rig, (64, 1_563), Duration::from_secs(4), &strategies, clock);
+        let (table, _) = many_pending(
+            rig,
+            (64, 1_563),
+            Duration::from_secs(4),
+            1,
+            &strategies,
+            clock,
+        );
         table.print();
         tables.push(table);
     }

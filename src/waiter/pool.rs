@@ -268,21 +268,41 @@ impl Pool {
     /// Resolve, in order, the waits of `key` that a query shows reached; stop
     /// at the first that is not. Returns how many were resolved and whether
     /// the lane still has waits.
+    ///
+    /// Works in batches: the lane's waits are taken in one lock, queried
+    /// outside it, and the rest put back in one more, so a burst of thousands
+    /// of reached waits costs two lock round-trips, not three per wait.
     fn resolve_reached(pool: &Arc<Self>, key: LaneKey, owner: Owner) -> (usize, bool) {
         let mut resolved = 0;
         loop {
-            let Some(wait) = pool.pop_oldest(key, owner) else {
+            let Some(batch) = pool.take_waits(key, owner) else {
                 return (resolved, false);
             };
-            match contain(|| wait.waitable.query()) {
-                Ok(false) => {
-                    Self::put_back(pool, key, wait);
-                    return (resolved, true);
+            let mut done = Vec::with_capacity(batch.len());
+            let mut rest = Vec::new();
+            let mut waits = batch.into_iter();
+            for wait in waits.by_ref() {
+                match contain(|| wait.waitable.query()) {
+                    Ok(false) => {
+                        rest.push(wait);
+                        break;
+                    }
+                    Ok(true) => done.push((wait, Ok(()))),
+                    Err(err) => done.push((wait, Err(err))),
                 }
-                Ok(true) => pool.resolve(&wait.slot, Ok(())),
-                Err(err) => pool.resolve(&wait.slot, Err(err)),
             }
-            resolved += 1;
+            rest.extend(waits);
+            let more = !rest.is_empty();
+            resolved += done.len();
+            Self::settle(pool, key, rest, done.len());
+            // Woken outside the lock; each wait (and its event) is dropped here,
+            // on this thread.
+            for (wait, result) in done {
+                wait.slot.complete(result);
+            }
+            if more {
+                return (resolved, true);
+            }
         }
     }
 
@@ -293,12 +313,9 @@ impl Pool {
         let mut cancelled = Vec::new();
         let mut state = self.state();
         let found = loop {
-            let Some(lane) = state.lanes.get_mut(&key) else {
+            let Some(lane) = state.lanes.get_mut(&key).filter(|lane| lane.owner == owner) else {
                 break None;
             };
-            if lane.owner != owner {
-                break None;
-            }
             match lane.waits.pop_first() {
                 Some((_, wait)) if wait.slot.is_cancelled() => cancelled.push(wait),
                 Some((_, wait)) => break Some(wait),
@@ -316,19 +333,51 @@ impl Pool {
         found
     }
 
-    /// Return a wait that is not reached yet to its lane. If the lane was
-    /// emptied and removed meanwhile (a thread took it over from the poller
-    /// and found it empty), it is queued afresh, so someone serves it.
-    fn put_back(pool: &Arc<Self>, key: LaneKey, wait: Wait) {
-        let sequence = wait.waitable.sequence();
+    /// Take every live wait of `key`, oldest first, if `owner` serves it; `None`
+    /// when there are none (the emptied lane is removed, so the next submit
+    /// queues it afresh). Cancelled waits are dropped outside the lock.
+    fn take_waits(&self, key: LaneKey, owner: Owner) -> Option<Vec<Wait>> {
+        let mut state = self.state();
+        let lane = state
+            .lanes
+            .get_mut(&key)
+            .filter(|lane| lane.owner == owner)?;
+        let (live, cancelled): (Vec<Wait>, Vec<Wait>) = std::mem::take(&mut lane.waits)
+            .into_values()
+            .partition(|wait| !wait.slot.is_cancelled());
+        if live.is_empty() {
+            state.lanes.remove(&key);
+        }
+        state.pending -= cancelled.len();
+        drop(state);
+        drop(cancelled);
+        (!live.is_empty()).then_some(live)
+    }
+
+    /// Return waits not reached yet to their lane and count `resolved` ones
+    /// as done, in one lock. If the lane was emptied and removed meanwhile (a
+    /// thread took it over from the poller and found it empty), it is queued
+    /// afresh, so someone serves it.
+    fn settle(pool: &Arc<Self>, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
         let mut state = pool.state();
+        state.pending -= resolved;
         if state.shutdown {
-            state.pending -= 1;
+            state.pending -= rest.len();
             drop(state);
-            wait.slot.complete(Err(ServerError::WaiterGone));
+            for wait in rest {
+                wait.slot.complete(Err(ServerError::WaiterGone));
+            }
             return;
         }
-        let spawn = pool.insert(&mut state, key, sequence, wait);
+        let mut spawn = Spawn::Nothing;
+        for wait in rest {
+            let sequence = wait.waitable.sequence();
+            if let found @ (Spawn::LaneThread(_) | Spawn::Poller) =
+                pool.insert(&mut state, key, sequence, wait)
+            {
+                spawn = found;
+            }
+        }
         drop(state);
         Self::spawn(pool, spawn);
     }
