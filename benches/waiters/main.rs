@@ -544,6 +544,10 @@ fn main() {
     #[cfg(feature = "cuda")]
     match rig::CudaRig::new(streams, clock) {
         Ok(rig) => run_all(&rig, &settings, clock, &mut tables),
+        Err(err) if std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|v| v == "1") => {
+            println!("\nCUDA: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}");
+            std::process::exit(1);
+        }
         Err(err) => println!("\nCUDA: skipped ({err})"),
     }
 

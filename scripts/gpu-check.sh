@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Runs on a GPU machine from the binaries scripts/build-device-bin.sh made:
+# every test with DEVICE_EVENTS_REQUIRE_CUDA=1 (a missing driver fails them
+# instead of skipping), the examples, then the benchmark; a short summary last.
+#
+#   bash device-bin/gpu-check.sh [device-bin] [--quick|--large]
+#
+# Results (JSON, SVG plots, logs) go to $OUT when set, else ./gpu-results.
+set -u
+bin=${1:-device-bin}
+mode=${2:-}
+results=${OUT:-gpu-results}
+mkdir -p "$results"
+export DEVICE_EVENTS_REQUIRE_CUDA=1
+export CARGO_TARGET_DIR="$results"
+summary=()
+
+echo "== machine"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$results/nvidia-smi.txt"
+
+echo "== tests (DEVICE_EVENTS_REQUIRE_CUDA=1)"
+for test in "$bin"/tests/*; do
+    name=$(basename "$test")
+    if timeout 300 "$test" > "$results/test-$name.log" 2>&1; then
+        line=$(grep -E "^test result" "$results/test-$name.log" | tail -1)
+        summary+=("PASS test $name: $line")
+    else
+        summary+=("FAIL test $name (see test-$name.log)")
+        tail -30 "$results/test-$name.log"
+    fi
+done
+
+echo "== examples"
+for example in fences join_streams; do
+    if [ -x "$bin/examples/$example" ]; then
+        if timeout 60 "$bin/examples/$example" > "$results/example-$example.log" 2>&1; then
+            summary+=("PASS example $example: $(head -1 "$results/example-$example.log")")
+        else
+            summary+=("FAIL example $example (see example-$example.log)")
+        fi
+        cat "$results/example-$example.log"
+    fi
+done
+
+echo "== benchmark"
+if timeout 420 "$bin"/bench/waiters $mode > "$results/bench.log" 2>&1; then
+    summary+=("PASS bench waiters $mode")
+else
+    summary+=("FAIL bench waiters $mode (see bench.log)")
+fi
+cat "$results/bench.log"
+
+echo
+echo "== summary"
+printf '%s\n' "${summary[@]}"
+grep -E "^(PASS|MISS|----) \[" "$results/bench.log" || true
