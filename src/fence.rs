@@ -9,6 +9,12 @@ use crate::{Event, EventApi, EventFlags, ServerError};
 /// number, which is all the waiter needs to serve a stream's fences in order.
 static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
 
+/// The next number in the process-wide order of recorded points: fences and
+/// profiler stops take one when they record.
+pub(crate) fn next_sequence() -> u64 {
+    NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed)
+}
+
 /// An event recorded on a stream and handed out, so a caller can wait for that
 /// stream's work from outside whatever owns the stream.
 ///
@@ -60,7 +66,7 @@ impl<A: EventApi> EventFence<A> {
     /// a warning logged), and the fence is already reached. Errors surface when
     /// the fence is waited on.
     pub fn new(stream: A::Stream) -> Self {
-        let sequence = NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed);
+        let sequence = next_sequence();
         let recorded = Event::new(stream, EventFlags::FENCE)
             .and_then(|event| event.record(stream).map(|()| event));
         let event = match recorded {

@@ -64,6 +64,8 @@ mod event;
 mod fence;
 mod loom;
 #[cfg(multi_threading)]
+mod profiler;
+#[cfg(multi_threading)]
 mod waiter;
 
 pub use api::{EventApi, EventFlags};
@@ -73,6 +75,10 @@ pub use backend::host;
 pub use error::ServerError;
 pub use event::Event;
 pub use fence::EventFence;
+#[cfg(multi_threading)]
+pub use profiler::{
+    EventProfiler, Profile, ProfileFuture, ProfileStart, DEFAULT_PROFILER_CAPACITY,
+};
 #[cfg(multi_threading)]
 pub use waiter::{
     FenceFuture, Waiter, WaiterBuilder, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_THREADS_LIMIT,

@@ -253,3 +253,26 @@ fn many_awaits_on_few_streams_use_few_threads() {
     }
     assert!(waiter.peak_threads() <= 9, "peak {}", waiter.peak_threads());
 }
+
+#[test]
+fn the_profiler_times_device_work_sync_and_by_await() {
+    let Some((ctx, sleep)) = gpu("the_profiler_times_device_work_sync_and_by_await") else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let profiler = device_events::EventProfiler::<Cuda>::new();
+    for round in 0..20 {
+        let start = profiler.start(handle).unwrap();
+        sleep.launch(&stream, Duration::from_millis(2)).unwrap();
+        let profile = profiler.stop(start, handle).unwrap();
+        let elapsed = if round % 2 == 0 {
+            profile.wait_sync().unwrap()
+        } else {
+            futures::executor::block_on(profile.wait()).unwrap()
+        };
+        assert!(elapsed >= Duration::from_micros(1_900), "{elapsed:?}");
+        assert!(elapsed < Duration::from_secs(1), "{elapsed:?}");
+    }
+    assert!(profiler.created() <= 4, "created {}", profiler.created());
+}

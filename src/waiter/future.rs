@@ -2,17 +2,13 @@
 
 use std::fmt;
 use std::future::{Future, IntoFuture};
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
 use std::task::{Context, Poll};
-use std::time::Instant;
 
 use futures::future::FusedFuture;
 
-use super::pool::{Pool, Wait};
-use super::slot::Slot;
+use super::Handoff;
 use super::Waiter;
-use crate::loom::Arc;
 use crate::{EventApi, EventFence, ServerError};
 
 /// The future of [`EventFence::wait`] and `fence.await`: resolves once the
@@ -40,58 +36,14 @@ use crate::{EventApi, EventFence, ServerError};
 /// Polling again after the future has completed returns `Poll::Pending`.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct FenceFuture<A: EventApi> {
-    state: State<A>,
-    pool: Arc<Pool>,
-}
-
-enum State<A: EventApi> {
-    /// Not polled yet: the fence is still here.
-    First(EventFence<A>),
-    /// Handed to the waiter.
-    Waiting(Arc<Slot>),
-    Done,
+    handoff: Handoff<EventFence<A>>,
 }
 
 impl<A: EventApi> FenceFuture<A> {
     pub(super) fn new(fence: EventFence<A>, waiter: &Waiter) -> Self {
         Self {
-            state: State::First(fence),
-            pool: waiter.pool.clone(),
+            handoff: waiter.handoff(fence),
         }
-    }
-
-    /// The first poll: ask (and spin, if the waiter allows) before handing
-    /// off. Returns the result, or the slot the waiter will fill.
-    fn first_poll(
-        &self,
-        fence: EventFence<A>,
-        cx: &mut Context<'_>,
-    ) -> Result<Arc<Slot>, Result<(), ServerError>> {
-        let budget = self.pool.config.spin_budget;
-        // Read the clock only when spinning is allowed: a ready fence's await
-        // costs one query.
-        let started = (!budget.is_zero()).then(Instant::now);
-        loop {
-            match catch_unwind(AssertUnwindSafe(|| fence.is_complete())) {
-                Ok(Ok(true)) => return Err(Ok(())),
-                Ok(Err(err)) => return Err(Err(err)),
-                Err(payload) => {
-                    return Err(Err(ServerError::WaiterPanicked {
-                        message: ServerError::panic_message(payload.as_ref()),
-                    }))
-                }
-                Ok(Ok(false)) if started.is_some_and(|started| started.elapsed() < budget) => {
-                    std::hint::spin_loop();
-                }
-                Ok(Ok(false)) => break,
-            }
-        }
-        let slot = Arc::new(Slot::new(cx.waker().clone()));
-        let wait = Wait {
-            waitable: Box::new(fence),
-            slot: slot.clone(),
-        };
-        Pool::submit(&self.pool, wait).map(|()| slot).map_err(Err)
     }
 }
 
@@ -99,24 +51,7 @@ impl<A: EventApi> Future for FenceFuture<A> {
     type Output = Result<(), ServerError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.get_mut();
-        match std::mem::replace(&mut this.state, State::Done) {
-            State::First(fence) => match this.first_poll(fence, cx) {
-                Ok(slot) => {
-                    this.state = State::Waiting(slot);
-                    Poll::Pending
-                }
-                Err(result) => Poll::Ready(result),
-            },
-            State::Waiting(slot) => match slot.poll(cx) {
-                Poll::Ready(result) => Poll::Ready(result),
-                Poll::Pending => {
-                    this.state = State::Waiting(slot);
-                    Poll::Pending
-                }
-            },
-            State::Done => Poll::Pending,
-        }
+        self.get_mut().handoff.poll(cx)
     }
 }
 
@@ -125,26 +60,13 @@ impl<A: EventApi> Unpin for FenceFuture<A> {}
 
 impl<A: EventApi> FusedFuture for FenceFuture<A> {
     fn is_terminated(&self) -> bool {
-        matches!(self.state, State::Done)
-    }
-}
-
-impl<A: EventApi> Drop for FenceFuture<A> {
-    fn drop(&mut self) {
-        if let State::Waiting(slot) = &self.state {
-            slot.cancel();
-        }
+        self.handoff.is_terminated()
     }
 }
 
 impl<A: EventApi> fmt::Debug for FenceFuture<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = match self.state {
-            State::First(_) => "first poll",
-            State::Waiting(_) => "waiting",
-            State::Done => "done",
-        };
-        write!(f, "{}FenceFuture({state})", A::BACKEND)
+        write!(f, "{}FenceFuture({})", A::BACKEND, self.handoff.phase())
     }
 }
 

@@ -19,6 +19,7 @@
 //! any other runtime.
 
 mod future;
+mod handoff;
 #[cfg(all(test, loom))]
 mod loom_models;
 mod pool;
@@ -30,7 +31,9 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 pub use future::FenceFuture;
+pub(crate) use handoff::Handoff;
 use pool::{Config, Pool};
+pub(crate) use waitable::{LaneKey, Waitable};
 
 use crate::loom::Arc;
 use crate::{EventApi, EventFence};
@@ -82,6 +85,11 @@ impl Waiter {
     /// this waiter.
     pub fn wait<A: EventApi>(&self, fence: EventFence<A>) -> FenceFuture<A> {
         FenceFuture::new(fence, self)
+    }
+
+    /// The state machine of a future this waiter serves, for `waitable`.
+    pub(crate) fn handoff<W: Waitable>(&self, waitable: W) -> Handoff<W> {
+        Handoff::new(waitable, self.pool.clone())
     }
 
     /// Threads alive now: lane threads, plus the poller if it runs.

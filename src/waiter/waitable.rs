@@ -38,14 +38,21 @@ pub(crate) trait Waitable: Send + 'static {
     fn block(self: Box<Self>) -> Result<(), ServerError>;
 }
 
-impl<A: EventApi> Waitable for EventFence<A> {
-    fn lane(&self) -> LaneKey {
+impl LaneKey {
+    /// The lane of `stream` of backend `A`.
+    pub(crate) fn of<A: EventApi>(stream: A::Stream) -> Self {
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        self.stream().hash(&mut hasher);
-        LaneKey {
+        stream.hash(&mut hasher);
+        Self {
             backend: TypeId::of::<A>(),
             stream: hasher.finish(),
         }
+    }
+}
+
+impl<A: EventApi> Waitable for EventFence<A> {
+    fn lane(&self) -> LaneKey {
+        LaneKey::of::<A>(self.stream())
     }
 
     fn sequence(&self) -> u64 {

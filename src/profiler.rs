@@ -1,0 +1,335 @@
+//! [`EventProfiler`]: device time between two points of a stream, with the
+//! timing events kept in a bounded pool.
+
+use std::fmt;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use futures::future::FusedFuture;
+
+use crate::fence::next_sequence;
+use crate::waiter::{Handoff, LaneKey, Waitable, Waiter};
+use crate::{Event, EventApi, EventFlags, ServerError};
+
+/// Default [`EventProfiler::with_capacity`].
+pub const DEFAULT_PROFILER_CAPACITY: usize = 64;
+
+/// Measures device time between two points of a stream.
+///
+/// [`start`](Self::start) and [`stop`](Self::stop) record timing events;
+/// the [`Profile`] they give resolves to the device time between them, by
+/// [`Profile::wait_sync`] or by `.await` (served by the [`Waiter`], so no
+/// executor thread blocks). Events come from a pool and go back to it once
+/// read, or when a [`ProfileStart`] or [`Profile`] is dropped unread, so a
+/// hot loop allocates no events after its first round. The pool keeps at most
+/// its capacity; events beyond it are destroyed.
+///
+/// A profiler's events belong to the device (CUDA context) of the streams
+/// they were first recorded on: use one profiler per device. A pooled event
+/// the driver refuses on another context's stream is destroyed and replaced.
+///
+/// # Example
+///
+/// ```
+/// use device_events::host::{Host, HostStream};
+/// use device_events::EventProfiler;
+/// use std::time::Duration;
+///
+/// let stream = HostStream::new()?;
+/// let profiler = EventProfiler::<Host>::new();
+/// let mut total = Duration::ZERO;
+/// for _ in 0..10 {
+///     let start = profiler.start(stream.handle())?;
+///     stream.launch(|| std::thread::sleep(Duration::from_millis(1)))?;
+///     total += profiler.stop(start, stream.handle())?.wait_sync()?;
+/// }
+/// assert!(total >= Duration::from_millis(10));
+/// assert_eq!(profiler.created(), 2, "two events, reused for every round");
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+pub struct EventProfiler<A: EventApi> {
+    pool: Arc<EventPool<A>>,
+}
+
+struct EventPool<A: EventApi> {
+    events: Mutex<Vec<Event<A>>>,
+    capacity: usize,
+    created: AtomicUsize,
+}
+
+/// A started measurement; pass it to [`EventProfiler::stop`]. Dropping it
+/// returns its event to the pool.
+#[must_use = "a profile start measures nothing until it is stopped"]
+pub struct ProfileStart<A: EventApi> {
+    event: Option<Event<A>>,
+    pool: Arc<EventPool<A>>,
+}
+
+/// A stopped measurement: the device time from start to stop, once the
+/// device reaches the stop. Dropping it unread returns its events to the pool.
+#[must_use = "a profile is read with wait_sync() or .await"]
+pub struct Profile<A: EventApi> {
+    pair: Arc<EventPair<A>>,
+    stream: A::Stream,
+    sequence: u64,
+}
+
+/// The two events of a measurement; back to the pool when the last holder
+/// (the caller, or a waiter thread) drops it.
+struct EventPair<A: EventApi> {
+    start: Option<Event<A>>,
+    end: Option<Event<A>>,
+    pool: Arc<EventPool<A>>,
+}
+
+impl<A: EventApi> EventProfiler<A> {
+    /// A profiler keeping up to [`DEFAULT_PROFILER_CAPACITY`] idle events.
+    pub fn new() -> Self {
+        Self::with_capacity(DEFAULT_PROFILER_CAPACITY)
+    }
+
+    /// A profiler keeping up to `capacity` idle events (0 keeps none).
+    pub fn with_capacity(capacity: usize) -> Self {
+        Self {
+            pool: Arc::new(EventPool {
+                events: Mutex::new(Vec::new()),
+                capacity,
+                created: AtomicUsize::new(0),
+            }),
+        }
+    }
+
+    /// Record the start of a measurement at the current end of `stream`.
+    ///
+    /// # Errors
+    ///
+    /// The driver refused to create or record a timing event, or the stream
+    /// is faulted or invalid.
+    pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
+        Ok(ProfileStart {
+            event: Some(self.pool.record(stream)?),
+            pool: self.pool.clone(),
+        })
+    }
+
+    /// Record the end of the measurement `start` at the current end of
+    /// `stream` (usually the stream it started on).
+    ///
+    /// # Errors
+    ///
+    /// As for [`start`](Self::start); `start`'s event goes back to the pool.
+    pub fn stop(
+        &self,
+        mut start: ProfileStart<A>,
+        stream: A::Stream,
+    ) -> Result<Profile<A>, ServerError> {
+        let end = self.pool.record(stream)?;
+        let sequence = next_sequence();
+        Ok(Profile {
+            pair: Arc::new(EventPair {
+                start: start.event.take(),
+                end: Some(end),
+                pool: self.pool.clone(),
+            }),
+            stream,
+            sequence,
+        })
+    }
+
+    /// Idle events in the pool now.
+    pub fn pooled(&self) -> usize {
+        lock(&self.pool.events).len()
+    }
+
+    /// Events this profiler has created in all (a loop that stops growing
+    /// this allocates no events).
+    pub fn created(&self) -> usize {
+        self.pool.created.load(Ordering::Relaxed)
+    }
+}
+
+impl<A: EventApi> Default for EventProfiler<A> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl<A: EventApi> EventPool<A> {
+    /// A pooled event (or a new one) recorded on `stream`.
+    fn record(&self, stream: A::Stream) -> Result<Event<A>, ServerError> {
+        let pooled = lock(&self.events).pop();
+        if let Some(event) = pooled {
+            match event.record(stream) {
+                Ok(()) => return Ok(event),
+                // Another context's event, say: replace it with a new one.
+                Err(err) => log::debug!("a pooled {} event was refused: {err}", A::BACKEND),
+            }
+        }
+        let event = Event::new(stream, EventFlags::TIMING)?;
+        self.created.fetch_add(1, Ordering::Relaxed);
+        event.record(stream)?;
+        Ok(event)
+    }
+
+    fn give_back(&self, event: Event<A>) {
+        let mut events = lock(&self.events);
+        if events.len() < self.capacity {
+            events.push(event);
+        }
+    }
+}
+
+impl<A: EventApi> Profile<A> {
+    /// Block until the device reached the stop; the device time from start to
+    /// stop.
+    ///
+    /// # Errors
+    ///
+    /// A fault of the stream, or the driver's refusal to time the events.
+    pub fn wait_sync(self) -> Result<Duration, ServerError> {
+        self.pair.end().wait()?;
+        self.pair.elapsed()
+    }
+
+    /// A future of the device time, served by [`Waiter::global()`]; the same
+    /// as `profile.await`.
+    pub fn wait(self) -> ProfileFuture<A> {
+        self.wait_on(Waiter::global())
+    }
+
+    /// A future of the device time, served by `waiter`.
+    pub fn wait_on(self, waiter: &Waiter) -> ProfileFuture<A> {
+        ProfileFuture {
+            pair: self.pair.clone(),
+            handoff: waiter.handoff(self),
+        }
+    }
+}
+
+impl<A: EventApi> EventPair<A> {
+    fn end(&self) -> &Event<A> {
+        match &self.end {
+            Some(end) => end,
+            None => unreachable!("an EventPair is only emptied by its drop"),
+        }
+    }
+
+    fn elapsed(&self) -> Result<Duration, ServerError> {
+        match &self.start {
+            Some(start) => self.end().elapsed_since(start),
+            None => unreachable!("an EventPair is only emptied by its drop"),
+        }
+    }
+}
+
+impl<A: EventApi> Drop for EventPair<A> {
+    fn drop(&mut self) {
+        for event in [self.start.take(), self.end.take()].into_iter().flatten() {
+            self.pool.give_back(event);
+        }
+    }
+}
+
+impl<A: EventApi> Drop for ProfileStart<A> {
+    fn drop(&mut self) {
+        if let Some(event) = self.event.take() {
+            self.pool.give_back(event);
+        }
+    }
+}
+
+/// The waiter waits for the stop event, on the stream's lane.
+impl<A: EventApi> Waitable for Profile<A> {
+    fn lane(&self) -> LaneKey {
+        LaneKey::of::<A>(self.stream)
+    }
+
+    fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    fn query(&self) -> Result<bool, ServerError> {
+        self.pair.end().is_complete()
+    }
+
+    fn block(self: Box<Self>) -> Result<(), ServerError> {
+        self.pair.end().wait()
+    }
+}
+
+/// The future of [`Profile::wait`] and `profile.await`: the device time
+/// between start and stop.
+///
+/// # Cancel safety
+///
+/// Dropping it cancels the wait without blocking; the events go back to the
+/// pool when the waiter lets go of them.
+#[must_use = "futures do nothing unless you .await or poll them"]
+pub struct ProfileFuture<A: EventApi> {
+    pair: Arc<EventPair<A>>,
+    handoff: Handoff<Profile<A>>,
+}
+
+impl<A: EventApi> Future for ProfileFuture<A> {
+    type Output = Result<Duration, ServerError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        this.handoff
+            .poll(cx)
+            .map(|reached| reached.and_then(|()| this.pair.elapsed()))
+    }
+}
+
+// Nothing here is pinned in place: the future only moves handles.
+impl<A: EventApi> Unpin for ProfileFuture<A> {}
+
+impl<A: EventApi> FusedFuture for ProfileFuture<A> {
+    fn is_terminated(&self) -> bool {
+        self.handoff.is_terminated()
+    }
+}
+
+impl<A: EventApi> IntoFuture for Profile<A> {
+    type Output = Result<Duration, ServerError>;
+    type IntoFuture = ProfileFuture<A>;
+
+    fn into_future(self) -> ProfileFuture<A> {
+        self.wait()
+    }
+}
+
+impl<A: EventApi> fmt::Debug for EventProfiler<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct(&format!("{}EventProfiler", A::BACKEND))
+            .field("pooled", &self.pooled())
+            .field("created", &self.created())
+            .finish()
+    }
+}
+
+impl<A: EventApi> fmt::Debug for ProfileStart<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}ProfileStart", A::BACKEND)
+    }
+}
+
+impl<A: EventApi> fmt::Debug for Profile<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}Profile", A::BACKEND)
+    }
+}
+
+impl<A: EventApi> fmt::Debug for ProfileFuture<A> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}ProfileFuture({})", A::BACKEND, self.handoff.phase())
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}

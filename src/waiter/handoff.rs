@@ -1,0 +1,110 @@
+//! [`Handoff`]: the state machine behind every future the waiter serves: ask
+//! once on the first poll, hand the wait to the pool if not reached, then
+//! read the result from its slot.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use super::pool::{Pool, Wait};
+use super::slot::Slot;
+use super::waitable::Waitable;
+use crate::loom::Arc;
+use crate::ServerError;
+
+pub(crate) struct Handoff<W: Waitable> {
+    state: State<W>,
+    pool: Arc<Pool>,
+}
+
+enum State<W> {
+    /// Not polled yet: the waitable is still here.
+    First(W),
+    /// Handed to the waiter.
+    Waiting(Arc<Slot>),
+    Done,
+}
+
+impl<W: Waitable> Handoff<W> {
+    pub(crate) fn new(waitable: W, pool: Arc<Pool>) -> Self {
+        Self {
+            state: State::First(waitable),
+            pool,
+        }
+    }
+
+    pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
+        match std::mem::replace(&mut self.state, State::Done) {
+            State::First(waitable) => match self.first_poll(waitable, cx) {
+                Ok(slot) => {
+                    self.state = State::Waiting(slot);
+                    Poll::Pending
+                }
+                Err(result) => Poll::Ready(result),
+            },
+            State::Waiting(slot) => match slot.poll(cx) {
+                Poll::Ready(result) => Poll::Ready(result),
+                Poll::Pending => {
+                    self.state = State::Waiting(slot);
+                    Poll::Pending
+                }
+            },
+            State::Done => Poll::Pending,
+        }
+    }
+
+    /// The first poll: ask (and spin, if the waiter allows) before handing
+    /// off. Returns the result, or the slot the waiter will fill.
+    fn first_poll(
+        &self,
+        waitable: W,
+        cx: &mut Context<'_>,
+    ) -> Result<Arc<Slot>, Result<(), ServerError>> {
+        let budget = self.pool.config.spin_budget;
+        // Read the clock only when spinning is allowed: a ready fence's await
+        // costs one query.
+        let started = (!budget.is_zero()).then(Instant::now);
+        loop {
+            match catch_unwind(AssertUnwindSafe(|| waitable.query())) {
+                Ok(Ok(true)) => return Err(Ok(())),
+                Ok(Err(err)) => return Err(Err(err)),
+                Err(payload) => {
+                    return Err(Err(ServerError::WaiterPanicked {
+                        message: ServerError::panic_message(payload.as_ref()),
+                    }))
+                }
+                Ok(Ok(false)) if started.is_some_and(|started| started.elapsed() < budget) => {
+                    std::hint::spin_loop();
+                }
+                Ok(Ok(false)) => break,
+            }
+        }
+        let slot = Arc::new(Slot::new(cx.waker().clone()));
+        let wait = Wait {
+            waitable: Box::new(waitable),
+            slot: slot.clone(),
+        };
+        Pool::submit(&self.pool, wait).map(|()| slot).map_err(Err)
+    }
+
+    pub(crate) fn is_terminated(&self) -> bool {
+        matches!(self.state, State::Done)
+    }
+
+    /// For `Debug`: where the future is.
+    pub(crate) fn phase(&self) -> &'static str {
+        match self.state {
+            State::First(_) => "first poll",
+            State::Waiting(_) => "waiting",
+            State::Done => "done",
+        }
+    }
+}
+
+impl<W: Waitable> Drop for Handoff<W> {
+    fn drop(&mut self) {
+        if let State::Waiting(slot) = &self.state {
+            slot.cancel();
+        }
+    }
+}

@@ -1,0 +1,141 @@
+//! `EventProfiler` on the host backend: timing, pooling, errors, no leaks.
+
+mod common;
+
+use std::time::Duration;
+
+use common::Gate;
+use device_events::host::{live_events, Host, HostStream};
+use device_events::{EventProfiler, Waiter};
+use futures::FutureExt;
+
+/// `live_events` is process-wide: the tests of this file run one at a time.
+static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|poison| poison.into_inner())
+}
+
+const WORK: Duration = Duration::from_millis(20);
+
+#[test]
+fn measures_the_work_between_start_and_stop_synchronously() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let profiler = EventProfiler::<Host>::new();
+    let start = profiler.start(stream.handle()).unwrap();
+    stream.launch(|| std::thread::sleep(WORK)).unwrap();
+    let elapsed = profiler
+        .stop(start, stream.handle())
+        .unwrap()
+        .wait_sync()
+        .unwrap();
+    assert!(elapsed >= WORK, "{elapsed:?}");
+}
+
+#[test]
+fn measures_by_await_through_the_waiter() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let profiler = EventProfiler::<Host>::new();
+    let start = profiler.start(stream.handle()).unwrap();
+    stream.launch(|| std::thread::sleep(WORK)).unwrap();
+    let profile = profiler.stop(start, stream.handle()).unwrap();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let elapsed = runtime.block_on(async { profile.await }).unwrap();
+    assert!(elapsed >= WORK, "{elapsed:?}");
+}
+
+#[test]
+fn a_hot_loop_allocates_no_events_after_warm_up() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let profiler = EventProfiler::<Host>::new();
+    let waiter = Waiter::builder().build();
+    for round in 0..200 {
+        let start = profiler.start(stream.handle()).unwrap();
+        stream.launch(|| {}).unwrap();
+        let profile = profiler.stop(start, stream.handle()).unwrap();
+        if round % 2 == 0 {
+            profile.wait_sync().unwrap();
+        } else {
+            futures::executor::block_on(profile.wait_on(&waiter)).unwrap();
+        }
+    }
+    // The waiter may still hold the last pair for a moment after waking us.
+    common::eventually(Duration::from_secs(20), "the last pair is back", || {
+        profiler.pooled() == 2
+    });
+    assert_eq!(profiler.created(), 2);
+}
+
+#[test]
+fn dropped_starts_and_unread_profiles_return_their_events() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let profiler = EventProfiler::<Host>::new();
+    drop(profiler.start(stream.handle()).unwrap());
+    assert_eq!(profiler.pooled(), 1);
+    let gate = Gate::hold(&stream);
+    let start = profiler.start(stream.handle()).unwrap();
+    let profile = profiler.stop(start, stream.handle()).unwrap();
+    drop(profile); // unread, its stop still pending behind the gate
+    assert_eq!(profiler.pooled(), 2);
+    // A pending future dropped: the waiter gives the events back later.
+    let start = profiler.start(stream.handle()).unwrap();
+    let mut future = profiler.stop(start, stream.handle()).unwrap().wait();
+    assert!((&mut future).now_or_never().is_none());
+    drop(future);
+    gate.open();
+    common::eventually(
+        Duration::from_secs(20),
+        "the cancelled pair is back",
+        || profiler.pooled() == 2,
+    );
+    assert_eq!(profiler.created(), 2);
+}
+
+#[test]
+fn the_pool_is_bounded() {
+    let _serial = serial();
+    let stream = HostStream::new().unwrap();
+    let profiler = EventProfiler::<Host>::with_capacity(3);
+    let starts: Vec<_> = (0..10)
+        .map(|_| profiler.start(stream.handle()).unwrap())
+        .collect();
+    assert_eq!(profiler.created(), 10);
+    drop(starts);
+    assert_eq!(profiler.pooled(), 3, "the rest were destroyed");
+}
+
+#[test]
+fn a_faulted_stream_fails_the_measurement_and_nothing_leaks() {
+    let _serial = serial();
+    let before = live_events();
+    {
+        let stream = HostStream::new().unwrap();
+        let profiler = EventProfiler::<Host>::new();
+        let gate = Gate::hold(&stream);
+        let start = profiler.start(stream.handle()).unwrap();
+        stream.launch(|| panic!("fault while profiling")).unwrap();
+        let profile = profiler.stop(start, stream.handle()).unwrap();
+        gate.open();
+        let err = profile.wait_sync().unwrap_err();
+        assert!(err.is_faulted(), "{err}");
+        assert!(profiler.start(stream.handle()).unwrap_err().is_faulted());
+        let other = HostStream::new().unwrap();
+        let start = profiler.start(other.handle()).unwrap();
+        let err = profiler.stop(start, stream.handle()).unwrap_err();
+        assert!(err.is_faulted(), "{err}");
+    }
+    assert_eq!(live_events(), before);
+}
+
+#[test]
+fn debug_names_the_backend() {
+    let _serial = serial();
+    let profiler = EventProfiler::<Host>::new();
+    assert!(format!("{profiler:?}").starts_with("HostEventProfiler"));
+}
