@@ -59,6 +59,8 @@
 
 mod api;
 mod backend;
+#[cfg(multi_threading)]
+pub mod drop_queue;
 mod error;
 mod event;
 mod fence;

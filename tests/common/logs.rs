@@ -33,11 +33,20 @@ pub fn capture() {
 
 /// Warnings logged so far whose text contains `needle`.
 pub fn warnings_containing(needle: &str) -> Vec<String> {
+    containing(log::Level::Warn, needle)
+}
+
+/// Errors logged so far whose text contains `needle`.
+pub fn errors_containing(needle: &str) -> Vec<String> {
+    containing(log::Level::Error, needle)
+}
+
+fn containing(level: log::Level, needle: &str) -> Vec<String> {
     RECORDS
         .lock()
         .unwrap_or_else(|poison| poison.into_inner())
         .iter()
-        .filter(|(level, line)| *level == log::Level::Warn && line.contains(needle))
+        .filter(|(logged, line)| *logged == level && line.contains(needle))
         .map(|(_, line)| line.clone())
         .collect()
 }

@@ -1,0 +1,207 @@
+//! `DropQueue`: no value dropped before its fence passes, none lost, bounded,
+//! failed fences leak rather than free.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use common::{logs, Gate, Progress};
+use device_events::drop_queue::{DropQueue, Rejected};
+use device_events::host::{Host, HostStream};
+use device_events::EventFence;
+
+/// A value that checks, when dropped, that the work it stood for is done,
+/// and that it is dropped off the test's thread.
+struct Staging {
+    needs: usize,
+    progress: Progress,
+    test_thread: std::thread::ThreadId,
+    early: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+}
+
+impl Drop for Staging {
+    fn drop(&mut self) {
+        if self.progress.get() < self.needs || std::thread::current().id() == self.test_thread {
+            self.early.fetch_add(1, Ordering::SeqCst);
+        }
+        self.dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+#[derive(Default)]
+struct Counters {
+    early: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+}
+
+impl Counters {
+    fn staging(&self, needs: usize, progress: &Progress) -> Staging {
+        Staging {
+            needs,
+            progress: progress.clone(),
+            test_thread: std::thread::current().id(),
+            early: self.early.clone(),
+            dropped: self.dropped.clone(),
+        }
+    }
+}
+
+#[test]
+fn no_value_is_dropped_before_its_fence_and_none_is_lost() {
+    let streams: Vec<HostStream> = (0..4).map(|_| HostStream::new().unwrap()).collect();
+    let progress: Vec<Progress> = streams.iter().map(|_| Progress::default()).collect();
+    let gates: Vec<Gate> = streams.iter().map(Gate::hold).collect();
+    let queue = DropQueue::new(10_000).unwrap();
+    let counters = Counters::default();
+    let mut pushed = 0;
+    for step in 1..=200 {
+        for (stream, progress) in streams.iter().zip(&progress) {
+            progress.step_on(stream);
+            let fence = EventFence::<Host>::new(stream.handle());
+            assert!(queue.push(fence, counters.staging(step, progress)).is_ok());
+            pushed += 1;
+        }
+    }
+    // Every push returned while every stream was held: push never blocks.
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 0);
+    for gate in gates {
+        gate.open();
+    }
+    queue.flush();
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), pushed);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+    let stats = queue.shutdown();
+    assert_eq!(
+        (stats.pushed, stats.dropped, stats.leaked, stats.pending),
+        (800, 800, 0, 0)
+    );
+}
+
+#[test]
+fn a_full_queue_hands_the_value_back() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let queue = DropQueue::new(2).unwrap();
+    for value in 0..2 {
+        assert!(queue
+            .push(EventFence::<Host>::new(stream.handle()), value)
+            .is_ok());
+    }
+    match queue.push(EventFence::<Host>::new(stream.handle()), 7) {
+        Err(Rejected::Full(fence, value)) => {
+            assert_eq!(value, 7);
+            gate.open();
+            fence.wait_sync().unwrap();
+        }
+        other => panic!("expected Full, got {other:?}"),
+    }
+    queue.flush();
+    assert!(queue
+        .push(EventFence::<Host>::new(stream.handle()), 8)
+        .is_ok());
+    assert_eq!(queue.shutdown().dropped, 3);
+}
+
+#[test]
+fn a_failed_fence_leaks_its_value_with_an_error_logged() {
+    logs::capture();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    stream
+        .launch(|| panic!("illegal address during the copy"))
+        .unwrap();
+    let counters = Counters::default();
+    let progress = Progress::default();
+    let queue = DropQueue::new(8).unwrap();
+    assert!(queue
+        .push(
+            EventFence::<Host>::new(stream.handle()),
+            counters.staging(0, &progress)
+        )
+        .is_ok());
+    gate.open();
+    queue.flush();
+    let stats = queue.shutdown();
+    assert_eq!((stats.dropped, stats.leaked), (0, 1));
+    assert_eq!(
+        counters.dropped.load(Ordering::SeqCst),
+        0,
+        "leaked, not dropped"
+    );
+    let errors = logs::errors_containing("illegal address during the copy");
+    assert!(
+        errors.iter().any(|line| line.contains("leaking")),
+        "{errors:?}"
+    );
+}
+
+/// A value that may open a gate when dropped.
+struct Item {
+    name: &'static str,
+    opens: Option<Gate>,
+}
+
+impl Drop for Item {
+    fn drop(&mut self) {
+        if let Some(gate) = self.opens.take() {
+            gate.open();
+        }
+    }
+}
+
+#[test]
+fn shutdown_now_drops_what_passed_and_hands_back_the_rest() {
+    let done = HostStream::new().unwrap();
+    let first = HostStream::new().unwrap();
+    let held = HostStream::new().unwrap();
+    let first_gate = Gate::hold(&first);
+    let held_gate = Gate::hold(&held);
+    let queue = DropQueue::new(8).unwrap();
+    // The queue's thread waits on "first" (held by its gate) ...
+    let item = |name| Item { name, opens: None };
+    assert!(queue
+        .push(EventFence::<Host>::new(first.handle()), item("first"))
+        .is_ok());
+    common::eventually(
+        std::time::Duration::from_secs(20),
+        "the thread took \"first\"",
+        || queue.stats().queued == 0,
+    );
+    // ... while "passed" (already reached) and "held" wait behind it.
+    let passed = EventFence::<Host>::new(done.handle());
+    EventFence::<Host>::new(done.handle()).wait_sync().unwrap();
+    let passed_item = Item {
+        name: "passed",
+        // Dropping "passed" lets "first" finish, so shutdown_now can join.
+        opens: Some(first_gate),
+    };
+    assert!(queue.push(passed, passed_item).is_ok());
+    assert!(queue
+        .push(EventFence::<Host>::new(held.handle()), item("held"))
+        .is_ok());
+    let handed_back = queue.shutdown_now();
+    let names: Vec<&str> = handed_back.iter().map(|(_, item)| item.name).collect();
+    assert_eq!(names, ["held"]);
+    held_gate.open();
+    for (fence, item) in handed_back {
+        fence.wait_sync().unwrap();
+        drop(item);
+    }
+}
+
+#[test]
+fn dropping_the_queue_waits_for_its_fences() {
+    let stream = HostStream::new().unwrap();
+    let counters = Counters::default();
+    let progress = Progress::default();
+    {
+        let queue = DropQueue::new(8).unwrap();
+        progress.step_on(&stream);
+        let fence = EventFence::<Host>::new(stream.handle());
+        assert!(queue.push(fence, counters.staging(1, &progress)).is_ok());
+    } // dropped: waits for the fence, drops the value
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 1);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
