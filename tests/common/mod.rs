@@ -44,6 +44,11 @@ impl Progress {
         self.0.load(Ordering::SeqCst)
     }
 
+    /// Count one step.
+    pub fn bump(&self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+
     /// Queue a step on `stream` that bumps the counter.
     pub fn step_on(&self, stream: &HostStream) {
         let counter = self.0.clone();
