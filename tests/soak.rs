@@ -88,7 +88,10 @@ fn a_million_awaits_under_faults_leave_nothing_behind() {
     }));
     let events_before = live_events();
     let keep_alive = Duration::from_millis(100);
-    let waiter = Waiter::builder().max_threads(16).keep_alive(keep_alive).build();
+    let waiter = Waiter::builder()
+        .max_threads(16)
+        .keep_alive(keep_alive)
+        .build();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -192,9 +195,11 @@ fn a_million_awaits_under_faults_leave_nothing_behind() {
     common::eventually(Duration::from_secs(30), "the waiter is idle", || {
         waiter.pending() == 0
     });
-    common::eventually(Duration::from_secs(30), "waiter threads left after keep-alive", || {
-        waiter.threads() == 0
-    });
+    common::eventually(
+        Duration::from_secs(30),
+        "waiter threads left after keep-alive",
+        || waiter.threads() == 0,
+    );
     common::eventually(Duration::from_secs(30), "every event released", || {
         live_events() == events_before
     });

@@ -23,7 +23,7 @@
 //! ```
 
 mod driver;
-mod sleep;
+mod kernels;
 mod stream;
 
 use std::sync::Arc;
@@ -32,7 +32,7 @@ use std::time::Duration;
 pub use cudarc;
 use cudarc::driver::{CudaContext, CudaStream};
 pub use driver::CudaEvent;
-pub use sleep::SleepKernel;
+pub use kernels::{FaultKernel, SleepKernel};
 pub use stream::CudaStreamHandle;
 
 use crate::{EventApi, EventFence, EventFlags, ServerError};

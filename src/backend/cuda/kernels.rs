@@ -1,0 +1,161 @@
+//! Test kernels, hand-written PTX JIT-compiled by the driver (no NVRTC or
+//! toolkit needed): [`SleepKernel`], device work of a known length, and
+//! [`FaultKernel`], a write to an illegal address.
+
+use std::ffi::CStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::driver::Kernel;
+use crate::ServerError;
+
+/// `sleep_ns` spins one GPU thread on `%globaltimer` until the given number
+/// of nanoseconds has passed; `write_u32` stores 1 at the given address.
+/// `{TARGET}` is filled in from [`TARGETS`].
+const PTX: &str = r#"
+.version 7.0
+.target {TARGET}
+.address_size 64
+
+.visible .entry sleep_ns(
+    .param .u64 duration_ns
+)
+{
+    .reg .pred %p<2>;
+    .reg .b64 %rd<5>;
+
+    ld.param.u64 %rd1, [duration_ns];
+    mov.u64 %rd2, %globaltimer;
+    add.u64 %rd3, %rd2, %rd1;
+SPIN:
+    mov.u64 %rd4, %globaltimer;
+    setp.lt.u64 %p1, %rd4, %rd3;
+    @%p1 bra SPIN;
+    ret;
+}
+
+.visible .entry write_u32(
+    .param .u64 address
+)
+{
+    .reg .b32 %r<2>;
+    .reg .b64 %rd<2>;
+
+    ld.param.u64 %rd1, [address];
+    mov.u32 %r1, 1;
+    st.global.u32 [%rd1], %r1;
+    ret;
+}
+"#;
+
+/// Load the test module into `ctx` and find `name`, trying each target.
+fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
+    super::driver::ensure_loaded()?;
+    let mut last = None;
+    for target in TARGETS {
+        let ptx = PTX.replace("{TARGET}", target) + "\0";
+        let Ok(ptx) = CStr::from_bytes_with_nul(ptx.as_bytes()) else {
+            continue;
+        };
+        match Kernel::load(ctx, ptx, name) {
+            Ok(kernel) => return Ok(kernel),
+            Err(err) => last = Some(err),
+        }
+    }
+    Err(last.unwrap_or_else(|| ServerError::Unavailable {
+        backend: super::driver::BACKEND,
+        reason: "no PTX target could be loaded".to_owned(),
+    }))
+}
+
+/// Tried in order: the newest target first (drivers for CUDA 13 may no longer
+/// compile the oldest), the oldest last (for older GPUs on older drivers).
+const TARGETS: &[&str] = &["sm_75", "sm_60", "sm_50"];
+
+/// A kernel that keeps a stream busy for a given time: work of known length.
+///
+/// ```no_run
+/// use device_events::cuda::{self, SleepKernel};
+/// use std::time::Duration;
+///
+/// let ctx = cuda::context(0)?;
+/// let stream = ctx.new_stream()?;
+/// let sleep = SleepKernel::new(&ctx)?;
+/// sleep.launch(&stream, Duration::from_millis(10))?;
+/// cuda::fence(&stream).wait_sync()?;
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+pub struct SleepKernel {
+    kernel: Kernel,
+}
+
+impl SleepKernel {
+    /// Load the kernel into `ctx`. Its module stays loaded as long as the
+    /// context: load once per context, not once per launch.
+    ///
+    /// # Errors
+    ///
+    /// The driver could not JIT-compile the PTX for this device.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, ServerError> {
+        Ok(Self {
+            kernel: load(ctx, c"sleep_ns")?,
+        })
+    }
+
+    /// Queue `duration` of device-side spinning on `stream`.
+    ///
+    /// # Errors
+    ///
+    /// The stream belongs to another context, or the launch was refused.
+    pub fn launch(&self, stream: &CudaStream, duration: Duration) -> Result<(), ServerError> {
+        let nanos = u64::try_from(duration.as_nanos()).unwrap_or(u64::MAX);
+        self.kernel.launch_u64(stream, nanos)
+    }
+}
+
+impl std::fmt::Debug for SleepKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("SleepKernel")
+    }
+}
+
+/// A kernel that writes to an illegal address: it poisons its context on
+/// purpose, for tests of fault handling. After it runs, every call on the
+/// context fails with `CUDA_ERROR_ILLEGAL_ADDRESS` (a sticky
+/// [`ServerError::Faulted`]) for the rest of the process: run it in a test
+/// binary of its own.
+pub struct FaultKernel {
+    kernel: Kernel,
+}
+
+impl FaultKernel {
+    /// Load the kernel into `ctx`.
+    ///
+    /// # Errors
+    ///
+    /// The driver could not JIT-compile the PTX for this device.
+    pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, ServerError> {
+        Ok(Self {
+            kernel: load(ctx, c"write_u32")?,
+        })
+    }
+
+    /// Queue a write to an address no allocation covers.
+    ///
+    /// # Errors
+    ///
+    /// The stream belongs to another context, or the launch was refused.
+    pub fn launch(&self, stream: &CudaStream) -> Result<(), ServerError> {
+        // Far from any allocation, and 4-byte aligned: an illegal address,
+        // not a misaligned one.
+        self.kernel.launch_u64(stream, 0x10)
+    }
+}
+
+impl std::fmt::Debug for FaultKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FaultKernel")
+    }
+}

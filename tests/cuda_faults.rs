@@ -1,0 +1,124 @@
+//! The CUDA fault suite: a kernel writes to an illegal address and poisons
+//! the context; every pending and later fence, by `wait_sync` and by
+//! `.await`, returns a faulted `ServerError`, and none hangs.
+//!
+//! Its own test binary, with one test: the fault kills the context for the
+//! whole process. Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails.
+#![cfg(feature = "cuda")]
+
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use device_events::cuda::{self, Cuda, CudaStreamHandle, FaultKernel, SleepKernel};
+use device_events::{EventFence, EventProfiler, ServerError, Waiter};
+
+/// A wait that has not resolved after this long counts as hung. Generous on
+/// purpose: the driver reports the fault within a second.
+const HANG: Duration = Duration::from_secs(20);
+
+/// Run `wait` on its own thread; its result, and how long it took, or a
+/// failure if it hangs.
+fn resolves<F>(what: &str, wait: F) -> (Result<(), ServerError>, Duration)
+where
+    F: FnOnce() -> Result<(), ServerError> + Send + 'static,
+{
+    let (sender, receiver) = mpsc::channel();
+    let started = Instant::now();
+    std::thread::spawn(move || {
+        let _ = sender.send(wait());
+    });
+    match receiver.recv_timeout(HANG) {
+        Ok(result) => {
+            let took = started.elapsed();
+            eprintln!("{what}: {result:?} after {took:?}");
+            (result, took)
+        }
+        Err(_) => panic!("{what} hung for {HANG:?}"),
+    }
+}
+
+fn assert_faulted(what: &str, result: Result<(), ServerError>) {
+    match result {
+        Err(err) => assert!(err.is_faulted(), "{what}: expected a fault, got {err}"),
+        Ok(()) => panic!("{what}: resolved Ok on a poisoned context"),
+    }
+}
+
+#[test]
+fn an_illegal_address_faults_every_pending_and_later_wait() {
+    let setup = cuda::context(0).and_then(|ctx| {
+        let sleep = SleepKernel::new(&ctx)?;
+        let fault = FaultKernel::new(&ctx)?;
+        Ok((ctx, sleep, fault))
+    });
+    let (ctx, sleep, fault) = match setup {
+        Ok(setup) => setup,
+        Err(err) if std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|v| v == "1") => {
+            panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
+        }
+        Err(err) => {
+            eprintln!("skipping the CUDA fault suite: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            return;
+        }
+    };
+    let stream = ctx.new_stream().unwrap();
+    let other = ctx.new_stream().unwrap();
+    let waiter = Waiter::builder().build();
+
+    // Pending: recorded behind the faulting kernel, itself behind 200 ms of
+    // work, so every wait below starts before the fault happens.
+    sleep.launch(&stream, Duration::from_millis(200)).unwrap();
+    fault.launch(&stream).unwrap();
+    let pending_sync = cuda::fence(&stream);
+    let pending_await = waiter.wait(cuda::fence(&stream));
+    let pending_global_await = cuda::fence(&stream).wait();
+    let profiler = EventProfiler::<Cuda>::new();
+    let start = profiler.start(CudaStreamHandle::new(&stream)).unwrap();
+    let profile = profiler
+        .stop(start, CudaStreamHandle::new(&stream))
+        .unwrap();
+    // A device-side dependency on the faulting stream.
+    cuda::fence(&stream)
+        .wait_async(CudaStreamHandle::new(&other))
+        .unwrap();
+    let dependent = cuda::fence(&other);
+
+    let (result, _) = resolves("pending wait_sync", move || pending_sync.wait_sync());
+    assert_faulted("pending wait_sync", result);
+    let (result, _) = resolves("pending await (own waiter)", move || {
+        futures::executor::block_on(pending_await)
+    });
+    assert_faulted("pending await (own waiter)", result);
+    let (result, _) = resolves("pending await (global waiter)", move || {
+        futures::executor::block_on(pending_global_await)
+    });
+    assert_faulted("pending await (global waiter)", result);
+    let (result, _) = resolves("pending profile", move || profile.wait_sync().map(|_| ()));
+    assert_faulted("pending profile", result);
+    let (result, _) = resolves("stream behind a device-side wait", move || {
+        dependent.wait_sync()
+    });
+    assert_faulted("stream behind a device-side wait", result);
+
+    // Later: the context is poisoned, so recording fails, the synchronize
+    // fallback fails too, and the fence holds the fault.
+    let later = cuda::fence(&stream);
+    assert!(later.is_resolved_at_creation());
+    let (result, _) = resolves("later wait_sync", move || later.wait_sync());
+    assert_faulted("later wait_sync", result);
+    let later = cuda::fence(&other);
+    let (result, _) = resolves("later await", move || {
+        futures::executor::block_on(later.wait())
+    });
+    assert_faulted("later await", result);
+    let later = cuda::fence(&stream);
+    let target = CudaStreamHandle::new(&other);
+    let (result, _) = resolves("later wait_async", move || later.wait_async(target));
+    assert_faulted("later wait_async", result);
+    let handle = CudaStreamHandle::new(&stream);
+    let (result, _) = resolves("a new fence on the poisoned stream", move || {
+        EventFence::<Cuda>::new(handle).wait_sync()
+    });
+    assert_faulted("a new fence on the poisoned stream", result);
+    assert!(waiter.pending() == 0);
+}
