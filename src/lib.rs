@@ -21,6 +21,11 @@
 //!   small pool of dedicated threads that sleep in the driver, one per busy
 //!   stream, wakes the task; the executor's threads never block.
 //!
+//! Built on fences: [`EventProfiler`] measures device time between two points
+//! of a stream with pooled timing events, and [`drop_queue::DropQueue`] keeps
+//! values (host staging buffers) alive until their fence passes, then drops
+//! them off the caller's thread.
+//!
 //! # Knobs
 //!
 //! `fence.await` uses [`Waiter::global()`]; [`Waiter::builder()`] makes
