@@ -195,12 +195,13 @@ impl Pool {
         if state.lane_threads > 0 || state.poller {
             return;
         }
-        let message = format!("no waiter thread could be started: {err}");
+        let reason = format!("no waiter thread could be started: {err}");
         let failed = state.take_queued_waits();
         drop(state);
         for wait in failed {
-            wait.slot.complete(Err(ServerError::WaiterPanicked {
-                message: message.clone(),
+            wait.slot.complete(Err(ServerError::Unavailable {
+                backend: "Waiter",
+                reason: reason.clone(),
             }));
         }
     }

@@ -162,6 +162,25 @@ fn bind(ctx: &CudaContext) -> Result<(), ServerError> {
         .map_err(|err| driver_error("cuCtxSetCurrent", err))
 }
 
+/// The driver would refuse (or misbehave on) a handle of one context used on
+/// a stream of another: say so before calling it.
+fn same_context(
+    call: &'static str,
+    ctx: &CudaContext,
+    stream: &CudaStream,
+) -> Result<(), ServerError> {
+    if stream.context().cu_ctx() == ctx.cu_ctx() {
+        return Ok(());
+    }
+    Err(ServerError::Call {
+        backend: BACKEND,
+        call,
+        code: 201,
+        name: "CUDA_ERROR_INVALID_CONTEXT".to_owned(),
+        message: "the handle and the stream belong to different contexts".to_owned(),
+    })
+}
+
 /// The CUDA backend's raw event. It keeps its context alive, and is destroyed
 /// when dropped if [`Cuda::event_destroy`](super::Cuda) did not already.
 pub struct CudaEvent {
@@ -206,15 +225,7 @@ impl CudaEvent {
     /// Record at the current end of `stream`; the stream must share the
     /// event's context.
     pub(super) fn record(&self, stream: &CudaStream) -> Result<(), ServerError> {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(ServerError::Call {
-                backend: BACKEND,
-                call: "cuEventRecord",
-                code: 201,
-                name: "CUDA_ERROR_INVALID_CONTEXT".to_owned(),
-                message: "the event and the stream belong to different contexts".to_owned(),
-            });
-        }
+        same_context("cuEventRecord", &self.ctx, stream)?;
         bind(&self.ctx)?;
         // SAFETY: both handles are live: the event is owned by `self`, the
         // stream is borrowed from its owner for the call.
