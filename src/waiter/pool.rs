@@ -208,25 +208,36 @@ impl Pool {
 
     /// A lane thread: take a lane, serve it until empty, take the next.
     fn run_lane_thread(pool: Arc<Self>) {
-        let mut current = None;
+        let mut finished = None;
         loop {
-            let key = match current.take() {
-                Some(key) => key,
-                None => match pool.next_lane() {
-                    Some(key) => key,
-                    None => return,
-                },
+            let Some(key) = pool.next_lane(finished.take()) else {
+                return;
             };
-            if Self::serve_lane_once(&pool, key) {
-                current = Some(key);
-            }
+            while Self::serve_lane_once(&pool, key) {}
+            finished = Some(key);
         }
     }
 
-    /// The next lane for a lane thread, or `None` when it should exit (idle
-    /// past keep-alive, or shut down).
-    fn next_lane(&self) -> Option<LaneKey> {
+    /// The next lane for a lane thread that just `finished` one (or none), or
+    /// `None` when it should exit (idle past keep-alive, or shut down).
+    ///
+    /// Releasing the finished lane and going idle happen in one critical
+    /// section: a wait submitted in between either finds the lane still
+    /// served, or finds this thread idle and wakes it. So a stream whose lane
+    /// empties and refills does not make the pool start another thread.
+    fn next_lane(&self, finished: Option<LaneKey>) -> Option<LaneKey> {
         let mut state = self.state();
+        if let Some(key) = finished {
+            match state.lanes.get(&key) {
+                Some(lane) if lane.owner == Owner::Thread && !lane.waits.is_empty() => {
+                    return Some(key)
+                }
+                Some(lane) if lane.owner == Owner::Thread => {
+                    state.lanes.remove(&key);
+                }
+                _ => {}
+            }
+        }
         loop {
             if let Some(key) = state.take_lane_for_thread() {
                 return Some(key);
@@ -308,8 +319,8 @@ impl Pool {
     }
 
     /// Take the oldest live wait of `key` if `owner` serves it, dropping
-    /// cancelled ones on the way (outside the lock). An emptied lane is
-    /// removed, so the next submit queues it afresh.
+    /// cancelled ones on the way (outside the lock). A lane the poller
+    /// emptied is removed, so the next submit queues it afresh.
     fn pop_oldest(&self, key: LaneKey, owner: Owner) -> Option<Wait> {
         let mut cancelled = Vec::new();
         let mut state = self.state();
@@ -321,7 +332,11 @@ impl Pool {
                 Some((_, wait)) if wait.slot.is_cancelled() => cancelled.push(wait),
                 Some((_, wait)) => break Some(wait),
                 None => {
-                    state.lanes.remove(&key);
+                    // A lane thread releases its emptied lane in `next_lane`,
+                    // in the same critical section as going idle.
+                    if owner == Owner::Poller {
+                        state.lanes.remove(&key);
+                    }
                     break None;
                 }
             }
@@ -335,8 +350,8 @@ impl Pool {
     }
 
     /// Take every live wait of `key`, oldest first, if `owner` serves it; `None`
-    /// when there are none (the emptied lane is removed, so the next submit
-    /// queues it afresh). Cancelled waits are dropped outside the lock.
+    /// when there are none (a lane the poller emptied is removed). Cancelled
+    /// waits are dropped outside the lock.
     fn take_waits(&self, key: LaneKey, owner: Owner) -> Option<Vec<Wait>> {
         let mut state = self.state();
         let lane = state
@@ -346,7 +361,7 @@ impl Pool {
         let (live, cancelled): (Vec<Wait>, Vec<Wait>) = std::mem::take(&mut lane.waits)
             .into_values()
             .partition(|wait| !wait.slot.is_cancelled());
-        if live.is_empty() {
+        if live.is_empty() && owner == Owner::Poller {
             state.lanes.remove(&key);
         }
         state.pending -= cancelled.len();

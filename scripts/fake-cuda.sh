@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Run the CUDA tests and examples against the fake driver in
+# tests/fake_cuda/libcuda.c, on a machine without a GPU. It checks the
+# crate's side of the CUDA backend (context binding on every thread, handle
+# registry, error mapping, fallbacks, the waiter on CUDA fences), not PTX or
+# real hardware: scripts/gpu-check.sh does that on a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dir=target/fake-cuda
+mkdir -p "$dir"
+cc -shared -fPIC -O2 -o "$dir/libcuda.so" tests/fake_cuda/libcuda.c -lpthread
+export LD_LIBRARY_PATH="$PWD/$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export DEVICE_EVENTS_REQUIRE_CUDA=1
+cargo test --test cuda --test cuda_faults
+cargo run --example fences
+cargo run --example join_streams
