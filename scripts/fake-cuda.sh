@@ -14,3 +14,4 @@ export DEVICE_EVENTS_REQUIRE_CUDA=1
 cargo test --test cuda --test cuda_faults
 cargo run --example fences
 cargo run --example join_streams
+cargo test --doc

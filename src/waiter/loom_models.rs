@@ -56,11 +56,12 @@ impl Device {
 struct MockFence {
     reached: Arc<Device>,
     sequence: u64,
+    lane: u64,
 }
 
 impl Waitable for MockFence {
     fn lane(&self) -> LaneKey {
-        LaneKey::for_models(0)
+        LaneKey::for_models(self.lane)
     }
 
     fn sequence(&self) -> u64 {
@@ -94,11 +95,22 @@ fn pool() -> Arc<Pool> {
 }
 
 fn submit(pool: &Arc<Pool>, reached: &Arc<Device>, sequence: u64, waker: &Waker) -> Arc<Slot> {
+    submit_on(pool, reached, 0, sequence, waker)
+}
+
+fn submit_on(
+    pool: &Arc<Pool>,
+    reached: &Arc<Device>,
+    lane: u64,
+    sequence: u64,
+    waker: &Waker,
+) -> Arc<Slot> {
     let slot = Arc::new(Slot::new(waker.clone()));
     let wait = Wait {
         waitable: Box::new(MockFence {
             reached: reached.clone(),
             sequence,
+            lane,
         }),
         slot: slot.clone(),
     };
@@ -232,5 +244,25 @@ fn loom_shutdown_races_a_submit() {
         let result = poll_until_ready(&slot, &waker);
         assert!(matches!(result, Ok(()) | Err(ServerError::WaiterGone)));
         stopper.join().unwrap();
+    });
+}
+
+#[test]
+fn loom_a_second_lane_beyond_max_threads_is_polled_not_held_back() {
+    loom::model(|| {
+        // One lane thread may exist: it blocks on the slow lane, and the
+        // fast lane goes to the poller, which must resolve it while the slow
+        // one is still pending.
+        let pool = pool();
+        let slow = Arc::new(Device::default());
+        let fast = Arc::new(Device::default());
+        let waker = parking_waker();
+        let slow_slot = submit_on(&pool, &slow, 0, 1, &waker);
+        let fast_slot = submit_on(&pool, &fast, 1, 2, &waker);
+        fast.finish();
+        assert!(poll_until_ready(&fast_slot, &waker).is_ok());
+        slow.finish();
+        assert!(poll_until_ready(&slow_slot, &waker).is_ok());
+        pool.shutdown();
     });
 }

@@ -11,7 +11,7 @@
 //! backoff, so no lane waits behind another's slow work. A lane thread that
 //! runs out of work takes a lane back from the poller.
 
-use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::collections::{BTreeMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
@@ -44,7 +44,8 @@ pub(crate) struct Pool {
 
 #[derive(Default)]
 struct State {
-    lanes: HashMap<LaneKey, Lane>,
+    /// Ordered, so iteration (and a loom model) is deterministic.
+    lanes: BTreeMap<LaneKey, Lane>,
     /// Lanes with waits and no thread, oldest first.
     queued: VecDeque<LaneKey>,
     lane_threads: usize,
@@ -435,11 +436,10 @@ impl Pool {
     pub(crate) fn shutdown(&self) {
         let mut state = self.state();
         state.shutdown = true;
-        let gone = state
-            .lanes
-            .drain()
-            .flat_map(|(_, lane)| lane.waits.into_values());
-        let gone: Vec<Wait> = gone.collect();
+        let gone: Vec<Wait> = std::mem::take(&mut state.lanes)
+            .into_values()
+            .flat_map(|lane| lane.waits.into_values())
+            .collect();
         state.queued.clear();
         state.pending -= gone.len();
         drop(state);

@@ -8,7 +8,7 @@ use crate::{EventApi, EventFence, ServerError};
 /// Identifies a stream across backends: the backend's type and a hash of its
 /// stream handle. Two streams whose hashes collide share a lane, which costs
 /// only latency (one waits behind the other), never correctness.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) struct LaneKey {
     backend: TypeId,
     stream: u64,
