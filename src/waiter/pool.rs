@@ -20,6 +20,9 @@ use super::waitable::{LaneKey, Waitable};
 use crate::loom::{lock, thread, Arc, Condvar, Mutex, MutexGuard};
 use crate::ServerError;
 
+/// The most waits a thread takes out of a lane to query in one round.
+const BATCH: usize = 256;
+
 /// The poller's first pause after a round without progress.
 const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
 /// The poller's longest pause: the most latency an overflow lane can add.
@@ -350,18 +353,33 @@ impl Pool {
         found
     }
 
-    /// Take every live wait of `key`, oldest first, if `owner` serves it; `None`
-    /// when there are none (a lane the poller emptied is removed). Cancelled
-    /// waits are dropped outside the lock.
+    /// Take up to [`BATCH`] live waits of `key`, oldest first, if `owner`
+    /// serves it; `None` when there are none (a lane the poller emptied is
+    /// removed). Cancelled waits are dropped outside the lock.
+    ///
+    /// Bounded, so a lane of thousands that is only partly reached costs a
+    /// batch per round, not the whole lane taken out and put back.
     fn take_waits(&self, key: LaneKey, owner: Owner) -> Option<Vec<Wait>> {
+        let mut cancelled = Vec::new();
+        let mut live = Vec::new();
         let mut state = self.state();
         let lane = state
             .lanes
             .get_mut(&key)
             .filter(|lane| lane.owner == owner)?;
-        let (live, cancelled): (Vec<Wait>, Vec<Wait>) = std::mem::take(&mut lane.waits)
-            .into_values()
-            .partition(|wait| !wait.slot.is_cancelled());
+        while live.is_empty() && !lane.waits.is_empty() {
+            let rest = match lane.waits.keys().nth(BATCH) {
+                Some(&first_left) => lane.waits.split_off(&first_left),
+                None => BTreeMap::new(),
+            };
+            for (_, wait) in std::mem::replace(&mut lane.waits, rest) {
+                if wait.slot.is_cancelled() {
+                    cancelled.push(wait);
+                } else {
+                    live.push(wait);
+                }
+            }
+        }
         if live.is_empty() && owner == Owner::Poller {
             state.lanes.remove(&key);
         }
