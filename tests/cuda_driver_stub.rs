@@ -33,7 +33,6 @@ const SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
-    "cuEventElapsedTime",
     "cuModuleLoadData",
     "cuModuleGetFunction",
     "cuLaunchKernel",

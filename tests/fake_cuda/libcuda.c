@@ -205,7 +205,8 @@ int cuEventDestroy_v2(void *event) {
     return SUCCESS;
 }
 
-int cuEventElapsedTime(float *ms, void *start, void *end) {
+/* Only the _v2 name, as a CUDA 13 header would call: the crate must find it. */
+int cuEventElapsedTime_v2(float *ms, void *start, void *end) {
     CHECK();
     event_t *a = start, *b = end;
     if ((a->flags | b->flags) & EVENT_DISABLE_TIMING) return INVALID_HANDLE;

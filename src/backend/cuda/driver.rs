@@ -44,11 +44,42 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuEventQuery",
     "cuEventSynchronize",
     "cuEventDestroy_v2",
-    "cuEventElapsedTime",
     "cuModuleLoadData",
     "cuModuleGetFunction",
     "cuLaunchKernel",
 ];
+
+/// The names `cuEventElapsedTime` has had: CUDA 12.8 added `_v2`, and CUDA
+/// 13 headers map the plain name to it. Both take the same arguments, so the
+/// first one the library exports is used, and a driver with neither only
+/// loses timing, not the backend.
+const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime", "cuEventElapsedTime_v2"];
+
+type ElapsedFn = unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> sys::CUresult;
+
+/// The driver's elapsed-time entry point, looked up once.
+fn elapsed_fn() -> Result<ElapsedFn, ServerError> {
+    static FOUND: OnceLock<Option<ElapsedFn>> = OnceLock::new();
+    let found = FOUND.get_or_init(|| {
+        // SAFETY: only called after `ensure_loaded` found the library (an
+        // event exists), so cudarc's loader does not reach its panic.
+        let library = unsafe { sys::culib() };
+        ELAPSED_SYMBOLS.iter().find_map(|name| {
+            // SAFETY: both names have the signature of `ElapsedFn`
+            // (CUDA driver API, cuEventElapsedTime); the library stays
+            // loaded for the life of the process, so the pointer does too.
+            unsafe { library.get::<ElapsedFn>(name.as_bytes()) }
+                .ok()
+                .map(|symbol| *symbol)
+        })
+    });
+    found.ok_or_else(|| {
+        unavailable(format!(
+            "the CUDA driver exports neither {}",
+            ELAPSED_SYMBOLS.join(" nor ")
+        ))
+    })
+}
 
 /// Status codes after which a context is unusable for good: every later call
 /// on it returns the same error (CUDA driver API, "Error Handling").
@@ -270,9 +301,10 @@ impl CudaEvent {
         bind(&self.ctx)?;
         let mut ms = 0.0f32;
         // SAFETY: `ms` is a valid place for the result; both events are live.
-        check("cuEventElapsedTime", unsafe {
-            sys::cuEventElapsedTime(&mut ms, start.raw, self.raw)
-        })?;
+        let elapsed = elapsed_fn()?;
+        // SAFETY: `ms` is a valid place for the result; both events are live;
+        // `elapsed` has the driver's signature for these arguments.
+        check("cuEventElapsedTime", unsafe { elapsed(&mut ms, start.raw, self.raw) })?;
         Ok(ms)
     }
 
