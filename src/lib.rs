@@ -26,6 +26,11 @@
 //! values (host staging buffers) alive until their fence passes, then drops
 //! them off the caller's thread.
 //!
+//! The crate promises what a driver promises: a refused event falls back to
+//! synchronizing the stream, a refused device-side wait falls back to a host
+//! wait (each with a logged warning), and driver faults come back as
+//! [`ServerError`], never as a panic or a hang.
+//!
 //! # Knobs
 //!
 //! `fence.await` uses [`Waiter::global()`]; [`Waiter::builder()`] makes
@@ -33,11 +38,6 @@
 //! 64), [`keep_alive`](WaiterBuilder::keep_alive) (default 10 s),
 //! [`thread_name`](WaiterBuilder::thread_name), and
 //! [`spin_budget`](WaiterBuilder::spin_budget) (default zero).
-//!
-//! The crate promises what a driver promises: a refused event falls back to
-//! synchronizing the stream, a refused device-side wait falls back to a host
-//! wait (each with a logged warning), and driver faults come back as
-//! [`ServerError`], never as a panic or a hang.
 //!
 //! # Backends
 //!
