@@ -304,7 +304,9 @@ impl CudaEvent {
         let elapsed = elapsed_fn()?;
         // SAFETY: `ms` is a valid place for the result; both events are live;
         // `elapsed` has the driver's signature for these arguments.
-        check("cuEventElapsedTime", unsafe { elapsed(&mut ms, start.raw, self.raw) })?;
+        check("cuEventElapsedTime", unsafe {
+            elapsed(&mut ms, start.raw, self.raw)
+        })?;
         Ok(ms)
     }
 
