@@ -5,7 +5,7 @@ use std::fmt;
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -203,9 +203,14 @@ impl<A: EventApi> Profile<A> {
 
     /// A future of the device time, served by `waiter`.
     pub fn wait_on(self, waiter: &Waiter) -> ProfileFuture<A> {
+        let wait = PairWait {
+            pair: Arc::downgrade(&self.pair),
+            stream: self.stream,
+            sequence: self.sequence,
+        };
         ProfileFuture {
-            pair: self.pair.clone(),
-            handoff: waiter.handoff(self),
+            pair: self.pair,
+            handoff: waiter.handoff(wait),
         }
     }
 }
@@ -242,8 +247,20 @@ impl<A: EventApi> Drop for ProfileStart<A> {
     }
 }
 
-/// The waiter waits for the stop event, on the stream's lane.
-impl<A: EventApi> Waitable for Profile<A> {
+/// What the waiter holds of a profile: the stop event, weakly, upgraded only
+/// for the length of a query or a blocking wait and released before the
+/// future is woken. So a completed profile's events are back in the pool by
+/// the time its future returns: a loop that awaits each profile reuses the
+/// same two events.
+struct PairWait<A: EventApi> {
+    pair: Weak<EventPair<A>>,
+    stream: A::Stream,
+    sequence: u64,
+}
+
+/// The waiter waits for the stop event, on the stream's lane. A pair already
+/// gone (its future dropped) has nothing left to wait for.
+impl<A: EventApi> Waitable for PairWait<A> {
     fn lane(&self) -> LaneKey {
         LaneKey::of::<A>(self.stream)
     }
@@ -253,11 +270,17 @@ impl<A: EventApi> Waitable for Profile<A> {
     }
 
     fn query(&self) -> Result<bool, ServerError> {
-        self.pair.end().is_complete()
+        match self.pair.upgrade() {
+            Some(pair) => pair.end().is_complete(),
+            None => Ok(true),
+        }
     }
 
     fn block(self: Box<Self>) -> Result<(), ServerError> {
-        self.pair.end().wait()
+        match self.pair.upgrade() {
+            Some(pair) => pair.end().wait(),
+            None => Ok(()),
+        }
     }
 }
 
@@ -266,12 +289,13 @@ impl<A: EventApi> Waitable for Profile<A> {
 ///
 /// # Cancel safety
 ///
-/// Dropping it cancels the wait without blocking; the events go back to the
-/// pool when the waiter lets go of them.
+/// Dropping it cancels the wait without blocking. Its events go back to the
+/// pool at once, or, if a waiter thread is blocked on the stop event right
+/// then, as soon as that thread's wait ends.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct ProfileFuture<A: EventApi> {
     pair: Arc<EventPair<A>>,
-    handoff: Handoff<Profile<A>>,
+    handoff: Handoff<PairWait<A>>,
 }
 
 impl<A: EventApi> Future for ProfileFuture<A> {
