@@ -52,6 +52,12 @@ impl Device {
     }
 }
 
+/// The device's work ends on a thread of its own, racing the model.
+fn finish_on_a_thread(device: &Arc<Device>) -> thread::JoinHandle<()> {
+    let device = device.clone();
+    thread::spawn(move || device.finish())
+}
+
 /// A fence on the model's device.
 struct MockFence {
     reached: Arc<Device>,
@@ -181,10 +187,7 @@ fn loom_pool_hands_off_and_resolves() {
         let reached = Arc::new(Device::default());
         let waker = parking_waker();
         let slot = submit(&pool, &reached, 1, &waker);
-        let device = {
-            let reached = reached.clone();
-            thread::spawn(move || reached.finish())
-        };
+        let device = finish_on_a_thread(&reached);
         assert!(poll_until_ready(&slot, &waker).is_ok());
         device.join().unwrap();
         assert_eq!(pool.pending(), 0);
@@ -214,10 +217,7 @@ fn loom_pool_cancelled_wait_is_dropped_and_counted() {
         let reached = Arc::new(Device::default());
         let waker = parking_waker();
         let slot = submit(&pool, &reached, 1, &waker);
-        let device = {
-            let reached = reached.clone();
-            thread::spawn(move || reached.finish())
-        };
+        let device = finish_on_a_thread(&reached);
         slot.cancel(); // the future was dropped
         device.join().unwrap();
         while pool.pending() != 0 {
