@@ -239,7 +239,7 @@ fn many_awaits_on_few_streams_use_few_threads() {
     let Some((ctx, sleep)) = gpu("many_awaits_on_few_streams_use_few_threads") else {
         return;
     };
-    let waiter = device_events::Waiter::builder().max_threads(8).build();
+    let waiter = device_events::Waiter::builder().build();
     let streams: Vec<_> = (0..8).map(|_| ctx.new_stream().unwrap()).collect();
     let mut waits = Vec::new();
     for _ in 0..250 {

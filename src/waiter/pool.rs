@@ -142,10 +142,18 @@ impl Pool {
     }
 
     /// A lane was queued: wake an idle thread, or decide what to spawn.
+    ///
+    /// A new lane thread starts only while there are fewer lane threads than
+    /// lanes. Each thread serves at most one lane, so otherwise some thread
+    /// is free: idle and already woken, or between lanes, and it takes the
+    /// queued lane before it sleeps. This keeps threads at one per busy
+    /// stream even when lanes drain and refill faster than threads wake.
     fn find_server(&self, state: &mut State) -> Spawn {
         if state.idle > state.notified {
             state.notified += 1;
             self.work.notify_one();
+            Spawn::Nothing
+        } else if state.lane_threads >= state.lanes.len() {
             Spawn::Nothing
         } else if state.lane_threads < self.config.max_threads {
             state.lane_threads += 1;
