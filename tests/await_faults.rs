@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::faulty::{inject, Faulty, Plan};
+use common::faulty::{self, inject, Faulty, Plan};
 use common::{eventually, Gate, Progress};
 use device_events::host::{live_events, Host, HostStream};
 use device_events::{EventFence, ServerError, Waiter};
@@ -26,6 +26,31 @@ fn runtime() -> tokio::runtime::Runtime {
         .enable_time()
         .build()
         .unwrap()
+}
+
+#[test]
+fn dropped_futures_behind_a_held_wait_release_their_events_at_once() {
+    let waiter = Waiter::builder().max_threads(1).build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    // The lane's thread blocks on this one until the gate opens.
+    let mut held = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    assert!((&mut held).now_or_never().is_none());
+
+    // A service retrying with short timeouts on the stuck stream: each
+    // future is handed off, then dropped. Its wait leaves the waiter and its
+    // event is destroyed then, not piled up behind the held wait.
+    for round in 1..=100 {
+        let fence = EventFence::<Faulty>::new(stream.handle());
+        assert!(waiter.wait(fence).now_or_never().is_none(), "round {round}");
+        assert_eq!(waiter.pending(), 1, "round {round}: only the held wait");
+        assert_eq!(faulty::destroyed(stream.handle()), round, "round {round}");
+    }
+
+    gate.open();
+    futures::executor::block_on(held).unwrap();
+    assert_eq!(waiter.pending(), 0);
+    assert_eq!(faulty::destroyed(stream.handle()), 101);
 }
 
 #[test]

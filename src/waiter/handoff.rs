@@ -8,7 +8,7 @@ use std::time::Instant;
 
 use super::pool::{Pool, Wait};
 use super::slot::Slot;
-use super::waitable::Waitable;
+use super::waitable::{LaneKey, Waitable};
 use crate::loom::Arc;
 use crate::ServerError;
 
@@ -20,8 +20,13 @@ pub(crate) struct Handoff<W: Waitable> {
 enum State<W> {
     /// Not polled yet: the waitable is still here.
     First(W),
-    /// Handed to the waiter.
-    Waiting(Arc<Slot>),
+    /// Handed to the waiter: where its result goes, and where in the pool
+    /// the wait sits (to take it out if the future is dropped).
+    Waiting {
+        slot: Arc<Slot>,
+        lane: LaneKey,
+        sequence: u64,
+    },
     Done,
 }
 
@@ -35,17 +40,32 @@ impl<W: Waitable> Handoff<W> {
 
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
         match std::mem::replace(&mut self.state, State::Done) {
-            State::First(waitable) => match self.first_poll(waitable, cx) {
-                Ok(slot) => {
-                    self.state = State::Waiting(slot);
-                    Poll::Pending
+            State::First(waitable) => {
+                let (lane, sequence) = (waitable.lane(), waitable.sequence());
+                match self.first_poll(waitable, cx) {
+                    Ok(slot) => {
+                        self.state = State::Waiting {
+                            slot,
+                            lane,
+                            sequence,
+                        };
+                        Poll::Pending
+                    }
+                    Err(result) => Poll::Ready(result),
                 }
-                Err(result) => Poll::Ready(result),
-            },
-            State::Waiting(slot) => match slot.poll(cx) {
+            }
+            State::Waiting {
+                slot,
+                lane,
+                sequence,
+            } => match slot.poll(cx) {
                 Poll::Ready(result) => Poll::Ready(result),
                 Poll::Pending => {
-                    self.state = State::Waiting(slot);
+                    self.state = State::Waiting {
+                        slot,
+                        lane,
+                        sequence,
+                    };
                     Poll::Pending
                 }
             },
@@ -95,16 +115,26 @@ impl<W: Waitable> Handoff<W> {
     pub(crate) fn phase(&self) -> &'static str {
         match self.state {
             State::First(_) => "first poll",
-            State::Waiting(_) => "waiting",
+            State::Waiting { .. } => "waiting",
             State::Done => "done",
         }
     }
 }
 
 impl<W: Waitable> Drop for Handoff<W> {
+    /// Cancel a handed-off wait and take it out of its lane, so its event is
+    /// destroyed now (here: destroying an event with pending work does not
+    /// block) rather than when the lane's thread reaches it. A wait a thread
+    /// has already taken out stays with that thread, which drops it.
     fn drop(&mut self) {
-        if let State::Waiting(slot) = &self.state {
+        if let State::Waiting {
+            slot,
+            lane,
+            sequence,
+        } = &self.state
+        {
             slot.cancel();
+            drop(self.pool.withdraw(*lane, *sequence, slot));
         }
     }
 }

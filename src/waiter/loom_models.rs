@@ -7,42 +7,85 @@ use std::time::Duration;
 
 use loom::sync::atomic::{AtomicUsize, Ordering};
 
+use super::handoff::Handoff;
 use super::pool::{Config, Pool, Wait};
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
 use crate::loom::{lock, thread, Arc, Condvar, Mutex};
 use crate::ServerError;
 
-/// A waker that counts its wakes and, for a parking task, unparks the thread
-/// that made it, so the task sleeps between polls instead of spinning.
-struct CountingWaker(AtomicUsize, Option<thread::Thread>);
+/// A waker that counts its wakes.
+struct CountingWaker(AtomicUsize);
 
 impl Wake for CountingWaker {
     fn wake(self: std::sync::Arc<Self>) {
         self.0.fetch_add(1, Ordering::SeqCst);
-        if let Some(task) = &self.1 {
-            task.unpark();
-        }
     }
 }
 
 fn counting_waker() -> (Waker, std::sync::Arc<CountingWaker>) {
-    let counter = std::sync::Arc::new(CountingWaker(AtomicUsize::new(0), None));
+    let counter = std::sync::Arc::new(CountingWaker(AtomicUsize::new(0)));
     (Waker::from(counter.clone()), counter)
 }
 
-fn parking_waker() -> Waker {
-    Waker::from(std::sync::Arc::new(CountingWaker(
-        AtomicUsize::new(0),
-        Some(thread::current()),
-    )))
+/// A task that sleeps between polls until woken. Its wake-up is a flag under
+/// a mutex with a condvar, not `thread::unpark`: loom lets an unpark make a
+/// thread runnable while it is blocked on a mutex, and then fails the model
+/// ("expected to be able to acquire lock") on a schedule that cannot happen.
+struct Task {
+    waker: Waker,
+    signal: std::sync::Arc<Signal>,
 }
 
-/// The "device": a flag its work sets when done.
+#[derive(Default)]
+struct Signal {
+    woken: Mutex<bool>,
+    changed: Condvar,
+}
+
+impl Wake for Signal {
+    fn wake(self: std::sync::Arc<Self>) {
+        *lock(&self.woken) = true;
+        self.changed.notify_one();
+    }
+}
+
+impl Task {
+    fn new() -> Self {
+        let signal = std::sync::Arc::new(Signal::default());
+        Self {
+            waker: Waker::from(signal.clone()),
+            signal,
+        }
+    }
+
+    /// Poll `slot` as a task would, sleeping until woken, until it is ready.
+    fn poll_until_ready(&self, slot: &Slot) -> Result<(), ServerError> {
+        let mut cx = Context::from_waker(&self.waker);
+        loop {
+            if let Poll::Ready(result) = slot.poll(&mut cx) {
+                return result;
+            }
+            let mut woken = lock(&self.signal.woken);
+            while !*woken {
+                woken = self
+                    .signal
+                    .changed
+                    .wait(woken)
+                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+            }
+            *woken = false;
+        }
+    }
+}
+
+/// The "device": a flag its work sets when done, and a count of the fences
+/// on it that have been dropped (their events destroyed).
 #[derive(Default)]
 struct Device {
     reached: Mutex<bool>,
     changed: Condvar,
+    fences_dropped: AtomicUsize,
 }
 
 impl Device {
@@ -91,6 +134,12 @@ impl Waitable for MockFence {
     }
 }
 
+impl Drop for MockFence {
+    fn drop(&mut self) {
+        self.reached.fences_dropped.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
 fn pool() -> Arc<Pool> {
     Arc::new(Pool::new(Config {
         max_threads: 1,
@@ -122,17 +171,6 @@ fn submit_on(
     };
     assert!(Pool::submit(pool, wait).is_ok());
     slot
-}
-
-/// Poll `slot` as a task would, until it is ready.
-fn poll_until_ready(slot: &Slot, waker: &Waker) -> Result<(), ServerError> {
-    let mut cx = Context::from_waker(waker);
-    loop {
-        match slot.poll(&mut cx) {
-            Poll::Ready(result) => return result,
-            Poll::Pending => thread::park(),
-        }
-    }
 }
 
 #[test]
@@ -185,10 +223,10 @@ fn loom_pool_hands_off_and_resolves() {
     loom::model(|| {
         let pool = pool();
         let reached = Arc::new(Device::default());
-        let waker = parking_waker();
-        let slot = submit(&pool, &reached, 1, &waker);
+        let task = Task::new();
+        let slot = submit(&pool, &reached, 1, &task.waker);
         let device = finish_on_a_thread(&reached);
-        assert!(poll_until_ready(&slot, &waker).is_ok());
+        assert!(task.poll_until_ready(&slot).is_ok());
         device.join().unwrap();
         assert_eq!(pool.pending(), 0);
         pool.shutdown();
@@ -200,12 +238,12 @@ fn loom_pool_resolves_a_lane_in_order() {
     loom::model(|| {
         let pool = pool();
         let reached = Arc::new(Device::default());
-        let waker = parking_waker();
-        let first = submit(&pool, &reached, 1, &waker);
-        let second = submit(&pool, &reached, 2, &waker);
+        let task = Task::new();
+        let first = submit(&pool, &reached, 1, &task.waker);
+        let second = submit(&pool, &reached, 2, &task.waker);
         reached.finish();
-        assert!(poll_until_ready(&second, &waker).is_ok());
-        assert!(poll_until_ready(&first, &waker).is_ok());
+        assert!(task.poll_until_ready(&second).is_ok());
+        assert!(task.poll_until_ready(&first).is_ok());
         pool.shutdown();
     });
 }
@@ -215,8 +253,8 @@ fn loom_pool_cancelled_wait_is_dropped_and_counted() {
     loom::model(|| {
         let pool = pool();
         let reached = Arc::new(Device::default());
-        let waker = parking_waker();
-        let slot = submit(&pool, &reached, 1, &waker);
+        let task = Task::new();
+        let slot = submit(&pool, &reached, 1, &task.waker);
         let device = finish_on_a_thread(&reached);
         slot.cancel(); // the future was dropped
         device.join().unwrap();
@@ -233,15 +271,15 @@ fn loom_shutdown_races_a_submit() {
     loom::model(|| {
         let pool = pool();
         let reached = Arc::new(Device::default());
-        let waker = parking_waker();
-        let slot = submit(&pool, &reached, 1, &waker);
+        let task = Task::new();
+        let slot = submit(&pool, &reached, 1, &task.waker);
         let stopper = {
             let pool = pool.clone();
             thread::spawn(move || pool.shutdown())
         };
         reached.finish();
         // Either the thread resolved it, or shutdown did: never pending forever.
-        let result = poll_until_ready(&slot, &waker);
+        let result = task.poll_until_ready(&slot);
         assert!(matches!(result, Ok(()) | Err(ServerError::WaiterGone)));
         stopper.join().unwrap();
     });
@@ -256,13 +294,62 @@ fn loom_a_second_lane_beyond_max_threads_is_polled_not_held_back() {
         let pool = pool();
         let slow = Arc::new(Device::default());
         let fast = Arc::new(Device::default());
-        let waker = parking_waker();
-        let slow_slot = submit_on(&pool, &slow, 0, 1, &waker);
-        let fast_slot = submit_on(&pool, &fast, 1, 2, &waker);
+        let task = Task::new();
+        let slow_slot = submit_on(&pool, &slow, 0, 1, &task.waker);
+        let fast_slot = submit_on(&pool, &fast, 1, 2, &task.waker);
         fast.finish();
-        assert!(poll_until_ready(&fast_slot, &waker).is_ok());
+        assert!(task.poll_until_ready(&fast_slot).is_ok());
         slow.finish();
-        assert!(poll_until_ready(&slow_slot, &waker).is_ok());
+        assert!(task.poll_until_ready(&slow_slot).is_ok());
         pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_a_dropped_future_withdraws_its_wait_or_leaves_it_to_the_thread() {
+    loom::model(|| {
+        // The future's drop races the lane thread taking the wait out: either
+        // the drop withdraws it, or the thread has it and drops it when done.
+        // Either way it leaves the pool, and its fence is dropped once.
+        let pool = pool();
+        let reached = Arc::new(Device::default());
+        let (waker, wakes) = counting_waker();
+        let mut handoff = Handoff::new(
+            MockFence {
+                reached: reached.clone(),
+                sequence: 1,
+                lane: 0,
+            },
+            pool.clone(),
+        );
+        assert!(handoff.poll(&mut Context::from_waker(&waker)).is_pending());
+        let device = finish_on_a_thread(&reached);
+        drop(handoff);
+        device.join().unwrap();
+        // A thread that took the wait drops the fence, then counts it done.
+        while reached.fences_dropped.load(Ordering::SeqCst) == 0 || pool.pending() != 0 {
+            thread::yield_now();
+        }
+        assert_eq!(reached.fences_dropped.load(Ordering::SeqCst), 1);
+        // Woken at most once: only if the wait resolved before the drop.
+        assert!(wakes.0.load(Ordering::SeqCst) <= 1);
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_shutdown_resolves_a_wait_a_thread_is_blocked_on() {
+    loom::model(|| {
+        // The device does not finish until the future has resolved: whether
+        // or not the lane thread is already blocked on the wait, shutdown
+        // must resolve it without waiting for the device.
+        let pool = pool();
+        let reached = Arc::new(Device::default());
+        let task = Task::new();
+        let slot = submit(&pool, &reached, 1, &task.waker);
+        pool.shutdown();
+        assert_eq!(task.poll_until_ready(&slot), Err(ServerError::WaiterGone));
+        assert_eq!(pool.pending(), 0);
+        reached.finish(); // lets the thread's block end, so it can exit
     });
 }

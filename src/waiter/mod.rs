@@ -109,9 +109,9 @@ impl Waiter {
 
     /// Resolve every pending wait with
     /// [`ServerError::WaiterGone`](crate::ServerError::WaiterGone), refuse new
-    /// ones the same way, and let the threads exit. A wait a thread is blocked
-    /// on resolves when its block ends. Safe to call more than once; never
-    /// blocks.
+    /// ones the same way, and let the threads exit. Waits a thread is blocked
+    /// on resolve at once too (the thread lets go of them, and exits, when the
+    /// device reaches them). Safe to call more than once; never blocks.
     pub fn shutdown(&self) {
         self.pool.shutdown();
     }

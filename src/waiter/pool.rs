@@ -66,6 +66,9 @@ struct State {
 struct Lane {
     waits: BTreeMap<u64, Wait>,
     owner: Owner,
+    /// The slot of the wait this lane's thread is blocked on, so shutdown
+    /// can resolve it without waiting for the block to end.
+    blocked_on: Option<Arc<Slot>>,
 }
 
 #[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
@@ -285,7 +288,7 @@ impl Pool {
         };
         let Wait { waitable, slot } = wait;
         let result = contain(|| waitable.block());
-        pool.resolve(&slot, result);
+        pool.resolve_blocked(key, &slot, result);
         Self::resolve_reached(pool, key, Owner::Thread).1
     }
 
@@ -342,7 +345,12 @@ impl Pool {
             };
             match lane.waits.pop_first() {
                 Some((_, wait)) if wait.slot.is_cancelled() => cancelled.push(wait),
-                Some((_, wait)) => break Some(wait),
+                Some((_, wait)) => {
+                    if owner == Owner::Thread {
+                        lane.blocked_on = Some(wait.slot.clone());
+                    }
+                    break Some(wait);
+                }
                 None => {
                     // A lane thread releases its emptied lane in `next_lane`,
                     // in the same critical section as going idle.
@@ -425,9 +433,38 @@ impl Pool {
         Self::spawn(pool, spawn);
     }
 
-    fn resolve(&self, slot: &Slot, result: Result<(), ServerError>) {
-        self.state().pending -= 1;
-        slot.complete(result);
+    /// Take the wait at `sequence` of lane `key` out of the pool, if it is
+    /// still there and still `slot`'s: its future was dropped. Returned, to be
+    /// dropped (destroying its event) after the lock is released. A wait a
+    /// thread has taken out is not there; the thread drops it when done.
+    pub(crate) fn withdraw(&self, key: LaneKey, sequence: u64, slot: &Arc<Slot>) -> Option<Wait> {
+        let mut state = self.state();
+        let lane = state.lanes.get_mut(&key)?;
+        if !Arc::ptr_eq(&lane.waits.get(&sequence)?.slot, slot) {
+            return None;
+        }
+        let wait = lane.waits.remove(&sequence);
+        state.pending -= 1;
+        wait
+    }
+
+    /// A lane thread's block on `slot`'s wait ended with `result`. Unless
+    /// shutdown has resolved it meanwhile, count it done and wake its future.
+    fn resolve_blocked(&self, key: LaneKey, slot: &Arc<Slot>, result: Result<(), ServerError>) {
+        let mut state = self.state();
+        let ours = state
+            .lanes
+            .get_mut(&key)
+            .and_then(|lane| {
+                lane.blocked_on
+                    .take_if(|blocked| Arc::ptr_eq(blocked, slot))
+            })
+            .is_some();
+        if ours {
+            state.pending -= 1;
+            drop(state);
+            slot.complete(result);
+        }
     }
 
     /// The poller: serve every lane no lane thread has, with queries and a
@@ -458,20 +495,24 @@ impl Pool {
     }
 
     /// Resolve every pending wait with [`ServerError::WaiterGone`] and let the
-    /// threads exit. Waits a thread is blocked on resolve when the block ends.
+    /// threads exit. A wait a thread is blocked on resolves now too; the
+    /// thread drops it (its event) when the block ends, then exits.
     pub(crate) fn shutdown(&self) {
         let mut state = self.state();
         state.shutdown = true;
-        let gone: Vec<Wait> = std::mem::take(&mut state.lanes)
-            .into_values()
-            .flat_map(|lane| lane.waits.into_values())
-            .collect();
+        let mut gone = Vec::new();
+        let mut blocked = Vec::new();
+        for lane in std::mem::take(&mut state.lanes).into_values() {
+            gone.extend(lane.waits.into_values());
+            blocked.extend(lane.blocked_on);
+        }
         state.queued.clear();
-        state.pending -= gone.len();
+        state.pending -= gone.len() + blocked.len();
         drop(state);
         self.work.notify_all();
-        for wait in gone {
-            wait.slot.complete(Err(ServerError::WaiterGone));
+        let slots = gone.iter().map(|wait| &wait.slot).chain(&blocked);
+        for slot in slots {
+            slot.complete(Err(ServerError::WaiterGone));
         }
     }
 

@@ -54,6 +54,19 @@ fn refused(call: &'static str, label: &str) -> ServerError {
     }
 }
 
+static DESTROYED: Mutex<Option<HashMap<HostStreamHandle, usize>>> = Mutex::new(None);
+
+/// How many events created for `stream` have been destroyed (`event_destroy`
+/// called on them) so far.
+pub fn destroyed(stream: HostStreamHandle) -> usize {
+    DESTROYED
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .as_ref()
+        .and_then(|counts| counts.get(&stream).copied())
+        .unwrap_or(0)
+}
+
 /// The fault-injecting backend.
 pub struct Faulty;
 
@@ -111,6 +124,12 @@ impl EventApi for Faulty {
     }
 
     fn event_destroy(event: FaultyEvent) -> Result<(), ServerError> {
+        *DESTROYED
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .get_or_insert_with(HashMap::new)
+            .entry(event.stream)
+            .or_default() += 1;
         Host::event_destroy(event.inner)
     }
 
