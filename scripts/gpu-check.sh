@@ -5,6 +5,9 @@
 #
 #   bash device-bin/gpu-check.sh [device-bin] [--quick|--large]
 #
+# Timeouts keep one call inside the device tool's 600 s command limit (tests
+# 120 s each, examples 60 s, benchmark 360 s); a hang fails its step and the
+# rest still runs, and every log is already under $OUT when the limit hits.
 # Results (JSON, SVG plots, logs) go to $OUT when set, else ./gpu-results.
 set -u
 bin=${1:-device-bin}
@@ -21,7 +24,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee 
 echo "== tests (DEVICE_EVENTS_REQUIRE_CUDA=1)"
 for test in "$bin"/tests/*; do
     name=$(basename "$test")
-    if timeout 300 "$test" > "$results/test-$name.log" 2>&1; then
+    if timeout 120 "$test" > "$results/test-$name.log" 2>&1; then
         line=$(grep -E "^test result" "$results/test-$name.log" | tail -1)
         summary+=("PASS test $name: $line")
     else
@@ -43,7 +46,7 @@ for example in fences join_streams; do
 done
 
 echo "== benchmark"
-if timeout 420 "$bin"/bench/waiters $mode > "$results/bench.log" 2>&1; then
+if timeout 360 "$bin"/bench/waiters $mode > "$results/bench.log" 2>&1; then
     summary+=("PASS bench waiters $mode")
 else
     summary+=("FAIL bench waiters $mode (see bench.log)")
