@@ -54,6 +54,10 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 /// Keeps each value alive until its fence has passed, then drops it on the
 /// queue's own thread, in push order.
 ///
+/// - One thread waits each fence in turn, so a value waits behind every value
+///   pushed before it, even one on another stream. Where streams run at
+///   different paces, give each its own queue: a slow stream then holds back
+///   (and fills) only its own.
 /// - [`push`](Self::push) never blocks on the device.
 /// - Memory is bounded: at most `capacity` values wait at once; a push beyond
 ///   that is refused and hands the fence and value back
