@@ -56,4 +56,4 @@ cat "$results/bench.log"
 echo
 echo "== summary"
 printf '%s\n' "${summary[@]}"
-grep -E "^(PASS|MISS|----) \[" "$results/bench.log" || true
+grep -E "^(PASS|MISS|INFO|----) \[" "$results/bench.log" || true

@@ -23,7 +23,7 @@ use device_events::{Event, EventFlags, Waiter};
 use measure::{latencies, process_cpu, process_threads, quantile_us, Clock, Stamps, ThreadSampler};
 use report::Table;
 use rig::{HostRig, Rig};
-use strategies::{Pending, Strategy, ALL};
+use strategies::{Pending, Strategy, ALL, SINGLE};
 
 struct Settings {
     quick: bool,
@@ -86,6 +86,10 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// Scenario 1: one stream, work of known length, a fence; wake latency.
+///
+/// The strategies take turns round by round (each with its own runtime), so
+/// a noisy stretch of the machine hits all of them alike and the ratios
+/// compare like with like.
 fn single_wait<R: Rig>(
     rig: &R,
     settings: &Settings,
@@ -96,32 +100,34 @@ fn single_wait<R: Rig>(
         rig.name(),
         &["p50 us", "p99 us", "mean us"],
     );
+    let runtimes: Vec<_> = SINGLE.iter().map(|_| runtime()).collect();
+    let waiter = Waiter::builder().build();
+    let total = settings.warmup + settings.rounds;
+    let stamps: Vec<_> = SINGLE
+        .iter()
+        .map(|_| (Stamps::new(total), Stamps::new(total)))
+        .collect();
+    for index in 0..total {
+        for ((strategy, runtime), (ends, wakes)) in SINGLE.iter().zip(&runtimes).zip(&stamps) {
+            rig.work(0, settings.work, ends, index);
+            let pending = Pending {
+                index,
+                stream: 0,
+                fence: rig.fence(0),
+            };
+            strategies::wait_one(*strategy, runtime, &waiter, pending, wakes, clock);
+        }
+    }
+    waiter.shutdown();
     let mut series = Vec::new();
-    for strategy in ALL {
-        let runtime = runtime();
-        let waiter = Waiter::builder().build();
-        let run = |rounds: usize| {
-            let (ends, wakes) = (Stamps::new(rounds), Stamps::new(rounds));
-            for index in 0..rounds {
-                rig.work(0, settings.work, &ends, index);
-                let pending = Pending {
-                    index,
-                    stream: 0,
-                    fence: rig.fence(0),
-                };
-                strategies::wait_one(strategy, &runtime, &waiter, pending, &wakes, clock);
-            }
-            latencies(&ends, &wakes)
-        };
-        run(settings.warmup);
-        let sorted = run(settings.rounds);
+    for (strategy, (ends, wakes)) in SINGLE.iter().zip(&stamps) {
+        let sorted = latencies(ends, wakes, settings.warmup);
         let mean = sorted.iter().sum::<u64>() as f64 / sorted.len() as f64 / 1_000.0;
         table.row(
             strategy.name(),
             vec![quantile_us(&sorted, 0.5), quantile_us(&sorted, 0.99), mean],
         );
         series.push((strategy.name().to_owned(), sorted));
-        waiter.shutdown();
     }
     (table, series)
 }
@@ -232,7 +238,7 @@ fn many_pending_once<R: Rig>(
     }
     let release = (0..streams).map(|s| releases.get(s)).min().unwrap_or(0);
     let last = (0..total).map(|i| wakes.get(i)).max().unwrap_or(0);
-    let sorted = latencies(&ends, &wakes);
+    let sorted = latencies(&ends, &wakes, 0);
     waiter.shutdown();
     let figures = vec![
         last.saturating_sub(release) as f64 / 1e6,
@@ -436,6 +442,7 @@ fn run_all<R: Rig>(rig: &R, settings: &Settings, clock: Clock, tables: &mut Vec<
 /// The targets, checked against the measured ratios.
 fn summary(tables: &[Table]) -> Vec<String> {
     let mut lines = Vec::new();
+    let mut info = Vec::new();
     let find = |scenario: &str, backend: &str| {
         tables
             .iter()
@@ -482,6 +489,13 @@ fn summary(tables: &[Table]) -> Vec<String> {
                 );
             }
         }
+        // Not a target: how far this crate is from the cheapest possible
+        // hand-off (one more thread wake-up than the raw blocked thread).
+        if let Some(value) = ratio(single, "p50 us", Strategy::RawHandoff.name()) {
+            info.push(format!(
+                "INFO [{backend}] 1: wake p50 vs raw thread + hand-off: {value:.2}"
+            ));
+        }
         let ready = find("3.", backend).and_then(|table| {
             Some(
                 table.value("await (first poll, ready)", "ns per op")?
@@ -516,6 +530,7 @@ fn summary(tables: &[Table]) -> Vec<String> {
             );
         }
     }
+    lines.extend(info);
     lines
 }
 

@@ -48,9 +48,10 @@ impl Stamps {
     }
 }
 
-/// Latencies (wake minus work end) of every wait, sorted.
-pub fn latencies(ends: &Stamps, wakes: &Stamps) -> Vec<u64> {
-    let mut latencies: Vec<u64> = (0..ends.len())
+/// Latencies (wake minus work end) of every wait from index `from` on (the
+/// ones before are warm-up), sorted.
+pub fn latencies(ends: &Stamps, wakes: &Stamps, from: usize) -> Vec<u64> {
+    let mut latencies: Vec<u64> = (from..ends.len())
         .map(|i| wakes.get(i).saturating_sub(ends.get(i)))
         .collect();
     latencies.sort_unstable();

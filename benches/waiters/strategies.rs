@@ -20,6 +20,10 @@ pub enum Strategy {
     QueryYield,
     /// The floor: a thread blocked in the backend's synchronize, no async.
     RawThread,
+    /// The floor of any hand-off: the raw blocked thread wakes a second,
+    /// parked thread, as a waiter thread wakes a sleeping executor thread.
+    /// Scenario 1 only.
+    RawHandoff,
 }
 
 pub const ALL: [Strategy; 5] = [
@@ -30,6 +34,16 @@ pub const ALL: [Strategy; 5] = [
     Strategy::RawThread,
 ];
 
+/// Scenario 1's rows: every strategy, and the hand-off floor.
+pub const SINGLE: [Strategy; 6] = [
+    Strategy::Await,
+    Strategy::SpawnBlocking,
+    Strategy::ThreadPerWait,
+    Strategy::QueryYield,
+    Strategy::RawThread,
+    Strategy::RawHandoff,
+];
+
 impl Strategy {
     pub fn name(self) -> &'static str {
         match self {
@@ -38,6 +52,7 @@ impl Strategy {
             Self::ThreadPerWait => "thread per wait",
             Self::QueryYield => "query + yield_now",
             Self::RawThread => "raw blocked thread",
+            Self::RawHandoff => "raw thread + hand-off",
         }
     }
 }
@@ -92,7 +107,9 @@ pub fn start<A: EventApi>(
                             Err(err) => break Err(err),
                         }
                     },
-                    Strategy::RawThread => unreachable!("handled above"),
+                    Strategy::RawThread | Strategy::RawHandoff => {
+                        unreachable!("not run as tasks")
+                    }
                 };
                 wakes.set(index, clock.now());
                 result
@@ -149,13 +166,27 @@ pub fn wait_one<A: EventApi>(
     wakes: &Arc<Stamps>,
     clock: Clock,
 ) {
-    if strategy == Strategy::RawThread {
-        let Pending { index, fence, .. } = pending;
-        fence.wait_sync().expect("fence");
-        wakes.set(index, clock.now());
-        return;
+    match strategy {
+        Strategy::RawThread => {
+            let Pending { index, fence, .. } = pending;
+            fence.wait_sync().expect("fence");
+            wakes.set(index, clock.now());
+        }
+        Strategy::RawHandoff => {
+            let Pending { index, fence, .. } = pending;
+            let (sender, receiver) = std::sync::mpsc::channel();
+            let wakes = wakes.clone();
+            // Parked in `recv` (started before the work ends) until woken.
+            let woken = std::thread::spawn(move || {
+                receiver.recv().expect("the blocked thread hands over");
+                wakes.set(index, clock.now());
+            });
+            fence.wait_sync().expect("fence");
+            sender.send(()).expect("the parked thread waits");
+            woken.join().expect("the parked thread");
+        }
+        _ => start(strategy, runtime, waiter, vec![pending], wakes, clock)(),
     }
-    start(strategy, runtime, waiter, vec![pending], wakes, clock)();
 }
 
 /// The first poll of an await on a fence already reached.
