@@ -40,20 +40,13 @@ impl<W: Waitable> Handoff<W> {
 
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
         match std::mem::replace(&mut self.state, State::Done) {
-            State::First(waitable) => {
-                let (lane, sequence) = (waitable.lane(), waitable.sequence());
-                match self.first_poll(waitable, cx) {
-                    Ok(slot) => {
-                        self.state = State::Waiting {
-                            slot,
-                            lane,
-                            sequence,
-                        };
-                        Poll::Pending
-                    }
-                    Err(result) => Poll::Ready(result),
+            State::First(waitable) => match self.first_poll(waitable, cx) {
+                Ok(waiting) => {
+                    self.state = waiting;
+                    Poll::Pending
                 }
-            }
+                Err(result) => Poll::Ready(result),
+            },
             State::Waiting {
                 slot,
                 lane,
@@ -74,12 +67,13 @@ impl<W: Waitable> Handoff<W> {
     }
 
     /// The first poll: ask (and spin, if the waiter allows) before handing
-    /// off. Returns the result, or the slot the waiter will fill.
+    /// off. Returns the result, or the handed-off state: the slot the waiter
+    /// will fill and where the wait sits.
     fn first_poll(
         &self,
         waitable: W,
         cx: &mut Context<'_>,
-    ) -> Result<Arc<Slot>, Result<(), ServerError>> {
+    ) -> Result<State<W>, Result<(), ServerError>> {
         let budget = self.pool.config.spin_budget;
         // Read the clock only when spinning is allowed: a ready fence's await
         // costs one query.
@@ -104,7 +98,14 @@ impl<W: Waitable> Handoff<W> {
             waitable: Box::new(waitable),
             slot: slot.clone(),
         };
-        Pool::submit(&self.pool, wait).map(|()| slot).map_err(Err)
+        match Pool::submit(&self.pool, wait) {
+            Ok((lane, sequence)) => Ok(State::Waiting {
+                slot,
+                lane,
+                sequence,
+            }),
+            Err(err) => Err(Err(err)),
+        }
     }
 
     pub(crate) fn is_terminated(&self) -> bool {

@@ -110,13 +110,14 @@ impl Pool {
         lock(&self.state)
     }
 
-    /// Hand a wait to the pool.
+    /// Hand a wait to the pool. Returns its lane and sequence: where it
+    /// sits, for [`Pool::withdraw`].
     ///
     /// # Errors
     ///
     /// [`ServerError::WaiterGone`] after [`Pool::shutdown`]; the wait is
-    /// returned to be dropped by the caller.
-    pub(crate) fn submit(pool: &Arc<Self>, wait: Wait) -> Result<(), ServerError> {
+    /// dropped.
+    pub(crate) fn submit(pool: &Arc<Self>, wait: Wait) -> Result<(LaneKey, u64), ServerError> {
         let key = wait.waitable.lane();
         let sequence = wait.waitable.sequence();
         let mut state = pool.state();
@@ -129,7 +130,7 @@ impl Pool {
         let spawn = pool.insert(&mut state, key, sequence, wait);
         drop(state);
         Self::spawn(pool, spawn);
-        Ok(())
+        Ok((key, sequence))
     }
 
     /// Put `wait` in its lane; a lane nobody serves is queued for a server.
