@@ -230,6 +230,35 @@ fn a_dropped_streams_pending_awaits_resolve() {
 }
 
 #[test]
+fn shutdown_resolves_a_wait_a_thread_is_blocked_on_without_the_device() {
+    let waiter = Waiter::builder().max_threads(1).build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let mut blocked = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    assert!((&mut blocked).now_or_never().is_none());
+    eventually(LIMIT, "the waiter thread blocks on the wait", || {
+        faulty::synchronizing(stream.handle()) == 1
+    });
+
+    waiter.shutdown();
+    // The stream is still held: only shutdown can resolve the wait now.
+    let mut result = None;
+    eventually(LIMIT, "the blocked wait resolves", || {
+        result = (&mut blocked).now_or_never();
+        result.is_some()
+    });
+    assert_eq!(result.unwrap().unwrap_err(), ServerError::WaiterGone);
+    assert_eq!(waiter.pending(), 0);
+    assert_eq!(faulty::synchronizing(stream.handle()), 1, "still blocked");
+
+    gate.open();
+    eventually(LIMIT, "the thread lets go and exits", || {
+        faulty::synchronizing(stream.handle()) == 0 && waiter.threads() == 0
+    });
+    assert_eq!(faulty::destroyed(stream.handle()), 1);
+}
+
+#[test]
 fn shutdown_resolves_pending_waits_and_refuses_new_ones() {
     let _serial = serial();
     let waiter = Waiter::builder().build();

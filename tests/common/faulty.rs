@@ -54,17 +54,42 @@ fn refused(call: &'static str, label: &str) -> ServerError {
     }
 }
 
-static DESTROYED: Mutex<Option<HashMap<HostStreamHandle, usize>>> = Mutex::new(None);
+/// Per-stream counts of calls, for tests that must see where a call is.
+type Counts = Mutex<Option<HashMap<HostStreamHandle, usize>>>;
 
-/// How many events created for `stream` have been destroyed (`event_destroy`
-/// called on them) so far.
-pub fn destroyed(stream: HostStreamHandle) -> usize {
-    DESTROYED
+static DESTROYED: Counts = Mutex::new(None);
+static SYNCHRONIZING: Counts = Mutex::new(None);
+
+fn count(counts: &Counts, stream: HostStreamHandle) -> usize {
+    counts
         .lock()
         .unwrap_or_else(|poison| poison.into_inner())
         .as_ref()
         .and_then(|counts| counts.get(&stream).copied())
         .unwrap_or(0)
+}
+
+fn add(counts: &Counts, stream: HostStreamHandle, delta: isize) {
+    let mut counts = counts.lock().unwrap_or_else(|poison| poison.into_inner());
+    let entry = counts
+        .get_or_insert_with(HashMap::new)
+        .entry(stream)
+        .or_default();
+    *entry = entry
+        .checked_add_signed(delta)
+        .expect("counts stay positive");
+}
+
+/// How many events created for `stream` have been destroyed (`event_destroy`
+/// called on them) so far.
+pub fn destroyed(stream: HostStreamHandle) -> usize {
+    count(&DESTROYED, stream)
+}
+
+/// How many threads are inside `event_synchronize` on events of `stream`
+/// right now.
+pub fn synchronizing(stream: HostStreamHandle) -> usize {
+    count(&SYNCHRONIZING, stream)
 }
 
 /// The fault-injecting backend.
@@ -120,16 +145,14 @@ impl EventApi for Faulty {
             "injected panic in synchronize ({})",
             plan.label
         );
-        Host::event_synchronize(&event.inner)
+        add(&SYNCHRONIZING, event.stream, 1);
+        let result = Host::event_synchronize(&event.inner);
+        add(&SYNCHRONIZING, event.stream, -1);
+        result
     }
 
     fn event_destroy(event: FaultyEvent) -> Result<(), ServerError> {
-        *DESTROYED
-            .lock()
-            .unwrap_or_else(|poison| poison.into_inner())
-            .get_or_insert_with(HashMap::new)
-            .entry(event.stream)
-            .or_default() += 1;
+        add(&DESTROYED, event.stream, 1);
         Host::event_destroy(event.inner)
     }
 
