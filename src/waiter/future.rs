@@ -27,12 +27,13 @@ use crate::{EventApi, EventFence, ServerError};
 ///
 /// # Cancel safety
 ///
-/// Dropping the future cancels the wait and never blocks. Its fence is
-/// dropped on the spot (destroying an event does not block, even with its
-/// work pending), whether or not the wait was handed off, so timeouts retried
-/// on a stuck stream do not pile up events. The one exception is the wait a
-/// waiter thread is blocked on right then: that thread drops it when its
-/// block ends. The stream's work is not affected.
+/// Dropping the future cancels the wait and never blocks. A wait not yet
+/// handed off drops its fence on the spot (destroying an event does not
+/// block, even with its work pending). A handed-off wait leaves the waiter at
+/// once, and a waiter thread destroys its event soon after, off the dropping
+/// thread, so timeouts retried on a stuck stream pile nothing up. The one
+/// exception is the wait a waiter thread is blocked on right then: that
+/// thread drops it when its block ends. The stream's work is not affected.
 ///
 /// Polling again after the future has completed returns `Poll::Pending`.
 #[must_use = "futures do nothing unless you .await or poll them"]

@@ -123,10 +123,10 @@ impl<W: Waitable> Handoff<W> {
 }
 
 impl<W: Waitable> Drop for Handoff<W> {
-    /// Cancel a handed-off wait and take it out of its lane, so its event is
-    /// destroyed now (here: destroying an event with pending work does not
-    /// block) rather than when the lane's thread reaches it. A wait a thread
-    /// has already taken out stays with that thread, which drops it.
+    /// Cancel a handed-off wait and take it out of its lane, so a waiter
+    /// thread destroys its event now rather than when the lane's thread
+    /// reaches it. A wait a thread has already taken out stays with that
+    /// thread, which drops it.
     fn drop(&mut self) {
         if let State::Waiting {
             slot,
@@ -135,7 +135,7 @@ impl<W: Waitable> Drop for Handoff<W> {
         } = &self.state
         {
             slot.cancel();
-            drop(self.pool.withdraw(*lane, *sequence, slot));
+            Pool::withdraw(&self.pool, *lane, *sequence, slot);
         }
     }
 }

@@ -86,6 +86,8 @@ struct Device {
     reached: Mutex<bool>,
     changed: Condvar,
     fences_dropped: AtomicUsize,
+    /// The threads the fences were dropped on.
+    dropped_on: Mutex<Vec<thread::ThreadId>>,
 }
 
 impl Device {
@@ -136,6 +138,7 @@ impl Waitable for MockFence {
 
 impl Drop for MockFence {
     fn drop(&mut self) {
+        lock(&self.reached.dropped_on).push(thread::current().id());
         self.reached.fences_dropped.fetch_add(1, Ordering::SeqCst);
     }
 }
@@ -309,8 +312,9 @@ fn loom_a_second_lane_beyond_max_threads_is_polled_not_held_back() {
 fn loom_a_dropped_future_withdraws_its_wait_or_leaves_it_to_the_thread() {
     loom::model(|| {
         // The future's drop races the lane thread taking the wait out: either
-        // the drop withdraws it, or the thread has it and drops it when done.
-        // Either way it leaves the pool, and its fence is dropped once.
+        // the drop withdraws it and a waiter thread drops it, or the lane
+        // thread has it and drops it when done. Either way it leaves the
+        // pool, and its fence is dropped once, off the dropping thread.
         let pool = pool();
         let reached = Arc::new(Device::default());
         let (waker, wakes) = counting_waker();
@@ -331,6 +335,11 @@ fn loom_a_dropped_future_withdraws_its_wait_or_leaves_it_to_the_thread() {
             thread::yield_now();
         }
         assert_eq!(reached.fences_dropped.load(Ordering::SeqCst), 1);
+        assert_ne!(
+            lock(&reached.dropped_on)[0],
+            thread::current().id(),
+            "a waiter thread drops the fence, not the one that dropped the future"
+        );
         // Woken at most once: only if the wait resolved before the drop.
         assert!(wakes.0.load(Ordering::SeqCst) <= 1);
         pool.shutdown();

@@ -27,6 +27,10 @@ const BATCH: usize = 256;
 const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
 /// The poller's longest pause: the most latency an overflow lane can add.
 const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
+/// How many rounds without work the poller waits out before it exits: from
+/// [`POLL_BACKOFF_MIN`] doubling to [`POLL_BACKOFF_MAX`], about 2.5 ms. None
+/// under loom, whose models would otherwise explore every round.
+const POLLER_LINGER_ROUNDS: u32 = if cfg!(loom) { 0 } else { 6 };
 
 /// The waiter's settings; see [`WaiterBuilder`](super::WaiterBuilder).
 #[derive(Debug, Clone)]
@@ -56,6 +60,10 @@ struct State {
     /// Wake-ups sent to idle threads and not yet taken.
     notified: usize,
     poller: bool,
+    /// Waits whose futures were dropped, taken out of their lanes. A waiter
+    /// thread drops them (destroying their events), never the thread that
+    /// dropped the future.
+    withdrawn: Vec<Wait>,
     peak_threads: usize,
     pending: usize,
     shutdown: bool,
@@ -213,7 +221,10 @@ impl Pool {
         }
         let reason = format!("no waiter thread could be started: {err}");
         let failed = state.take_queued_waits();
+        // No thread will drop them: dropped here, as the last resort.
+        let withdrawn = std::mem::take(&mut state.withdrawn);
         drop(state);
+        drop(withdrawn);
         for wait in failed {
             wait.slot.complete(Err(ServerError::Unavailable {
                 backend: "Waiter",
@@ -254,11 +265,21 @@ impl Pool {
                 _ => {}
             }
         }
+        let mut timed_out = false;
         loop {
+            if !state.withdrawn.is_empty() {
+                // Dropped outside the lock; then look again, as new work may
+                // have come meanwhile.
+                let withdrawn = std::mem::take(&mut state.withdrawn);
+                drop(state);
+                drop(withdrawn);
+                state = self.state();
+                continue;
+            }
             if let Some(key) = state.take_lane_for_thread() {
                 return Some(key);
             }
-            if state.shutdown {
+            if state.shutdown || timed_out {
                 state.lane_threads -= 1;
                 return None;
             }
@@ -270,13 +291,7 @@ impl Pool {
             state = guard;
             state.idle -= 1;
             state.notified = state.notified.saturating_sub(1);
-            if timeout.timed_out() {
-                if let Some(key) = state.take_lane_for_thread() {
-                    return Some(key);
-                }
-                state.lane_threads -= 1;
-                return None;
-            }
+            timed_out = timeout.timed_out();
         }
     }
 
@@ -434,19 +449,52 @@ impl Pool {
         Self::spawn(pool, spawn);
     }
 
-    /// Take the wait at `sequence` of lane `key` out of the pool, if it is
-    /// still there and still `slot`'s: its future was dropped. Returned, to be
-    /// dropped (destroying its event) after the lock is released. A wait a
-    /// thread has taken out is not there; the thread drops it when done.
-    pub(crate) fn withdraw(&self, key: LaneKey, sequence: u64, slot: &Arc<Slot>) -> Option<Wait> {
-        let mut state = self.state();
-        let lane = state.lanes.get_mut(&key)?;
-        if !Arc::ptr_eq(&lane.waits.get(&sequence)?.slot, slot) {
-            return None;
+    /// The future of the wait at `sequence` of lane `key` was dropped: take
+    /// the wait out of its lane, if it is still there and still `slot`'s, and
+    /// have a waiter thread drop it (destroying its event) soon. A wait a
+    /// thread has taken out is not there; that thread drops it when done.
+    pub(crate) fn withdraw(pool: &Arc<Self>, key: LaneKey, sequence: u64, slot: &Arc<Slot>) {
+        let mut state = pool.state();
+        let Some(lane) = state.lanes.get_mut(&key) else {
+            return;
+        };
+        let still_there = lane
+            .waits
+            .get(&sequence)
+            .is_some_and(|wait| Arc::ptr_eq(&wait.slot, slot));
+        if !still_there {
+            return;
         }
-        let wait = lane.waits.remove(&sequence);
+        let Some(wait) = lane.waits.remove(&sequence) else {
+            return;
+        };
         state.pending -= 1;
-        wait
+        state.withdrawn.push(wait);
+        let spawn = pool.find_disposer(&mut state);
+        drop(state);
+        Self::spawn(pool, spawn);
+    }
+
+    /// Withdrawn waits are there to drop: leave them to the poller if it
+    /// runs, else wake an idle thread, else start a lane thread (which then
+    /// stays idle for `keep_alive`, ready for the next), else the poller.
+    fn find_disposer(&self, state: &mut State) -> Spawn {
+        if state.poller {
+            Spawn::Nothing
+        } else if state.idle > state.notified {
+            state.notified += 1;
+            self.work.notify_one();
+            Spawn::Nothing
+        } else if state.lane_threads < self.config.max_threads {
+            state.lane_threads += 1;
+            state.next_thread += 1;
+            state.note_threads();
+            Spawn::LaneThread(state.next_thread)
+        } else {
+            state.poller = true;
+            state.note_threads();
+            Spawn::Poller
+        }
     }
 
     /// A lane thread's block on `slot`'s wait ended with `result`. Unless
@@ -469,20 +517,29 @@ impl Pool {
     }
 
     /// The poller: serve every lane no lane thread has, with queries and a
-    /// bounded backoff, until there are none.
+    /// bounded backoff, and drop withdrawn waits. With nothing to do it
+    /// lingers a few backoff rounds (about 2.5 ms) before it exits, so a
+    /// burst of dropped futures while every lane thread is busy does not
+    /// start a thread per drop.
     fn run_poller(pool: Arc<Self>) {
         let mut backoff = POLL_BACKOFF_MIN;
+        let mut idle_rounds = 0;
         loop {
-            let keys = {
+            let (keys, withdrawn) = {
                 let mut state = pool.state();
+                let withdrawn = std::mem::take(&mut state.withdrawn);
                 let keys = state.adopt_queued_lanes();
-                if keys.is_empty() {
+                let idle = keys.is_empty() && withdrawn.is_empty();
+                if idle && (idle_rounds >= POLLER_LINGER_ROUNDS || state.shutdown) {
                     state.poller = false;
                     return;
                 }
-                keys
+                idle_rounds = if idle { idle_rounds + 1 } else { 0 };
+                (keys, withdrawn)
             };
-            let mut progressed = false;
+            // Dropped here, outside the lock.
+            let mut progressed = !withdrawn.is_empty();
+            drop(withdrawn);
             for key in keys {
                 progressed |= Self::resolve_reached(&pool, key, Owner::Poller).0 > 0;
             }
@@ -503,6 +560,8 @@ impl Pool {
         state.shutdown = true;
         let mut gone = Vec::new();
         let mut blocked = Vec::new();
+        // Withdrawn waits are dropped here, with the rest.
+        let withdrawn = std::mem::take(&mut state.withdrawn);
         for lane in std::mem::take(&mut state.lanes).into_values() {
             gone.extend(lane.waits.into_values());
             blocked.extend(lane.blocked_on);
@@ -510,6 +569,7 @@ impl Pool {
         state.queued.clear();
         state.pending -= gone.len() + blocked.len();
         drop(state);
+        drop(withdrawn);
         self.work.notify_all();
         let slots = gone.iter().map(|wait| &wait.slot).chain(&blocked);
         for slot in slots {

@@ -57,8 +57,9 @@ fn refused(call: &'static str, label: &str) -> ServerError {
 /// Per-stream counts of calls, for tests that must see where a call is.
 type Counts = Mutex<Option<HashMap<HostStreamHandle, usize>>>;
 
-static DESTROYED: Counts = Mutex::new(None);
 static SYNCHRONIZING: Counts = Mutex::new(None);
+/// Per stream, the name of the thread each destroy ran on.
+static DESTROYED_ON: Mutex<Option<HashMap<HostStreamHandle, Vec<String>>>> = Mutex::new(None);
 
 fn count(counts: &Counts, stream: HostStreamHandle) -> usize {
     counts
@@ -83,7 +84,18 @@ fn add(counts: &Counts, stream: HostStreamHandle, delta: isize) {
 /// How many events created for `stream` have been destroyed (`event_destroy`
 /// called on them) so far.
 pub fn destroyed(stream: HostStreamHandle) -> usize {
-    count(&DESTROYED, stream)
+    destroyed_on(stream).len()
+}
+
+/// The names of the threads that destroyed the events created for `stream`,
+/// in order (`"?"` for an unnamed thread).
+pub fn destroyed_on(stream: HostStreamHandle) -> Vec<String> {
+    DESTROYED_ON
+        .lock()
+        .unwrap_or_else(|poison| poison.into_inner())
+        .as_ref()
+        .and_then(|names| names.get(&stream).cloned())
+        .unwrap_or_default()
 }
 
 /// How many threads are inside `event_synchronize` on events of `stream`
@@ -152,7 +164,14 @@ impl EventApi for Faulty {
     }
 
     fn event_destroy(event: FaultyEvent) -> Result<(), ServerError> {
-        add(&DESTROYED, event.stream, 1);
+        let thread = std::thread::current();
+        DESTROYED_ON
+            .lock()
+            .unwrap_or_else(|poison| poison.into_inner())
+            .get_or_insert_with(HashMap::new)
+            .entry(event.stream)
+            .or_default()
+            .push(thread.name().unwrap_or("?").to_owned());
         Host::event_destroy(event.inner)
     }
 
