@@ -10,6 +10,11 @@
 //! one extra *poller* thread serves the rest with queries and a bounded
 //! backoff, so no lane waits behind another's slow work. A lane thread that
 //! runs out of work takes a lane back from the poller.
+//!
+//! A dropped future's wait is *withdrawn*: taken out of its lane at once and
+//! left for a waiter thread (an idle one, else a new one, else the poller) to
+//! drop, so its event is destroyed promptly and never on the thread that
+//! dropped the future.
 
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
