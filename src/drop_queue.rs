@@ -38,9 +38,26 @@ pub trait Fence: Send + 'static {
 
 /// The drop queue is where a fence pays off: a freed host buffer waits on one
 /// rather than on the stream's owner.
+///
+/// If the fence's wait fails, the stream is synchronized instead (with a
+/// warning), as the crate's other fallbacks do: when that succeeds, the
+/// stream is idle, so everything queued before the fence has run and the
+/// fence has passed. Only when the stream cannot be synchronized either (a
+/// faulted stream or device) does the fence fail.
 impl<A: EventApi> Fence for EventFence<A> {
     fn wait(self) -> Result<(), ServerError> {
-        self.wait_sync()
+        let stream = self.stream();
+        match self.wait_sync() {
+            Ok(()) => Ok(()),
+            Err(err) if A::stream_synchronize(stream).is_ok() => {
+                let backend = A::BACKEND;
+                log::warn!(
+                    "{backend}: a fence's wait failed ({err}); the stream synchronized instead"
+                );
+                Ok(())
+            }
+            Err(err) => Err(err),
+        }
     }
 
     fn is_passed(&self) -> Result<bool, ServerError> {
@@ -63,12 +80,15 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///   that is refused and hands the fence and value back
 ///   ([`Rejected::Full`]), for the caller to wait itself or retry after
 ///   [`flush`](Self::flush).
-/// - A fence that **fails** says nothing about whether the device still
-///   reads the value: the fault may have stopped the device, or the driver
-///   may merely have refused the wait while a copy still runs. The value is
-///   therefore **leaked** (never dropped), with an error logged and counted
-///   in [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a
-///   bounded loss, a freed one still read by the device is memory corruption.
+/// - A fence whose wait fails is not given up at once: an [`EventFence`]
+///   then synchronizes its stream, and if the stream is idle its value is
+///   dropped as usual (the driver may merely have refused the wait while a
+///   copy still ran; the synchronize waited for the copy). A fence that
+///   **fails** even so (a faulted stream or device) says nothing about
+///   whether the device still reads the value, so the value is **leaked**
+///   (never dropped), with an error logged and counted in
+///   [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a bounded
+///   loss, a freed one still read by the device is memory corruption.
 /// - Dropping the queue is [`shutdown`](Self::shutdown): it waits for every
 ///   fence, drops every value, and joins the thread.
 ///

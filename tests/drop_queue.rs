@@ -6,6 +6,7 @@ mod common;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
+use common::faulty::{inject, Faulty, Plan};
 use common::{logs, Gate, Progress};
 use device_events::drop_queue::{DropQueue, Rejected};
 use device_events::host::{Host, HostStream};
@@ -131,6 +132,80 @@ fn a_failed_fence_leaks_its_value_with_an_error_logged() {
         "leaked, not dropped"
     );
     let errors = logs::errors_containing("illegal address during the copy");
+    assert!(
+        errors.iter().any(|line| line.contains("leaking")),
+        "{errors:?}"
+    );
+}
+
+#[test]
+fn a_refused_fence_wait_drops_its_value_once_the_stream_is_idle() {
+    logs::capture();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "refused-fence-wait",
+            refuse_synchronize: true,
+            ..Plan::default()
+        },
+    );
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    progress.step_on(&stream); // the copy that still reads the value
+    let counters = Counters::default();
+    let queue = DropQueue::new(8).unwrap();
+    assert!(queue
+        .push(
+            EventFence::<Faulty>::new(stream.handle()),
+            counters.staging(1, &progress)
+        )
+        .is_ok());
+    gate.open();
+    queue.flush();
+    let stats = queue.shutdown();
+    assert_eq!((stats.dropped, stats.leaked), (1, 0), "dropped, not leaked");
+    assert_eq!(
+        counters.early.load(Ordering::SeqCst),
+        0,
+        "dropped only after the copy, off the test's thread"
+    );
+    let warnings = logs::warnings_containing("refused-fence-wait");
+    assert!(
+        warnings
+            .iter()
+            .any(|line| line.contains("stream synchronized")),
+        "{warnings:?}"
+    );
+}
+
+#[test]
+fn a_fence_whose_stream_cannot_be_synchronized_either_leaks_its_value() {
+    logs::capture();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "refused-fence-and-stream",
+            refuse_synchronize: true,
+            refuse_stream_synchronize: true,
+            ..Plan::default()
+        },
+    );
+    let progress = Progress::default();
+    let counters = Counters::default();
+    let queue = DropQueue::new(8).unwrap();
+    assert!(queue
+        .push(
+            EventFence::<Faulty>::new(stream.handle()),
+            counters.staging(0, &progress)
+        )
+        .is_ok());
+    queue.flush();
+    let stats = queue.shutdown();
+    assert_eq!((stats.dropped, stats.leaked), (0, 1));
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 0, "leaked");
+    let errors = logs::errors_containing("refused-fence-and-stream");
     assert!(
         errors.iter().any(|line| line.contains("leaking")),
         "{errors:?}"

@@ -18,6 +18,8 @@ pub struct Plan {
     /// Refuse device-side waits *of* this stream (it is the waiting one).
     pub refuse_stream_wait: bool,
     pub refuse_stream_synchronize: bool,
+    /// Refuse synchronizes of events created for this stream.
+    pub refuse_synchronize: bool,
     /// Panic inside queries of events created for this stream.
     pub panic_in_query: bool,
     /// Panic inside synchronizes of events created for this stream.
@@ -157,6 +159,9 @@ impl EventApi for Faulty {
             "injected panic in synchronize ({})",
             plan.label
         );
+        if plan.refuse_synchronize {
+            return Err(refused("event_synchronize", plan.label));
+        }
         add(&SYNCHRONIZING, event.stream, 1);
         let result = Host::event_synchronize(&event.inner);
         add(&SYNCHRONIZING, event.stream, -1);
