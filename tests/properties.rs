@@ -2,14 +2,18 @@
 //! and awaits across host streams. Whenever a wait resolves `Ok`, every piece
 //! of work queued before its fence (on its stream, and on every stream it
 //! depends on through device-side waits) has run; no wait resolves early.
+//! And under random cancellation (futures handed off, then dropped, while
+//! streams are held and released) no wait is lost and no event is leaked.
 
 mod common;
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use common::Progress;
+use common::faulty::{self, Faulty};
+use common::{Gate, Progress};
 use device_events::host::{Host, HostStream};
 use device_events::{EventFence, Waiter};
+use futures::FutureExt;
 use proptest::prelude::*;
 
 const STREAMS: usize = 3;
@@ -143,5 +147,119 @@ proptest! {
             futures::executor::block_on(world.waiter.wait(fence)).unwrap();
             world.check(&needs)?;
         }
+    }
+}
+
+#[derive(Debug, Clone)]
+enum CancelOp {
+    /// Hold a stream's worker (if not held yet) until released.
+    Hold(usize),
+    Release(usize),
+    /// Work on a stream, of this many microseconds.
+    Launch(usize, u64),
+    /// A fence on a stream, awaited: its future is polled once and kept.
+    Await(usize),
+    /// Drop the kept future at this index (modulo how many are kept).
+    Drop(usize),
+    /// Poll every kept future once.
+    PollAll,
+}
+
+fn cancel_op() -> impl Strategy<Value = CancelOp> {
+    prop_oneof![
+        2 => (0..STREAMS).prop_map(CancelOp::Hold),
+        2 => (0..STREAMS).prop_map(CancelOp::Release),
+        2 => (0..STREAMS, 0u64..200).prop_map(|(s, us)| CancelOp::Launch(s, us)),
+        4 => (0..STREAMS).prop_map(CancelOp::Await),
+        3 => any::<usize>().prop_map(CancelOp::Drop),
+        1 => Just(CancelOp::PollAll),
+    ]
+}
+
+proptest! {
+    // A failing case waits out its 5 s limit once per shrink: bounded shrinking.
+    #![proptest_config(ProptestConfig { cases: 48, max_shrink_iters: 16, ..ProptestConfig::default() })]
+
+    #[test]
+    fn under_random_cancellation_no_wait_is_lost_and_no_event_leaked(
+        ops in prop::collection::vec(cancel_op(), 1..60),
+        max_threads in 1usize..3,
+    ) {
+        let streams: Vec<HostStream> = (0..STREAMS).map(|_| HostStream::new().unwrap()).collect();
+        let mut gates: Vec<Option<Gate>> = (0..STREAMS).map(|_| None).collect();
+        let waiter = Waiter::builder().max_threads(max_threads).build();
+        let mut created = [0usize; STREAMS];
+        let mut kept = Vec::new();
+        for op in ops {
+            match op {
+                CancelOp::Hold(stream) => {
+                    if gates[stream].is_none() {
+                        gates[stream] = Some(Gate::hold(&streams[stream]));
+                    }
+                }
+                CancelOp::Release(stream) => {
+                    if let Some(gate) = gates[stream].take() {
+                        gate.open();
+                    }
+                }
+                CancelOp::Launch(stream, micros) => streams[stream]
+                    .launch(move || std::thread::sleep(Duration::from_micros(micros)))
+                    .unwrap(),
+                CancelOp::Await(stream) => {
+                    created[stream] += 1;
+                    let mut future = waiter.wait(EventFence::<Faulty>::new(streams[stream].handle()));
+                    match (&mut future).now_or_never() {
+                        Some(result) => result.unwrap(),
+                        None => kept.push(future),
+                    }
+                }
+                CancelOp::Drop(index) => {
+                    if !kept.is_empty() {
+                        drop(kept.swap_remove(index % kept.len()));
+                    }
+                }
+                CancelOp::PollAll => {
+                    let mut still = Vec::new();
+                    for mut future in kept.drain(..) {
+                        match (&mut future).now_or_never() {
+                            Some(result) => result.unwrap(),
+                            None => still.push(future),
+                        }
+                    }
+                    kept = still;
+                }
+            }
+            // Dropped waits leave the waiter at once; only a wait a thread
+            // is blocked on (one per lane) may outlive its future a while.
+            prop_assert!(
+                waiter.pending() <= kept.len() + STREAMS,
+                "{} pending for {} kept futures",
+                waiter.pending(),
+                kept.len()
+            );
+        }
+        for gate in gates.into_iter().flatten() {
+            gate.open();
+        }
+        // Every future kept resolves, and nothing stays behind.
+        for future in kept {
+            futures::executor::block_on(future).unwrap();
+        }
+        // Disposal takes milliseconds; the limit is for a loaded machine.
+        let settled = || {
+            waiter.pending() == 0
+                && (0..STREAMS).all(|s| faulty::destroyed(streams[s].handle()) == created[s])
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !settled() && Instant::now() < deadline {
+            std::thread::yield_now();
+        }
+        let destroyed: Vec<_> = streams.iter().map(|s| faulty::destroyed(s.handle())).collect();
+        prop_assert!(
+            settled(),
+            "{} pending; events destroyed {destroyed:?} of {created:?}",
+            waiter.pending()
+        );
+        prop_assert!(waiter.peak_threads() <= max_threads + 1);
     }
 }
