@@ -16,6 +16,7 @@
 //! drop, so its event is destroyed promptly and never on the thread that
 //! dropped the future.
 
+use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
@@ -304,7 +305,7 @@ impl Pool {
     /// already reached. Returns whether the lane still has waits (and is
     /// still this thread's).
     fn serve_lane_once(pool: &Arc<Self>, key: LaneKey) -> bool {
-        let Some(wait) = pool.pop_oldest(key, Owner::Thread) else {
+        let Some(wait) = pool.pop_oldest(key) else {
             return false;
         };
         let Wait { waitable, slot } = wait;
@@ -354,32 +355,29 @@ impl Pool {
         }
     }
 
-    /// Take the oldest live wait of `key` if `owner` serves it, dropping
-    /// cancelled ones on the way (outside the lock). A lane the poller
-    /// emptied is removed, so the next submit queues it afresh.
-    fn pop_oldest(&self, key: LaneKey, owner: Owner) -> Option<Wait> {
+    /// The lane thread serving `key` takes its oldest live wait to block on
+    /// (and notes it in `blocked_on`), dropping cancelled ones on the way
+    /// (outside the lock). `None` when the lane is empty or no longer this
+    /// thread's; a lane thread releases its emptied lane in `next_lane`, in
+    /// the same critical section as going idle.
+    fn pop_oldest(&self, key: LaneKey) -> Option<Wait> {
         let mut cancelled = Vec::new();
         let mut state = self.state();
         let found = loop {
-            let Some(lane) = state.lanes.get_mut(&key).filter(|lane| lane.owner == owner) else {
+            let Some(lane) = state
+                .lanes
+                .get_mut(&key)
+                .filter(|lane| lane.owner == Owner::Thread)
+            else {
                 break None;
             };
             match lane.waits.pop_first() {
                 Some((_, wait)) if wait.slot.is_cancelled() => cancelled.push(wait),
                 Some((_, wait)) => {
-                    if owner == Owner::Thread {
-                        lane.blocked_on = Some(wait.slot.clone());
-                    }
+                    lane.blocked_on = Some(wait.slot.clone());
                     break Some(wait);
                 }
-                None => {
-                    // A lane thread releases its emptied lane in `next_lane`,
-                    // in the same critical section as going idle.
-                    if owner == Owner::Poller {
-                        state.lanes.remove(&key);
-                    }
-                    break None;
-                }
+                None => break None,
             }
         };
         state.pending -= cancelled.len();
@@ -463,15 +461,9 @@ impl Pool {
         let Some(lane) = state.lanes.get_mut(&key) else {
             return;
         };
-        let still_there = lane
-            .waits
-            .get(&sequence)
-            .is_some_and(|wait| Arc::ptr_eq(&wait.slot, slot));
-        if !still_there {
-            return;
-        }
-        let Some(wait) = lane.waits.remove(&sequence) else {
-            return;
+        let wait = match lane.waits.entry(sequence) {
+            Entry::Occupied(entry) if Arc::ptr_eq(&entry.get().slot, slot) => entry.remove(),
+            _ => return,
         };
         state.pending -= 1;
         state.withdrawn.push(wait);
