@@ -167,23 +167,25 @@ impl Pool {
     /// queued lane before it sleeps. This keeps threads at one per busy
     /// stream even when lanes drain and refill faster than threads wake.
     fn find_server(&self, state: &mut State) -> Spawn {
+        if self.wake_idle(state) || state.lane_threads >= state.lanes.len() {
+            Spawn::Nothing
+        } else if state.lane_threads < self.config.max_threads {
+            state.add_lane_thread()
+        } else if !state.poller {
+            state.add_poller()
+        } else {
+            Spawn::Nothing
+        }
+    }
+
+    /// Wake an idle lane thread not woken yet, if there is one.
+    fn wake_idle(&self, state: &mut State) -> bool {
         if state.idle > state.notified {
             state.notified += 1;
             self.work.notify_one();
-            Spawn::Nothing
-        } else if state.lane_threads >= state.lanes.len() {
-            Spawn::Nothing
-        } else if state.lane_threads < self.config.max_threads {
-            state.lane_threads += 1;
-            state.next_thread += 1;
-            state.note_threads();
-            Spawn::LaneThread(state.next_thread)
-        } else if !state.poller {
-            state.poller = true;
-            state.note_threads();
-            Spawn::Poller
+            true
         } else {
-            Spawn::Nothing
+            false
         }
     }
 
@@ -217,9 +219,9 @@ impl Pool {
         } else {
             state.lane_threads -= 1;
             if !state.poller {
-                state.poller = true;
+                let spawn = state.add_poller();
                 drop(state);
-                return Self::spawn(pool, Spawn::Poller);
+                return Self::spawn(pool, spawn);
             }
         }
         if state.lane_threads > 0 || state.poller {
@@ -476,21 +478,12 @@ impl Pool {
     /// runs, else wake an idle thread, else start a lane thread (which then
     /// stays idle for `keep_alive`, ready for the next), else the poller.
     fn find_disposer(&self, state: &mut State) -> Spawn {
-        if state.poller {
-            Spawn::Nothing
-        } else if state.idle > state.notified {
-            state.notified += 1;
-            self.work.notify_one();
+        if state.poller || self.wake_idle(state) {
             Spawn::Nothing
         } else if state.lane_threads < self.config.max_threads {
-            state.lane_threads += 1;
-            state.next_thread += 1;
-            state.note_threads();
-            Spawn::LaneThread(state.next_thread)
+            state.add_lane_thread()
         } else {
-            state.poller = true;
-            state.note_threads();
-            Spawn::Poller
+            state.add_poller()
         }
     }
 
@@ -589,6 +582,21 @@ impl Pool {
 }
 
 impl State {
+    /// Count in a lane thread the caller is about to spawn.
+    fn add_lane_thread(&mut self) -> Spawn {
+        self.lane_threads += 1;
+        self.next_thread += 1;
+        self.note_threads();
+        Spawn::LaneThread(self.next_thread)
+    }
+
+    /// Count in the poller the caller is about to spawn.
+    fn add_poller(&mut self) -> Spawn {
+        self.poller = true;
+        self.note_threads();
+        Spawn::Poller
+    }
+
     fn note_threads(&mut self) {
         self.peak_threads = self
             .peak_threads

@@ -37,13 +37,20 @@ pub fn inject(stream: HostStreamHandle, plan: Plan) {
         .insert(stream, plan);
 }
 
-fn plan_of(stream: HostStreamHandle) -> Plan {
-    PLANS
-        .lock()
+/// What a per-stream map holds for `stream` (the default when nothing).
+fn read<T: Clone + Default>(
+    map: &Mutex<Option<HashMap<HostStreamHandle, T>>>,
+    stream: HostStreamHandle,
+) -> T {
+    map.lock()
         .unwrap_or_else(|poison| poison.into_inner())
         .as_ref()
-        .and_then(|plans| plans.get(&stream).cloned())
+        .and_then(|map| map.get(&stream).cloned())
         .unwrap_or_default()
+}
+
+fn plan_of(stream: HostStreamHandle) -> Plan {
+    read(&PLANS, stream)
 }
 
 fn refused(call: &'static str, label: &str) -> ServerError {
@@ -62,15 +69,6 @@ type Counts = Mutex<Option<HashMap<HostStreamHandle, usize>>>;
 static SYNCHRONIZING: Counts = Mutex::new(None);
 /// Per stream, the name of the thread each destroy ran on.
 static DESTROYED_ON: Mutex<Option<HashMap<HostStreamHandle, Vec<String>>>> = Mutex::new(None);
-
-fn count(counts: &Counts, stream: HostStreamHandle) -> usize {
-    counts
-        .lock()
-        .unwrap_or_else(|poison| poison.into_inner())
-        .as_ref()
-        .and_then(|counts| counts.get(&stream).copied())
-        .unwrap_or(0)
-}
 
 fn add(counts: &Counts, stream: HostStreamHandle, delta: isize) {
     let mut counts = counts.lock().unwrap_or_else(|poison| poison.into_inner());
@@ -92,18 +90,13 @@ pub fn destroyed(stream: HostStreamHandle) -> usize {
 /// The names of the threads that destroyed the events created for `stream`,
 /// in order (`"?"` for an unnamed thread).
 pub fn destroyed_on(stream: HostStreamHandle) -> Vec<String> {
-    DESTROYED_ON
-        .lock()
-        .unwrap_or_else(|poison| poison.into_inner())
-        .as_ref()
-        .and_then(|names| names.get(&stream).cloned())
-        .unwrap_or_default()
+    read(&DESTROYED_ON, stream)
 }
 
 /// How many threads are inside `event_synchronize` on events of `stream`
 /// right now.
 pub fn synchronizing(stream: HostStreamHandle) -> usize {
-    count(&SYNCHRONIZING, stream)
+    read(&SYNCHRONIZING, stream)
 }
 
 /// The fault-injecting backend.
