@@ -63,7 +63,7 @@ impl Settings {
             Self {
                 quick,
                 large,
-                rounds: 1_000,
+                rounds: 3_000,
                 warmup: 50,
                 work: Duration::from_micros(200),
                 many: (16, 625),
