@@ -20,14 +20,17 @@ pub(crate) struct Handoff<W: Waitable> {
 enum State<W> {
     /// Not polled yet: the waitable is still here.
     First(W),
-    /// Handed to the waiter: where its result goes, and where in the pool
-    /// the wait sits (to take it out if the future is dropped).
-    Waiting {
-        slot: Arc<Slot>,
-        lane: LaneKey,
-        sequence: u64,
-    },
+    /// Handed to the waiter.
+    Waiting(Handed),
     Done,
+}
+
+/// A wait handed to the pool: where its result goes, and where in the pool
+/// it sits (to take it out if the future is dropped).
+struct Handed {
+    slot: Arc<Slot>,
+    lane: LaneKey,
+    sequence: u64,
 }
 
 impl<W: Waitable> Handoff<W> {
@@ -47,18 +50,10 @@ impl<W: Waitable> Handoff<W> {
                 }
                 Err(result) => Poll::Ready(result),
             },
-            State::Waiting {
-                slot,
-                lane,
-                sequence,
-            } => match slot.poll(cx) {
+            State::Waiting(handed) => match handed.slot.poll(cx) {
                 Poll::Ready(result) => Poll::Ready(result),
                 Poll::Pending => {
-                    self.state = State::Waiting {
-                        slot,
-                        lane,
-                        sequence,
-                    };
+                    self.state = State::Waiting(handed);
                     Poll::Pending
                 }
             },
@@ -99,11 +94,11 @@ impl<W: Waitable> Handoff<W> {
             slot: slot.clone(),
         };
         match Pool::submit(&self.pool, wait) {
-            Ok((lane, sequence)) => Ok(State::Waiting {
+            Ok((lane, sequence)) => Ok(State::Waiting(Handed {
                 slot,
                 lane,
                 sequence,
-            }),
+            })),
             Err(err) => Err(Err(err)),
         }
     }
@@ -116,7 +111,7 @@ impl<W: Waitable> Handoff<W> {
     pub(crate) fn phase(&self) -> &'static str {
         match self.state {
             State::First(_) => "first poll",
-            State::Waiting { .. } => "waiting",
+            State::Waiting(_) => "waiting",
             State::Done => "done",
         }
     }
@@ -128,14 +123,9 @@ impl<W: Waitable> Drop for Handoff<W> {
     /// reaches it. A wait a thread has already taken out stays with that
     /// thread, which drops it.
     fn drop(&mut self) {
-        if let State::Waiting {
-            slot,
-            lane,
-            sequence,
-        } = &self.state
-        {
-            slot.cancel();
-            Pool::withdraw(&self.pool, *lane, *sequence, slot);
+        if let State::Waiting(handed) = &self.state {
+            handed.slot.cancel();
+            Pool::withdraw(&self.pool, handed.lane, handed.sequence, &handed.slot);
         }
     }
 }
