@@ -256,10 +256,13 @@ impl Pool {
     /// The next lane for a lane thread that just `finished` one (or none), or
     /// `None` when it should exit (idle past keep-alive, or shut down).
     ///
-    /// Releasing the finished lane and going idle happen in one critical
-    /// section: a wait submitted in between either finds the lane still
-    /// served, or finds this thread idle and wakes it. So a stream whose lane
-    /// empties and refills does not make the pool start another thread.
+    /// Releasing the finished lane and looking for the next happen under the
+    /// lock, and the lock is let go only to drop withdrawn waits, after which
+    /// the thread looks again before it sleeps. A wait submitted meanwhile
+    /// either finds the lane still served, or counts this thread among the
+    /// lane threads (so it starts none) and is taken by it, or finds it idle
+    /// and wakes it. So a stream whose lane empties and refills does not make
+    /// the pool start another thread.
     fn next_lane(&self, finished: Option<LaneKey>) -> Option<LaneKey> {
         let mut state = self.state();
         if let Some(key) = finished {
@@ -357,100 +360,81 @@ impl Pool {
         }
     }
 
-    /// The lane thread serving `key` takes its oldest live wait to block on
-    /// (and notes it in `blocked_on`), dropping cancelled ones on the way
-    /// (outside the lock). `None` when the lane is empty or no longer this
-    /// thread's; a lane thread releases its emptied lane in `next_lane`, in
-    /// the same critical section as going idle.
+    /// The lane thread serving `key` takes its oldest wait to block on (and
+    /// notes it in `blocked_on`). `None` when the lane is empty or no longer
+    /// this thread's; a lane thread releases its emptied lane in `next_lane`.
     fn pop_oldest(&self, key: LaneKey) -> Option<Wait> {
-        let mut cancelled = Vec::new();
         let mut state = self.state();
-        let found = loop {
-            let Some(lane) = state
-                .lanes
-                .get_mut(&key)
-                .filter(|lane| lane.owner == Owner::Thread)
-            else {
-                break None;
-            };
-            match lane.waits.pop_first() {
-                Some((_, wait)) if wait.slot.is_cancelled() => cancelled.push(wait),
-                Some((_, wait)) => {
-                    lane.blocked_on = Some(wait.slot.clone());
-                    break Some(wait);
-                }
-                None => break None,
-            }
-        };
-        state.pending -= cancelled.len();
-        drop(state);
-        // Dropping a wait destroys its event: done here, off the thread that
-        // dropped the future.
-        drop(cancelled);
-        found
+        let lane = state
+            .lanes
+            .get_mut(&key)
+            .filter(|lane| lane.owner == Owner::Thread)?;
+        let (_, wait) = lane.waits.pop_first()?;
+        lane.blocked_on = Some(wait.slot.clone());
+        Some(wait)
     }
 
-    /// Take up to [`BATCH`] live waits of `key`, oldest first, if `owner`
-    /// serves it; `None` when there are none (a lane the poller emptied is
-    /// removed). Cancelled waits are dropped outside the lock.
+    /// Take up to [`BATCH`] waits of `key`, oldest first, if `owner` serves
+    /// it; `None` when there are none (a lane the poller emptied is removed).
     ///
     /// Bounded, so a lane of thousands that is only partly reached costs a
     /// batch per round, not the whole lane taken out and put back.
     fn take_waits(&self, key: LaneKey, owner: Owner) -> Option<Vec<Wait>> {
-        let mut cancelled = Vec::new();
-        let mut live = Vec::new();
         let mut state = self.state();
         let lane = state
             .lanes
             .get_mut(&key)
             .filter(|lane| lane.owner == owner)?;
-        while live.is_empty() && !lane.waits.is_empty() {
-            let rest = match lane.waits.keys().nth(BATCH) {
-                Some(&first_left) => lane.waits.split_off(&first_left),
-                None => BTreeMap::new(),
-            };
-            for (_, wait) in std::mem::replace(&mut lane.waits, rest) {
-                if wait.slot.is_cancelled() {
-                    cancelled.push(wait);
-                } else {
-                    live.push(wait);
-                }
+        if lane.waits.is_empty() {
+            if owner == Owner::Poller {
+                state.lanes.remove(&key);
             }
+            return None;
         }
-        if live.is_empty() && owner == Owner::Poller {
-            state.lanes.remove(&key);
-        }
-        state.pending -= cancelled.len();
-        drop(state);
-        drop(cancelled);
-        (!live.is_empty()).then_some(live)
+        let rest = match lane.waits.keys().nth(BATCH) {
+            Some(&first_left) => lane.waits.split_off(&first_left),
+            None => BTreeMap::new(),
+        };
+        let batch = std::mem::replace(&mut lane.waits, rest);
+        Some(batch.into_values().collect())
     }
 
     /// Return waits not reached yet to their lane and count `resolved` ones
     /// as done, in one lock. If the lane was emptied and removed meanwhile (a
     /// thread took it over from the poller and found it empty), it is queued
     /// afresh, so someone serves it.
+    ///
+    /// A wait whose future was dropped while it was out of its lane (so
+    /// `withdraw` did not find it) is dropped here instead of put back. This
+    /// is the only way a cancelled wait could enter a lane: the future's drop
+    /// marks the slot cancelled before it takes the pool lock to withdraw, so
+    /// under this lock a wait is either seen cancelled or withdrawn later.
     fn settle(pool: &Arc<Self>, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
         let mut state = pool.state();
-        state.pending -= resolved;
+        let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
+            rest.into_iter().partition(|wait| wait.slot.is_cancelled());
+        state.pending -= resolved + cancelled.len();
+        let mut gone = Vec::new();
+        let mut spawn = Spawn::Nothing;
         if state.shutdown {
             state.pending -= rest.len();
-            drop(state);
+            gone = rest;
+        } else {
             for wait in rest {
-                wait.slot.complete(Err(ServerError::WaiterGone));
-            }
-            return;
-        }
-        let mut spawn = Spawn::Nothing;
-        for wait in rest {
-            let sequence = wait.waitable.sequence();
-            if let found @ (Spawn::LaneThread(_) | Spawn::Poller) =
-                pool.insert(&mut state, key, sequence, wait)
-            {
-                spawn = found;
+                let sequence = wait.waitable.sequence();
+                if let found @ (Spawn::LaneThread(_) | Spawn::Poller) =
+                    pool.insert(&mut state, key, sequence, wait)
+                {
+                    spawn = found;
+                }
             }
         }
         drop(state);
+        // Dropped (destroying their events) and woken outside the lock.
+        drop(cancelled);
+        for wait in gone {
+            wait.slot.complete(Err(ServerError::WaiterGone));
+        }
         Self::spawn(pool, spawn);
     }
 
