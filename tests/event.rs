@@ -6,20 +6,11 @@ mod common;
 use std::time::Duration;
 
 use common::{Gate, Progress};
-use device_events::host::{live_events, Host, HostStream};
+use device_events::host::{Host, HostStream};
 use device_events::{Event, EventFlags};
-
-/// `live_events` is process-wide and tests run in parallel; leak checks take
-/// this lock and every test that creates events holds it too.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|poison| poison.into_inner())
-}
 
 #[test]
 fn an_event_never_recorded_is_complete() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let _gate = Gate::hold(&stream);
     let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
@@ -29,7 +20,6 @@ fn an_event_never_recorded_is_complete() {
 
 #[test]
 fn query_has_three_outcomes() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let gate = Gate::hold(&stream);
     let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
@@ -52,7 +42,6 @@ fn query_has_three_outcomes() {
 
 #[test]
 fn a_record_replaces_the_previous_one() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
     event.record(stream.handle()).unwrap();
@@ -66,7 +55,6 @@ fn a_record_replaces_the_previous_one() {
 
 #[test]
 fn a_device_wait_captures_the_record_at_call_time() {
-    let _serial = serial();
     let producer = HostStream::new().unwrap();
     let consumer = HostStream::new().unwrap();
     let event = Event::<Host>::new(producer.handle(), EventFlags::FENCE).unwrap();
@@ -87,7 +75,6 @@ fn a_device_wait_captures_the_record_at_call_time() {
 
 #[test]
 fn elapsed_measures_the_work_between_two_timing_events() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let start = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
     let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
@@ -103,7 +90,6 @@ fn elapsed_measures_the_work_between_two_timing_events() {
 
 #[test]
 fn elapsed_refuses_events_without_timing_or_not_reached() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let start = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
     let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
@@ -123,38 +109,42 @@ fn elapsed_refuses_events_without_timing_or_not_reached() {
 
 #[test]
 fn events_are_released_on_every_path() {
-    let _serial = serial();
-    let before = live_events();
-    {
-        let stream = HostStream::new().unwrap();
-        // Dropped unrecorded.
-        drop(Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap());
-        // Dropped after a successful wait.
-        let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
-        event.record(stream.handle()).unwrap();
-        event.wait().unwrap();
-        drop(event);
-        // Dropped while its record is pending: released once passed.
-        let gate = Gate::hold(&stream);
-        let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
-        event.record(stream.handle()).unwrap();
-        drop(event);
-        gate.open();
-        // Dropped after a failed wait.
-        let gate = Gate::hold(&stream);
-        stream.launch(|| panic!("fault")).unwrap();
-        let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
-        event.record(stream.handle()).unwrap();
-        gate.open();
-        assert!(event.wait().is_err());
-        drop(event);
-    } // the stream's drop joins its worker, which released its markers
-    assert_eq!(live_events(), before);
+    // Counted on this test's own stream: other tests' events do not count.
+    let stream = HostStream::new().unwrap();
+    let live = stream.live_events();
+    // Dropped unrecorded.
+    drop(Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap());
+    assert_eq!(live.count(), 0, "dropped unrecorded");
+    // Dropped after a successful wait.
+    let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+    event.record(stream.handle()).unwrap();
+    event.wait().unwrap();
+    drop(event);
+    stream.synchronize().unwrap(); // the marker's reference is gone too
+    assert_eq!(live.count(), 0, "dropped after a wait");
+    // Dropped while its record is pending: released once passed.
+    let gate = Gate::hold(&stream);
+    let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+    event.record(stream.handle()).unwrap();
+    drop(event);
+    assert_eq!(live.count(), 1, "the queued marker keeps it");
+    gate.open();
+    stream.synchronize().unwrap();
+    assert_eq!(live.count(), 0, "released once its marker passed");
+    // Dropped after a failed wait.
+    let gate = Gate::hold(&stream);
+    stream.launch(|| panic!("fault")).unwrap();
+    let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
+    event.record(stream.handle()).unwrap();
+    gate.open();
+    assert!(event.wait().is_err());
+    drop(event);
+    drop(stream); // joins the worker, which released the faulted marker
+    assert_eq!(live.count(), 0, "dropped after a failed wait");
 }
 
 #[test]
 fn debug_names_the_backend() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
     assert_eq!(format!("{event:?}"), "HostEvent");

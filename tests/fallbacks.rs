@@ -2,8 +2,10 @@
 
 mod common;
 
-use common::faulty::{inject, Faulty, Plan};
-use common::{logs, Gate, Progress};
+use std::time::Duration;
+
+use common::faulty::{self, inject, Faulty, Plan};
+use common::{eventually, logs, Gate, Progress};
 use device_events::host::HostStream;
 use device_events::{EventFence, ServerError};
 
@@ -17,10 +19,16 @@ fn busy_stream() -> (HostStream, Gate, Progress) {
     (stream, gate, progress)
 }
 
-/// Open `gate` from another thread once the test thread is blocked behind it.
-fn open_later(gate: Gate) -> std::thread::JoinHandle<()> {
+/// Open `gate` from another thread once `blocked` holds: once the test
+/// thread is inside the synchronize that the fallback makes. So the held work
+/// can only have run if the fallback waited for it.
+fn open_when(
+    gate: Gate,
+    what: &'static str,
+    blocked: impl FnMut() -> bool + Send + 'static,
+) -> std::thread::JoinHandle<()> {
     std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(20));
+        eventually(Duration::from_secs(20), what, blocked);
         gate.open();
     })
 }
@@ -37,7 +45,10 @@ fn a_refused_create_synchronizes_the_stream_and_warns() {
             ..Plan::default()
         },
     );
-    let opener = open_later(gate);
+    let handle = stream.handle();
+    let opener = open_when(gate, "new() synchronizes the stream", move || {
+        faulty::stream_synchronizing(handle) == 1
+    });
     let fence = EventFence::<Faulty>::new(stream.handle());
     // The fallback synchronized: the held work is done before `new` returned.
     assert_eq!(progress.get(), 1);
@@ -62,7 +73,10 @@ fn a_refused_record_synchronizes_the_stream_and_warns() {
             ..Plan::default()
         },
     );
-    let opener = open_later(gate);
+    let handle = stream.handle();
+    let opener = open_when(gate, "new() synchronizes the stream", move || {
+        faulty::stream_synchronizing(handle) == 1
+    });
     let fence = EventFence::<Faulty>::new(stream.handle());
     assert_eq!(progress.get(), 1);
     assert!(fence.is_resolved_at_creation());
@@ -120,7 +134,10 @@ fn a_refused_device_wait_waits_on_the_host_and_warns() {
     );
     let fence = EventFence::<Faulty>::new(producer.handle());
     assert!(!fence.is_resolved_at_creation());
-    let opener = open_later(gate);
+    let handle = producer.handle();
+    let opener = open_when(gate, "the host waits on the fence", move || {
+        faulty::synchronizing(handle) == 1
+    });
     fence.wait_async(consumer.handle()).unwrap();
     // The host waited for the producer's work instead.
     assert_eq!(progress.get(), 1);
@@ -138,7 +155,7 @@ fn a_fence_resolved_at_creation_needs_no_device_wait() {
     inject(
         stream.handle(),
         Plan {
-            label: "resolved-then-wait",
+            label: "resolved-then-wait-producer",
             refuse_create: true,
             ..Plan::default()
         },

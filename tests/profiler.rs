@@ -5,22 +5,14 @@ mod common;
 use std::time::Duration;
 
 use common::Gate;
-use device_events::host::{live_events, Host, HostStream};
+use device_events::host::{Host, HostStream};
 use device_events::{EventProfiler, Waiter};
 use futures::FutureExt;
-
-/// `live_events` is process-wide: the tests of this file run one at a time.
-static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
-
-fn serial() -> std::sync::MutexGuard<'static, ()> {
-    SERIAL.lock().unwrap_or_else(|poison| poison.into_inner())
-}
 
 const WORK: Duration = Duration::from_millis(20);
 
 #[test]
 fn measures_the_work_between_start_and_stop_synchronously() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let profiler = EventProfiler::<Host>::new();
     let start = profiler.start(stream.handle()).unwrap();
@@ -35,7 +27,6 @@ fn measures_the_work_between_start_and_stop_synchronously() {
 
 #[test]
 fn measures_by_await_through_the_waiter() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let profiler = EventProfiler::<Host>::new();
     let start = profiler.start(stream.handle()).unwrap();
@@ -50,7 +41,6 @@ fn measures_by_await_through_the_waiter() {
 
 #[test]
 fn a_hot_loop_allocates_no_events_after_warm_up() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let profiler = EventProfiler::<Host>::new();
     let waiter = Waiter::builder().build();
@@ -72,7 +62,6 @@ fn a_hot_loop_allocates_no_events_after_warm_up() {
 
 #[test]
 fn dropped_starts_and_unread_profiles_return_their_events() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let profiler = EventProfiler::<Host>::new();
     drop(profiler.start(stream.handle()).unwrap());
@@ -98,7 +87,6 @@ fn dropped_starts_and_unread_profiles_return_their_events() {
 
 #[test]
 fn the_pool_is_bounded() {
-    let _serial = serial();
     let stream = HostStream::new().unwrap();
     let profiler = EventProfiler::<Host>::with_capacity(3);
     let starts: Vec<_> = (0..10)
@@ -111,10 +99,11 @@ fn the_pool_is_bounded() {
 
 #[test]
 fn a_faulted_stream_fails_the_measurement_and_nothing_leaks() {
-    let _serial = serial();
-    let before = live_events();
+    // Counted on this test's own streams: other tests' events do not count.
+    let stream = HostStream::new().unwrap();
+    let other = HostStream::new().unwrap();
+    let live = [stream.live_events(), other.live_events()];
     {
-        let stream = HostStream::new().unwrap();
         let profiler = EventProfiler::<Host>::new();
         let gate = Gate::hold(&stream);
         let start = profiler.start(stream.handle()).unwrap();
@@ -124,17 +113,16 @@ fn a_faulted_stream_fails_the_measurement_and_nothing_leaks() {
         let err = profile.wait_sync().unwrap_err();
         assert!(err.is_faulted(), "{err}");
         assert!(profiler.start(stream.handle()).unwrap_err().is_faulted());
-        let other = HostStream::new().unwrap();
         let start = profiler.start(other.handle()).unwrap();
         let err = profiler.stop(start, stream.handle()).unwrap_err();
         assert!(err.is_faulted(), "{err}");
-    }
-    assert_eq!(live_events(), before);
+    } // the profiler and its pool are gone
+    drop((stream, other)); // joins the workers, which held the markers
+    assert_eq!(live.each_ref().map(|live| live.count()), [0, 0]);
 }
 
 #[test]
 fn debug_names_the_backend() {
-    let _serial = serial();
     let profiler = EventProfiler::<Host>::new();
     assert!(format!("{profiler:?}").starts_with("HostEventProfiler"));
 }

@@ -29,12 +29,27 @@ pub struct Plan {
 static PLANS: Mutex<Option<HashMap<HostStreamHandle, Plan>>> = Mutex::new(None);
 
 /// Inject `plan` into every later call on `stream`.
+///
+/// # Panics
+///
+/// If another stream already has a plan with the same label: log checks find
+/// a test's warnings by its label in the process-wide capture, so a label
+/// must belong to one stream (one test) only, and no label may contain
+/// another.
 pub fn inject(stream: HostStreamHandle, plan: Plan) {
-    PLANS
-        .lock()
-        .unwrap_or_else(|poison| poison.into_inner())
-        .get_or_insert_with(HashMap::new)
-        .insert(stream, plan);
+    let mut plans = PLANS.lock().unwrap_or_else(|poison| poison.into_inner());
+    let plans = plans.get_or_insert_with(HashMap::new);
+    let clash = plans.iter().find(|(other, planned)| {
+        **other != stream
+            && (planned.label.contains(plan.label) || plan.label.contains(planned.label))
+    });
+    if let Some((_, planned)) = clash {
+        panic!(
+            "fault plan labels must be unique: '{}' clashes with '{}'",
+            plan.label, planned.label
+        );
+    }
+    plans.insert(stream, plan);
 }
 
 /// What a per-stream map holds for `stream` (the default when nothing).
@@ -67,6 +82,7 @@ fn refused(call: &'static str, label: &str) -> ServerError {
 type Counts = Mutex<Option<HashMap<HostStreamHandle, usize>>>;
 
 static SYNCHRONIZING: Counts = Mutex::new(None);
+static STREAM_SYNCHRONIZING: Counts = Mutex::new(None);
 /// Per stream, the name of the thread each destroy ran on.
 static DESTROYED_ON: Mutex<Option<HashMap<HostStreamHandle, Vec<String>>>> = Mutex::new(None);
 
@@ -97,6 +113,11 @@ pub fn destroyed_on(stream: HostStreamHandle) -> Vec<String> {
 /// right now.
 pub fn synchronizing(stream: HostStreamHandle) -> usize {
     read(&SYNCHRONIZING, stream)
+}
+
+/// How many threads are inside `stream_synchronize` of `stream` right now.
+pub fn stream_synchronizing(stream: HostStreamHandle) -> usize {
+    read(&STREAM_SYNCHRONIZING, stream)
 }
 
 /// The fault-injecting backend.
@@ -186,7 +207,10 @@ impl EventApi for Faulty {
         if plan.refuse_stream_synchronize {
             return Err(refused("stream_synchronize", plan.label));
         }
-        Host::stream_synchronize(stream)
+        add(&STREAM_SYNCHRONIZING, stream, 1);
+        let result = Host::stream_synchronize(stream);
+        add(&STREAM_SYNCHRONIZING, stream, -1);
+        result
     }
 
     fn event_elapsed(start: &FaultyEvent, end: &FaultyEvent) -> Result<Duration, ServerError> {

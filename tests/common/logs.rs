@@ -1,4 +1,9 @@
 //! Captures log records so tests can assert that a fallback warned.
+//!
+//! The capture is process-wide and tests run in parallel, so a test must
+//! never count all records: it looks only for records that carry a text only
+//! it produces (its fault plan's label, which `faulty::inject` keeps unique,
+//! or a panic message of its own).
 
 use std::sync::{Mutex, Once};
 

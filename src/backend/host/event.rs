@@ -8,14 +8,30 @@ use std::time::{Duration, Instant};
 use super::error;
 use crate::ServerError;
 
-/// Host events alive in the process, for leak checks.
-static LIVE_EVENTS: AtomicUsize = AtomicUsize::new(0);
+/// How many events created for one [`HostStream`](super::HostStream) are
+/// alive, from [`HostStream::live_events`](super::HostStream::live_events).
+///
+/// A cheap handle, shared by the stream and each of its events, so it can be
+/// read after the stream is dropped, when everything the stream's worker held
+/// has been released. It counts one stream's events, not the process's, so a
+/// leak check on it is not disturbed by other streams (or other tests)
+/// creating and destroying events at the same time.
+#[derive(Clone, Default)]
+pub struct LiveEvents(Arc<AtomicUsize>);
 
-/// How many host events exist right now (created and not yet released by
-/// every stream marker that refers to them). Tests use it to prove that no
-/// path leaks an event.
-pub fn live_events() -> usize {
-    LIVE_EVENTS.load(Ordering::SeqCst)
+impl LiveEvents {
+    /// How many of the stream's events exist right now: not yet destroyed,
+    /// or destroyed while a marker for them is still queued (a driver frees
+    /// such an event once its work completes, and so does this backend).
+    pub fn count(&self) -> usize {
+        self.0.load(Ordering::SeqCst)
+    }
+}
+
+impl fmt::Debug for LiveEvents {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("LiveEvents").field(&self.count()).finish()
+    }
 }
 
 /// The host backend's raw event: shared by its owner and the stream markers
@@ -34,6 +50,8 @@ pub(super) struct EventInner {
     state: Mutex<EventState>,
     changed: Condvar,
     timing: bool,
+    /// The creating stream's count, decremented when the event is freed.
+    live: LiveEvents,
 }
 
 #[derive(Default)]
@@ -62,13 +80,15 @@ impl EventState {
 }
 
 impl HostEvent {
-    pub(super) fn new(timing: bool) -> Self {
-        LIVE_EVENTS.fetch_add(1, Ordering::SeqCst);
+    /// A new event, counted in `live` (its stream's count) until freed.
+    pub(super) fn new(timing: bool, live: &LiveEvents) -> Self {
+        live.0.fetch_add(1, Ordering::SeqCst);
         Self {
             inner: Arc::new(EventInner {
                 state: Mutex::new(EventState::default()),
                 changed: Condvar::new(),
                 timing,
+                live: live.clone(),
             }),
         }
     }
@@ -175,7 +195,7 @@ impl EventInner {
 
 impl Drop for EventInner {
     fn drop(&mut self) {
-        LIVE_EVENTS.fetch_sub(1, Ordering::SeqCst);
+        self.live.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 

@@ -23,7 +23,7 @@ mod stream;
 
 use std::time::Duration;
 
-pub use event::{live_events, HostEvent};
+pub use event::{HostEvent, LiveEvents};
 pub use stream::{HostStream, HostStreamHandle};
 
 use crate::{EventApi, EventFlags, ServerError};
@@ -40,8 +40,8 @@ impl EventApi for Host {
     type Event = HostEvent;
 
     fn event_create(stream: HostStreamHandle, flags: EventFlags) -> Result<HostEvent, ServerError> {
-        stream.resolve("event_create")?;
-        Ok(HostEvent::new(flags.timing))
+        let stream = stream.resolve("event_create")?;
+        Ok(HostEvent::new(flags.timing, stream.live_events()))
     }
 
     fn event_record(event: &HostEvent, stream: HostStreamHandle) -> Result<(), ServerError> {

@@ -7,9 +7,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 
 use super::error;
-use super::event::HostEvent;
+use super::event::{HostEvent, LiveEvents};
+use super::Host;
 use crate::backend::registry::Registry;
-use crate::ServerError;
+use crate::{EventFence, ServerError};
 
 /// Every live host stream, so a copied handle can never dangle.
 static STREAMS: Registry<StreamShared> = Registry::new();
@@ -46,6 +47,8 @@ pub(super) struct StreamShared {
     work_queued: Condvar,
     /// Synchronizing threads wait here for the worker's progress.
     progressed: Condvar,
+    /// Events created for this stream and not yet freed.
+    live_events: LiveEvents,
 }
 
 #[derive(Default)]
@@ -78,6 +81,7 @@ impl HostStream {
             state: Mutex::new(StreamState::default()),
             work_queued: Condvar::new(),
             progressed: Condvar::new(),
+            live_events: LiveEvents::default(),
         });
         let id = STREAMS.register(&shared);
         let worker_shared = shared.clone();
@@ -110,9 +114,58 @@ impl HostStream {
         self.shared.push("launch", Op::Work(Box::new(work)))
     }
 
+    /// A fence at the current end of this stream's work; the same as
+    /// `EventFence::<Host>::new(stream.handle())`, and the host twin of
+    /// `cuda::fence` (CUDA backend).
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    ///
+    /// let stream = HostStream::new()?;
+    /// stream.launch(|| { /* work */ })?;
+    /// futures::executor::block_on(stream.fence().wait())?; // or `stream.fence().await`
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    pub fn fence(&self) -> EventFence<Host> {
+        EventFence::new(self.handle)
+    }
+
+    /// Block the calling thread until all work queued on this stream before
+    /// the call has finished; the same as
+    /// [`Host::stream_synchronize`](crate::EventApi::stream_synchronize).
+    ///
+    /// # Errors
+    ///
+    /// The stream is faulted: a launch panicked.
+    pub fn synchronize(&self) -> Result<(), ServerError> {
+        self.shared.synchronize()
+    }
+
     /// The copyable handle that fences and [`Host`](super::Host) calls take.
     pub fn handle(&self) -> HostStreamHandle {
         self.handle
+    }
+
+    /// A counter of the events created for this stream that are alive; see
+    /// [`LiveEvents::count`]. It stays readable after the stream is dropped,
+    /// and then counts nothing the stream's worker held: the drop joins it.
+    ///
+    /// For leak checks that other streams cannot disturb:
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    ///
+    /// let stream = HostStream::new()?;
+    /// let live = stream.live_events();
+    /// let fence = stream.fence();
+    /// assert_eq!(live.count(), 1);
+    /// fence.wait_sync()?; // consumes the fence, destroying its event ...
+    /// drop(stream); // ... and the worker, joined, let go of its marker
+    /// assert_eq!(live.count(), 0);
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    pub fn live_events(&self) -> LiveEvents {
+        self.shared.live_events.clone()
     }
 
     /// Whether a launch on this stream has panicked.
@@ -145,6 +198,10 @@ impl HostStreamHandle {
 }
 
 impl StreamShared {
+    pub(super) fn live_events(&self) -> &LiveEvents {
+        &self.live_events
+    }
+
     fn lock(&self) -> MutexGuard<'_, StreamState> {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
