@@ -184,14 +184,18 @@ impl<A: EventApi> EventPool<A> {
 }
 
 impl<A: EventApi> Profile<A> {
-    /// Block until the device reached the stop; the device time from start to
-    /// stop.
+    /// Block until the device reached both the start and the stop; the
+    /// device time from start to stop.
+    ///
+    /// Both are waited for because they may sit on different streams, and the
+    /// driver times two events only once both are complete
+    /// (`cuEventElapsedTime` returns `CUDA_ERROR_NOT_READY` otherwise).
     ///
     /// # Errors
     ///
-    /// A fault of the stream, or the driver's refusal to time the events.
+    /// A fault of either stream, or the driver's refusal to time the events.
     pub fn wait_sync(self) -> Result<Duration, ServerError> {
-        self.pair.end().wait()?;
+        self.pair.wait_both()?;
         self.pair.elapsed()
     }
 
@@ -216,6 +220,13 @@ impl<A: EventApi> Profile<A> {
 }
 
 impl<A: EventApi> EventPair<A> {
+    fn start(&self) -> &Event<A> {
+        match &self.start {
+            Some(start) => start,
+            None => unreachable!("an EventPair is only emptied by its drop"),
+        }
+    }
+
     fn end(&self) -> &Event<A> {
         match &self.end {
             Some(end) => end,
@@ -223,11 +234,20 @@ impl<A: EventApi> EventPair<A> {
         }
     }
 
+    /// Whether the device reached both events (three outcomes, as a query).
+    fn both_complete(&self) -> Result<bool, ServerError> {
+        Ok(self.start().is_complete()? && self.end().is_complete()?)
+    }
+
+    /// Block until the device reached both events: the start may be on
+    /// another, busier stream than the stop.
+    fn wait_both(&self) -> Result<(), ServerError> {
+        self.start().wait()?;
+        self.end().wait()
+    }
+
     fn elapsed(&self) -> Result<Duration, ServerError> {
-        match &self.start {
-            Some(start) => self.end().elapsed_since(start),
-            None => unreachable!("an EventPair is only emptied by its drop"),
-        }
+        self.end().elapsed_since(self.start())
     }
 }
 
@@ -247,7 +267,7 @@ impl<A: EventApi> Drop for ProfileStart<A> {
     }
 }
 
-/// What the waiter holds of a profile: the stop event, weakly, upgraded only
+/// What the waiter holds of a profile: its two events, weakly, upgraded only
 /// for the length of a query or a blocking wait and released before the
 /// future is woken. So a completed profile's events are back in the pool by
 /// the time its future returns: a loop that awaits each profile reuses the
@@ -258,8 +278,10 @@ struct PairWait<A: EventApi> {
     sequence: u64,
 }
 
-/// The waiter waits for the stop event, on the stream's lane. A pair already
-/// gone (its future dropped) has nothing left to wait for.
+/// The waiter waits for both events, on the stop stream's lane (the start is
+/// usually on the same stream; when it is on another, the lane's thread may
+/// block on that stream's work first). A pair already gone (its future
+/// dropped) has nothing left to wait for.
 impl<A: EventApi> Waitable for PairWait<A> {
     fn lane(&self) -> LaneKey {
         LaneKey::of::<A>(self.stream)
@@ -271,14 +293,14 @@ impl<A: EventApi> Waitable for PairWait<A> {
 
     fn query(&self) -> Result<bool, ServerError> {
         match self.pair.upgrade() {
-            Some(pair) => pair.end().is_complete(),
+            Some(pair) => pair.both_complete(),
             None => Ok(true),
         }
     }
 
     fn block(self: Box<Self>) -> Result<(), ServerError> {
         match self.pair.upgrade() {
-            Some(pair) => pair.end().wait(),
+            Some(pair) => pair.wait_both(),
             None => Ok(()),
         }
     }
@@ -290,7 +312,7 @@ impl<A: EventApi> Waitable for PairWait<A> {
 /// # Cancel safety
 ///
 /// Dropping it cancels the wait without blocking. Its events go back to the
-/// pool at once, or, if a waiter thread is blocked on the stop event right
+/// pool at once, or, if a waiter thread is blocked on one of its events right
 /// then, as soon as that thread's wait ends.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct ProfileFuture<A: EventApi> {

@@ -4,7 +4,8 @@ mod common;
 
 use std::time::Duration;
 
-use common::Gate;
+use common::faulty::{self, Faulty};
+use common::{eventually, Gate};
 use device_events::host::{Host, HostStream};
 use device_events::{EventProfiler, Waiter};
 use futures::FutureExt;
@@ -37,6 +38,47 @@ fn measures_by_await_through_the_waiter() {
         .unwrap();
     let elapsed = runtime.block_on(async { profile.await }).unwrap();
     assert!(elapsed >= WORK, "{elapsed:?}");
+}
+
+/// A start on a busy stream and a stop on an idle one: the stop is reached
+/// first, but the time between them exists only once the start is reached too
+/// (the driver says `CUDA_ERROR_NOT_READY` until then).
+#[test]
+fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_synchronously() {
+    let busy = HostStream::new().unwrap();
+    let idle = HostStream::new().unwrap();
+    let gate = Gate::hold(&busy);
+    let profiler = EventProfiler::<Faulty>::new();
+    let start = profiler.start(busy.handle()).unwrap();
+    let profile = profiler.stop(start, idle.handle()).unwrap();
+    let (sender, result) = std::sync::mpsc::channel();
+    let waiting = std::thread::spawn(move || sender.send(profile.wait_sync()).unwrap());
+    // Open the gate only once the waiting thread blocks on the start (or has
+    // returned without waiting for it, which is the defect).
+    let busy_handle = busy.handle();
+    eventually(Duration::from_secs(20), "wait_sync blocks on the start", || {
+        faulty::synchronizing(busy_handle) == 1 || waiting.is_finished()
+    });
+    gate.open();
+    let elapsed = result.recv().unwrap();
+    waiting.join().unwrap();
+    assert!(elapsed.is_ok(), "{elapsed:?}");
+}
+
+#[test]
+fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_by_await() {
+    let busy = HostStream::new().unwrap();
+    let idle = HostStream::new().unwrap();
+    let gate = Gate::hold(&busy);
+    let profiler = EventProfiler::<Host>::new();
+    let waiter = Waiter::builder().build();
+    let start = profiler.start(busy.handle()).unwrap();
+    let mut future = profiler.stop(start, idle.handle()).unwrap().wait_on(&waiter);
+    let first = (&mut future).now_or_never();
+    assert!(first.is_none(), "ready before the start was reached: {first:?}");
+    gate.open();
+    let elapsed = futures::executor::block_on(future);
+    assert!(elapsed.is_ok(), "{elapsed:?}");
 }
 
 #[test]

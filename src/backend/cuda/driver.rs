@@ -10,6 +10,7 @@
 use std::ffi::{c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use cudarc::driver::result::DriverError;
@@ -81,24 +82,42 @@ fn elapsed_fn() -> Result<ElapsedFn, ServerError> {
     })
 }
 
-/// Status codes after which a context is unusable for good: every later call
-/// on it returns the same error (CUDA driver API, "Error Handling").
-const STICKY_CODES: &[i32] = &[
-    214, // CUDA_ERROR_ECC_UNCORRECTABLE
-    700, // CUDA_ERROR_ILLEGAL_ADDRESS
-    702, // CUDA_ERROR_LAUNCH_TIMEOUT
-    710, // CUDA_ERROR_ASSERT
-    714, // CUDA_ERROR_HARDWARE_STACK_ERROR
-    715, // CUDA_ERROR_ILLEGAL_INSTRUCTION
-    716, // CUDA_ERROR_MISALIGNED_ADDRESS
-    717, // CUDA_ERROR_INVALID_ADDRESS_SPACE
-    718, // CUDA_ERROR_INVALID_PC
-    719, // CUDA_ERROR_LAUNCH_FAILED
+/// Status codes after which the process must restart: "This leaves the
+/// process in an inconsistent state and any further CUDA work will return the
+/// same error. To continue using CUDA, the process must be terminated and
+/// relaunched" (CUDA driver API, `CUresult`, CUDA 12 and 13 docs:
+/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html>).
+/// Taken from cudarc's `sys` enum wherever every binding this crate builds
+/// with (CUDA 12.0 and later) has the variant.
+const STICKY: &[sys::CUresult] = &[
+    sys::CUresult::CUDA_ERROR_ECC_UNCORRECTABLE,
+    sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+    sys::CUresult::CUDA_ERROR_LAUNCH_TIMEOUT,
+    sys::CUresult::CUDA_ERROR_ASSERT,
+    sys::CUresult::CUDA_ERROR_HARDWARE_STACK_ERROR,
+    sys::CUresult::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+    sys::CUresult::CUDA_ERROR_MISALIGNED_ADDRESS,
+    sys::CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE,
+    sys::CUresult::CUDA_ERROR_INVALID_PC,
+    sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
+    sys::CUresult::CUDA_ERROR_MPS_CLIENT_TERMINATED,
+    sys::CUresult::CUDA_ERROR_EXTERNAL_DEVICE,
 ];
 
+/// Sticky codes that cudarc's bindings for CUDA 12.0 to 12.6 lack, so they
+/// cannot be named through `sys` in every build: `CUDA_ERROR_CONTAINED` (226,
+/// CUDA 12.8) and `CUDA_ERROR_TENSOR_MEMORY_LEAK` (721, CUDA 12.8); their
+/// driver docs say the process must be restarted, as above.
+const STICKY_SINCE_12_8: &[i32] = &[226, 721];
+
+/// Whether `code` leaves the context (and process) unusable for good.
+pub(super) fn is_sticky(code: i32) -> bool {
+    STICKY.iter().any(|sticky| *sticky as i32 == code) || STICKY_SINCE_12_8.contains(&code)
+}
+
 /// `cuEventCreate` flags.
-const EVENT_BLOCKING_SYNC: c_uint = 0x1;
-const EVENT_DISABLE_TIMING: c_uint = 0x2;
+const EVENT_BLOCKING_SYNC: c_uint = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
+const EVENT_DISABLE_TIMING: c_uint = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
 
 /// Load the driver library, probe its symbols and initialize it, once.
 ///
@@ -110,6 +129,11 @@ pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
     static LOADED: OnceLock<Result<(), ServerError>> = OnceLock::new();
     LOADED.get_or_init(load).clone()
 }
+
+/// Set once cudarc has loaded the driver library and every symbol it needs
+/// was found: from then on its error name and description lookups cannot
+/// panic.
+static LIBRARY_FOUND: AtomicBool = AtomicBool::new(false);
 
 fn load() -> Result<(), ServerError> {
     // SAFETY: loading the driver library runs only its initializers; the
@@ -135,6 +159,7 @@ fn load() -> Result<(), ServerError> {
             missing.join(", ")
         )));
     }
+    LIBRARY_FOUND.store(true, Ordering::Release);
     // SAFETY: cuInit takes flags by value; 0 is the only documented value.
     check("cuInit", unsafe { sys::cuInit(0) }).map_err(|err| unavailable(err.to_string()))
 }
@@ -152,18 +177,20 @@ pub(super) fn check(call: &'static str, status: sys::CUresult) -> Result<(), Ser
 }
 
 /// A driver error, named and described by the driver, marked faulted when it
-/// is one of the sticky ones.
+/// is one of the sticky ones. Never panics: cudarc's name and description
+/// lookups load the driver library (and panic without one), so they are asked
+/// only once the library is known to be loaded; the name otherwise comes from
+/// the binding's variant name, which is the driver's.
 pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError {
     let code = err.0 as i32;
-    let name = err
-        .error_name()
+    let loaded = LIBRARY_FOUND.load(Ordering::Acquire);
+    let name = if loaded { err.error_name().ok() } else { None }
         .map(|name| name.to_string_lossy().into_owned())
-        .unwrap_or_else(|_| format!("{:?}", err.0));
-    let message = err
-        .error_string()
+        .unwrap_or_else(|| format!("{:?}", err.0));
+    let message = if loaded { err.error_string().ok() } else { None }
         .map(|message| message.to_string_lossy().into_owned())
         .unwrap_or_default();
-    if STICKY_CODES.contains(&code) {
+    if is_sticky(code) {
         ServerError::Faulted {
             backend: BACKEND,
             call,
@@ -188,10 +215,55 @@ impl From<DriverError> for ServerError {
     }
 }
 
-/// Make `ctx` current on this thread (a waiter thread has none).
-fn bind(ctx: &CudaContext) -> Result<(), ServerError> {
-    ctx.bind_to_thread()
-        .map_err(|err| driver_error("cuCtxSetCurrent", err))
+/// A context made current on the calling thread for the guard's life; the
+/// context that was current before is made current again when it drops, as a
+/// device guard does, so executor threads (and threads that drop events) are
+/// left as found and multi-GPU code on them keeps its device.
+///
+/// It binds through the driver, not cudarc's `bind_to_thread`: that first
+/// takes any error a cudarc `Drop` stored in the context (cudarc's drops store
+/// failures there instead of panicking), which belongs to the user's next
+/// cudarc call, and would come back from here mislabelled as this crate's.
+#[must_use = "the context is current only while the guard lives"]
+struct Bound {
+    /// What was current before, to restore; `None` when it already was `ctx`.
+    previous: Option<sys::CUcontext>,
+}
+
+/// Make `ctx` current on this thread until the returned guard drops.
+fn bind(ctx: &CudaContext) -> Result<Bound, ServerError> {
+    let mut previous = ptr::null_mut();
+    // SAFETY: `previous` is a valid place for the handle.
+    check("cuCtxGetCurrent", unsafe {
+        sys::cuCtxGetCurrent(&mut previous)
+    })?;
+    let target = ctx.cu_ctx();
+    if previous == target {
+        return Ok(Bound { previous: None });
+    }
+    // SAFETY: `target` is live: `ctx` holds its primary-context retain for
+    // as long as the borrow lasts.
+    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(target) })?;
+    Ok(Bound {
+        previous: Some(previous),
+    })
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        let Some(previous) = self.previous else {
+            return;
+        };
+        // SAFETY: `previous` was current on this thread when the guard was
+        // made (or null: no context), so it is the caller's to keep alive; a
+        // context destroyed meanwhile is a handle the driver rejects with an
+        // error, reported below.
+        if let Err(err) = check("cuCtxSetCurrent", unsafe {
+            sys::cuCtxSetCurrent(previous)
+        }) {
+            log::debug!("the thread's previous CUDA context could not be made current again: {err}");
+        }
+    }
 }
 
 /// The driver would refuse (or misbehave on) a handle of one context used on
@@ -204,13 +276,22 @@ fn same_context(
     if stream.context().cu_ctx() == ctx.cu_ctx() {
         return Ok(());
     }
-    Err(ServerError::Call {
+    Err(invalid_context(
+        call,
+        "the handle and the stream belong to different contexts",
+    ))
+}
+
+/// `CUDA_ERROR_INVALID_CONTEXT` for `call`, refused before the driver.
+fn invalid_context(call: &'static str, message: &str) -> ServerError {
+    let code = sys::CUresult::CUDA_ERROR_INVALID_CONTEXT;
+    ServerError::Call {
         backend: BACKEND,
         call,
-        code: 201,
-        name: "CUDA_ERROR_INVALID_CONTEXT".to_owned(),
-        message: "the handle and the stream belong to different contexts".to_owned(),
-    })
+        code: code as i32,
+        name: format!("{code:?}"),
+        message: message.to_owned(),
+    }
 }
 
 /// The CUDA backend's raw event. It keeps its context alive, and is destroyed
@@ -241,7 +322,7 @@ impl CudaEvent {
         if blocking {
             flags |= EVENT_BLOCKING_SYNC;
         }
-        bind(ctx)?;
+        let _bound = bind(ctx)?;
         let mut raw = ptr::null_mut();
         // SAFETY: `raw` is a valid place for the new handle; the flags are a
         // combination of documented bits.
@@ -258,7 +339,7 @@ impl CudaEvent {
     /// event's context.
     pub(super) fn record(&self, stream: &CudaStream) -> Result<(), ServerError> {
         same_context("cuEventRecord", &self.ctx, stream)?;
-        bind(&self.ctx)?;
+        let _bound = bind(&self.ctx)?;
         // SAFETY: both handles are live: the event is owned by `self`, the
         // stream is borrowed from its owner for the call.
         check("cuEventRecord", unsafe {
@@ -268,7 +349,7 @@ impl CudaEvent {
 
     /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
     pub(super) fn query(&self) -> Result<bool, ServerError> {
-        bind(&self.ctx)?;
+        let _bound = bind(&self.ctx)?;
         // SAFETY: the event is live, owned by `self`.
         match unsafe { sys::cuEventQuery(self.raw) } {
             sys::CUresult::CUDA_SUCCESS => Ok(true),
@@ -279,7 +360,7 @@ impl CudaEvent {
 
     /// Block until reached; sleeps in the driver for a `BLOCKING_SYNC` event.
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
-        bind(&self.ctx)?;
+        let _bound = bind(&self.ctx)?;
         // SAFETY: the event is live, owned by `self`.
         check("cuEventSynchronize", unsafe {
             sys::cuEventSynchronize(self.raw)
@@ -289,7 +370,7 @@ impl CudaEvent {
     /// Make `stream` wait for this event's latest record, on the device. Works
     /// across contexts.
     pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
-        bind(stream.context())?;
+        let _bound = bind(stream.context())?;
         // SAFETY: both handles are live; flag 0 is CU_EVENT_WAIT_DEFAULT.
         check("cuStreamWaitEvent", unsafe {
             sys::cuStreamWaitEvent(stream.cu_stream(), self.raw, 0)
@@ -298,9 +379,8 @@ impl CudaEvent {
 
     /// Milliseconds from `start` to `self`, as the driver measures them.
     pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
-        bind(&self.ctx)?;
+        let _bound = bind(&self.ctx)?;
         let mut ms = 0.0f32;
-        // SAFETY: `ms` is a valid place for the result; both events are live.
         let elapsed = elapsed_fn()?;
         // SAFETY: `ms` is a valid place for the result; both events are live;
         // `elapsed` has the driver's signature for these arguments.
@@ -321,10 +401,14 @@ impl CudaEvent {
         if raw.is_null() {
             return Ok(());
         }
-        bind(&self.ctx)?;
+        // The destroy is attempted even if the bind fails (a faulted
+        // context, say): skipping it would leak the event for good.
+        let bound = bind(&self.ctx);
         // SAFETY: `raw` was created by cuEventCreate and is destroyed once:
         // the field is nulled above.
-        check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(raw) })
+        let destroyed = check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(raw) });
+        drop(bound);
+        destroyed
     }
 }
 
@@ -365,7 +449,7 @@ impl Kernel {
         ptx: &CStr,
         name: &CStr,
     ) -> Result<Self, ServerError> {
-        bind(ctx)?;
+        let _bound = bind(ctx)?;
         let mut module = ptr::null_mut();
         // SAFETY: `ptx` is a NUL-terminated image that outlives the call;
         // `module` is a valid place for the handle.
@@ -391,15 +475,12 @@ impl Kernel {
         mut argument: u64,
     ) -> Result<(), ServerError> {
         if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(ServerError::Call {
-                backend: BACKEND,
-                call: "cuLaunchKernel",
-                code: 201,
-                name: "CUDA_ERROR_INVALID_CONTEXT".to_owned(),
-                message: "the kernel and the stream belong to different contexts".to_owned(),
-            });
+            return Err(invalid_context(
+                "cuLaunchKernel",
+                "the kernel and the stream belong to different contexts",
+            ));
         }
-        bind(&self.ctx)?;
+        let _bound = bind(&self.ctx)?;
         let mut params = [ptr::addr_of_mut!(argument).cast::<c_void>()];
         // SAFETY: the function is live (its module is never unloaded); the
         // kernel takes exactly one u64 parameter, and the driver copies the
@@ -425,7 +506,7 @@ impl Kernel {
 
 /// Block until all work queued on `stream` is done.
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
-    bind(stream.context())?;
+    let _bound = bind(stream.context())?;
     // SAFETY: the stream is live, borrowed from its owner for the call.
     check("cuStreamSynchronize", unsafe {
         sys::cuStreamSynchronize(stream.cu_stream())

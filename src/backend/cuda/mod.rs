@@ -26,7 +26,7 @@ mod driver;
 mod kernels;
 mod stream;
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 pub use cudarc;
@@ -63,10 +63,15 @@ pub fn device_count() -> Result<usize, ServerError> {
 /// The primary context of device `ordinal`, after checking that the driver
 /// and the device exist (cudarc alone would panic without a driver).
 ///
+/// While a context returned for `ordinal` is alive, later calls return the
+/// same `Arc`: cudarc makes a new `CudaContext` on every `CudaContext::new`,
+/// and each one's first stream synchronizes the whole device.
+///
 /// # Errors
 ///
 /// [`ServerError::Unavailable`] without a driver or without that device.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
+    static CONTEXTS: Mutex<Vec<Weak<CudaContext>>> = Mutex::new(Vec::new());
     let count = device_count()?;
     if ordinal >= count {
         return Err(ServerError::Unavailable {
@@ -74,7 +79,16 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
             reason: format!("no CUDA device {ordinal}: the driver reports {count}"),
         });
     }
-    Ok(CudaContext::new(ordinal)?)
+    let mut contexts = CONTEXTS.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(ctx) = contexts.get(ordinal).and_then(Weak::upgrade) {
+        return Ok(ctx);
+    }
+    let ctx = CudaContext::new(ordinal)?;
+    if contexts.len() <= ordinal {
+        contexts.resize_with(ordinal + 1, Weak::new);
+    }
+    contexts[ordinal] = Arc::downgrade(&ctx);
+    Ok(ctx)
 }
 
 /// A fence at the current end of a cudarc stream, in one call.

@@ -1,9 +1,10 @@
 //! [`CudaStreamHandle`]: a copyable handle to a cudarc stream.
 
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::CudaStream;
+use cudarc::driver::{sys, CudaStream};
 
 use super::driver::BACKEND;
 use crate::backend::registry::Registry;
@@ -24,17 +25,48 @@ static STREAMS: Registry<CudaStream> = Registry::new();
 ///
 /// Handles made from the same `Arc` are equal; two `Arc<CudaStream>` made
 /// separately for the same raw stream give different handles.
+///
+/// # Per-thread default streams
+///
+/// `CU_STREAM_PER_THREAD` (cudarc's `ctx.per_thread_stream()`) means "the
+/// calling thread's default stream": the same handle names a different stream
+/// on every thread. A handle made for one therefore belongs to the thread that
+/// made it, and a stream call through it on another thread (a drop queue's
+/// fallback synchronize, say) is refused with `CUDA_ERROR_INVALID_HANDLE`
+/// instead of silently using that thread's stream. Events and fences are not
+/// affected: a fence is recorded on the caller's thread, and waiting on its
+/// event is correct from any thread. The legacy default stream (null or
+/// `CU_STREAM_LEGACY`) is one per context and may be used from any thread.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CudaStreamHandle {
     id: u64,
+    /// For a per-thread default stream, the thread the handle belongs to (see
+    /// [`thread_key`]); 0 for every other stream.
+    thread: u64,
+}
+
+/// `CU_STREAM_PER_THREAD`, as the driver API defines it.
+const PER_THREAD_STREAM: usize = 0x2;
+
+/// A number for the calling thread, unique for the life of the process (a
+/// `ThreadId` has no stable number to order or hash by value).
+fn thread_key() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    thread_local! {
+        static KEY: u64 = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    KEY.with(|key| *key)
 }
 
 impl CudaStreamHandle {
     /// The handle for `stream`. Infallible and cheap after the first call for
-    /// the same `Arc` (one map lookup).
+    /// the same `Arc` (one map lookup). For a per-thread default stream, the
+    /// handle belongs to the calling thread (see the type's docs).
     pub fn new(stream: &Arc<CudaStream>) -> Self {
+        let per_thread = stream.cu_stream() as usize == PER_THREAD_STREAM;
         Self {
             id: STREAMS.register(stream),
+            thread: if per_thread { thread_key() } else { 0 },
         }
     }
 
@@ -43,15 +75,30 @@ impl CudaStreamHandle {
         STREAMS.get(self.id)
     }
 
-    /// The stream, or an invalid-handle error once it has been dropped.
+    /// The stream, or an invalid-handle error once it has been dropped, or
+    /// when it is another thread's per-thread default stream.
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<CudaStream>, ServerError> {
-        self.stream().ok_or_else(|| ServerError::Call {
-            backend: BACKEND,
-            call,
-            code: 400,
-            name: "CUDA_ERROR_INVALID_HANDLE".to_owned(),
-            message: "the stream behind this handle was dropped".to_owned(),
-        })
+        if self.thread != 0 && self.thread != thread_key() {
+            return Err(invalid_handle(
+                call,
+                "a per-thread default stream (CU_STREAM_PER_THREAD) names the calling thread's \
+                 own stream, and this handle was made on another thread: the call would reach \
+                 a different stream",
+            ));
+        }
+        self.stream()
+            .ok_or_else(|| invalid_handle(call, "the stream behind this handle was dropped"))
+    }
+}
+
+fn invalid_handle(call: &'static str, message: &str) -> ServerError {
+    let code = sys::CUresult::CUDA_ERROR_INVALID_HANDLE;
+    ServerError::Call {
+        backend: BACKEND,
+        call,
+        code: code as i32,
+        name: format!("{code:?}"),
+        message: message.to_owned(),
     }
 }
 
@@ -63,6 +110,10 @@ impl From<&Arc<CudaStream>> for CudaStreamHandle {
 
 impl fmt::Debug for CudaStreamHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "CudaStreamHandle({})", self.id)
+        if self.thread == 0 {
+            write!(f, "CudaStreamHandle({})", self.id)
+        } else {
+            write!(f, "CudaStreamHandle({}, per-thread)", self.id)
+        }
     }
 }
