@@ -8,10 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=target/fake-cuda
 mkdir -p "$dir"
-cc -shared -fPIC -O2 -o "$dir/libcuda.so" tests/fake_cuda/libcuda.c -lpthread
+cc -shared -fPIC -O2 -Wall -Wextra -Werror -o "$dir/libcuda.so" tests/fake_cuda/libcuda.c -lpthread
 export LD_LIBRARY_PATH="$PWD/$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export DEVICE_EVENTS_REQUIRE_CUDA=1
-cargo test --test cuda --test cuda_faults
+export DEVICE_EVENTS_FAKE_CUDA=1
+cargo test --test cuda --test cuda_binding --test cuda_faults
 cargo run --example fences
 cargo run --example join_streams
 cargo test --doc

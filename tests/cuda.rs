@@ -282,3 +282,29 @@ fn the_profiler_times_device_work_sync_and_by_await() {
     }
     assert!(profiler.created() <= 4, "created {}", profiler.created());
 }
+
+#[test]
+fn a_profile_started_on_a_busy_stream_and_stopped_on_an_idle_one_waits_for_both() {
+    let Some((ctx, sleep)) =
+        gpu("a_profile_started_on_a_busy_stream_and_stopped_on_an_idle_one_waits_for_both")
+    else {
+        return;
+    };
+    let busy = ctx.new_stream().unwrap();
+    let idle = ctx.new_stream().unwrap();
+    let (busy, idle) = (CudaStreamHandle::new(&busy), CudaStreamHandle::new(&idle));
+    let profiler = device_events::EventProfiler::<Cuda>::new();
+    let waiter = device_events::Waiter::builder().build();
+    for by_await in [false, true] {
+        sleep.launch(&busy.stream().unwrap(), LONG).unwrap();
+        let start = profiler.start(busy).unwrap();
+        let profile = profiler.stop(start, idle).unwrap();
+        // cuEventElapsedTime is CUDA_ERROR_NOT_READY until both are complete.
+        let elapsed = if by_await {
+            futures::executor::block_on(profile.wait_on(&waiter))
+        } else {
+            profile.wait_sync()
+        };
+        assert!(elapsed.is_ok(), "by await: {by_await}: {elapsed:?}");
+    }
+}

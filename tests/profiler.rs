@@ -56,9 +56,11 @@ fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_synchronously() {
     // Open the gate only once the waiting thread blocks on the start (or has
     // returned without waiting for it, which is the defect).
     let busy_handle = busy.handle();
-    eventually(Duration::from_secs(20), "wait_sync blocks on the start", || {
-        faulty::synchronizing(busy_handle) == 1 || waiting.is_finished()
-    });
+    eventually(
+        Duration::from_secs(20),
+        "wait_sync blocks on the start",
+        || faulty::synchronizing(busy_handle) == 1 || waiting.is_finished(),
+    );
     gate.open();
     let elapsed = result.recv().unwrap();
     waiting.join().unwrap();
@@ -73,9 +75,15 @@ fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_by_await() {
     let profiler = EventProfiler::<Host>::new();
     let waiter = Waiter::builder().build();
     let start = profiler.start(busy.handle()).unwrap();
-    let mut future = profiler.stop(start, idle.handle()).unwrap().wait_on(&waiter);
+    let mut future = profiler
+        .stop(start, idle.handle())
+        .unwrap()
+        .wait_on(&waiter);
     let first = (&mut future).now_or_never();
-    assert!(first.is_none(), "ready before the start was reached: {first:?}");
+    assert!(
+        first.is_none(),
+        "ready before the start was reached: {first:?}"
+    );
     gate.open();
     let elapsed = futures::executor::block_on(future);
     assert!(elapsed.is_ok(), "{elapsed:?}");

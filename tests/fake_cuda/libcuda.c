@@ -1,18 +1,49 @@
 /*
- * A fake CUDA driver (libcuda.so) for machines without a GPU: just enough of
- * the driver API, with the semantics the crate relies on, to run
- * tests/cuda.rs, tests/cuda_faults.rs and the examples on a CPU.
+ * A fake CUDA driver (libcuda.so) for machines without a GPU: enough of the
+ * driver API, with the semantics the crate relies on, to run tests/cuda.rs,
+ * tests/cuda_faults.rs and the examples on a CPU. Where the crate's
+ * correctness depends on a driver rule, the fake keeps that rule at least as
+ * strictly as the real driver; each rule cites the CUDA driver API reference
+ * (https://docs.nvidia.com/cuda/cuda-driver-api/, "Modules"), CUDA 12 and 13.
  *
- * - Device time is the host's monotonic clock. A kernel launched on a stream
+ * - Two devices, each with a primary context. Retain and release are
+ *   counted; the context is torn down on the last release, and its handles
+ *   are then refused (cuDevicePrimaryCtxRelease: "the primary context is
+ *   destroyed when its usage count reaches zero").
+ * - The current context is per host thread (cuCtxSetCurrent: "binds the
+ *   specified CUDA context to the calling CPU thread"). Every call on a
+ *   stream, event, module or kernel is refused with
+ *   CUDA_ERROR_INVALID_CONTEXT unless that handle's own context is current:
+ *   stricter than the driver, which checks this for some calls only, so a
+ *   crate that forgets to bind (on a waiter thread, say) fails here.
+ *   cuStreamWaitEvent is the exception the docs make: "hEvent may be from a
+ *   different context or device than hStream".
+ * - cuEventRecord with an event and a stream of different contexts is
+ *   CUDA_ERROR_INVALID_HANDLE ("hEvent and hStream must be from the same
+ *   context").
+ * - Device time is the host's monotonic clock. Work launched on a stream
  *   starts when the stream's earlier work ends; `sleep_ns` runs for its
- *   argument, `write_u32` faults the context (sticky CUDA_ERROR_ILLEGAL_ADDRESS)
- *   when it starts.
- * - Events record the time their stream's queued work ends; a query compares
+ *   argument, `write_u32` to an address below 4096 faults its context
+ *   (CUDA_ERROR_ILLEGAL_ADDRESS) when it starts.
+ * - After a sticky fault every call on that context fails with it, binding
+ *   it current and destroying its handles included ("This leaves the process
+ *   in an inconsistent state and any further CUDA work will return the same
+ *   error"); a destroy still frees the handle.
+ * - Events record when their stream's queued work ends; a query compares
  *   with now, a synchronize sleeps until then. An event never recorded is
- *   complete. Elapsed time refuses events created with DISABLE_TIMING.
- * - Every call on a stream, event, module or kernel needs a current context
- *   on the calling thread (CUDA_ERROR_INVALID_CONTEXT otherwise): that checks
- *   the crate binds the context on every thread, waiter threads included.
+ *   complete (cuEventQuery). Elapsed time refuses DISABLE_TIMING events and
+ *   answers CUDA_ERROR_NOT_READY unless both events are complete
+ *   (cuEventElapsedTime), under both names real drivers export.
+ * - Default streams (cuda.h, "Stream handles"): NULL and CU_STREAM_LEGACY
+ *   (0x1) are the context's legacy default stream, which waits for all
+ *   blocking streams of its context and which they wait for;
+ *   CU_STREAM_PER_THREAD (0x2) is the calling thread's own default stream
+ *   (blocking, so it also orders with the legacy stream). Streams created
+ *   with CU_STREAM_NON_BLOCKING (cudarc's) do neither.
+ * - cuCtxSynchronize waits for every stream of the current context.
+ *
+ * Test hooks (not driver API): fakeCudaLiveEvents(device) and
+ * fakeCudaPrimaryRetains(device), found by the tests with dlsym.
  *
  * It validates nothing of PTX or of real hardware; scripts/fake-cuda.sh
  * builds it and runs the CUDA tests against it.
@@ -27,24 +58,62 @@ enum {
     SUCCESS = 0,
     INVALID_VALUE = 1,
     NO_DEVICE = 100,
+    INVALID_DEVICE = 101,
     INVALID_CONTEXT = 201,
     INVALID_HANDLE = 400,
     NOT_FOUND = 500,
     NOT_READY = 600,
     ILLEGAL_ADDRESS = 700,
+    CONTEXT_IS_DESTROYED = 709,
 };
 
+#define DEVICES 2
 #define EVENT_DISABLE_TIMING 0x2
+#define STREAM_NON_BLOCKING 0x1
+#define STREAM_LEGACY ((void *)0x1)
+#define STREAM_PER_THREAD ((void *)0x2)
 
-typedef struct { int64_t busy_until; } stream_t;
-typedef struct { int recorded; int64_t at; unsigned flags; } event_t;
+typedef struct ctx ctx_t;
+
+typedef enum { CREATED, LEGACY, PER_THREAD } stream_kind;
+
+typedef struct stream {
+    ctx_t *ctx;
+    stream_kind kind;
+    unsigned flags;
+    pthread_t owner; /* for PER_THREAD */
+    int64_t busy_until;
+    struct stream *next;
+} stream_t;
+
+struct ctx {
+    int device;
+    int retains;
+    int generation; /* bumped on each teardown */
+    int64_t fault_at;
+    stream_t legacy;
+    stream_t *streams; /* created and per-thread streams */
+    int live_events;
+};
+
+typedef struct {
+    ctx_t *ctx;
+    int generation;
+    int recorded;
+    int64_t at;
+    unsigned flags;
+} event_t;
+
+typedef struct { ctx_t *ctx; int generation; } module_t;
+typedef struct { module_t *module; int kind; } function_t;
+enum { SLEEP_NS = 1, WRITE_U32 = 2 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
-static int context_tag;
-static __thread void *current;
-static stream_t default_stream;
-static int64_t fault_at = INT64_MAX;
-static int module_tag, sleep_tag, write_tag;
+static ctx_t contexts[DEVICES] = {
+    {.device = 0, .fault_at = INT64_MAX},
+    {.device = 1, .fault_at = INT64_MAX},
+};
+static __thread ctx_t *current;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -61,31 +130,85 @@ static void sleep_until(int64_t deadline) {
     }
 }
 
-/* The sticky fault, once device time has reached it. */
-static int faulted(void) { return now_ns() >= fault_at; }
+static int64_t max64(int64_t a, int64_t b) { return a > b ? a : b; }
+static int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-static stream_t *stream_of(void *handle) {
-    if (handle == NULL || handle == (void *)0x1 || handle == (void *)0x2) return &default_stream;
-    return (stream_t *)handle;
+/* The sticky fault, once device time has reached it. */
+static int faulted(const ctx_t *c) { return now_ns() >= c->fault_at; }
+
+static int is_context(const void *handle) {
+    for (int d = 0; d < DEVICES; d++)
+        if (handle == &contexts[d]) return 1;
+    return 0;
 }
 
-/* Every call that needs a context and a healthy device starts here. */
-#define CHECK()                                   \
-    do {                                          \
-        if (current == NULL) return INVALID_CONTEXT; \
-        if (faulted()) return ILLEGAL_ADDRESS;    \
-    } while (0)
+/* A handle of context `c` (made in `generation`) may be used now. */
+static int usable(const ctx_t *c, int generation) {
+    if (current == NULL || current != c) return INVALID_CONTEXT;
+    if (c->retains == 0 || c->generation != generation) return CONTEXT_IS_DESTROYED;
+    if (faulted(c)) return ILLEGAL_ADDRESS;
+    return SUCCESS;
+}
+
+/* The current context, ready for work. */
+static int current_usable(void) {
+    if (current == NULL) return INVALID_CONTEXT;
+    return usable(current, current->generation);
+}
+
+/* The stream a handle names on this thread, in the current context; NULL if
+ * the handle is a created stream of another (or no) current context. Called
+ * with the lock held. */
+static stream_t *stream_of(void *handle) {
+    if (current == NULL) return NULL;
+    if (handle == NULL || handle == STREAM_LEGACY) return &current->legacy;
+    if (handle == STREAM_PER_THREAD) {
+        pthread_t self = pthread_self();
+        for (stream_t *s = current->streams; s; s = s->next)
+            if (s->kind == PER_THREAD && pthread_equal(s->owner, self)) return s;
+        stream_t *s = calloc(1, sizeof *s);
+        if (s == NULL) return NULL;
+        s->ctx = current;
+        s->kind = PER_THREAD;
+        s->owner = self;
+        s->next = current->streams;
+        current->streams = s;
+        return s;
+    }
+    stream_t *s = handle;
+    return s->ctx == current ? s : NULL;
+}
+
+static int blocking(const stream_t *s) {
+    return s->kind == PER_THREAD || (s->kind == CREATED && !(s->flags & STREAM_NON_BLOCKING));
+}
+
+/* When new work on `s` may start: after its own work, and after what the
+ * legacy default stream orders it behind. Called with the lock held. */
+static int64_t ready_at(const stream_t *s) {
+    int64_t at = max64(now_ns(), s->busy_until);
+    const ctx_t *c = s->ctx;
+    if (s->kind == LEGACY) {
+        for (const stream_t *o = c->streams; o; o = o->next)
+            if (blocking(o)) at = max64(at, o->busy_until);
+    } else if (blocking(s)) {
+        at = max64(at, c->legacy.busy_until);
+    }
+    return at;
+}
 
 int cuGetErrorName(int error, const char **name) {
     switch (error) {
     case SUCCESS: *name = "CUDA_SUCCESS"; break;
     case INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
     case NO_DEVICE: *name = "CUDA_ERROR_NO_DEVICE"; break;
+    case INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
     case INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
     case INVALID_HANDLE: *name = "CUDA_ERROR_INVALID_HANDLE"; break;
     case NOT_FOUND: *name = "CUDA_ERROR_NOT_FOUND"; break;
     case NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
     case ILLEGAL_ADDRESS: *name = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
+    case CONTEXT_IS_DESTROYED: *name = "CUDA_ERROR_CONTEXT_IS_DESTROYED"; break;
     default: return INVALID_VALUE;
     }
     return SUCCESS;
@@ -100,147 +223,280 @@ int cuGetErrorString(int error, const char **text) {
 }
 
 int cuInit(unsigned flags) { (void)flags; return SUCCESS; }
-int cuDriverGetVersion(int *version) { *version = 12000; return SUCCESS; }
-int cuDeviceGetCount(int *count) { *count = 1; return SUCCESS; }
+int cuDriverGetVersion(int *version) { *version = 12080; return SUCCESS; }
+int cuDeviceGetCount(int *count) { *count = DEVICES; return SUCCESS; }
 
 int cuDeviceGet(int *device, int ordinal) {
-    if (ordinal != 0) return INVALID_VALUE;
-    *device = 0;
+    if (ordinal < 0 || ordinal >= DEVICES) return INVALID_DEVICE;
+    *device = ordinal;
     return SUCCESS;
 }
 
 int cuDeviceGetAttribute(int *value, int attribute, int device) {
-    (void)attribute; (void)device;
+    (void)attribute;
+    if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
     *value = 0;
     return SUCCESS;
 }
 
 int cuDevicePrimaryCtxRetain(void **context, int device) {
-    (void)device;
-    *context = &context_tag;
+    if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
+    pthread_mutex_lock(&lock);
+    ctx_t *c = &contexts[device];
+    if (c->retains++ == 0) {
+        c->legacy = (stream_t){.ctx = c, .kind = LEGACY};
+        c->streams = NULL;
+    }
+    pthread_mutex_unlock(&lock);
+    *context = c;
     return SUCCESS;
 }
 
-int cuDevicePrimaryCtxRelease_v2(int device) { (void)device; return SUCCESS; }
-int cuCtxGetCurrent(void **context) { *context = current; return SUCCESS; }
-int cuCtxSetCurrent(void *context) { current = context; return SUCCESS; }
+int cuDevicePrimaryCtxRelease_v2(int device) {
+    if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
+    pthread_mutex_lock(&lock);
+    ctx_t *c = &contexts[device];
+    if (c->retains == 0) {
+        pthread_mutex_unlock(&lock);
+        return INVALID_CONTEXT;
+    }
+    if (--c->retains == 0) {
+        /* Torn down: its streams go, its other handles are refused from now
+         * on (the generation changes). */
+        for (stream_t *s = c->streams, *next; s; s = next) {
+            next = s->next;
+            free(s);
+        }
+        c->streams = NULL;
+        c->generation++;
+    }
+    pthread_mutex_unlock(&lock);
+    return SUCCESS;
+}
+
+int cuCtxGetCurrent(void **context) {
+    *context = current;
+    return SUCCESS;
+}
+
+int cuCtxSetCurrent(void *context) {
+    if (context == NULL) {
+        current = NULL;
+        return SUCCESS;
+    }
+    if (!is_context(context)) return INVALID_CONTEXT;
+    ctx_t *c = context;
+    pthread_mutex_lock(&lock);
+    int status = c->retains == 0 ? CONTEXT_IS_DESTROYED : faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
+    pthread_mutex_unlock(&lock);
+    if (status == SUCCESS) current = c;
+    return status;
+}
 
 int cuCtxSynchronize(void) {
-    CHECK();
     pthread_mutex_lock(&lock);
-    int64_t until = default_stream.busy_until;
+    int status = current_usable();
+    int64_t until = 0;
+    if (status == SUCCESS) {
+        until = current->legacy.busy_until;
+        for (stream_t *s = current->streams; s; s = s->next) until = max64(until, s->busy_until);
+    }
+    ctx_t *c = current;
     pthread_mutex_unlock(&lock);
-    sleep_until(until);
-    return faulted() ? ILLEGAL_ADDRESS : SUCCESS;
+    if (status != SUCCESS) return status;
+    sleep_until(min64(until, c->fault_at));
+    return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
 int cuStreamCreate(void **stream, unsigned flags) {
-    (void)flags;
-    if (current == NULL) return INVALID_CONTEXT;
-    stream_t *created = calloc(1, sizeof *created);
-    if (created == NULL) return INVALID_VALUE;
-    *stream = created;
-    return SUCCESS;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    stream_t *s = NULL;
+    if (status == SUCCESS) {
+        s = calloc(1, sizeof *s);
+        if (s == NULL) {
+            status = INVALID_VALUE;
+        } else {
+            s->ctx = current;
+            s->kind = CREATED;
+            s->flags = flags;
+            s->next = current->streams;
+            current->streams = s;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    if (status == SUCCESS) *stream = s;
+    return status;
 }
 
 int cuStreamDestroy_v2(void *stream) {
-    if (current == NULL) return INVALID_CONTEXT;
-    if (stream_of(stream) != &default_stream) free(stream);
-    return SUCCESS;
+    if (stream == NULL || stream == STREAM_LEGACY || stream == STREAM_PER_THREAD)
+        return INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    stream_t *s = stream;
+    ctx_t *c = s->ctx;
+    int status = current == c ? (faulted(c) ? ILLEGAL_ADDRESS : SUCCESS) : INVALID_CONTEXT;
+    if (status != INVALID_CONTEXT) {
+        /* Unlinked and freed even after a fault, as its context's resources
+         * are. */
+        for (stream_t **link = &c->streams; *link; link = &(*link)->next) {
+            if (*link == s) {
+                *link = s->next;
+                free(s);
+                break;
+            }
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
 }
 
 int cuStreamSynchronize(void *stream) {
-    CHECK();
     pthread_mutex_lock(&lock);
-    int64_t until = stream_of(stream)->busy_until;
+    int status = current_usable();
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    int64_t until = s ? ready_at(s) : 0;
+    ctx_t *c = current;
     pthread_mutex_unlock(&lock);
-    sleep_until(until < fault_at ? until : fault_at);
-    return faulted() ? ILLEGAL_ADDRESS : SUCCESS;
+    if (status != SUCCESS) return status;
+    sleep_until(min64(until, c->fault_at));
+    return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
 int cuEventCreate(void **event, unsigned flags) {
-    if (current == NULL) return INVALID_CONTEXT;
-    if (faulted()) return ILLEGAL_ADDRESS;
-    event_t *created = calloc(1, sizeof *created);
-    if (created == NULL) return INVALID_VALUE;
-    created->flags = flags;
-    *event = created;
-    return SUCCESS;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    event_t *e = NULL;
+    if (status == SUCCESS) {
+        e = calloc(1, sizeof *e);
+        if (e == NULL) {
+            status = INVALID_VALUE;
+        } else {
+            e->ctx = current;
+            e->generation = current->generation;
+            e->flags = flags;
+            current->live_events++;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    if (status == SUCCESS) *event = e;
+    return status;
 }
 
 int cuEventRecord(void *event, void *stream) {
-    CHECK();
     event_t *e = event;
     pthread_mutex_lock(&lock);
-    stream_t *s = stream_of(stream);
-    int64_t now = now_ns();
-    e->at = s->busy_until > now ? s->busy_until : now;
-    e->recorded = 1;
+    int status = usable(e->ctx, e->generation);
+    if (status == SUCCESS) {
+        stream_t *s = stream_of(stream);
+        if (s == NULL || s->ctx != e->ctx) {
+            status = INVALID_HANDLE;
+        } else {
+            e->at = ready_at(s);
+            e->recorded = 1;
+        }
+    }
     pthread_mutex_unlock(&lock);
-    return SUCCESS;
+    return status;
 }
 
 int cuEventQuery(void *event) {
-    CHECK();
     event_t *e = event;
     pthread_mutex_lock(&lock);
+    int status = usable(e->ctx, e->generation);
     int done = !e->recorded || now_ns() >= e->at;
     pthread_mutex_unlock(&lock);
+    if (status != SUCCESS) return status;
     return done ? SUCCESS : NOT_READY;
 }
 
 int cuEventSynchronize(void *event) {
-    CHECK();
     event_t *e = event;
     pthread_mutex_lock(&lock);
+    int status = usable(e->ctx, e->generation);
     int64_t until = e->recorded ? e->at : 0;
+    ctx_t *c = e->ctx;
     pthread_mutex_unlock(&lock);
-    sleep_until(until < fault_at ? until : fault_at);
-    return faulted() ? ILLEGAL_ADDRESS : SUCCESS;
+    if (status != SUCCESS) return status;
+    sleep_until(min64(until, c->fault_at));
+    return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
 int cuEventDestroy_v2(void *event) {
-    if (current == NULL) return INVALID_CONTEXT;
-    free(event);
-    return SUCCESS;
+    event_t *e = event;
+    pthread_mutex_lock(&lock);
+    int status = usable(e->ctx, e->generation);
+    int freed = status == SUCCESS || status == ILLEGAL_ADDRESS;
+    if (freed) e->ctx->live_events--;
+    pthread_mutex_unlock(&lock);
+    if (freed) free(e);
+    return status;
 }
 
-/* Only the _v2 name, as a CUDA 13 header would call: the crate must find it. */
-int cuEventElapsedTime_v2(float *ms, void *start, void *end) {
-    CHECK();
+static int elapsed(float *ms, void *start, void *end) {
     event_t *a = start, *b = end;
-    if ((a->flags | b->flags) & EVENT_DISABLE_TIMING) return INVALID_HANDLE;
-    if (!a->recorded || !b->recorded) return INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    int status = usable(b->ctx, b->generation);
+    if (status == SUCCESS && (a->ctx != b->ctx || a->generation != b->generation))
+        status = INVALID_HANDLE;
+    if (status == SUCCESS && ((a->flags | b->flags) & EVENT_DISABLE_TIMING))
+        status = INVALID_HANDLE;
+    if (status == SUCCESS && (!a->recorded || !b->recorded)) status = INVALID_HANDLE;
     int64_t now = now_ns();
-    if (now < a->at || now < b->at) return NOT_READY;
-    *ms = (float)((double)(b->at - a->at) / 1e6);
-    return SUCCESS;
+    if (status == SUCCESS && (now < a->at || now < b->at)) status = NOT_READY;
+    if (status == SUCCESS) *ms = (float)((double)(b->at - a->at) / 1e6);
+    pthread_mutex_unlock(&lock);
+    return status;
 }
+
+/* Both names, as real drivers export them (CUDA 12.8 added _v2). */
+int cuEventElapsedTime(float *ms, void *start, void *end) { return elapsed(ms, start, end); }
+int cuEventElapsedTime_v2(float *ms, void *start, void *end) { return elapsed(ms, start, end); }
 
 int cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
     (void)flags;
-    CHECK();
     event_t *e = event;
     pthread_mutex_lock(&lock);
-    stream_t *s = stream_of(stream);
-    if (e->recorded && e->at > s->busy_until) s->busy_until = e->at;
+    int status = current_usable();
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    /* The event may be another context's, even another device's. */
+    if (status == SUCCESS && (e->ctx->retains == 0 || e->ctx->generation != e->generation))
+        status = INVALID_HANDLE;
+    if (status == SUCCESS && e->recorded) s->busy_until = max64(s->busy_until, e->at);
     pthread_mutex_unlock(&lock);
-    return SUCCESS;
+    return status;
 }
 
 int cuModuleLoadData(void **module, const void *image) {
-    CHECK();
-    if (image == NULL || strstr((const char *)image, ".entry") == NULL) return INVALID_VALUE;
-    *module = &module_tag;
-    return SUCCESS;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    module_t *m = NULL;
+    if (status == SUCCESS && (image == NULL || strstr((const char *)image, ".entry") == NULL))
+        status = INVALID_VALUE;
+    if (status == SUCCESS) {
+        m = calloc(1, sizeof *m);
+        if (m == NULL) status = INVALID_VALUE;
+        else *m = (module_t){current, current->generation};
+    }
+    pthread_mutex_unlock(&lock);
+    if (status == SUCCESS) *module = m;
+    return status;
 }
 
 int cuModuleGetFunction(void **function, void *module, const char *name) {
-    CHECK();
-    if (module != &module_tag) return INVALID_HANDLE;
-    if (strcmp(name, "sleep_ns") == 0) *function = &sleep_tag;
-    else if (strcmp(name, "write_u32") == 0) *function = &write_tag;
-    else return NOT_FOUND;
+    module_t *m = module;
+    pthread_mutex_lock(&lock);
+    int status = usable(m->ctx, m->generation);
+    pthread_mutex_unlock(&lock);
+    if (status != SUCCESS) return status;
+    int kind = strcmp(name, "sleep_ns") == 0 ? SLEEP_NS : strcmp(name, "write_u32") == 0 ? WRITE_U32 : 0;
+    if (kind == 0) return NOT_FOUND;
+    function_t *f = calloc(1, sizeof *f);
+    if (f == NULL) return INVALID_VALUE;
+    *f = (function_t){m, kind};
+    *function = f;
     return SUCCESS;
 }
 
@@ -248,22 +504,39 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
                    unsigned by, unsigned bz, unsigned shared, void *stream, void **params,
                    void **extra) {
     (void)gx; (void)gy; (void)gz; (void)bx; (void)by; (void)bz; (void)shared; (void)extra;
-    CHECK();
+    function_t *f = function;
     if (params == NULL || params[0] == NULL) return INVALID_VALUE;
     uint64_t argument = *(uint64_t *)params[0];
     pthread_mutex_lock(&lock);
-    stream_t *s = stream_of(stream);
-    int64_t now = now_ns();
-    int64_t start = s->busy_until > now ? s->busy_until : now;
-    if (function == &sleep_tag) {
-        s->busy_until = start + (int64_t)argument;
-    } else if (function == &write_tag) {
-        if (argument < 4096 && start < fault_at) fault_at = start;
-        s->busy_until = start;
-    } else {
-        pthread_mutex_unlock(&lock);
-        return INVALID_HANDLE;
+    int status = usable(f->module->ctx, f->module->generation);
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && (s == NULL || s->ctx != f->module->ctx)) status = INVALID_HANDLE;
+    if (status == SUCCESS) {
+        int64_t start = ready_at(s);
+        if (f->kind == SLEEP_NS) {
+            s->busy_until = start + (int64_t)argument;
+        } else {
+            if (argument < 4096 && start < s->ctx->fault_at) s->ctx->fault_at = start;
+            s->busy_until = start;
+        }
     }
     pthread_mutex_unlock(&lock);
-    return SUCCESS;
+    return status;
+}
+
+/* Test hooks: not part of the driver API. */
+int fakeCudaLiveEvents(int device) {
+    if (device < 0 || device >= DEVICES) return -1;
+    pthread_mutex_lock(&lock);
+    int live = contexts[device].live_events;
+    pthread_mutex_unlock(&lock);
+    return live;
+}
+
+int fakeCudaPrimaryRetains(int device) {
+    if (device < 0 || device >= DEVICES) return -1;
+    pthread_mutex_lock(&lock);
+    int retains = contexts[device].retains;
+    pthread_mutex_unlock(&lock);
+    return retains;
 }

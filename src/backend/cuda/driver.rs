@@ -187,9 +187,13 @@ pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError 
     let name = if loaded { err.error_name().ok() } else { None }
         .map(|name| name.to_string_lossy().into_owned())
         .unwrap_or_else(|| format!("{:?}", err.0));
-    let message = if loaded { err.error_string().ok() } else { None }
-        .map(|message| message.to_string_lossy().into_owned())
-        .unwrap_or_default();
+    let message = if loaded {
+        err.error_string().ok()
+    } else {
+        None
+    }
+    .map(|message| message.to_string_lossy().into_owned())
+    .unwrap_or_default();
     if is_sticky(code) {
         ServerError::Faulted {
             backend: BACKEND,
@@ -258,10 +262,10 @@ impl Drop for Bound {
         // made (or null: no context), so it is the caller's to keep alive; a
         // context destroyed meanwhile is a handle the driver rejects with an
         // error, reported below.
-        if let Err(err) = check("cuCtxSetCurrent", unsafe {
-            sys::cuCtxSetCurrent(previous)
-        }) {
-            log::debug!("the thread's previous CUDA context could not be made current again: {err}");
+        if let Err(err) = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(previous) }) {
+            log::debug!(
+                "the thread's previous CUDA context could not be made current again: {err}"
+            );
         }
     }
 }

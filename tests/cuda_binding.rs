@@ -1,0 +1,237 @@
+//! How the CUDA backend treats contexts and threads: cudarc's stored errors
+//! stay cudarc's, the calling thread's current context is left as found, one
+//! waiter serves two devices, per-thread default streams stay on their
+//! thread, and `cuda::context` shares one context per device.
+//!
+//! One test, its steps in sequence, in its own binary: a step stores an error
+//! in device 0's context, which any other test sharing the process's context
+//! would see. Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails
+//! instead. The fake driver's hooks (`fakeCudaLiveEvents`,
+//! `fakeCudaPrimaryRetains`) add leak and retain checks there; on a real
+//! driver those checks are skipped.
+#![cfg(feature = "cuda")]
+
+use std::ffi::{c_int, CStr};
+use std::sync::Arc;
+use std::time::Duration;
+
+use device_events::cuda::cudarc::driver::result::{self, DriverError};
+use device_events::cuda::cudarc::driver::{sys, CudaContext};
+use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
+use device_events::{Event, EventApi, EventFence, EventFlags, Waiter};
+
+const LONG: Duration = Duration::from_millis(200);
+
+fn required() -> bool {
+    std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|value| value == "1")
+}
+
+type Hook = unsafe extern "C" fn(c_int) -> c_int;
+
+/// A test hook of the fake driver, or `None` on a real one.
+fn fake_hook(name: &CStr) -> Option<Hook> {
+    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
+    // loaded (the backend was used before this is called); the name is a
+    // NUL-terminated literal.
+    let library =
+        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if library.is_null() {
+        return None;
+    }
+    // SAFETY: `library` is a live handle; `name` is NUL-terminated.
+    let symbol = unsafe { libc::dlsym(library, name.as_ptr()) };
+    if symbol.is_null() {
+        return None;
+    }
+    // SAFETY: the fake driver defines both hooks as `int hook(int device)`.
+    Some(unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
+}
+
+/// The fake driver's count of live events on `device`, or `None` on a real
+/// driver. `scripts/fake-cuda.sh` sets `DEVICE_EVENTS_FAKE_CUDA=1`, so the
+/// checks cannot silently skip there.
+fn live_events(device: c_int) -> Option<c_int> {
+    assert!(
+        std::env::var("DEVICE_EVENTS_FAKE_CUDA").map_or(true, |fake| fake != "1")
+            || fake_hook(c"fakeCudaLiveEvents").is_some(),
+        "DEVICE_EVENTS_FAKE_CUDA=1 but the fake driver's hooks were not found"
+    );
+    // SAFETY: the hook takes a device number and only reads a counter.
+    fake_hook(c"fakeCudaLiveEvents").map(|hook| unsafe { hook(device) })
+}
+
+fn primary_retains(device: c_int) -> Option<c_int> {
+    // SAFETY: as above.
+    fake_hook(c"fakeCudaPrimaryRetains").map(|hook| unsafe { hook(device) })
+}
+
+/// The context current on the calling thread, as the driver reports it.
+fn current() -> Option<sys::CUcontext> {
+    result::ctx::get_current().expect("cuCtxGetCurrent")
+}
+
+#[test]
+fn contexts_threads_and_devices() {
+    let ctx = match cuda::context(0) {
+        Ok(ctx) => ctx,
+        Err(err) if required() => panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}"),
+        Err(err) => {
+            eprintln!("skipping the CUDA binding checks: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            return;
+        }
+    };
+    cudarc_stored_errors_stay_with_cudarc(&ctx);
+    the_calling_threads_context_is_left_as_found(&ctx);
+    a_per_thread_stream_handle_stays_on_its_thread(&ctx);
+    one_context_per_device_while_alive(&ctx);
+    match cuda::device_count().unwrap() {
+        1 => eprintln!(
+            "one device: the two-device checks need a second GPU (the fake driver has two)"
+        ),
+        _ => one_waiter_serves_two_devices(&ctx),
+    }
+}
+
+/// cudarc's drops store failures in the context for the user's next cudarc
+/// call; this crate's calls must neither take them nor fail because of them.
+fn cudarc_stored_errors_stay_with_cudarc(ctx: &Arc<CudaContext>) {
+    let stream = ctx.new_stream().unwrap();
+    let events_before = live_events(0);
+    let stored = DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE);
+    ctx.record_err::<()>(Err(stored));
+
+    let fence = cuda::fence(&stream);
+    assert!(
+        !fence.is_resolved_at_creation(),
+        "a stored cudarc error made the fence fall back to a stream synchronize"
+    );
+    assert!(fence.is_complete().unwrap());
+    fence.wait_sync().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let never_recorded = Event::<Cuda>::new(handle, EventFlags::FENCE).unwrap();
+    assert!(never_recorded.is_complete().unwrap());
+    drop(never_recorded);
+    if let Some(before) = events_before {
+        assert_eq!(live_events(0), Some(before), "every event was destroyed");
+    }
+
+    assert_eq!(
+        ctx.check_err(),
+        Err(stored),
+        "the stored error is still there for cudarc's next call"
+    );
+}
+
+/// Executor threads keep whatever context they had: none, or another one.
+fn the_calling_threads_context_is_left_as_found(ctx: &Arc<CudaContext>) {
+    let stream = ctx.new_stream().unwrap();
+    let sleep = SleepKernel::new(ctx).unwrap();
+    sleep.launch(&stream, Duration::from_millis(5)).unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let on_a_fresh_thread = std::thread::spawn(move || {
+        assert_eq!(current(), None, "a new thread has no context");
+        let fence = EventFence::<Cuda>::new(handle);
+        let _ = fence.is_complete().unwrap();
+        assert_eq!(
+            current(),
+            None,
+            "left bound by creating or querying a fence"
+        );
+        fence.wait_sync().unwrap();
+        let event = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
+        event.record(handle).unwrap();
+        event.wait().unwrap();
+        drop(event);
+        Cuda::stream_synchronize(handle).unwrap();
+        assert_eq!(current(), None, "left bound by a wait, record or destroy");
+    });
+    on_a_fresh_thread.join().unwrap();
+
+    if cuda::device_count().unwrap() > 1 {
+        let other = cuda::context(1).unwrap();
+        let theirs = other.cu_ctx() as usize;
+        let with_device_1 = std::thread::spawn(move || {
+            other.bind_to_thread().unwrap();
+            let fence = EventFence::<Cuda>::new(handle); // device 0's stream
+            fence.wait_sync().unwrap();
+            assert_eq!(
+                current().map(|ctx| ctx as usize),
+                Some(theirs),
+                "device 1's context is current again"
+            );
+        });
+        with_device_1.join().unwrap();
+    }
+}
+
+/// `CU_STREAM_PER_THREAD` names the calling thread's stream: a handle made on
+/// one thread is refused on another rather than reaching a different stream.
+fn a_per_thread_stream_handle_stays_on_its_thread(ctx: &Arc<CudaContext>) {
+    let stream = ctx.per_thread_stream();
+    let handle = CudaStreamHandle::new(&stream);
+    assert!(format!("{handle:?}").contains("per-thread"));
+    let fence = EventFence::<Cuda>::new(handle);
+    assert!(!fence.is_resolved_at_creation());
+    fence.wait_sync().unwrap();
+    Cuda::stream_synchronize(handle).unwrap();
+
+    let elsewhere = std::thread::spawn(move || {
+        let err = Cuda::stream_synchronize(handle).unwrap_err();
+        assert_eq!(err.code(), Some(400), "{err}");
+        assert!(err.to_string().contains("per-thread"), "{err}");
+        let fence = EventFence::<Cuda>::new(handle);
+        assert!(
+            fence.is_resolved_at_creation(),
+            "refused, not recorded elsewhere"
+        );
+        assert!(fence.wait_sync().is_err());
+    });
+    elsewhere.join().unwrap();
+    drop(stream);
+}
+
+/// `cuda::context(0)` twice is one context, retained once.
+fn one_context_per_device_while_alive(ctx: &Arc<CudaContext>) {
+    let retains = primary_retains(0);
+    let again = cuda::context(0).unwrap();
+    assert!(
+        Arc::ptr_eq(ctx, &again),
+        "a second CudaContext for device 0"
+    );
+    assert_eq!(primary_retains(0), retains);
+}
+
+/// One waiter, streams on two devices, and a device-side wait from one device
+/// to the other.
+fn one_waiter_serves_two_devices(ctx: &Arc<CudaContext>) {
+    let other = cuda::context(1).unwrap();
+    let sleeps = [
+        SleepKernel::new(ctx).unwrap(),
+        SleepKernel::new(&other).unwrap(),
+    ];
+    let streams = [ctx.new_stream().unwrap(), other.new_stream().unwrap()];
+    let waiter = Waiter::builder().max_threads(2).build();
+    let mut waits = Vec::new();
+    for _ in 0..20 {
+        for (stream, sleep) in streams.iter().zip(&sleeps) {
+            sleep.launch(stream, Duration::from_micros(500)).unwrap();
+            waits.push(waiter.wait(cuda::fence(stream)));
+        }
+    }
+    for result in futures::executor::block_on(futures::future::join_all(waits)) {
+        result.unwrap();
+    }
+
+    // Device 1's stream waits, on the device, for device 0's long work.
+    sleeps[0].launch(&streams[0], LONG).unwrap();
+    cuda::fence(&streams[0])
+        .wait_async(CudaStreamHandle::new(&streams[1]))
+        .unwrap();
+    let behind = cuda::fence(&streams[1]);
+    assert!(
+        !behind.is_complete().unwrap(),
+        "device 1's stream does not wait for device 0's work"
+    );
+    futures::executor::block_on(waiter.wait(behind)).unwrap();
+    assert!(cuda::fence(&streams[0]).is_complete().unwrap());
+}
