@@ -20,6 +20,19 @@ summary=()
 
 echo "== machine"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv 2>&1 | tee "$results/nvidia-smi.txt"
+glibc=$(ldd --version 2>/dev/null | head -1 | grep -oE '[0-9]+\.[0-9]+$' || true)
+echo "glibc ${glibc:-unknown}"
+# The binaries were built on a machine with glibc 2.34 or later; on an older
+# one each would fail with a loader error. Say so once and stop.
+probe=$(ls "$bin"/tests/* 2>/dev/null | head -1)
+if [ -z "$probe" ]; then
+    echo "no test binaries under $bin/tests: run scripts/build-device-bin.sh first"
+    exit 1
+fi
+if ! "$probe" --list >/dev/null 2>"$results/loader.log"; then
+    echo "the prebuilt binaries cannot start here (they need glibc 2.34 or later; this machine has ${glibc:-unknown}): $(head -1 "$results/loader.log")"
+    exit 1
+fi
 
 echo "== tests (DEVICE_EVENTS_REQUIRE_CUDA=1)"
 for test in "$bin"/tests/*; do

@@ -12,8 +12,15 @@ use super::driver::Kernel;
 use crate::ServerError;
 
 /// `sleep_ns` spins one GPU thread on `%globaltimer` until the given number
-/// of nanoseconds has passed; `write_u32` stores 1 at the given address.
-/// `{TARGET}` is filled in from [`TARGETS`].
+/// of nanoseconds has passed, or until it has spun once per nanosecond asked
+/// (`%rd5` counts down): the PTX ISA leaves `%globaltimer` unspecified when
+/// PTX is JIT-compiled for another target, so a timer that stalls must not
+/// hang the kernel. One spin reads the timer, which takes well over a
+/// nanosecond, so the count never ends a working sleep early; with a stalled
+/// timer the kernel still ends, within (nanoseconds asked) × (one spin's
+/// time). `write_u32` stores 1 at the given address. `{TARGET}` is filled in
+/// from [`TARGETS`]; every module is assembled by NVIDIA's `ptxas` in CI
+/// (`tests/ptx.rs`).
 const PTX: &str = r#"
 .version 7.0
 .target {TARGET}
@@ -23,16 +30,21 @@ const PTX: &str = r#"
     .param .u64 duration_ns
 )
 {
-    .reg .pred %p<2>;
-    .reg .b64 %rd<5>;
+    .reg .pred %p<3>;
+    .reg .b64 %rd<6>;
 
     ld.param.u64 %rd1, [duration_ns];
     mov.u64 %rd2, %globaltimer;
     add.u64 %rd3, %rd2, %rd1;
+    mov.u64 %rd5, %rd1;
 SPIN:
+    setp.eq.u64 %p2, %rd5, 0;
+    @%p2 bra DONE;
+    sub.u64 %rd5, %rd5, 1;
     mov.u64 %rd4, %globaltimer;
     setp.lt.u64 %p1, %rd4, %rd3;
     @%p1 bra SPIN;
+DONE:
     ret;
 }
 
@@ -54,8 +66,8 @@ SPIN:
 fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
     super::driver::ensure_loaded()?;
     let mut last = None;
-    for target in TARGETS {
-        let ptx = PTX.replace("{TARGET}", target) + "\0";
+    for (_, ptx) in ptx_modules() {
+        let ptx = ptx + "\0";
         let Ok(ptx) = CStr::from_bytes_with_nul(ptx.as_bytes()) else {
             continue;
         };
@@ -68,6 +80,21 @@ fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
         backend: super::driver::BACKEND,
         reason: "no PTX target could be loaded".to_owned(),
     }))
+}
+
+/// The PTX modules the crate ships, one per target it tries, in the order it
+/// tries them: `(target, NUL-free PTX text)`. For checking them with NVIDIA's
+/// assembler (`ptxas -arch=<target>`) on a machine without a GPU.
+///
+/// ```
+/// let modules = device_events::cuda::ptx_modules();
+/// assert!(modules.iter().all(|(target, ptx)| ptx.contains(&format!(".target {target}"))));
+/// ```
+pub fn ptx_modules() -> Vec<(&'static str, String)> {
+    TARGETS
+        .iter()
+        .map(|target| (*target, PTX.replace("{TARGET}", target)))
+        .collect()
 }
 
 /// Tried in order: the newest target first (drivers for CUDA 13 may no longer

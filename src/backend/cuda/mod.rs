@@ -32,7 +32,7 @@ use std::time::Duration;
 pub use cudarc;
 use cudarc::driver::{CudaContext, CudaStream};
 pub use driver::CudaEvent;
-pub use kernels::{FaultKernel, SleepKernel};
+pub use kernels::{ptx_modules, FaultKernel, SleepKernel};
 pub use stream::CudaStreamHandle;
 
 use crate::{EventApi, EventFence, EventFlags, ServerError};
