@@ -52,8 +52,20 @@ pub enum ServerError {
         message: String,
     },
     /// The waiter serving this wait was shut down before the wait resolved.
-    #[error("the waiter is gone")]
+    #[error(
+        "the waiter was shut down before this wait resolved: await through a waiter that is \
+         still running (Waiter::global() never shuts down)"
+    )]
     WaiterGone,
+    /// An argument or setting this crate cannot work with, refused where it
+    /// was given: the caller's bug, not the driver's.
+    #[error("invalid {what}: {reason}")]
+    InvalidArgument {
+        /// What was given, e.g. `"Waiter thread_name"`.
+        what: &'static str,
+        /// Why it cannot be used.
+        reason: String,
+    },
     /// A backend call made on a waiter thread panicked; the waiter keeps
     /// serving other waits.
     #[error("a waiter thread panicked: {message}")]

@@ -5,6 +5,10 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::{Event, EventApi, EventFlags, ServerError};
 
+/// `CUDA_ERROR_INVALID_HANDLE`, which both backends report for a stream
+/// handle that names no live stream.
+const INVALID_HANDLE: i32 = 400;
+
 /// Orders fences across the process: a later fence on a stream has a larger
 /// number, which is all the waiter needs to serve a stream's fences in order.
 static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
@@ -107,15 +111,23 @@ impl<A: EventApi> EventFence<A> {
     /// fence itself (with a warning logged), which orders the work just the
     /// same.
     ///
+    /// An invalid `stream` (a dropped stream's handle, or another thread's
+    /// per-thread default stream) is not a refusal but the caller's bug: the
+    /// invalid-handle error comes back at once, and the host does not block.
+    ///
     /// # Errors
     ///
-    /// The error the fence holds, or, on the fallback path, the error of the
-    /// host wait.
+    /// The error the fence holds; the invalid-handle error (code 400) for an
+    /// invalid `stream`; or, on the fallback path, the error of the host
+    /// wait.
     pub fn wait_async(self, stream: A::Stream) -> Result<(), ServerError> {
         let Some(event) = self.event? else {
             return Ok(());
         };
         if let Err(err) = event.wait_async(stream) {
+            if err.code() == Some(INVALID_HANDLE) {
+                return Err(err);
+            }
             log::warn!(
                 "a {} stream could not be made to wait on a fence, waiting on the host: {err}",
                 A::BACKEND

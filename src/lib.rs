@@ -88,7 +88,8 @@ pub use profiler::{
 };
 #[cfg(multi_threading)]
 pub use waiter::{
-    FenceFuture, Waiter, WaiterBuilder, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_THREADS_LIMIT,
+    FenceFuture, Waiter, WaiterBuilder, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_SPIN_BUDGET,
+    MAX_THREADS_LIMIT,
 };
 
 /// The README's examples, compiled and run as doctests.

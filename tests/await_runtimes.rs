@@ -5,9 +5,10 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::{Gate, Progress};
+use common::faulty::{inject, Faulty, Plan};
+use common::{eventually, Gate, Progress};
 use device_events::host::{Host, HostStream};
-use device_events::{EventFence, FenceFuture, Waiter};
+use device_events::{EventFence, FenceFuture, ServerError, Waiter, MAX_SPIN_BUDGET};
 use futures::future::{join_all, FusedFuture};
 use futures::FutureExt;
 
@@ -156,14 +157,20 @@ fn a_fence_resolved_at_creation_is_ready_on_first_poll() {
 
 #[test]
 fn a_spin_budget_catches_a_fence_that_passes_while_spinning() {
-    let waiter = Waiter::builder()
-        .spin_budget(Duration::from_secs(5))
-        .build();
+    let waiter = Waiter::builder().spin_budget(MAX_SPIN_BUDGET).build();
     let stream = HostStream::new().unwrap();
-    stream
-        .launch(|| std::thread::sleep(Duration::from_millis(5)))
-        .unwrap();
-    let fence = EventFence::<Host>::new(stream.handle());
+    // The fence passes between the first query and the second: exactly
+    // while the first poll spins, however loaded the machine.
+    inject(
+        stream.handle(),
+        Plan {
+            label: "passes-while-spinning",
+            unreached_queries: 1,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    stream.synchronize().unwrap(); // the worker passed the fence's marker
     let result = waiter
         .wait(fence)
         .now_or_never()
@@ -173,8 +180,83 @@ fn a_spin_budget_catches_a_fence_that_passes_while_spinning() {
 }
 
 #[test]
+fn without_a_spin_budget_the_first_poll_asks_once_and_hands_off() {
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "passes-after-one-query",
+            unreached_queries: 1,
+            ..Plan::default()
+        },
+    );
+    let mut future = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    assert!((&mut future).now_or_never().is_none(), "handed off");
+    futures::executor::block_on(future).unwrap();
+}
+
+/// A first poll runs on the executor's thread: however long the budget
+/// asked, it spins at most `MAX_SPIN_BUDGET`, then hands off.
+#[test]
+fn the_spin_budget_is_bounded() {
+    let waiter = Waiter::builder().spin_budget(Duration::MAX).build();
+    assert_eq!(waiter.spin_budget(), MAX_SPIN_BUDGET);
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let fence = EventFence::<Host>::new(stream.handle());
+    let polling = std::thread::spawn(move || waiter.wait(fence).now_or_never().is_none());
+    eventually(Duration::from_secs(20), "the first poll returns", || {
+        polling.is_finished()
+    });
+    assert!(polling.join().unwrap(), "pending: handed off, stream held");
+    gate.open();
+}
+
+#[test]
 fn debug_names_the_backend_and_state() {
     let stream = HostStream::new().unwrap();
     let future = EventFence::<Host>::new(stream.handle()).wait();
     assert_eq!(format!("{future:?}"), "HostFenceFuture(first poll)");
+}
+
+/// The global waiter's promise: never shut down, whoever asks.
+#[test]
+fn the_global_waiter_cannot_be_shut_down() {
+    Waiter::global().shutdown();
+    Waiter::global().clone().shutdown();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let mut future = EventFence::<Host>::new(stream.handle()).wait();
+    assert!((&mut future).now_or_never().is_none(), "handed off");
+    gate.open();
+    futures::executor::block_on(future).unwrap();
+}
+
+/// A thread name no thread can have is refused where the waiter is built,
+/// and a waiter built with one anyway fails its waits; nothing panics and
+/// nothing is left behind.
+#[test]
+fn a_thread_name_with_a_nul_byte_is_an_error_never_a_panic() {
+    let err = Waiter::builder()
+        .thread_name("bad\0name")
+        .try_build()
+        .unwrap_err();
+    assert!(
+        matches!(&err, ServerError::InvalidArgument { what, .. } if what.contains("thread_name")),
+        "{err}"
+    );
+    let waiter = Waiter::builder().thread_name("bad\0name").build();
+    let stream = HostStream::new().unwrap();
+    let live = stream.live_events();
+    for _ in 0..2 {
+        let gate = Gate::hold(&stream);
+        let future = waiter.wait(EventFence::<Host>::new(stream.handle()));
+        let result = future.now_or_never().expect("refused at once");
+        assert_eq!(result.unwrap_err(), err);
+        gate.open();
+    }
+    assert_eq!((waiter.threads(), waiter.pending()), (0, 0));
+    drop(stream);
+    assert_eq!(live.count(), 0, "every event destroyed");
 }

@@ -308,3 +308,18 @@ fn a_profile_started_on_a_busy_stream_and_stopped_on_an_idle_one_waits_for_both(
         assert!(elapsed.is_ok(), "by await: {by_await}: {elapsed:?}");
     }
 }
+
+/// cudarc's error-name lookup loads the driver library (and panics without
+/// one): converting its error must not, with or without a driver.
+#[test]
+fn a_cudarc_error_converts_without_a_driver_and_without_a_panic() {
+    use device_events::cuda::cudarc::driver::{result::DriverError, sys};
+    let err = ServerError::from(DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE));
+    assert_eq!(err.code(), Some(1));
+    assert!(
+        err.to_string().contains("CUDA_ERROR_INVALID_VALUE"),
+        "{err}"
+    );
+    let sticky = ServerError::from(DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
+    assert!(sticky.is_faulted(), "{sticky}");
+}

@@ -202,3 +202,22 @@ fn debug_names_the_backend() {
     let fence = EventFence::<Faulty>::new(stream.handle());
     assert_eq!(format!("{fence:?}"), "FaultyFence");
 }
+
+/// A dropped target stream is the caller's bug, not a driver's refusal: the
+/// error comes back at once and the host never waits for the fence.
+#[test]
+fn wait_async_onto_a_dropped_stream_is_an_error_without_a_host_wait() {
+    let (producer, gate, progress) = busy_stream();
+    let gone = HostStream::new().unwrap();
+    let gone_handle = gone.handle();
+    drop(gone);
+    let fence = EventFence::<Faulty>::new(producer.handle());
+    let waiting = std::thread::spawn(move || fence.wait_async(gone_handle));
+    eventually(Duration::from_secs(20), "wait_async returns", || {
+        waiting.is_finished()
+    });
+    let err = waiting.join().unwrap().unwrap_err();
+    assert_eq!(err.code(), Some(400), "{err}");
+    assert_eq!(progress.get(), 0, "the host did not wait for the producer");
+    gate.open();
+}

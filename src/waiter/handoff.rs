@@ -73,7 +73,13 @@ impl<W: Waitable> Handoff<W> {
         // Read the clock only when spinning is allowed: a ready fence's await
         // costs one query.
         let started = (!budget.is_zero()).then(Instant::now);
+        let mut first = true;
         loop {
+            // Whether another query may follow this one, decided before it:
+            // a thread preempted past the budget still makes the query it
+            // was due, so a fence reached meanwhile is caught.
+            let may_spin = started.is_some_and(|started| first || started.elapsed() < budget);
+            first = false;
             match catch_unwind(AssertUnwindSafe(|| waitable.query())) {
                 Ok(Ok(true)) => return Err(Ok(())),
                 Ok(Err(err)) => return Err(Err(err)),
@@ -82,9 +88,7 @@ impl<W: Waitable> Handoff<W> {
                         message: ServerError::panic_message(payload.as_ref()),
                     }))
                 }
-                Ok(Ok(false)) if started.is_some_and(|started| started.elapsed() < budget) => {
-                    std::hint::spin_loop();
-                }
+                Ok(Ok(false)) if may_spin => std::hint::spin_loop(),
                 Ok(Ok(false)) => break,
             }
         }

@@ -36,7 +36,7 @@ use pool::{Config, Pool};
 pub(crate) use waitable::{LaneKey, Waitable};
 
 use crate::loom::Arc;
-use crate::{EventApi, EventFence};
+use crate::{EventApi, EventFence, ServerError};
 
 /// Default [`WaiterBuilder::max_threads`].
 pub const DEFAULT_MAX_THREADS: usize = 64;
@@ -44,6 +44,9 @@ pub const DEFAULT_MAX_THREADS: usize = 64;
 pub const DEFAULT_KEEP_ALIVE: Duration = Duration::from_secs(10);
 /// The most [`WaiterBuilder::max_threads`] accepts.
 pub const MAX_THREADS_LIMIT: usize = 4096;
+/// The longest [`WaiterBuilder::spin_budget`]: a first poll runs on the
+/// executor's thread, so its spin is bounded whatever the setting.
+pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 
 /// A handle to a pool of waiter threads; cheap to clone (one `Arc`).
 ///
@@ -66,14 +69,22 @@ pub const MAX_THREADS_LIMIT: usize = 4096;
 #[derive(Clone)]
 pub struct Waiter {
     pool: Arc<Pool>,
+    /// The global waiter (or a clone of it), which is never shut down.
+    global: bool,
 }
 
 impl Waiter {
     /// The process-wide waiter that `fence.await` and [`EventFence::wait`]
-    /// use, with the default settings. It is never shut down.
+    /// use, with the default settings. It is never shut down:
+    /// [`shutdown`](Self::shutdown) on it (or on a clone of it) does nothing
+    /// but log a warning, since every other `fence.await` in the process
+    /// depends on it.
     pub fn global() -> &'static Waiter {
         static GLOBAL: OnceLock<Waiter> = OnceLock::new();
-        GLOBAL.get_or_init(|| Waiter::builder().build())
+        GLOBAL.get_or_init(|| Waiter {
+            global: true,
+            ..Waiter::builder().build()
+        })
     }
 
     /// Settings for a waiter of your own.
@@ -112,8 +123,24 @@ impl Waiter {
     /// ones the same way, and let the threads exit. Waits a thread is blocked
     /// on resolve at once too (the thread lets go of them, and exits, when the
     /// device reaches them). Safe to call more than once; never blocks.
+    ///
+    /// Does nothing (but log a warning) on [`Waiter::global()`], which is
+    /// never shut down.
     pub fn shutdown(&self) {
+        if self.global {
+            log::warn!(
+                "Waiter::global() is never shut down: every fence.await in the process uses it; \
+                 shut down a waiter of your own (Waiter::builder()) instead"
+            );
+            return;
+        }
         self.pool.shutdown();
+    }
+
+    /// The spin budget in effect: the one given to
+    /// [`WaiterBuilder::spin_budget`], at most [`MAX_SPIN_BUDGET`].
+    pub fn spin_budget(&self) -> Duration {
+        self.pool.config.spin_budget
     }
 }
 
@@ -122,6 +149,7 @@ impl fmt::Debug for Waiter {
         f.debug_struct("Waiter")
             .field("threads", &self.threads())
             .field("pending", &self.pending())
+            .field("global", &self.global)
             .field("config", &self.pool.config)
             .finish()
     }
@@ -164,7 +192,9 @@ impl WaiterBuilder {
     }
 
     /// The prefix of the threads' names (`{prefix}-{n}`, `{prefix}-poller`);
-    /// default `device-events-waiter`.
+    /// default `device-events-waiter`. It may not contain a NUL byte (the
+    /// operating system could not name a thread with it):
+    /// [`try_build`](Self::try_build) rejects such a prefix.
     pub fn thread_name(mut self, prefix: impl Into<String>) -> Self {
         self.config.thread_name = prefix.into();
         self
@@ -172,16 +202,40 @@ impl WaiterBuilder {
 
     /// How long a first poll may spin on queries before handing the wait to
     /// a thread: trades a core for the last microseconds of wake latency.
-    /// Default zero (one query, no spinning).
+    /// Default zero (one query, no spinning). At most [`MAX_SPIN_BUDGET`]
+    /// (longer values are clamped): the spin runs on the executor's thread.
     pub fn spin_budget(mut self, spin_budget: Duration) -> Self {
-        self.config.spin_budget = spin_budget;
+        self.config.spin_budget = spin_budget.min(MAX_SPIN_BUDGET);
         self
     }
 
+    /// Build the waiter, checking the settings first. No thread starts until
+    /// a wait needs one.
+    ///
+    /// # Errors
+    ///
+    /// [`ServerError::InvalidArgument`] for a setting no thread could be
+    /// started with: a [`thread_name`](Self::thread_name) with a NUL byte.
+    pub fn try_build(self) -> Result<Waiter, ServerError> {
+        if let Some(invalid) = self.config.invalid() {
+            return Err(invalid);
+        }
+        Ok(self.build())
+    }
+
     /// Build the waiter. No thread starts until a wait needs one.
+    ///
+    /// A setting no thread could be started with (see
+    /// [`try_build`](Self::try_build), which reports it here instead) is
+    /// logged as an error, and every wait handed to the waiter then resolves
+    /// with that [`ServerError::InvalidArgument`]; nothing panics.
     pub fn build(self) -> Waiter {
+        if let Some(invalid) = self.config.invalid() {
+            log::error!("{invalid}");
+        }
         Waiter {
             pool: Arc::new(Pool::new(self.config)),
+            global: false,
         }
     }
 }

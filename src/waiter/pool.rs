@@ -47,6 +47,21 @@ pub(crate) struct Config {
     pub(crate) spin_budget: Duration,
 }
 
+impl Config {
+    /// Why no thread could be started with these settings, if so.
+    pub(crate) fn invalid(&self) -> Option<ServerError> {
+        self.thread_name
+            .contains('\0')
+            .then(|| ServerError::InvalidArgument {
+                what: "Waiter thread_name",
+                reason: format!(
+                    "{:?} contains a NUL byte, which no thread name may",
+                    self.thread_name
+                ),
+            })
+    }
+}
+
 /// The shared state of a waiter: owned by its threads and its handles.
 pub(crate) struct Pool {
     pub(crate) config: Config,
@@ -134,6 +149,9 @@ impl Pool {
     pub(crate) fn submit(pool: &Arc<Self>, wait: Wait) -> Result<(LaneKey, u64), ServerError> {
         let key = wait.waitable.lane();
         let sequence = wait.waitable.sequence();
+        if let Some(invalid) = pool.config.invalid() {
+            return Err(invalid);
+        }
         let mut state = pool.state();
         if state.shutdown {
             drop(state);
@@ -202,7 +220,16 @@ impl Pool {
             ),
         };
         let worker = pool.clone();
-        let spawned = thread::Builder::new().name(name).spawn(move || run(worker));
+        // A spawn that panics (std does, for a name it cannot pass to the
+        // OS) is a failed spawn like any other, never a panic in `poll`.
+        let spawned = catch_unwind(AssertUnwindSafe(|| {
+            thread::Builder::new().name(name).spawn(move || run(worker))
+        }))
+        .unwrap_or_else(|payload| {
+            Err(std::io::Error::other(ServerError::panic_message(
+                payload.as_ref(),
+            )))
+        });
         if let Err(err) = spawned {
             Self::spawn_failed(pool, matches!(spawn, Spawn::Poller), &err);
         }

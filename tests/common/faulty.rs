@@ -24,6 +24,10 @@ pub struct Plan {
     pub panic_in_query: bool,
     /// Panic inside synchronizes of events created for this stream.
     pub panic_in_synchronize: bool,
+    /// Answer "not reached" to the first this-many queries of events created
+    /// for this stream (then ask the host backend): a fence that passes
+    /// between two queries, at an exact point.
+    pub unreached_queries: usize,
 }
 
 static PLANS: Mutex<Option<HashMap<HostStreamHandle, Plan>>> = Mutex::new(None);
@@ -83,10 +87,12 @@ type Counts = Mutex<Option<HashMap<HostStreamHandle, usize>>>;
 
 static SYNCHRONIZING: Counts = Mutex::new(None);
 static STREAM_SYNCHRONIZING: Counts = Mutex::new(None);
+static QUERIES: Counts = Mutex::new(None);
 /// Per stream, the name of the thread each destroy ran on.
 static DESTROYED_ON: Mutex<Option<HashMap<HostStreamHandle, Vec<String>>>> = Mutex::new(None);
 
-fn add(counts: &Counts, stream: HostStreamHandle, delta: isize) {
+/// Add `delta` to `stream`'s count; the new count.
+fn add(counts: &Counts, stream: HostStreamHandle, delta: isize) -> usize {
     let mut counts = counts.lock().unwrap_or_else(|poison| poison.into_inner());
     let entry = counts
         .get_or_insert_with(HashMap::new)
@@ -95,6 +101,7 @@ fn add(counts: &Counts, stream: HostStreamHandle, delta: isize) {
     *entry = entry
         .checked_add_signed(delta)
         .expect("counts stay positive");
+    *entry
 }
 
 /// How many events created for `stream` have been destroyed (`event_destroy`
@@ -163,6 +170,9 @@ impl EventApi for Faulty {
             "injected panic in query ({})",
             plan.label
         );
+        if plan.unreached_queries > 0 && add(&QUERIES, event.stream, 1) <= plan.unreached_queries {
+            return Ok(false);
+        }
         Host::event_query(&event.inner)
     }
 
