@@ -9,8 +9,11 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::pin::Pin;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 
 use crate::{EventApi, EventFence, ServerError};
@@ -89,8 +92,15 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///   (never dropped), with an error logged and counted in
 ///   [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a bounded
 ///   loss, a freed one still read by the device is memory corruption.
-/// - Dropping the queue is [`shutdown`](Self::shutdown): it waits for every
-///   fence, drops every value, and joins the thread.
+/// - Dropping the queue is [`shutdown`](Self::shutdown): it **blocks** until
+///   every fence has passed (as long as the slowest stream's queued work),
+///   drops every value, and joins the thread. In async code, use
+///   [`shutdown_async`](Self::shutdown_async) (and
+///   [`flush_async`](Self::flush_async) for [`flush`](Self::flush)), which
+///   block no thread.
+/// - There is no `Default`: starting the queue's thread can fail, and
+///   `Default` could not return that error. Use
+///   `DropQueue::new(DEFAULT_DROP_QUEUE_CAPACITY)`.
 ///
 /// ```
 /// use device_events::drop_queue::DropQueue;
@@ -123,7 +133,12 @@ struct State<F, T> {
     capacity: usize,
     in_flight: bool,
     closing: bool,
+    /// Set by the queue's thread as it exits.
+    exited: bool,
     stats: DropQueueStats,
+    /// Tasks awaiting progress ([`DropQueue::flush_async`],
+    /// [`DropQueue::shutdown_async`]): woken after each value and on exit.
+    wakers: Vec<Waker>,
 }
 
 /// What a [`DropQueue`] has done.
@@ -142,6 +157,9 @@ pub struct DropQueueStats {
 }
 
 /// Why a push was refused; the fence and value come back.
+///
+/// An error (`Display` and [`std::error::Error`]), so `queue.push(..)?`
+/// works; [`into_inner`](Self::into_inner) takes the fence and value back.
 pub enum Rejected<F, T> {
     /// `capacity` values are already waiting.
     Full(F, T),
@@ -149,21 +167,50 @@ pub enum Rejected<F, T> {
     Closed(F, T),
 }
 
+impl<F, T> Rejected<F, T> {
+    /// The fence and value that were refused.
+    pub fn into_inner(self) -> (F, T) {
+        match self {
+            Self::Full(fence, value) | Self::Closed(fence, value) => (fence, value),
+        }
+    }
+}
+
+impl<F, T> fmt::Display for Rejected<F, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Full(..) => "the drop queue is full: its capacity of values are waiting",
+            Self::Closed(..) => "the drop queue is shutting down",
+        })
+    }
+}
+
+impl<F, T> std::error::Error for Rejected<F, T> {}
+
 impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
-    /// A queue holding at most `capacity` waiting values (at least 1), with
-    /// its thread.
+    /// A queue holding at most `capacity` waiting values, with its thread.
     ///
     /// # Errors
     ///
-    /// The thread could not be started.
+    /// [`ServerError::InvalidArgument`] for a capacity of 0 (no value could
+    /// ever be pushed); [`ServerError::Unavailable`] when the thread could
+    /// not be started.
     pub fn new(capacity: usize) -> Result<Self, ServerError> {
+        if capacity == 0 {
+            return Err(ServerError::InvalidArgument {
+                what: "DropQueue capacity",
+                reason: "0: no value could ever be pushed; use at least 1".to_owned(),
+            });
+        }
         let shared = Arc::new(Shared {
             state: Mutex::new(State {
                 queue: VecDeque::new(),
-                capacity: capacity.max(1),
+                capacity,
                 in_flight: false,
                 closing: false,
+                exited: false,
                 stats: DropQueueStats::default(),
+                wakers: Vec::new(),
             }),
             changed: Condvar::new(),
         });
@@ -204,8 +251,14 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         Ok(())
     }
 
+    /// The most values that may wait at once.
+    pub fn capacity(&self) -> usize {
+        self.shared.lock().capacity
+    }
+
     /// Block until every value pushed before this call has been dropped (or
-    /// leaked, if its fence failed).
+    /// leaked, if its fence failed). In async code, use
+    /// [`flush_async`](Self::flush_async).
     pub fn flush(&self) {
         let mut state = self.shared.lock();
         let target = state.stats.pushed;
@@ -228,10 +281,57 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
     }
 
-    /// Wait for every fence, drop every value, and join the thread.
+    /// A future of [`flush`](Self::flush): resolves once every value pushed
+    /// before this call has been dropped (or leaked). Blocks no thread: the
+    /// queue's thread wakes it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping it changes nothing: the values are dropped all the same.
+    #[doc(alias = "flush")]
+    pub fn flush_async(&self) -> Progress<F, T> {
+        let target = self.shared.lock().stats.pushed;
+        Progress {
+            shared: self.shared.clone(),
+            until: Until::Handled(target),
+        }
+    }
+
+    /// Wait for every fence, drop every value, and join the thread. Blocks
+    /// until the slowest fence passes; in async code, use
+    /// [`shutdown_async`](Self::shutdown_async).
     pub fn shutdown(mut self) -> DropQueueStats {
         self.close_and_join();
         self.stats()
+    }
+
+    /// A future of [`shutdown`](Self::shutdown): refuses new pushes at once,
+    /// then resolves with the final stats once every fence has passed, every
+    /// value is dropped and the thread has exited. Blocks no thread.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves leaves the queue closed to new
+    /// pushes; its thread still drops every value, and exits on its own.
+    #[doc(alias = "shutdown")]
+    pub fn shutdown_async(mut self) -> impl Future<Output = DropQueueStats> + Send + 'static {
+        self.shared.lock().closing = true;
+        self.shared.changed.notify_all();
+        let thread = self.thread.take();
+        let progress = Progress {
+            shared: self.shared.clone(),
+            until: Until::Exited,
+        };
+        async move {
+            let stats = progress.await;
+            // The thread has said it exits: joining it takes no time.
+            if let Some(thread) = thread {
+                if thread.join().is_err() {
+                    log::error!("the drop queue's thread panicked");
+                }
+            }
+            stats
+        }
     }
 
     /// Stop without waiting on the device: values whose fence has already
@@ -282,6 +382,8 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
     /// The queue's thread: wait for each fence in push order, then drop its
     /// value (or leak it if the fence failed).
     fn run(&self) {
+        // Whichever way the thread ends, awaiting shutdowns learn it.
+        let _exit = ExitGuard(self);
         loop {
             let (fence, value) = {
                 let mut state = self.lock();
@@ -323,9 +425,77 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
             } else {
                 state.stats.dropped += 1;
             }
+            let wakers = std::mem::take(&mut state.wakers);
             drop(state);
             self.changed.notify_all();
+            wakers.into_iter().for_each(Waker::wake);
         }
+    }
+
+    /// The thread's last act: say it exits, and wake who awaits that.
+    fn exit(&self) {
+        let mut state = self.lock();
+        state.exited = true;
+        let wakers = std::mem::take(&mut state.wakers);
+        drop(state);
+        wakers.into_iter().for_each(Waker::wake);
+    }
+}
+
+/// Calls [`Shared::exit`] when the queue's thread ends, even by a panic.
+struct ExitGuard<'a, F: Fence, T: Send + 'static>(&'a Shared<F, T>);
+
+impl<F: Fence, T: Send + 'static> Drop for ExitGuard<'_, F, T> {
+    fn drop(&mut self) {
+        self.0.exit();
+    }
+}
+
+/// What a [`Progress`] future waits for.
+#[derive(Debug, Clone, Copy)]
+enum Until {
+    /// This many values dropped or leaked.
+    Handled(u64),
+    /// The queue's thread exited (after handling everything).
+    Exited,
+}
+
+/// The future of [`DropQueue::flush_async`]: resolves with the queue's stats
+/// once the values pushed before it was made have been handled.
+#[must_use = "futures do nothing unless you .await or poll them"]
+pub struct Progress<F, T> {
+    shared: Arc<Shared<F, T>>,
+    until: Until,
+}
+
+impl<F, T> Future for Progress<F, T> {
+    type Output = DropQueueStats;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<DropQueueStats> {
+        let mut state = self.shared.lock();
+        let done = match self.until {
+            Until::Handled(target) => state.stats.dropped + state.stats.leaked >= target,
+            Until::Exited => state.exited,
+        };
+        if done {
+            return Poll::Ready(DropQueueStats {
+                pending: state.pending(),
+                queued: state.queue.len(),
+                ..state.stats
+            });
+        }
+        if !state.wakers.iter().any(|waker| waker.will_wake(cx.waker())) {
+            state.wakers.push(cx.waker().clone());
+        }
+        Poll::Pending
+    }
+}
+
+impl<F, T> fmt::Debug for Progress<F, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Progress")
+            .field("until", &self.until)
+            .finish_non_exhaustive()
     }
 }
 

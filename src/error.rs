@@ -8,6 +8,13 @@
 /// sticky: every later call on it fails the same way), or rebuild the waiter
 /// when it is gone.
 ///
+/// Its [`source`](std::error::Error::source) is `None`: the variants carry
+/// the driver's own status (a number and its name, not a Rust error), and
+/// they are plain data that backends outside this crate construct. Where one
+/// failure led to another (a fence whose event was refused and whose stream
+/// could not be synchronized either), the first is kept by the fence:
+/// [`EventFence::fallback_cause`](crate::EventFence::fallback_cause).
+///
 /// `code` fields carry the driver's status code. The host backend reuses the
 /// CUDA code with the same meaning (`400` for an invalid handle, `719` for a
 /// fault), so a caller can match one set of codes for both backends.

@@ -61,6 +61,9 @@ pub struct EventFence<A: EventApi> {
     event: Result<Option<Event<A>>, ServerError>,
     stream: A::Stream,
     sequence: u64,
+    /// Why the event was refused, when the fence fell back to synchronizing
+    /// its stream (boxed: the common fence has none).
+    refused: Option<Box<ServerError>>,
 }
 
 impl<A: EventApi> EventFence<A> {
@@ -73,20 +76,29 @@ impl<A: EventApi> EventFence<A> {
         let sequence = next_sequence();
         let recorded = Event::new(stream, EventFlags::FENCE)
             .and_then(|event| event.record(stream).map(|()| event));
+        let mut refused = None;
         let event = match recorded {
             Ok(event) => Ok(Some(event)),
             Err(err) => {
-                log::warn!(
-                    "a {} fence could not be recorded, synchronizing its stream instead: {err}",
-                    A::BACKEND
+                crate::fault_log::warn(
+                    A::BACKEND,
+                    &stream,
+                    &err,
+                    &format!(
+                        "a {} fence could not be recorded, synchronizing its stream instead: {err}",
+                        A::BACKEND
+                    ),
                 );
-                A::stream_synchronize(stream).map(|()| None)
+                let synchronized = A::stream_synchronize(stream).map(|()| None);
+                refused = Some(Box::new(err));
+                synchronized
             }
         };
         Self {
             event,
             stream,
             sequence,
+            refused,
         }
     }
 
@@ -166,6 +178,20 @@ impl<A: EventApi> EventFence<A> {
     /// instead of an event recorded), successfully or not.
     pub fn is_resolved_at_creation(&self) -> bool {
         !matches!(self.event, Ok(Some(_)))
+    }
+
+    /// Why the driver refused this fence's event, when it fell back to
+    /// synchronizing its stream: the first failure. When the synchronize
+    /// failed too, the fence's own error (from
+    /// [`wait_sync`](Self::wait_sync)) is the synchronize's, and this is the
+    /// failure that led to it (a dropped stream's `event_create`, say).
+    ///
+    /// It is kept here rather than as the error's
+    /// [`source`](std::error::Error::source) because [`ServerError`]'s
+    /// variants are plain data that backends outside this crate construct:
+    /// a cause field would break them.
+    pub fn fallback_cause(&self) -> Option<&ServerError> {
+        self.refused.as_deref()
     }
 }
 

@@ -28,8 +28,10 @@
 //!
 //! The crate promises what a driver promises: a refused event falls back to
 //! synchronizing the stream, a refused device-side wait falls back to a host
-//! wait (each with a logged warning), and driver faults come back as
-//! [`ServerError`], never as a panic or a hang.
+//! wait (each with a warning logged through the [`log`] crate, targets
+//! `device_events::*`; tracing users forward them with `tracing-log`), and
+//! driver faults come back as [`ServerError`], never as a panic or a hang.
+//! [`AnyFence`] holds a fence of either backend.
 //!
 //! # Knobs
 //!
@@ -37,7 +39,8 @@
 //! others: [`max_threads`](WaiterBuilder::max_threads) (1 to 4096, default
 //! 64), [`keep_alive`](WaiterBuilder::keep_alive) (default 10 s),
 //! [`thread_name`](WaiterBuilder::thread_name), and
-//! [`spin_budget`](WaiterBuilder::spin_budget) (default zero).
+//! [`spin_budget`](WaiterBuilder::spin_budget) (default zero, at most
+//! [`MAX_SPIN_BUDGET`]).
 //!
 //! # Backends
 //!
@@ -62,12 +65,15 @@
 //! # Ok::<(), device_events::ServerError>(())
 //! ```
 
+#[cfg(multi_threading)]
+mod any_fence;
 mod api;
 mod backend;
 #[cfg(multi_threading)]
 pub mod drop_queue;
 mod error;
 mod event;
+mod fault_log;
 mod fence;
 mod loom;
 #[cfg(multi_threading)]
@@ -75,6 +81,8 @@ mod profiler;
 #[cfg(multi_threading)]
 mod waiter;
 
+#[cfg(multi_threading)]
+pub use any_fence::{AnyFence, AnyFenceFuture};
 pub use api::{EventApi, EventFlags};
 #[cfg(feature = "cuda")]
 pub use backend::cuda;

@@ -260,3 +260,29 @@ fn a_thread_name_with_a_nul_byte_is_an_error_never_a_panic() {
     drop(stream);
     assert_eq!(live.count(), 0, "every event destroyed");
 }
+
+/// One fence type for either backend: held, awaited, waited on, and queued.
+#[test]
+fn any_fence_serves_host_fences_like_event_fences() {
+    use device_events::drop_queue::DropQueue;
+    use device_events::AnyFence;
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let fence: AnyFence = stream.fence().into();
+    assert_eq!(fence.backend(), "Host");
+    assert_eq!(format!("{fence:?}"), "HostFence");
+    assert!(!fence.is_complete().unwrap());
+    assert!(!fence.is_resolved_at_creation());
+    let waiter = Waiter::default();
+    let mut future = fence.wait_on(&waiter);
+    assert!((&mut future).now_or_never().is_none(), "held");
+    let queue = DropQueue::<AnyFence, u32>::new(4).unwrap();
+    assert!(queue.push(AnyFence::from(stream.fence()), 7).is_ok());
+    gate.open();
+    futures::executor::block_on(&mut future).unwrap();
+    assert!(future.is_terminated());
+    assert_eq!(queue.shutdown().dropped, 1);
+    let later: AnyFence = stream.fence().into();
+    futures::executor::block_on(async { later.await }).unwrap();
+    AnyFence::from(stream.fence()).wait_sync().unwrap();
+}

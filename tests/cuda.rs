@@ -323,3 +323,17 @@ fn a_cudarc_error_converts_without_a_driver_and_without_a_panic() {
     let sticky = ServerError::from(DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
     assert!(sticky.is_faulted(), "{sticky}");
 }
+
+#[test]
+fn any_fence_holds_and_awaits_a_cuda_fence() {
+    let Some((ctx, sleep)) = gpu("any_fence_holds_and_awaits_a_cuda_fence") else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    sleep.launch(&stream, Duration::from_millis(20)).unwrap();
+    let fence = device_events::AnyFence::from(cuda::fence(&stream));
+    assert_eq!(fence.backend(), "Cuda");
+    assert!(!fence.is_complete().unwrap(), "the kernel is still running");
+    futures::executor::block_on(fence.wait()).unwrap();
+    assert!(cuda::fence(&stream).is_complete().unwrap());
+}

@@ -280,3 +280,78 @@ fn dropping_the_queue_waits_for_its_fences() {
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 1);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }
+
+#[test]
+fn a_refused_push_is_an_error_that_question_mark_carries() {
+    fn push_twice(
+        queue: &DropQueue<EventFence<Host>, u32>,
+        stream: &HostStream,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        queue.push(stream.fence(), 1)?;
+        queue.push(stream.fence(), 2)?;
+        Ok(())
+    }
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let queue = DropQueue::new(1).unwrap();
+    assert_eq!(queue.capacity(), 1);
+    let err = push_twice(&queue, &stream).unwrap_err();
+    assert!(err.to_string().contains("full"), "{err}");
+    let rejected = queue.push(stream.fence(), 3).unwrap_err();
+    assert!(matches!(rejected, Rejected::Full(..)));
+    let (fence, value) = rejected.into_inner();
+    assert_eq!(value, 3);
+    gate.open();
+    fence.wait_sync().unwrap();
+}
+
+#[test]
+fn a_zero_capacity_is_refused() {
+    let err = DropQueue::<EventFence<Host>, ()>::new(0).unwrap_err();
+    assert!(
+        matches!(&err, device_events::ServerError::InvalidArgument { what, .. } if what.contains("capacity")),
+        "{err}"
+    );
+}
+
+/// `flush_async` and `shutdown_async` wait for the device without blocking
+/// a thread: they stay pending while the stream is held, and resolve once it
+/// is released.
+#[test]
+fn flush_and_shutdown_can_be_awaited() {
+    let stream = HostStream::new().unwrap();
+    let counters = Counters::default();
+    let progress = Progress::default();
+    let queue = DropQueue::new(8).unwrap();
+    let gate = Gate::hold(&stream);
+    progress.step_on(&stream);
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    let mut flushed = Box::pin(queue.flush_async());
+    assert!(
+        futures::FutureExt::now_or_never(&mut flushed).is_none(),
+        "held"
+    );
+    gate.open();
+    let stats = futures::executor::block_on(flushed);
+    assert_eq!((stats.dropped, stats.leaked), (1, 0));
+
+    let gate = Gate::hold(&stream);
+    progress.step_on(&stream);
+    assert!(queue
+        .push(stream.fence(), counters.staging(2, &progress))
+        .is_ok());
+    let mut shutdown = Box::pin(queue.shutdown_async());
+    assert!(
+        futures::FutureExt::now_or_never(&mut shutdown).is_none(),
+        "held"
+    );
+    gate.open();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    let stats = runtime.block_on(shutdown);
+    assert_eq!((stats.pushed, stats.dropped, stats.pending), (2, 2, 0));
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}

@@ -111,6 +111,17 @@ fn a_fence_holds_the_error_when_the_synchronize_fails_too() {
         ),
         "{held}"
     );
+    let first = fence.fallback_cause().expect("the refusal is kept").clone();
+    assert!(
+        matches!(
+            first,
+            ServerError::Call {
+                call: "event_create",
+                ..
+            }
+        ),
+        "{first}"
+    );
     assert_eq!(fence.wait_sync().unwrap_err(), held);
 
     let fence = EventFence::<Faulty>::new(stream.handle());
@@ -220,4 +231,21 @@ fn wait_async_onto_a_dropped_stream_is_an_error_without_a_host_wait() {
     assert_eq!(err.code(), Some(400), "{err}");
     assert_eq!(progress.get(), 0, "the host did not wait for the producer");
     gate.open();
+}
+
+/// A faulted stream stays faulted: the first fence on it warns, later ones
+/// do not repeat the warning (they log at debug level), and every one still
+/// holds the fault.
+#[test]
+fn fences_on_a_faulted_stream_warn_once() {
+    logs::capture();
+    let stream = HostStream::new().unwrap();
+    stream.launch(|| panic!("warn-once-fault")).unwrap();
+    let _ = stream.synchronize();
+    for _ in 0..5 {
+        let fence = EventFence::<Faulty>::new(stream.handle());
+        assert!(fence.wait_sync().unwrap_err().is_faulted());
+    }
+    let warnings = logs::warnings_containing("warn-once-fault");
+    assert_eq!(warnings.len(), 1, "{warnings:?}");
 }

@@ -184,6 +184,37 @@ fn a_fence_on_a_dropped_stream_holds_an_invalid_handle_error() {
     let stream = HostStream::new().unwrap();
     let handle = stream.handle();
     drop(stream);
-    let err = EventFence::<Host>::new(handle).wait_sync().unwrap_err();
+    let fence = EventFence::<Host>::new(handle);
+    // Both failures are kept: the refused event, and the synchronize that
+    // could not stand in for it.
+    let first = fence.fallback_cause().expect("the first failure").clone();
+    assert!(
+        matches!(
+            first,
+            device_events::ServerError::Call {
+                call: "event_create",
+                code: 400,
+                ..
+            }
+        ),
+        "{first}"
+    );
+    let err = fence.wait_sync().unwrap_err();
     assert_eq!(err.code(), Some(400), "{err}");
+    assert!(
+        matches!(
+            err,
+            device_events::ServerError::Call {
+                call: "stream_synchronize",
+                ..
+            }
+        ),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_recorded_fence_has_no_fallback_cause() {
+    let stream = HostStream::new().unwrap();
+    assert!(stream.fence().fallback_cause().is_none());
 }

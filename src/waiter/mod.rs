@@ -144,6 +144,13 @@ impl Waiter {
     }
 }
 
+/// A waiter of its own with the default settings: `Waiter::builder().build()`.
+impl Default for Waiter {
+    fn default() -> Self {
+        Self::builder().build()
+    }
+}
+
 impl fmt::Debug for Waiter {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Waiter")

@@ -1,0 +1,204 @@
+//! [`AnyFence`]: one fence type for code that runs on a GPU when there is one
+//! and on host streams otherwise, without being generic over
+//! [`EventApi`](crate::EventApi).
+
+use std::fmt;
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use futures::future::FusedFuture;
+
+#[cfg(feature = "cuda")]
+use crate::cuda::Cuda;
+use crate::host::Host;
+use crate::{EventFence, FenceFuture, ServerError, Waiter};
+
+/// A fence of either backend, to hold, wait on and `.await` alike.
+///
+/// Made with `From` (or `.into()`) from an `EventFence<Cuda>` or an
+/// `EventFence<Host>`. A device-side wait ([`EventFence::wait_async`]) needs
+/// a stream of the fence's own backend, so it is reached through the variant.
+///
+/// ```
+/// use device_events::host::HostStream;
+/// use device_events::AnyFence;
+///
+/// /// A pipeline stage that runs on CUDA or on host streams alike.
+/// async fn finish(fence: AnyFence) -> Result<(), device_events::ServerError> {
+///     println!("waiting on a {} fence", fence.backend());
+///     fence.await
+/// }
+///
+/// let stream = HostStream::new()?;
+/// stream.launch(|| { /* work */ })?;
+/// let fence: AnyFence = stream.fence().into();
+/// futures::executor::block_on(finish(fence))?;
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+#[non_exhaustive]
+pub enum AnyFence {
+    /// A fence on a CUDA stream.
+    #[cfg(feature = "cuda")]
+    Cuda(EventFence<Cuda>),
+    /// A fence on a host stream.
+    Host(EventFence<Host>),
+}
+
+impl AnyFence {
+    /// The backend's name, `"Cuda"` or `"Host"`.
+    pub fn backend(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(_) => "Cuda",
+            Self::Host(_) => "Host",
+        }
+    }
+
+    /// Block until the device has reached the fence; see
+    /// [`EventFence::wait_sync`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`EventFence::wait_sync`].
+    pub fn wait_sync(self) -> Result<(), ServerError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(fence) => fence.wait_sync(),
+            Self::Host(fence) => fence.wait_sync(),
+        }
+    }
+
+    /// Whether the device has reached the fence, without blocking; see
+    /// [`EventFence::is_complete`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`EventFence::is_complete`].
+    pub fn is_complete(&self) -> Result<bool, ServerError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(fence) => fence.is_complete(),
+            Self::Host(fence) => fence.is_complete(),
+        }
+    }
+
+    /// Whether the fence was reached when it was made (its event was refused
+    /// and its stream synchronized instead).
+    pub fn is_resolved_at_creation(&self) -> bool {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(fence) => fence.is_resolved_at_creation(),
+            Self::Host(fence) => fence.is_resolved_at_creation(),
+        }
+    }
+
+    /// A future of the fence, served by [`Waiter::global()`]; the same as
+    /// `fence.await`.
+    pub fn wait(self) -> AnyFenceFuture {
+        self.wait_on(Waiter::global())
+    }
+
+    /// A future of the fence, served by `waiter`.
+    pub fn wait_on(self, waiter: &Waiter) -> AnyFenceFuture {
+        AnyFenceFuture(match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(fence) => Inner::Cuda(waiter.wait(fence)),
+            Self::Host(fence) => Inner::Host(waiter.wait(fence)),
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<EventFence<Cuda>> for AnyFence {
+    fn from(fence: EventFence<Cuda>) -> Self {
+        Self::Cuda(fence)
+    }
+}
+
+impl From<EventFence<Host>> for AnyFence {
+    fn from(fence: EventFence<Host>) -> Self {
+        Self::Host(fence)
+    }
+}
+
+impl IntoFuture for AnyFence {
+    type Output = Result<(), ServerError>;
+    type IntoFuture = AnyFenceFuture;
+
+    fn into_future(self) -> AnyFenceFuture {
+        self.wait()
+    }
+}
+
+/// A drop queue may hold fences of either backend.
+impl crate::drop_queue::Fence for AnyFence {
+    fn wait(self) -> Result<(), ServerError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(fence) => crate::drop_queue::Fence::wait(fence),
+            Self::Host(fence) => crate::drop_queue::Fence::wait(fence),
+        }
+    }
+
+    fn is_passed(&self) -> Result<bool, ServerError> {
+        self.is_complete()
+    }
+}
+
+impl fmt::Debug for AnyFence {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(fence) => fence.fmt(f),
+            Self::Host(fence) => fence.fmt(f),
+        }
+    }
+}
+
+/// The future of [`AnyFence::wait`] and `fence.await`; see [`FenceFuture`],
+/// whose errors and cancel safety it shares.
+///
+/// # Cancel safety
+///
+/// As for [`FenceFuture`]: dropping it cancels the wait without blocking.
+#[must_use = "futures do nothing unless you .await or poll them"]
+pub struct AnyFenceFuture(Inner);
+
+enum Inner {
+    #[cfg(feature = "cuda")]
+    Cuda(FenceFuture<Cuda>),
+    Host(FenceFuture<Host>),
+}
+
+impl Future for AnyFenceFuture {
+    type Output = Result<(), ServerError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match &mut self.get_mut().0 {
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(future) => Pin::new(future).poll(cx),
+            Inner::Host(future) => Pin::new(future).poll(cx),
+        }
+    }
+}
+
+impl FusedFuture for AnyFenceFuture {
+    fn is_terminated(&self) -> bool {
+        match &self.0 {
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(future) => future.is_terminated(),
+            Inner::Host(future) => future.is_terminated(),
+        }
+    }
+}
+
+impl fmt::Debug for AnyFenceFuture {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.0 {
+            #[cfg(feature = "cuda")]
+            Inner::Cuda(future) => future.fmt(f),
+            Inner::Host(future) => future.fmt(f),
+        }
+    }
+}
