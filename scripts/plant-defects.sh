@@ -85,4 +85,9 @@ plant "sticky codes miss CUDA_ERROR_ILLEGAL_ADDRESS" src/backend/cuda/driver.rs 
     '' \
     cuda_faults
 
+plant "CUDA fence events are destroyed, not pooled" src/backend/cuda/driver.rs \
+    'if idle.len() < FENCE_POOL_CAPACITY {' \
+    'if idle.len() < FENCE_POOL_CAPACITY && false {' \
+    cuda_binding
+
 echo "== every plant caught ($caught)"

@@ -85,5 +85,58 @@ pub trait EventApi: Sized + Send + Sync + 'static {
 
     /// Device time from `start` to `end`; both must be timing events and
     /// reached.
+    ///
+    /// # Errors
+    ///
+    /// Either event has no timing or is not reached (`CUDA_ERROR_NOT_READY`),
+    /// or a fault.
     fn event_elapsed(start: &Self::Event, end: &Self::Event) -> Result<Duration, ServerError>;
+
+    /// An event for a fence on `stream` ([`EventFlags::FENCE`]): from the
+    /// backend's pool of fence events when it keeps one, else a new one. The
+    /// default creates one.
+    ///
+    /// Creating events contends on the driver's context lock on busy GPUs;
+    /// a pool makes a steady loop of fences create none after warm-up.
+    ///
+    /// # Errors
+    ///
+    /// As for [`event_create`](Self::event_create).
+    fn fence_event_acquire(stream: Self::Stream) -> Result<Self::Event, ServerError> {
+        Self::event_create(stream, EventFlags::FENCE)
+    }
+
+    /// Give back an event from [`fence_event_acquire`](Self::fence_event_acquire)
+    /// that nothing can wait on any more (its fence, future, waiter entry and
+    /// drop-queue entry are gone): keep it for a later fence, or destroy it.
+    /// Its last record may still be pending; a later record replaces it, as
+    /// the driver allows. Must not block. The default destroys it.
+    ///
+    /// # Errors
+    ///
+    /// As for [`event_destroy`](Self::event_destroy).
+    fn fence_event_release(event: Self::Event) -> Result<(), ServerError> {
+        Self::event_destroy(event)
+    }
+
+    /// A fence's whole making: [`fence_event_acquire`](Self::fence_event_acquire)
+    /// then [`event_record`](Self::event_record) on `stream`, giving the event
+    /// back if the record fails. One call, so a backend can resolve the
+    /// stream once (every fence pays for it).
+    ///
+    /// # Errors
+    ///
+    /// As for the acquire, or for the record.
+    fn fence_event_record(stream: Self::Stream) -> Result<Self::Event, ServerError> {
+        let event = Self::fence_event_acquire(stream)?;
+        match Self::event_record(&event, stream) {
+            Ok(()) => Ok(event),
+            Err(err) => {
+                if let Err(release) = Self::fence_event_release(event) {
+                    log::debug!("a refused fence event could not be given back: {release}");
+                }
+                Err(err)
+            }
+        }
+    }
 }

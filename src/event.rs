@@ -28,6 +28,8 @@ use crate::{EventApi, EventFlags, ServerError};
 pub struct Event<A: EventApi> {
     /// `None` only inside `drop`, once destroyed.
     raw: Option<A::Event>,
+    /// From the backend's fence-event pool: given back there when dropped.
+    pooled: bool,
 }
 
 impl<A: EventApi> Event<A> {
@@ -40,6 +42,17 @@ impl<A: EventApi> Event<A> {
     pub fn new(stream: A::Stream, flags: EventFlags) -> Result<Self, ServerError> {
         Ok(Self {
             raw: Some(A::event_create(stream, flags)?),
+            pooled: false,
+        })
+    }
+
+    /// An event for a fence, recorded at the current end of `stream`: from
+    /// the backend's fence-event pool ([`EventApi::fence_event_record`]), and
+    /// given back to it when dropped.
+    pub(crate) fn recorded_for_fence(stream: A::Stream) -> Result<Self, ServerError> {
+        Ok(Self {
+            raw: Some(A::fence_event_record(stream)?),
+            pooled: true,
         })
     }
 
@@ -104,7 +117,12 @@ impl<A: EventApi> Event<A> {
 impl<A: EventApi> Drop for Event<A> {
     fn drop(&mut self) {
         if let Some(raw) = self.raw.take() {
-            if let Err(err) = A::event_destroy(raw) {
+            let released = if self.pooled {
+                A::fence_event_release(raw)
+            } else {
+                A::event_destroy(raw)
+            };
+            if let Err(err) = released {
                 log::error!("a {} event could not be destroyed: {err}", A::BACKEND);
             }
         }

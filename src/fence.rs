@@ -3,7 +3,7 @@
 use core::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::{Event, EventApi, EventFlags, ServerError};
+use crate::{Event, EventApi, ServerError};
 
 /// `CUDA_ERROR_INVALID_HANDLE`, which both backends report for a stream
 /// handle that names no live stream.
@@ -74,8 +74,7 @@ impl<A: EventApi> EventFence<A> {
     /// the fence is waited on.
     pub fn new(stream: A::Stream) -> Self {
         let sequence = next_sequence();
-        let recorded = Event::new(stream, EventFlags::FENCE)
-            .and_then(|event| event.record(stream).map(|()| event));
+        let recorded = Event::recorded_for_fence(stream);
         let mut refused = None;
         let event = match recorded {
             Ok(event) => Ok(Some(event)),

@@ -60,6 +60,11 @@ fn live_events(device: c_int) -> Option<c_int> {
     fake_hook(c"fakeCudaLiveEvents").map(|hook| unsafe { hook(device) })
 }
 
+fn events_created(device: c_int) -> Option<c_int> {
+    // SAFETY: as above.
+    fake_hook(c"fakeCudaEventsCreated").map(|hook| unsafe { hook(device) })
+}
+
 fn primary_retains(device: c_int) -> Option<c_int> {
     // SAFETY: as above.
     fake_hook(c"fakeCudaPrimaryRetains").map(|hook| unsafe { hook(device) })
@@ -84,6 +89,7 @@ fn contexts_threads_and_devices() {
     the_calling_threads_context_is_left_as_found(&ctx);
     a_per_thread_stream_handle_stays_on_its_thread(&ctx);
     one_context_per_device_while_alive(&ctx);
+    fence_events_are_pooled_per_context(&ctx);
     match cuda::device_count().unwrap() {
         1 => eprintln!(
             "one device: the two-device checks need a second GPU (the fake driver has two)"
@@ -96,7 +102,6 @@ fn contexts_threads_and_devices() {
 /// call; this crate's calls must neither take them nor fail because of them.
 fn cudarc_stored_errors_stay_with_cudarc(ctx: &Arc<CudaContext>) {
     let stream = ctx.new_stream().unwrap();
-    let events_before = live_events(0);
     let stored = DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE);
     ctx.record_err::<()>(Err(stored));
 
@@ -106,7 +111,9 @@ fn cudarc_stored_errors_stay_with_cudarc(ctx: &Arc<CudaContext>) {
         "a stored cudarc error made the fence fall back to a stream synchronize"
     );
     assert!(fence.is_complete().unwrap());
-    fence.wait_sync().unwrap();
+    fence.wait_sync().unwrap(); // its event goes back to the context's pool
+                                // A plain event is destroyed when dropped, stored error or not.
+    let events_before = live_events(0);
     let handle = CudaStreamHandle::new(&stream);
     let never_recorded = Event::<Cuda>::new(handle, EventFlags::FENCE).unwrap();
     assert!(never_recorded.is_complete().unwrap());
@@ -199,6 +206,34 @@ fn one_context_per_device_while_alive(ctx: &Arc<CudaContext>) {
         "a second CudaContext for device 0"
     );
     assert_eq!(primary_retains(0), retains);
+}
+
+/// A steady loop of fences on several streams of one context creates a few
+/// events while warming up, then none: they come from the context's pool.
+fn fence_events_are_pooled_per_context(ctx: &Arc<CudaContext>) {
+    let streams: Vec<_> = (0..4).map(|_| ctx.new_stream().unwrap()).collect();
+    let waiter = Waiter::builder().build();
+    let mut created_after_warm_up = None;
+    for round in 0..400 {
+        let stream = &streams[round % streams.len()];
+        let fence = cuda::fence(stream);
+        if round % 2 == 0 {
+            fence.wait_sync().unwrap();
+        } else {
+            futures::executor::block_on(waiter.wait(fence)).unwrap();
+        }
+        if round == 99 {
+            created_after_warm_up = events_created(0);
+        }
+    }
+    if let Some(warm) = created_after_warm_up {
+        let created = events_created(0).unwrap();
+        assert!(
+            created - warm <= 2,
+            "{} events created after warm-up",
+            created - warm
+        );
+    }
 }
 
 /// One waiter, streams on two devices, and a device-side wait from one device

@@ -218,3 +218,30 @@ fn a_recorded_fence_has_no_fallback_cause() {
     let stream = HostStream::new().unwrap();
     assert!(stream.fence().fallback_cause().is_none());
 }
+
+/// Fence events are pooled per stream: a steady loop of fences and waits
+/// creates a few events while it warms up, then none, however many rounds.
+#[test]
+fn a_steady_loop_of_fences_creates_no_events_after_warm_up() {
+    let stream = HostStream::new().unwrap();
+    let live = stream.live_events();
+    let waiter = device_events::Waiter::builder().build();
+    for round in 0..500 {
+        stream.launch(|| {}).unwrap();
+        let fence = stream.fence();
+        match round % 3 {
+            0 => fence.wait_sync().unwrap(),
+            1 => futures::executor::block_on(waiter.wait(fence)).unwrap(),
+            _ => futures::executor::block_on(fence.wait()).unwrap(),
+        }
+    }
+    // At most one event in use by this loop, one being given back by a
+    // waiter thread, and one the global waiter may still hold.
+    assert!(live.created() <= 3, "created {} events", live.created());
+    // Waiter threads give the last events back after waking their tasks.
+    common::eventually(
+        std::time::Duration::from_secs(20),
+        "every event back in the pool",
+        || live.count() == 0,
+    );
+}

@@ -292,7 +292,10 @@ fn ready_fence<R: Rig>(rig: &R, settings: &Settings) -> Table {
     table
 }
 
-/// Scenario 4: what a fence costs to create and record, and to drop.
+/// Scenario 4: what a fence costs to create and record, and to drop. A
+/// steady loop (fence, drop, fence, ...) takes its events from the stream's
+/// (or context's) pool; the unpooled path creates and destroys one each
+/// time. Both loops run interleaved in rounds, so noise hits them alike.
 fn fence_cost<R: Rig>(rig: &R, settings: &Settings) -> Table {
     let mut table = Table::new("4. fence cost", rig.name(), &["ns per fence"]);
     let count = settings.ready;
@@ -300,26 +303,44 @@ fn fence_cost<R: Rig>(rig: &R, settings: &Settings) -> Table {
     let started = Instant::now();
     let fences: Vec<_> = (0..count).map(|_| rig.fence(0)).collect();
     table.row(
-        "EventFence::new (create + record)",
+        "EventFence::new, all kept (create + record)",
         vec![started.elapsed().as_nanos() as f64 / count as f64],
     );
     rig.drain();
     let started = Instant::now();
     drop(fences);
     table.row(
-        "drop (destroy the event)",
-        vec![started.elapsed().as_nanos() as f64 / count as f64],
-    );
-    let started = Instant::now();
-    for _ in 0..count {
-        let event = Event::<R::Api>::new(rig.handle(0), EventFlags::FENCE).expect("event");
-        event.record(rig.handle(0)).expect("record");
-    }
-    table.row(
-        "Event::new + record + drop",
+        "drop of those (back to the pool, or destroyed)",
         vec![started.elapsed().as_nanos() as f64 / count as f64],
     );
     rig.drain();
+    let rounds = 10;
+    let per_round = count / rounds;
+    let (mut pooled, mut unpooled) = (Duration::ZERO, Duration::ZERO);
+    for _ in 0..rounds {
+        let started = Instant::now();
+        for _ in 0..per_round {
+            drop(rig.fence(0));
+        }
+        pooled += started.elapsed();
+        rig.drain();
+        let started = Instant::now();
+        for _ in 0..per_round {
+            let event = Event::<R::Api>::new(rig.handle(0), EventFlags::FENCE).expect("event");
+            event.record(rig.handle(0)).expect("record");
+        }
+        unpooled += started.elapsed();
+        rig.drain();
+    }
+    let per_fence = |total: Duration| total.as_nanos() as f64 / (rounds * per_round) as f64;
+    table.row(
+        "fence in a steady loop, pooled (record + drop)",
+        vec![per_fence(pooled)],
+    );
+    table.row(
+        "unpooled (Event::new + record + drop)",
+        vec![per_fence(unpooled)],
+    );
     table
 }
 
@@ -506,6 +527,19 @@ fn summary(tables: &[Table]) -> Vec<String> {
             format!("[{backend}] 3: ready await vs wait_sync"),
             ready,
             3.0,
+        );
+        let pooled = find("4.", backend).and_then(|table| {
+            Some(
+                table.value(
+                    "fence in a steady loop, pooled (record + drop)",
+                    "ns per fence",
+                )? / table.value("unpooled (Event::new + record + drop)", "ns per fence")?,
+            )
+        });
+        check(
+            format!("[{backend}] 4: pooled fence vs unpooled create + record"),
+            pooled,
+            0.5,
         );
         if backend == "cuda" {
             check(

@@ -4,78 +4,134 @@
 //! cannot own its stream. Each backend keeps a registry of weak references
 //! instead: a handle is a number, and a call through a handle whose stream has
 //! been dropped finds nothing and returns an error, never touches freed memory.
+//!
+//! Every fence resolves its stream here, from every executor thread, so the
+//! registry is split into shards, each behind its own read-write lock: a
+//! lookup, and the registration of a stream already known, take one shard's
+//! read lock; only a stream's first registration and its removal write.
+//! Streams in different shards never touch the same lock.
 
 use std::collections::BTreeMap;
-use std::sync::{Arc, PoisonError, RwLock, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
 
-/// Entries whose stream is gone are swept once the map has grown past this
+/// Entries whose stream is gone are swept once a shard has grown past this
 /// many, then past twice what survived the last sweep.
 const FIRST_SWEEP: usize = 64;
 
-/// Maps handle numbers to weak references of `T`.
-pub(crate) struct Registry<T> {
-    inner: RwLock<Inner<T>>,
+/// How many shards: a power of two, so a handle's low bits name its shard.
+const SHARDS: usize = 16;
+const SHARD_BITS: u32 = SHARDS.trailing_zeros();
+
+/// Maps handle numbers to weak references of `T`, each with a payload `X`
+/// that the backend attaches at registration (a pool, say).
+pub(crate) struct Registry<T, X = ()> {
+    shards: [RwLock<Shard<T, X>>; SHARDS],
+    next: AtomicU64,
 }
 
-struct Inner<T> {
-    by_id: BTreeMap<u64, Weak<T>>,
+struct Shard<T, X> {
+    by_id: BTreeMap<u64, (Weak<T>, X)>,
     /// The id already given to a live `Arc`, so registering it again returns
     /// the same handle. Sound as a key because a `Weak` in `by_id` keeps the
     /// allocation, so its address cannot be reused while the entry exists.
     by_address: BTreeMap<usize, u64>,
-    next_id: u64,
     sweep_at: usize,
 }
 
-impl<T> Registry<T> {
+impl<T, X: Clone> Registry<T, X> {
     /// An empty registry; `const` so it can be a `static`.
     pub(crate) const fn new() -> Self {
         Self {
-            inner: RwLock::new(Inner {
-                by_id: BTreeMap::new(),
-                by_address: BTreeMap::new(),
-                next_id: 1,
-                sweep_at: FIRST_SWEEP,
-            }),
+            shards: [const {
+                RwLock::new(Shard {
+                    by_id: BTreeMap::new(),
+                    by_address: BTreeMap::new(),
+                    sweep_at: FIRST_SWEEP,
+                })
+            }; SHARDS],
+            next: AtomicU64::new(1),
         }
     }
 
-    /// The id of `value`, registering it if it has none yet.
-    pub(crate) fn register(&self, value: &Arc<T>) -> u64 {
+    /// The id of `value` and its payload, registering it (with the payload
+    /// `payload` makes) if it has none yet. A value already registered costs
+    /// one shard's read lock.
+    pub(crate) fn register(&self, value: &Arc<T>, payload: impl FnOnce() -> X) -> (u64, X) {
         let address = Arc::as_ptr(value) as usize;
-        let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(&id) = inner.by_address.get(&address) {
-            return id;
+        let index = shard_of_address(address);
+        {
+            let shard = self.read(index);
+            if let Some(found) = shard.known(address) {
+                return found;
+            }
         }
-        if inner.by_id.len() >= inner.sweep_at {
-            inner.sweep();
+        let payload = payload();
+        let mut shard = self.write(index);
+        if let Some(found) = shard.known(address) {
+            return found;
         }
-        let id = inner.next_id;
-        inner.next_id += 1;
-        inner.by_id.insert(id, Arc::downgrade(value));
-        inner.by_address.insert(address, id);
-        id
+        if shard.by_id.len() >= shard.sweep_at {
+            shard.sweep();
+        }
+        let id = (self.next.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | index as u64;
+        shard
+            .by_id
+            .insert(id, (Arc::downgrade(value), payload.clone()));
+        shard.by_address.insert(address, id);
+        (id, payload)
     }
 
-    /// The value behind `id`, while it is alive.
-    pub(crate) fn get(&self, id: u64) -> Option<Arc<T>> {
-        let inner = self.inner.read().unwrap_or_else(PoisonError::into_inner);
-        inner.by_id.get(&id).and_then(Weak::upgrade)
+    /// The value behind `id` and its payload, while the value is alive.
+    pub(crate) fn get(&self, id: u64) -> Option<(Arc<T>, X)> {
+        let shard = self.read(shard_of_id(id));
+        let (weak, payload) = shard.by_id.get(&id)?;
+        Some((weak.upgrade()?, payload.clone()))
     }
 
     /// Forget `id` (its owner is being dropped).
     pub(crate) fn remove(&self, id: u64) {
-        let mut inner = self.inner.write().unwrap_or_else(PoisonError::into_inner);
-        if let Some(weak) = inner.by_id.remove(&id) {
-            inner.by_address.remove(&(weak.as_ptr() as usize));
+        let mut shard = self.write(shard_of_id(id));
+        if let Some((weak, _)) = shard.by_id.remove(&id) {
+            shard.by_address.remove(&(weak.as_ptr() as usize));
         }
+    }
+
+    fn read(&self, index: usize) -> RwLockReadGuard<'_, Shard<T, X>> {
+        self.shards[index]
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn write(&self, index: usize) -> RwLockWriteGuard<'_, Shard<T, X>> {
+        self.shards[index]
+            .write()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 }
 
-impl<T> Inner<T> {
+/// The shard of an allocation: its address, past the alignment bits, mixed.
+fn shard_of_address(address: usize) -> usize {
+    let mixed = (address as u64 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    (mixed >> (64 - SHARD_BITS)) as usize
+}
+
+fn shard_of_id(id: u64) -> usize {
+    (id & (SHARDS as u64 - 1)) as usize
+}
+
+impl<T, X: Clone> Shard<T, X> {
+    /// The id and payload of the live value at `address`, if registered.
+    fn known(&self, address: usize) -> Option<(u64, X)> {
+        let id = *self.by_address.get(&address)?;
+        let (weak, payload) = self.by_id.get(&id)?;
+        // A dead entry at this address is an old value's: not this one.
+        (weak.strong_count() > 0).then(|| (id, payload.clone()))
+    }
+
     fn sweep(&mut self) {
         let by_address = &mut self.by_address;
-        self.by_id.retain(|_, weak| {
+        self.by_id.retain(|_, (weak, _)| {
             let alive = weak.strong_count() > 0;
             if !alive {
                 by_address.remove(&(weak.as_ptr() as usize));
@@ -92,37 +148,56 @@ mod tests {
 
     #[test]
     fn a_handle_to_a_dropped_value_finds_nothing() {
-        let registry = Registry::new();
+        let registry = Registry::<i32, &str>::new();
         let value = Arc::new(5);
-        let id = registry.register(&value);
-        assert_eq!(registry.get(id).as_deref(), Some(&5));
-        assert_eq!(registry.register(&value), id, "same Arc, same id");
+        let (id, payload) = registry.register(&value, || "made once");
+        assert_eq!(payload, "made once");
+        assert_eq!(
+            registry.get(id).map(|(v, p)| (*v, p)),
+            Some((5, "made once"))
+        );
+        let again = registry.register(&value, || unreachable!("already known"));
+        assert_eq!(again, (id, "made once"), "same Arc, same id and payload");
         drop(value);
         assert!(registry.get(id).is_none());
     }
 
     #[test]
     fn dead_entries_are_swept_and_ids_never_reused() {
-        let registry = Registry::new();
+        let registry = Registry::<usize>::new();
         let mut ids = Vec::new();
-        for i in 0..(FIRST_SWEEP * 4) {
+        for i in 0..(FIRST_SWEEP * SHARDS * 4) {
             let value = Arc::new(i);
-            ids.push(registry.register(&value));
+            ids.push(registry.register(&value, || ()).0);
         }
         let keep = Arc::new(usize::MAX);
-        let kept = registry.register(&keep);
-        let len = registry.inner.read().unwrap().by_id.len();
-        assert!(len <= FIRST_SWEEP, "dead entries were swept, {len} left");
+        let (kept, ()) = registry.register(&keep, || ());
+        for shard in &registry.shards {
+            let len = shard.read().unwrap().by_id.len();
+            assert!(len <= FIRST_SWEEP, "dead entries were swept, {len} left");
+        }
         ids.sort_unstable();
         ids.dedup();
         assert_eq!(
             ids.len(),
-            FIRST_SWEEP * 4,
+            FIRST_SWEEP * SHARDS * 4,
             "every registration got a new id"
         );
         assert!(ids.iter().all(|id| registry.get(*id).is_none()));
-        assert_eq!(registry.get(kept).as_deref(), Some(&usize::MAX));
+        assert_eq!(registry.get(kept).map(|(v, ())| *v), Some(usize::MAX));
         registry.remove(kept);
         assert!(registry.get(kept).is_none());
+    }
+
+    #[test]
+    fn values_spread_over_the_shards() {
+        let registry = Registry::<u32>::new();
+        let values: Vec<_> = (0..256).map(Arc::new).collect();
+        let mut used = [false; SHARDS];
+        for value in &values {
+            let (id, ()) = registry.register(value, || ());
+            used[shard_of_id(id)] = true;
+        }
+        assert!(used.iter().filter(|used| **used).count() > SHARDS / 2);
     }
 }

@@ -42,8 +42,9 @@
  *   with CU_STREAM_NON_BLOCKING (cudarc's) do neither.
  * - cuCtxSynchronize waits for every stream of the current context.
  *
- * Test hooks (not driver API): fakeCudaLiveEvents(device) and
- * fakeCudaPrimaryRetains(device), found by the tests with dlsym.
+ * Test hooks (not driver API): fakeCudaLiveEvents(device),
+ * fakeCudaEventsCreated(device) and fakeCudaPrimaryRetains(device), found by
+ * the tests with dlsym.
  *
  * It validates nothing of PTX or of real hardware; scripts/fake-cuda.sh
  * builds it and runs the CUDA tests against it.
@@ -94,6 +95,7 @@ struct ctx {
     stream_t legacy;
     stream_t *streams; /* created and per-thread streams */
     int live_events;
+    int created_events;
 };
 
 typedef struct {
@@ -377,6 +379,7 @@ int cuEventCreate(void **event, unsigned flags) {
             e->generation = current->generation;
             e->flags = flags;
             current->live_events++;
+            current->created_events++;
         }
     }
     pthread_mutex_unlock(&lock);
@@ -531,6 +534,14 @@ int fakeCudaLiveEvents(int device) {
     int live = contexts[device].live_events;
     pthread_mutex_unlock(&lock);
     return live;
+}
+
+int fakeCudaEventsCreated(int device) {
+    if (device < 0 || device >= DEVICES) return -1;
+    pthread_mutex_lock(&lock);
+    int created = contexts[device].created_events;
+    pthread_mutex_unlock(&lock);
+    return created;
 }
 
 int fakeCudaPrimaryRetains(int device) {

@@ -11,7 +11,7 @@ use std::ffi::{c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext, CudaStream};
@@ -298,11 +298,94 @@ fn invalid_context(call: &'static str, message: &str) -> ServerError {
     }
 }
 
+/// The most idle fence events a context's pool keeps.
+const FENCE_POOL_CAPACITY: usize = 256;
+
+/// One context's idle fence events (`DISABLE_TIMING | BLOCKING_SYNC`), for
+/// later fences: on busy GPUs `cuEventCreate` contends on the driver's
+/// context lock, so a steady loop of fences creates none after warm-up.
+///
+/// Idle events do not keep the context alive (the pool holds it weakly): if
+/// the context goes, the driver frees its events with it, and the pool
+/// forgets them without a call.
+pub(crate) struct FencePool {
+    ctx: Weak<CudaContext>,
+    idle: Mutex<Vec<IdleEvent>>,
+}
+
+/// An idle event's raw handle.
+struct IdleEvent(sys::CUevent);
+
+// SAFETY: a CUevent is a driver handle, not memory this process reads; an
+// idle one is touched only under the pool's lock, then by one owner.
+unsafe impl Send for IdleEvent {}
+
+impl FencePool {
+    /// The pool of `ctx`'s fence events: the same pool for every stream of a
+    /// context, found once per stream registration (not per fence).
+    pub(crate) fn of(ctx: &Arc<CudaContext>) -> Arc<Self> {
+        static POOLS: Mutex<Vec<Weak<FencePool>>> = Mutex::new(Vec::new());
+        let mut pools = POOLS.lock().unwrap_or_else(PoisonError::into_inner);
+        pools.retain(|pool| pool.strong_count() > 0);
+        let found = pools
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|pool| pool.ctx.as_ptr() == Arc::as_ptr(ctx));
+        found.unwrap_or_else(|| {
+            let pool = Arc::new(Self {
+                ctx: Arc::downgrade(ctx),
+                idle: Mutex::new(Vec::new()),
+            });
+            pools.push(Arc::downgrade(&pool));
+            pool
+        })
+    }
+
+    /// An idle fence event of this pool's context, or a new one. `ctx` is the
+    /// pool's context, kept alive by the caller's stream.
+    pub(crate) fn take(self: &Arc<Self>, ctx: &Arc<CudaContext>) -> Result<CudaEvent, ServerError> {
+        let idle = self
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        let mut event = match idle {
+            Some(IdleEvent(raw)) => CudaEvent {
+                raw,
+                ctx: ctx.clone(),
+                pool: None,
+            },
+            None => CudaEvent::create(ctx, false, true)?,
+        };
+        event.pool = Some(self.clone());
+        Ok(event)
+    }
+}
+
+impl Drop for FencePool {
+    fn drop(&mut self) {
+        let idle = std::mem::take(self.idle.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let Some(ctx) = self.ctx.upgrade() else {
+            // The context is gone, and the driver freed its events with it.
+            return;
+        };
+        for IdleEvent(raw) in idle {
+            drop(CudaEvent {
+                raw,
+                ctx: ctx.clone(),
+                pool: None,
+            });
+        }
+    }
+}
+
 /// The CUDA backend's raw event. It keeps its context alive, and is destroyed
 /// when dropped if [`Cuda::event_destroy`](super::Cuda) did not already.
 pub struct CudaEvent {
     raw: sys::CUevent,
     ctx: Arc<CudaContext>,
+    /// The pool a fence event goes back to.
+    pool: Option<Arc<FencePool>>,
 }
 
 // SAFETY: a CUevent is a driver handle, not memory this process reads; the
@@ -336,7 +419,23 @@ impl CudaEvent {
         Ok(Self {
             raw,
             ctx: ctx.clone(),
+            pool: None,
         })
+    }
+
+    /// Give a fence event back to its context's pool, or destroy it when the
+    /// pool is full (or it has none). Its last record may still be pending:
+    /// the next `cuEventRecord` replaces it, which the driver allows.
+    pub(super) fn release(mut self) -> Result<(), ServerError> {
+        if let Some(pool) = self.pool.take() {
+            let mut idle = pool.idle.lock().unwrap_or_else(PoisonError::into_inner);
+            if idle.len() < FENCE_POOL_CAPACITY {
+                let raw = std::mem::replace(&mut self.raw, ptr::null_mut());
+                idle.push(IdleEvent(raw));
+                return Ok(());
+            }
+        }
+        self.destroy()
     }
 
     /// Record at the current end of `stream`; the stream must share the

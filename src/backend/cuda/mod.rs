@@ -137,4 +137,30 @@ impl EventApi for Cuda {
         let ms = end.elapsed_ms(start)?;
         Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1000.0))
     }
+
+    /// From the stream's context's pool of idle fence events.
+    fn fence_event_acquire(stream: CudaStreamHandle) -> Result<CudaEvent, ServerError> {
+        driver::ensure_loaded()?;
+        let (stream, pool) = stream.resolve_with_pool("cuEventCreate")?;
+        pool.take(stream.context())
+    }
+
+    fn fence_event_release(event: CudaEvent) -> Result<(), ServerError> {
+        event.release()
+    }
+
+    fn fence_event_record(stream: CudaStreamHandle) -> Result<CudaEvent, ServerError> {
+        driver::ensure_loaded()?;
+        let (stream, pool) = stream.resolve_with_pool("cuEventCreate")?;
+        let event = pool.take(stream.context())?;
+        match event.record(&stream) {
+            Ok(()) => Ok(event),
+            Err(err) => {
+                if let Err(release) = event.release() {
+                    log::debug!("a refused fence event could not be given back: {release}");
+                }
+                Err(err)
+            }
+        }
+    }
 }

@@ -6,12 +6,13 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream};
 
-use super::driver::BACKEND;
+use super::driver::{FencePool, BACKEND};
 use crate::backend::registry::Registry;
 use crate::ServerError;
 
-/// Every cudarc stream a handle was made for, held weakly.
-static STREAMS: Registry<CudaStream> = Registry::new();
+/// Every cudarc stream a handle was made for, held weakly, with its
+/// context's fence-event pool.
+static STREAMS: Registry<CudaStream, Arc<FencePool>> = Registry::new();
 
 /// A copyable handle to an `Arc<cudarc::driver::CudaStream>`, taken by
 /// [`EventFence::new`](crate::EventFence::new) and the
@@ -65,19 +66,30 @@ impl CudaStreamHandle {
     pub fn new(stream: &Arc<CudaStream>) -> Self {
         let per_thread = stream.cu_stream() as usize == PER_THREAD_STREAM;
         Self {
-            id: STREAMS.register(stream),
+            id: STREAMS
+                .register(stream, || FencePool::of(stream.context()))
+                .0,
             thread: if per_thread { thread_key() } else { 0 },
         }
     }
 
     /// The stream, while some `Arc` of it is alive.
     pub fn stream(self) -> Option<Arc<CudaStream>> {
-        STREAMS.get(self.id)
+        STREAMS.get(self.id).map(|(stream, _)| stream)
     }
 
     /// The stream, or an invalid-handle error once it has been dropped, or
     /// when it is another thread's per-thread default stream.
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<CudaStream>, ServerError> {
+        self.resolve_with_pool(call).map(|(stream, _)| stream)
+    }
+
+    /// As [`resolve`](Self::resolve), with the stream's context's fence-event
+    /// pool.
+    pub(super) fn resolve_with_pool(
+        self,
+        call: &'static str,
+    ) -> Result<(Arc<CudaStream>, Arc<FencePool>), ServerError> {
         if self.thread != 0 && self.thread != thread_key() {
             return Err(invalid_handle(
                 call,
@@ -86,7 +98,8 @@ impl CudaStreamHandle {
                  a different stream",
             ));
         }
-        self.stream()
+        STREAMS
+            .get(self.id)
             .ok_or_else(|| invalid_handle(call, "the stream behind this handle was dropped"))
     }
 }

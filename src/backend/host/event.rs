@@ -1,15 +1,15 @@
 //! [`HostEvent`]: a marker that host streams pass when they reach it.
 
 use std::fmt;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::{Duration, Instant};
 
 use super::error;
 use crate::ServerError;
 
-/// How many events created for one [`HostStream`](super::HostStream) are
-/// alive, from [`HostStream::live_events`](super::HostStream::live_events).
+/// Counts of the events created for one [`HostStream`](super::HostStream),
+/// from [`HostStream::live_events`](super::HostStream::live_events).
 ///
 /// A cheap handle, shared by the stream and each of its events, so it can be
 /// read after the stream is dropped, when everything the stream's worker held
@@ -17,20 +17,75 @@ use crate::ServerError;
 /// leak check on it is not disturbed by other streams (or other tests)
 /// creating and destroying events at the same time.
 #[derive(Clone, Default)]
-pub struct LiveEvents(Arc<AtomicUsize>);
+pub struct LiveEvents(Arc<Counts>);
+
+#[derive(Default)]
+struct Counts {
+    live: AtomicUsize,
+    created: AtomicU64,
+}
 
 impl LiveEvents {
-    /// How many of the stream's events exist right now: not yet destroyed,
-    /// or destroyed while a marker for them is still queued (a driver frees
-    /// such an event once its work completes, and so does this backend).
+    /// How many of the stream's events are in use right now: created (or
+    /// taken from the stream's fence-event pool) and not yet destroyed or
+    /// given back to the pool. An event destroyed while a marker for it is
+    /// still queued counts until the marker passes (a driver frees such an
+    /// event once its work completes, and so does this backend); idle events
+    /// in the pool do not count.
     pub fn count(&self) -> usize {
-        self.0.load(Ordering::SeqCst)
+        self.0.live.load(Ordering::SeqCst)
+    }
+
+    /// How many events were ever created for the stream: a steady loop of
+    /// fences that stops growing this creates none (its events are pooled).
+    pub fn created(&self) -> u64 {
+        self.0.created.load(Ordering::SeqCst)
+    }
+
+    fn add(&self) {
+        self.0.live.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn sub(&self) {
+        self.0.live.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
 impl fmt::Debug for LiveEvents {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("LiveEvents").field(&self.count()).finish()
+        f.debug_struct("LiveEvents")
+            .field("count", &self.count())
+            .field("created", &self.created())
+            .finish()
+    }
+}
+
+/// The most idle fence events a host stream keeps for later fences.
+pub(super) const FENCE_POOL_CAPACITY: usize = 64;
+
+/// A host stream's idle fence events. Owned by the stream; its events point
+/// back at it weakly, so one given back after the stream is gone is freed.
+#[derive(Default)]
+pub(super) struct FencePool {
+    idle: Mutex<Vec<HostEvent>>,
+}
+
+impl FencePool {
+    /// An idle fence event, now in use, or a new one counted in `live`.
+    pub(super) fn take(self: &Arc<Self>, live: &LiveEvents) -> HostEvent {
+        let pooled = self
+            .idle
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .pop();
+        match pooled {
+            Some(event) => {
+                event.inner.in_use.store(true, Ordering::SeqCst);
+                live.add();
+                event
+            }
+            None => HostEvent::create(false, live, Some(Arc::downgrade(self))),
+        }
     }
 }
 
@@ -50,8 +105,12 @@ pub(super) struct EventInner {
     state: Mutex<EventState>,
     changed: Condvar,
     timing: bool,
-    /// The creating stream's count, decremented when the event is freed.
+    /// The creating stream's counts.
     live: LiveEvents,
+    /// Counted in `live`: false while idle in the pool.
+    in_use: AtomicBool,
+    /// The fence-event pool it goes back to, for fence events.
+    pool: Option<Weak<FencePool>>,
 }
 
 #[derive(Default)]
@@ -64,6 +123,9 @@ struct EventState {
     reached_at: Option<Instant>,
     /// The highest generation lost to a stream fault, with the fault.
     fault: Option<(u64, String)>,
+    /// Threads waiting on `changed`: without any, a signal skips the
+    /// notification (a futex wake, a system call, on every record).
+    waiting: usize,
 }
 
 impl EventState {
@@ -80,16 +142,39 @@ impl EventState {
 }
 
 impl HostEvent {
-    /// A new event, counted in `live` (its stream's count) until freed.
+    /// A new event, counted in `live` (its stream's counts) until freed.
     pub(super) fn new(timing: bool, live: &LiveEvents) -> Self {
-        live.0.fetch_add(1, Ordering::SeqCst);
+        Self::create(timing, live, None)
+    }
+
+    fn create(timing: bool, live: &LiveEvents, pool: Option<Weak<FencePool>>) -> Self {
+        live.0.created.fetch_add(1, Ordering::SeqCst);
+        live.add();
         Self {
             inner: Arc::new(EventInner {
                 state: Mutex::new(EventState::default()),
                 changed: Condvar::new(),
                 timing,
                 live: live.clone(),
+                in_use: AtomicBool::new(true),
+                pool,
             }),
+        }
+    }
+
+    /// Give a fence event back to its stream's pool (or free it, when the
+    /// pool is full or gone). Its queued markers, if any, still signal it;
+    /// its next record starts a new generation, as a driver's does.
+    pub(super) fn release(self) {
+        let Some(pool) = self.inner.pool.as_ref().and_then(Weak::upgrade) else {
+            return;
+        };
+        let mut idle = pool.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        if idle.len() < FENCE_POOL_CAPACITY {
+            if self.inner.in_use.swap(false, Ordering::SeqCst) {
+                self.inner.live.sub();
+            }
+            idle.push(self);
         }
     }
 
@@ -113,8 +198,11 @@ impl HostEvent {
         if generation == state.recorded && self.inner.timing {
             state.reached_at = Some(Instant::now());
         }
+        let waiting = state.waiting > 0;
         drop(state);
-        self.inner.changed.notify_all();
+        if waiting {
+            self.inner.changed.notify_all();
+        }
     }
 
     /// The stream holding the marker of `generation` faulted.
@@ -123,8 +211,11 @@ impl HostEvent {
         if state.fault.as_ref().is_none_or(|(g, _)| *g < generation) {
             state.fault = Some((generation, message.to_owned()));
         }
+        let waiting = state.waiting > 0;
         drop(state);
-        self.inner.changed.notify_all();
+        if waiting {
+            self.inner.changed.notify_all();
+        }
     }
 
     /// Whether `generation` has been passed; a fault is an error.
@@ -144,11 +235,13 @@ impl HostEvent {
             match state.settled(generation) {
                 Some(result) => return result.map_err(|message| error::faulted(call, message)),
                 None => {
+                    state.waiting += 1;
                     state = self
                         .inner
                         .changed
                         .wait(state)
-                        .unwrap_or_else(PoisonError::into_inner)
+                        .unwrap_or_else(PoisonError::into_inner);
+                    state.waiting -= 1;
                 }
             }
         }
@@ -195,7 +288,9 @@ impl EventInner {
 
 impl Drop for EventInner {
     fn drop(&mut self) {
-        self.live.0.fetch_sub(1, Ordering::SeqCst);
+        if *self.in_use.get_mut() {
+            self.live.sub();
+        }
     }
 }
 

@@ -75,6 +75,28 @@ impl EventApi for Host {
     fn event_elapsed(start: &HostEvent, end: &HostEvent) -> Result<Duration, ServerError> {
         HostEvent::elapsed(start, end)
     }
+
+    /// From the stream's pool of up to 64 idle fence events.
+    fn fence_event_acquire(stream: HostStreamHandle) -> Result<HostEvent, ServerError> {
+        Ok(stream.resolve("event_create")?.take_fence_event())
+    }
+
+    fn fence_event_release(event: HostEvent) -> Result<(), ServerError> {
+        event.release();
+        Ok(())
+    }
+
+    fn fence_event_record(stream: HostStreamHandle) -> Result<HostEvent, ServerError> {
+        let stream = stream.resolve("event_create")?;
+        let event = stream.take_fence_event();
+        match stream.record(&event) {
+            Ok(()) => Ok(event),
+            Err(err) => {
+                event.release();
+                Err(err)
+            }
+        }
+    }
 }
 
 /// The host backend's errors, with the CUDA codes of the same meaning.

@@ -7,7 +7,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 
 use super::error;
-use super::event::{HostEvent, LiveEvents};
+use super::event::{FencePool, HostEvent, LiveEvents};
 use super::Host;
 use crate::backend::registry::Registry;
 use crate::{EventFence, ServerError};
@@ -47,8 +47,10 @@ pub(super) struct StreamShared {
     work_queued: Condvar,
     /// Synchronizing threads wait here for the worker's progress.
     progressed: Condvar,
-    /// Events created for this stream and not yet freed.
+    /// Counts of the events created for this stream.
     live_events: LiveEvents,
+    /// Idle fence events, for later fences on this stream.
+    fence_pool: Arc<FencePool>,
 }
 
 #[derive(Default)]
@@ -62,6 +64,11 @@ struct StreamState {
     fault: Option<String>,
     /// Set when the owner drops the stream: no new work.
     closing: bool,
+    /// The worker waits on `work_queued`: only then does a push wake it (a
+    /// futex wake is a system call; a busy worker finds the work anyway).
+    worker_waiting: bool,
+    /// Threads waiting on `progressed` in `synchronize`.
+    synchronizing: usize,
 }
 
 enum Op {
@@ -82,8 +89,9 @@ impl HostStream {
             work_queued: Condvar::new(),
             progressed: Condvar::new(),
             live_events: LiveEvents::default(),
+            fence_pool: Arc::default(),
         });
-        let id = STREAMS.register(&shared);
+        let (id, ()) = STREAMS.register(&shared, || ());
         let worker_shared = shared.clone();
         let worker = thread::Builder::new()
             .name(format!("host-stream-{id}"))
@@ -193,6 +201,7 @@ impl HostStreamHandle {
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<StreamShared>, ServerError> {
         STREAMS
             .get(self.id)
+            .map(|(shared, ())| shared)
             .ok_or_else(|| error::call(call, error::INVALID_HANDLE, "the stream was dropped"))
     }
 }
@@ -200,6 +209,11 @@ impl HostStreamHandle {
 impl StreamShared {
     pub(super) fn live_events(&self) -> &LiveEvents {
         &self.live_events
+    }
+
+    /// A fence event from this stream's pool, or a new one.
+    pub(super) fn take_fence_event(&self) -> HostEvent {
+        self.fence_pool.take(&self.live_events)
     }
 
     fn lock(&self) -> MutexGuard<'_, StreamState> {
@@ -212,8 +226,11 @@ impl StreamShared {
         state.accepting(call)?;
         state.queue.push_back(op);
         state.queued += 1;
+        let wake = state.worker_waiting;
         drop(state);
-        self.work_queued.notify_one();
+        if wake {
+            self.work_queued.notify_one();
+        }
         Ok(())
     }
 
@@ -224,10 +241,20 @@ impl StreamShared {
         let mut state = self.lock();
         state.accepting("event_record")?;
         let generation = event.next_generation();
+        if state.queue.is_empty() && state.finished == state.queued {
+            // Idle: everything queued before this record has run, so the
+            // event is reached now, as the worker would signal it: no marker,
+            // no wake-up of the worker.
+            event.signal(generation);
+            return Ok(());
+        }
         state.queue.push_back(Op::Signal(event.clone(), generation));
         state.queued += 1;
+        let wake = state.worker_waiting;
         drop(state);
-        self.work_queued.notify_one();
+        if wake {
+            self.work_queued.notify_one();
+        }
         Ok(())
     }
 
@@ -253,10 +280,12 @@ impl StreamShared {
             if state.finished >= target {
                 return Ok(());
             }
+            state.synchronizing += 1;
             state = self
                 .progressed
                 .wait(state)
                 .unwrap_or_else(PoisonError::into_inner);
+            state.synchronizing -= 1;
         }
     }
 
@@ -272,10 +301,12 @@ impl StreamShared {
                     if state.closing {
                         return;
                     }
+                    state.worker_waiting = true;
                     state = self
                         .work_queued
                         .wait(state)
                         .unwrap_or_else(PoisonError::into_inner);
+                    state.worker_waiting = false;
                 }
             };
             let fault = match op {
@@ -291,15 +322,18 @@ impl StreamShared {
                     .err()
                     .map(|err| format!("a stream this one waited on failed: {err}")),
             };
-            let dropped = {
+            let (dropped, synchronizing) = {
                 let mut state = self.lock();
                 state.finished += 1;
-                match fault {
+                let dropped = match fault {
                     Some(message) => state.fault_with(message),
                     None => Vec::new(),
-                }
+                };
+                (dropped, state.synchronizing > 0)
             };
-            self.progressed.notify_all();
+            if synchronizing {
+                self.progressed.notify_all();
+            }
             // User closures are dropped outside the lock: their drops may do
             // anything, including touching this stream.
             drop(dropped);
