@@ -16,7 +16,9 @@ mod measure;
 mod report;
 mod rig;
 mod strategies;
+mod throughput;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use device_events::{Event, EventFlags, Waiter};
@@ -38,13 +40,44 @@ struct Settings {
     idle_window: Duration,
     /// Repetitions of scenario 2; each figure is the median over them.
     reps: usize,
+    /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`).
+    only: Option<Vec<String>>,
 }
+
+const USAGE: &str =
+    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,7]";
 
 impl Settings {
     fn from_args() -> Self {
-        let args: Vec<String> = std::env::args().collect();
-        let quick = args.iter().any(|arg| arg == "--quick");
-        let large = args.iter().any(|arg| arg == "--large");
+        let (mut quick, mut large, mut only) = (false, false, None);
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--quick" => quick = true,
+                "--large" => large = true,
+                // cargo bench passes --bench to harness = false benchmarks.
+                "--bench" => {}
+                "--only" => match args.next() {
+                    Some(list) => {
+                        only = Some(list.split(',').map(str::to_owned).collect::<Vec<_>>())
+                    }
+                    None => usage_error("--only needs a list of scenarios"),
+                },
+                other => usage_error(&format!("unknown argument {other:?}")),
+            }
+        }
+        let settings = Self::for_mode(quick, large);
+        Self { only, ..settings }
+    }
+
+    /// Whether scenario `id` ("1", "2b", ...) runs.
+    fn runs(&self, id: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|only| only.iter().any(|wanted| wanted == id))
+    }
+
+    fn for_mode(quick: bool, large: bool) -> Self {
         if quick {
             Self {
                 quick,
@@ -58,6 +91,7 @@ impl Settings {
                 idle_waits: 100,
                 idle_window: Duration::from_millis(200),
                 reps: 1,
+                only: None,
             }
         } else {
             Self {
@@ -72,9 +106,15 @@ impl Settings {
                 idle_waits: 1_000,
                 idle_window: Duration::from_secs(1),
                 reps: 3,
+                only: None,
             }
         }
     }
+}
+
+fn usage_error(message: &str) -> ! {
+    eprintln!("{message}\n{USAGE}");
+    std::process::exit(2);
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -398,39 +438,44 @@ fn idle_cpu<R: Rig>(rig: &R, settings: &Settings, clock: Clock) -> Table {
 }
 
 /// Every scenario on one rig.
-fn run_all<R: Rig>(rig: &R, settings: &Settings, clock: Clock, tables: &mut Vec<Table>) {
-    let (table, series) = single_wait(rig, settings, clock);
-    let plot = report::write_latency_svg(
-        &format!("latency-single-{}.svg", rig.name()),
-        &format!("Single wait: wake latency, {} backend", rig.name()),
-        &series,
-    );
-    table.print();
-    println!("  plot: {}", plot.display());
-    tables.push(table);
+fn run_all<R: Rig>(shared: &Arc<R>, settings: &Settings, clock: Clock, tables: &mut Vec<Table>) {
+    let rig = &**shared;
+    if settings.runs("1") {
+        let (table, series) = single_wait(rig, settings, clock);
+        let plot = report::write_latency_svg(
+            &format!("latency-single-{}.svg", rig.name()),
+            &format!("Single wait: wake latency, {} backend", rig.name()),
+            &series,
+        );
+        table.print();
+        println!("  plot: {}", plot.display());
+        tables.push(table);
+    }
 
-    let (table, series) = many_pending(
-        rig,
-        settings.many,
-        settings.hold,
-        settings.reps,
-        &ALL,
-        clock,
-    );
-    let plot = report::write_latency_svg(
-        &format!("latency-many-{}.svg", rig.name()),
-        &format!(
-            "{} pending awaits: wake latency, {} backend",
-            settings.many.0 * settings.many.1,
-            rig.name()
-        ),
-        &series,
-    );
-    table.print();
-    println!("  plot: {}", plot.display());
-    tables.push(table);
+    if settings.runs("2") {
+        let (table, series) = many_pending(
+            rig,
+            settings.many,
+            settings.hold,
+            settings.reps,
+            &ALL,
+            clock,
+        );
+        let plot = report::write_latency_svg(
+            &format!("latency-many-{}.svg", rig.name()),
+            &format!(
+                "{} pending awaits: wake latency, {} backend",
+                settings.many.0 * settings.many.1,
+                rig.name()
+            ),
+            &series,
+        );
+        table.print();
+        println!("  plot: {}", plot.display());
+        tables.push(table);
+    }
 
-    if settings.large {
+    if settings.large && settings.runs("2b") {
         // A thread per wait would start 100,000 threads: left out.
         let strategies = [
             Strategy::Await,
@@ -450,13 +495,29 @@ fn run_all<R: Rig>(rig: &R, settings: &Settings, clock: Clock, tables: &mut Vec<
         tables.push(table);
     }
 
-    for table in [
-        ready_fence(rig, settings),
-        fence_cost(rig, settings),
-        idle_cpu(rig, settings, clock),
-    ] {
-        table.print();
-        tables.push(table);
+    let loops = throughput::Loops {
+        tasks: if settings.quick { 32 } else { 128 },
+        streams: 16,
+        round: if settings.quick {
+            Duration::from_millis(100)
+        } else {
+            Duration::from_millis(700)
+        },
+        rounds: if settings.quick { 1 } else { 3 },
+    };
+    let scenarios: [(&str, &dyn Fn() -> Table); 5] = [
+        ("3", &|| ready_fence(rig, settings)),
+        ("4", &|| fence_cost(rig, settings)),
+        ("5", &|| idle_cpu(rig, settings, clock)),
+        ("6", &|| throughput::loop_awaits(shared, &loops)),
+        ("7", &|| throughput::ready_scaling(shared, &loops)),
+    ];
+    for (id, scenario) in scenarios {
+        if settings.runs(id) {
+            let table = scenario();
+            table.print();
+            tables.push(table);
+        }
     }
 }
 
@@ -541,6 +602,34 @@ fn summary(tables: &[Table]) -> Vec<String> {
             pooled,
             0.5,
         );
+        let busy = find("6.", backend);
+        let per_second = |table: Option<&Table>| {
+            let table = table?;
+            Some(table.value(ours, "awaits/s")? / table.value(blocking, "awaits/s")?)
+        };
+        if let Some(value) = per_second(busy) {
+            // A floor, not a ceiling: checked as spawn_blocking's rate over
+            // ours, at most 0.5.
+            check(
+                format!("[{backend}] 6: spawn_blocking awaits/s vs ours (ours >= 2x)"),
+                Some(1.0 / value),
+                0.5,
+            );
+        }
+        check(
+            format!("[{backend}] 6: CPU per await vs spawn_blocking"),
+            ratio(busy, "CPU us per await", blocking),
+            0.6,
+        );
+        if let Some(scaling) = find("7.", backend)
+            .and_then(|table| table.value("scaling: all / (workers x one)", "awaits/s"))
+        {
+            check(
+                format!("[{backend}] 7: ready-await scaling shortfall (1 - scaling)"),
+                Some(1.0 - scaling),
+                0.2,
+            );
+        }
         if backend == "cuda" {
             check(
                 "[cuda] 1: wake p50 us".to_owned(),
@@ -583,16 +672,16 @@ fn main() {
     let streams = if settings.large {
         64
     } else {
-        settings.many.0.max(4)
+        settings.many.0.max(16)
     };
     match HostRig::new(streams, clock) {
-        Ok(rig) => run_all(&rig, &settings, clock, &mut tables),
+        Ok(rig) => run_all(&Arc::new(rig), &settings, clock, &mut tables),
         Err(err) => println!("host rig failed: {err}"),
     }
 
     #[cfg(feature = "cuda")]
     match rig::CudaRig::new(streams, clock) {
-        Ok(rig) => run_all(&rig, &settings, clock, &mut tables),
+        Ok(rig) => run_all(&Arc::new(rig), &settings, clock, &mut tables),
         Err(err) if std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|v| v == "1") => {
             println!("\nCUDA: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}");
             std::process::exit(1);

@@ -22,6 +22,10 @@ pub trait Rig: Send + Sync + 'static {
     /// launch time and what was queued before).
     fn work(&self, stream: usize, length: Duration, ends: &Arc<Stamps>, index: usize);
 
+    /// Queue `length` of work on `stream`, with no bookkeeping (for loops
+    /// that only count).
+    fn launch(&self, stream: usize, length: Duration);
+
     fn fence(&self, stream: usize) -> EventFence<Self::Api> {
         EventFence::new(self.handle(stream))
     }
@@ -63,6 +67,17 @@ impl Rig for HostRig {
 
     fn handle(&self, stream: usize) -> <Host as EventApi>::Stream {
         self.streams[stream].handle()
+    }
+
+    fn launch(&self, stream: usize, length: Duration) {
+        let launched = self.streams[stream].launch(move || {
+            if !length.is_zero() {
+                std::thread::sleep(length);
+            }
+        });
+        if let Err(err) = launched {
+            panic!("host launch failed: {err}");
+        }
     }
 
     fn work(&self, stream: usize, length: Duration, ends: &Arc<Stamps>, index: usize) {
@@ -136,6 +151,12 @@ mod cuda_rig {
 
         fn handle(&self, stream: usize) -> CudaStreamHandle {
             self.handles[stream]
+        }
+
+        fn launch(&self, stream: usize, length: Duration) {
+            if let Err(err) = self.sleep.launch(&self.streams[stream], length) {
+                panic!("CUDA launch failed: {err}");
+            }
         }
 
         fn work(&self, stream: usize, length: Duration, ends: &Arc<Stamps>, index: usize) {

@@ -14,7 +14,25 @@ use crate::ServerError;
 
 pub(crate) struct Handoff<W: Waitable> {
     state: State<W>,
-    pool: Arc<Pool>,
+    pool: PoolRef,
+}
+
+/// The pool a future's wait goes to: the global waiter's is borrowed for the
+/// life of the process, so a future of `fence.await` does not touch the
+/// pool's shared reference count (a cache line every executor thread would
+/// bounce); another waiter's is shared.
+pub(crate) enum PoolRef {
+    Global(&'static Arc<Pool>),
+    Owned(Arc<Pool>),
+}
+
+impl PoolRef {
+    fn get(&self) -> &Arc<Pool> {
+        match self {
+            Self::Global(pool) => pool,
+            Self::Owned(pool) => pool,
+        }
+    }
 }
 
 enum State<W> {
@@ -34,7 +52,7 @@ struct Handed {
 }
 
 impl<W: Waitable> Handoff<W> {
-    pub(crate) fn new(waitable: W, pool: Arc<Pool>) -> Self {
+    pub(crate) fn new(waitable: W, pool: PoolRef) -> Self {
         Self {
             state: State::First(waitable),
             pool,
@@ -69,7 +87,8 @@ impl<W: Waitable> Handoff<W> {
         waitable: W,
         cx: &mut Context<'_>,
     ) -> Result<State<W>, Result<(), ServerError>> {
-        let budget = self.pool.config.spin_budget;
+        let pool = self.pool.get();
+        let budget = pool.config.spin_budget;
         // Read the clock only when spinning is allowed: a ready fence's await
         // costs one query.
         let started = (!budget.is_zero()).then(Instant::now);
@@ -97,7 +116,7 @@ impl<W: Waitable> Handoff<W> {
             waitable: Box::new(waitable),
             slot: slot.clone(),
         };
-        match Pool::submit(&self.pool, wait) {
+        match Pool::submit(pool, wait) {
             Ok((lane, sequence)) => Ok(State::Waiting(Handed {
                 slot,
                 lane,
@@ -129,7 +148,7 @@ impl<W: Waitable> Drop for Handoff<W> {
     fn drop(&mut self) {
         if let State::Waiting(handed) = &self.state {
             handed.slot.cancel();
-            Pool::withdraw(&self.pool, handed.lane, handed.sequence, &handed.slot);
+            Pool::withdraw(self.pool.get(), handed.lane, handed.sequence, &handed.slot);
         }
     }
 }

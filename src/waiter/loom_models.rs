@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use loom::sync::atomic::{AtomicUsize, Ordering};
 
-use super::handoff::Handoff;
+use super::handoff::{Handoff, PoolRef};
 use super::pool::{Config, Pool, Wait};
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
@@ -324,7 +324,7 @@ fn loom_a_dropped_future_withdraws_its_wait_or_leaves_it_to_the_thread() {
                 sequence: 1,
                 lane: 0,
             },
-            pool.clone(),
+            PoolRef::Owned(pool.clone()),
         );
         assert!(handoff.poll(&mut Context::from_waker(&waker)).is_pending());
         let device = finish_on_a_thread(&reached);

@@ -32,6 +32,7 @@ use std::time::Duration;
 
 pub use future::FenceFuture;
 pub(crate) use handoff::Handoff;
+use handoff::PoolRef;
 use pool::{Config, Pool};
 pub(crate) use waitable::{LaneKey, Waitable};
 
@@ -100,7 +101,13 @@ impl Waiter {
 
     /// The state machine of a future this waiter serves, for `waitable`.
     pub(crate) fn handoff<W: Waitable>(&self, waitable: W) -> Handoff<W> {
-        Handoff::new(waitable, self.pool.clone())
+        let pool = if self.global {
+            // The global waiter and its clones share the static one's pool.
+            PoolRef::Global(&Waiter::global().pool)
+        } else {
+            PoolRef::Owned(self.pool.clone())
+        };
+        Handoff::new(waitable, pool)
     }
 
     /// Threads alive now: lane threads, plus the poller if it runs.
