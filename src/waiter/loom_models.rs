@@ -8,6 +8,7 @@ use std::time::Duration;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 
 use super::handoff::{Handoff, PoolRef};
+use super::permits::Permits;
 use super::pool::{Config, Pool, Wait};
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
@@ -149,6 +150,7 @@ fn pool() -> Arc<Pool> {
         keep_alive: Duration::ZERO,
         thread_name: "loom-waiter".to_owned(),
         spin_budget: Duration::ZERO,
+        resolvers: 1,
     }))
 }
 
@@ -360,5 +362,33 @@ fn loom_shutdown_resolves_a_wait_a_thread_is_blocked_on() {
         assert_eq!(task.poll_until_ready(&slot), Err(ServerError::WaiterGone));
         assert_eq!(pool.pending(), 0);
         reached.finish(); // lets the thread's block end, so it can exit
+    });
+}
+
+#[test]
+fn loom_permits_admit_at_most_their_count_and_wake_a_waiter_on_release() {
+    loom::model(|| {
+        // Three lane threads want to resolve; one permit: never two inside
+        // at once, and every thread gets in (a lost wake-up would deadlock).
+        let permits = Arc::new(Permits::new(1));
+        let inside = Arc::new(AtomicUsize::new(0));
+        let threads: Vec<_> = (0..2)
+            .map(|_| {
+                let (permits, inside) = (permits.clone(), inside.clone());
+                thread::spawn(move || {
+                    let _permit = permits.acquire();
+                    assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0);
+                    inside.fetch_sub(1, Ordering::SeqCst);
+                })
+            })
+            .collect();
+        {
+            let _permit = permits.acquire();
+            assert_eq!(inside.fetch_add(1, Ordering::SeqCst), 0);
+            inside.fetch_sub(1, Ordering::SeqCst);
+        }
+        for thread in threads {
+            thread.join().unwrap();
+        }
     });
 }

@@ -22,6 +22,7 @@ mod future;
 mod handoff;
 #[cfg(all(test, loom))]
 mod loom_models;
+mod permits;
 mod pool;
 mod slot;
 mod waitable;
@@ -183,6 +184,7 @@ impl Default for WaiterBuilder {
                 keep_alive: DEFAULT_KEEP_ALIVE,
                 thread_name: "device-events-waiter".to_owned(),
                 spin_budget: Duration::ZERO,
+                resolvers: std::thread::available_parallelism().map_or(4, usize::from),
             },
         }
     }

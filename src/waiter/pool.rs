@@ -21,6 +21,7 @@ use std::collections::{BTreeMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
 
+use super::permits::Permits;
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
 use crate::loom::{lock, thread, Arc, Condvar, Mutex, MutexGuard};
@@ -45,6 +46,9 @@ pub(crate) struct Config {
     pub(crate) keep_alive: Duration,
     pub(crate) thread_name: String,
     pub(crate) spin_budget: Duration,
+    /// How many lane threads may resolve waits at once (see [`Permits`]):
+    /// the machine's cores.
+    pub(crate) resolvers: usize,
 }
 
 impl Config {
@@ -68,6 +72,8 @@ pub(crate) struct Pool {
     state: Mutex<State>,
     /// Idle lane threads wait here for a lane.
     work: Condvar,
+    /// Lane threads resolving what they found reached, at most one per core.
+    resolving: Permits,
 }
 
 #[derive(Default)]
@@ -129,6 +135,7 @@ enum Spawn {
 impl Pool {
     pub(crate) fn new(config: Config) -> Self {
         Self {
+            resolving: Permits::new(config.resolvers),
             config,
             state: Mutex::new(State::default()),
             work: Condvar::new(),
@@ -342,6 +349,7 @@ impl Pool {
         };
         let Wait { waitable, slot } = wait;
         let result = contain(|| waitable.block());
+        let _permit = pool.resolving.acquire();
         pool.resolve_blocked(key, &slot, result);
         Self::resolve_reached(pool, key, Owner::Thread).1
     }
