@@ -363,8 +363,12 @@ impl Pool {
     /// of reached waits costs two lock round-trips, not three per wait.
     fn resolve_reached(pool: &Arc<Self>, key: LaneKey, owner: Owner) -> (usize, bool) {
         let mut resolved = 0;
+        // The poller asks each of its lanes every round, mostly to hear "not
+        // yet": it takes just the oldest wait first, and a batch only once
+        // that one is reached. A lane thread has just seen its oldest reached.
+        let mut limit = if owner == Owner::Poller { 1 } else { BATCH };
         loop {
-            let Some(batch) = pool.take_waits(key, owner) else {
+            let Some(batch) = pool.take_waits(key, owner, limit) else {
                 return (resolved, false);
             };
             let mut done = Vec::with_capacity(batch.len());
@@ -383,6 +387,7 @@ impl Pool {
             rest.extend(waits);
             let more = !rest.is_empty();
             resolved += done.len();
+            limit = BATCH;
             Self::settle(pool, key, rest, done.len());
             // Woken outside the lock; each wait (and its event) is dropped here,
             // on this thread.
@@ -409,12 +414,12 @@ impl Pool {
         Some(wait)
     }
 
-    /// Take up to [`BATCH`] waits of `key`, oldest first, if `owner` serves
+    /// Take up to `limit` (at most [`BATCH`]) waits of `key`, oldest first, if `owner` serves
     /// it; `None` when there are none (a lane the poller emptied is removed).
     ///
     /// Bounded, so a lane of thousands that is only partly reached costs a
     /// batch per round, not the whole lane taken out and put back.
-    fn take_waits(&self, key: LaneKey, owner: Owner) -> Option<Vec<Wait>> {
+    fn take_waits(&self, key: LaneKey, owner: Owner, limit: usize) -> Option<Vec<Wait>> {
         let mut state = self.state();
         let lane = state
             .lanes
@@ -426,7 +431,7 @@ impl Pool {
             }
             return None;
         }
-        let rest = match lane.waits.keys().nth(BATCH) {
+        let rest = match lane.waits.keys().nth(limit) {
             Some(&first_left) => lane.waits.split_off(&first_left),
             None => BTreeMap::new(),
         };
@@ -539,7 +544,8 @@ impl Pool {
                 let withdrawn = std::mem::take(&mut state.withdrawn);
                 let keys = state.adopt_queued_lanes();
                 let idle = keys.is_empty() && withdrawn.is_empty();
-                if idle && (idle_rounds >= POLLER_LINGER_ROUNDS || state.shutdown) {
+                // `+ 1 >`, not `>=`: under loom the linger is 0 rounds.
+                if idle && (idle_rounds + 1 > POLLER_LINGER_ROUNDS || state.shutdown) {
                     state.poller = false;
                     return;
                 }
