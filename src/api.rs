@@ -119,18 +119,30 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         Self::event_destroy(event)
     }
 
+    /// A number for a point just recorded on `stream`: larger for a later
+    /// record on the same stream, and never the same twice for one stream.
+    /// The waiter serves a stream's waits in this order. The default takes
+    /// one process-wide counter; a backend with per-stream state keeps one
+    /// counter per stream, so that fences on different streams, made on
+    /// different cores, do not contend on one cache line.
+    fn stream_sequence(stream: Self::Stream) -> u64 {
+        let _ = stream;
+        crate::fence::next_sequence()
+    }
+
     /// A fence's whole making: [`fence_event_acquire`](Self::fence_event_acquire)
     /// then [`event_record`](Self::event_record) on `stream`, giving the event
-    /// back if the record fails. One call, so a backend can resolve the
-    /// stream once (every fence pays for it).
+    /// back if the record fails, and the record's
+    /// [`stream_sequence`](Self::stream_sequence). One call, so a backend can
+    /// resolve the stream once (every fence pays for it).
     ///
     /// # Errors
     ///
     /// As for the acquire, or for the record.
-    fn fence_event_record(stream: Self::Stream) -> Result<Self::Event, ServerError> {
+    fn fence_event_record(stream: Self::Stream) -> Result<(Self::Event, u64), ServerError> {
         let event = Self::fence_event_acquire(stream)?;
         match Self::event_record(&event, stream) {
-            Ok(()) => Ok(event),
+            Ok(()) => Ok((event, Self::stream_sequence(stream))),
             Err(err) => {
                 if let Err(release) = Self::fence_event_release(event) {
                     log::debug!("a refused fence event could not be given back: {release}");

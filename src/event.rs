@@ -49,11 +49,16 @@ impl<A: EventApi> Event<A> {
     /// An event for a fence, recorded at the current end of `stream`: from
     /// the backend's fence-event pool ([`EventApi::fence_event_record`]), and
     /// given back to it when dropped.
-    pub(crate) fn recorded_for_fence(stream: A::Stream) -> Result<Self, ServerError> {
-        Ok(Self {
-            raw: Some(A::fence_event_record(stream)?),
-            pooled: true,
-        })
+    /// Also returns the record's place in the stream's order.
+    pub(crate) fn recorded_for_fence(stream: A::Stream) -> Result<(Self, u64), ServerError> {
+        let (raw, sequence) = A::fence_event_record(stream)?;
+        Ok((
+            Self {
+                raw: Some(raw),
+                pooled: true,
+            },
+            sequence,
+        ))
     }
 
     /// Record this event at the current end of `stream`'s work, replacing any

@@ -9,12 +9,11 @@ use crate::{Event, EventApi, ServerError};
 /// handle that names no live stream.
 const INVALID_HANDLE: i32 = 400;
 
-/// Orders fences across the process: a later fence on a stream has a larger
-/// number, which is all the waiter needs to serve a stream's fences in order.
+/// Orders recorded points across the process, for backends that keep no
+/// per-stream order (see [`EventApi::stream_sequence`]).
 static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
 
-/// The next number in the process-wide order of recorded points: fences and
-/// profiler stops take one when they record.
+/// The next number in the process-wide order of recorded points.
 pub(crate) fn next_sequence() -> u64 {
     NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed)
 }
@@ -73,12 +72,17 @@ impl<A: EventApi> EventFence<A> {
     /// a warning logged), and the fence is already reached. Errors surface when
     /// the fence is waited on.
     pub fn new(stream: A::Stream) -> Self {
-        let sequence = next_sequence();
-        let recorded = Event::recorded_for_fence(stream);
+        let sequence;
         let mut refused = None;
-        let event = match recorded {
-            Ok(event) => Ok(Some(event)),
+        let event = match Event::recorded_for_fence(stream) {
+            Ok((event, recorded_at)) => {
+                sequence = recorded_at;
+                Ok(Some(event))
+            }
             Err(err) => {
+                // Reached (or failed) at creation: never waits in a lane, so
+                // any unique number will do.
+                sequence = next_sequence();
                 crate::fault_log::warn(
                     A::BACKEND,
                     &stream,
@@ -167,8 +171,10 @@ impl<A: EventApi> EventFence<A> {
         self.stream
     }
 
-    /// The fence's place in the process-wide order of fences: a later fence
-    /// on the same stream has a larger number.
+    /// The fence's place in its stream's order of recorded points: a later
+    /// fence on the same stream has a larger number
+    /// ([`EventApi::stream_sequence`]). Numbers of different streams are not
+    /// comparable, nor is a fence resolved at creation's.
     pub fn sequence(&self) -> u64 {
         self.sequence
     }

@@ -11,7 +11,6 @@ use std::time::Duration;
 
 use futures::future::FusedFuture;
 
-use crate::fence::next_sequence;
 use crate::waiter::{Handoff, LaneKey, Waitable, Waiter};
 use crate::{Event, EventApi, EventFlags, ServerError};
 
@@ -128,7 +127,7 @@ impl<A: EventApi> EventProfiler<A> {
         stream: A::Stream,
     ) -> Result<Profile<A>, ServerError> {
         let end = self.pool.record(stream)?;
-        let sequence = next_sequence();
+        let sequence = A::stream_sequence(stream);
         Ok(Profile {
             pair: Arc::new(EventPair {
                 start: start.event.take(),

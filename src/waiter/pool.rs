@@ -166,22 +166,29 @@ impl Pool {
             return Err(ServerError::WaiterGone);
         }
         state.pending += 1;
-        let spawn = pool.insert(&mut state, key, sequence, wait);
+        let (sequence, spawn) = pool.insert(&mut state, key, sequence, wait);
         drop(state);
         Self::spawn(pool, spawn);
         Ok((key, sequence))
     }
 
-    /// Put `wait` in its lane; a lane nobody serves is queued for a server.
-    fn insert(&self, state: &mut State, key: LaneKey, sequence: u64, wait: Wait) -> Spawn {
+    /// Put `wait` in its lane, at `sequence` or, if that place is taken, the
+    /// next free one (sequences are unique per stream, but two streams may
+    /// share a lane whose keys collide: no wait may overwrite another). A
+    /// lane nobody serves is queued for a server. Returns where it went.
+    fn insert(&self, state: &mut State, key: LaneKey, sequence: u64, wait: Wait) -> (u64, Spawn) {
         let lane = state.lanes.entry(key).or_default();
+        let mut sequence = sequence;
+        while lane.waits.contains_key(&sequence) {
+            sequence = sequence.wrapping_add(1);
+        }
         lane.waits.insert(sequence, wait);
         if lane.owner != Owner::Nobody {
-            return Spawn::Nothing;
+            return (sequence, Spawn::Nothing);
         }
         lane.owner = Owner::Queued;
         state.queued.push_back(key);
-        self.find_server(state)
+        (sequence, self.find_server(state))
     }
 
     /// A lane was queued: wake an idle thread, or decide what to spawn.
@@ -462,7 +469,7 @@ impl Pool {
         } else {
             for wait in rest {
                 let sequence = wait.waitable.sequence();
-                if let found @ (Spawn::LaneThread(_) | Spawn::Poller) =
+                if let (_, found @ (Spawn::LaneThread(_) | Spawn::Poller)) =
                     pool.insert(&mut state, key, sequence, wait)
                 {
                     spawn = found;

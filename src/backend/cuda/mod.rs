@@ -141,20 +141,28 @@ impl EventApi for Cuda {
     /// From the stream's context's pool of idle fence events.
     fn fence_event_acquire(stream: CudaStreamHandle) -> Result<CudaEvent, ServerError> {
         driver::ensure_loaded()?;
-        let (stream, pool) = stream.resolve_with_pool("cuEventCreate")?;
-        pool.take(stream.context())
+        let (stream, per_stream) = stream.resolve_with_pool("cuEventCreate")?;
+        per_stream.pool.take(stream.context())
+    }
+
+    /// One counter per stream: fences on different streams share nothing.
+    fn stream_sequence(stream: CudaStreamHandle) -> u64 {
+        match stream.resolve_with_pool("cuEventRecord") {
+            Ok((_, per_stream)) => per_stream.next_sequence(),
+            Err(_) => crate::fence::next_sequence(),
+        }
     }
 
     fn fence_event_release(event: CudaEvent) -> Result<(), ServerError> {
         event.release()
     }
 
-    fn fence_event_record(stream: CudaStreamHandle) -> Result<CudaEvent, ServerError> {
+    fn fence_event_record(stream: CudaStreamHandle) -> Result<(CudaEvent, u64), ServerError> {
         driver::ensure_loaded()?;
-        let (stream, pool) = stream.resolve_with_pool("cuEventCreate")?;
-        let event = pool.take(stream.context())?;
+        let (stream, per_stream) = stream.resolve_with_pool("cuEventCreate")?;
+        let event = per_stream.pool.take(stream.context())?;
         match event.record(&stream) {
-            Ok(()) => Ok(event),
+            Ok(()) => Ok((event, per_stream.next_sequence())),
             Err(err) => {
                 if let Err(release) = event.release() {
                     log::debug!("a refused fence event could not be given back: {release}");

@@ -10,9 +10,24 @@ use super::driver::{FencePool, BACKEND};
 use crate::backend::registry::Registry;
 use crate::ServerError;
 
-/// Every cudarc stream a handle was made for, held weakly, with its
-/// context's fence-event pool.
-static STREAMS: Registry<CudaStream, Arc<FencePool>> = Registry::new();
+/// Every cudarc stream a handle was made for, held weakly, with what this
+/// crate keeps per stream.
+static STREAMS: Registry<CudaStream, Arc<PerStream>> = Registry::new();
+
+/// What this crate keeps per registered stream.
+pub(super) struct PerStream {
+    /// The stream's context's fence-event pool.
+    pub(super) pool: Arc<FencePool>,
+    /// The order of points recorded on the stream, for the waiter.
+    sequence: AtomicU64,
+}
+
+impl PerStream {
+    /// The next number in the stream's order of recorded points.
+    pub(super) fn next_sequence(&self) -> u64 {
+        self.sequence.fetch_add(1, Ordering::Relaxed)
+    }
+}
 
 /// A copyable handle to an `Arc<cudarc::driver::CudaStream>`, taken by
 /// [`EventFence::new`](crate::EventFence::new) and the
@@ -67,7 +82,12 @@ impl CudaStreamHandle {
         let per_thread = stream.cu_stream() as usize == PER_THREAD_STREAM;
         Self {
             id: STREAMS
-                .register(stream, || FencePool::of(stream.context()))
+                .register(stream, || {
+                    Arc::new(PerStream {
+                        pool: FencePool::of(stream.context()),
+                        sequence: AtomicU64::new(0),
+                    })
+                })
                 .0,
             thread: if per_thread { thread_key() } else { 0 },
         }
@@ -84,12 +104,12 @@ impl CudaStreamHandle {
         self.resolve_with_pool(call).map(|(stream, _)| stream)
     }
 
-    /// As [`resolve`](Self::resolve), with the stream's context's fence-event
-    /// pool.
+    /// As [`resolve`](Self::resolve), with what this crate keeps for the
+    /// stream.
     pub(super) fn resolve_with_pool(
         self,
         call: &'static str,
-    ) -> Result<(Arc<CudaStream>, Arc<FencePool>), ServerError> {
+    ) -> Result<(Arc<CudaStream>, Arc<PerStream>), ServerError> {
         if self.thread != 0 && self.thread != thread_key() {
             return Err(invalid_handle(
                 call,

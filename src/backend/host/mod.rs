@@ -86,11 +86,19 @@ impl EventApi for Host {
         Ok(())
     }
 
-    fn fence_event_record(stream: HostStreamHandle) -> Result<HostEvent, ServerError> {
+    /// One counter per stream: fences on different streams share nothing.
+    fn stream_sequence(stream: HostStreamHandle) -> u64 {
+        match stream.resolve("event_record") {
+            Ok(stream) => stream.next_sequence(),
+            Err(_) => crate::fence::next_sequence(),
+        }
+    }
+
+    fn fence_event_record(stream: HostStreamHandle) -> Result<(HostEvent, u64), ServerError> {
         let stream = stream.resolve("event_create")?;
         let event = stream.take_fence_event();
         match stream.record(&event) {
-            Ok(()) => Ok(event),
+            Ok(()) => Ok((event, stream.next_sequence())),
             Err(err) => {
                 event.release();
                 Err(err)

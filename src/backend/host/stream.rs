@@ -3,6 +3,7 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::thread::{self, JoinHandle};
 
@@ -51,6 +52,8 @@ pub(super) struct StreamShared {
     live_events: LiveEvents,
     /// Idle fence events, for later fences on this stream.
     fence_pool: Arc<FencePool>,
+    /// The order of points recorded on this stream, for the waiter.
+    sequence: AtomicU64,
 }
 
 #[derive(Default)]
@@ -90,6 +93,7 @@ impl HostStream {
             progressed: Condvar::new(),
             live_events: LiveEvents::default(),
             fence_pool: Arc::default(),
+            sequence: AtomicU64::new(0),
         });
         let (id, ()) = STREAMS.register(&shared, || ());
         let worker_shared = shared.clone();
@@ -209,6 +213,11 @@ impl HostStreamHandle {
 impl StreamShared {
     pub(super) fn live_events(&self) -> &LiveEvents {
         &self.live_events
+    }
+
+    /// The next number in this stream's order of recorded points.
+    pub(super) fn next_sequence(&self) -> u64 {
+        self.sequence.fetch_add(1, Ordering::Relaxed)
     }
 
     /// A fence event from this stream's pool, or a new one.
