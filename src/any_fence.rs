@@ -94,13 +94,18 @@ impl AnyFence {
     }
 
     /// A future of the fence, served by [`Waiter::global()`]; the same as
-    /// `fence.await`.
+    /// `fence.await`. On another waiter: `waiter.wait(fence)`.
     pub fn wait(self) -> AnyFenceFuture {
-        self.wait_on(Waiter::global())
+        Waiter::global().wait(self)
     }
+}
 
-    /// A future of the fence, served by `waiter`.
-    pub fn wait_on(self, waiter: &Waiter) -> AnyFenceFuture {
+impl crate::waiter::sealed::Sealed for AnyFence {}
+
+impl crate::waiter::Awaitable for AnyFence {
+    type Future = AnyFenceFuture;
+
+    fn wait_on(self, waiter: &Waiter) -> AnyFenceFuture {
         AnyFenceFuture(match self {
             #[cfg(feature = "cuda")]
             Self::Cuda(fence) => Inner::Cuda(waiter.wait(fence)),

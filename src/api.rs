@@ -59,28 +59,61 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     ///
     /// The stream is named because an event belongs to a context: CUDA refuses
     /// to record an event on a stream of another context.
+    ///
+    /// # Errors
+    ///
+    /// The driver refused (out of resources, a faulted context), or `stream`
+    /// is invalid (a dropped stream: code 400).
     fn event_create(stream: Self::Stream, flags: EventFlags) -> Result<Self::Event, ServerError>;
 
     /// Record `event` at the current end of `stream`'s work.
+    ///
+    /// # Errors
+    ///
+    /// The driver refused, `stream` is faulted ([`ServerError::Faulted`]) or
+    /// invalid, or the event belongs to another context.
     fn event_record(event: &Self::Event, stream: Self::Stream) -> Result<(), ServerError>;
 
     /// Ask, without blocking, whether the device has reached `event`.
     ///
     /// Three outcomes: `Ok(true)` reached, `Ok(false)` not yet, `Err` a fault
     /// (never folded into "not yet").
+    ///
+    /// # Errors
+    ///
+    /// A fault of the work before the event, or a refused call.
     fn event_query(event: &Self::Event) -> Result<bool, ServerError>;
 
     /// Block the calling thread until the device has reached `event`.
+    ///
+    /// # Errors
+    ///
+    /// A fault of the work before the event, or a refused call.
     fn event_synchronize(event: &Self::Event) -> Result<(), ServerError>;
 
     /// Release `event`. Must not block, even when its work is still pending.
+    ///
+    /// # Errors
+    ///
+    /// The driver refused (a faulted context, say); the event is gone either
+    /// way.
     fn event_destroy(event: Self::Event) -> Result<(), ServerError>;
 
     /// Make `stream`'s later work wait, on the device, for `event`'s most
     /// recent record. Does not block the host.
+    ///
+    /// # Errors
+    ///
+    /// The driver refused the dependency, or `stream` is faulted or invalid
+    /// (code 400: the caller's bug, which [`EventFence::wait_async`](crate::EventFence::wait_async)
+    /// does not paper over with a host wait).
     fn stream_wait_event(stream: Self::Stream, event: &Self::Event) -> Result<(), ServerError>;
 
     /// Block the calling thread until all work queued on `stream` is done.
+    ///
+    /// # Errors
+    ///
+    /// A fault of the stream's work, or `stream` is invalid.
     fn stream_synchronize(stream: Self::Stream) -> Result<(), ServerError>;
 
     /// Device time from `start` to `end`; both must be timing events and

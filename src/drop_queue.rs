@@ -193,7 +193,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// # Errors
     ///
     /// [`ServerError::InvalidArgument`] for a capacity of 0 (no value could
-    /// ever be pushed); [`ServerError::Unavailable`] when the thread could
+    /// ever be pushed); [`ServerError::ThreadSpawn`] when the thread could
     /// not be started.
     pub fn new(capacity: usize) -> Result<Self, ServerError> {
         if capacity == 0 {
@@ -218,9 +218,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         let thread = std::thread::Builder::new()
             .name("device-events-drop-queue".to_owned())
             .spawn(move || worker.run())
-            .map_err(|err| ServerError::Unavailable {
-                backend: "DropQueue",
-                reason: format!("could not start the drop queue's thread: {err}"),
+            .map_err(|err| ServerError::ThreadSpawn {
+                component: "DropQueue",
+                reason: err.to_string(),
             })?;
         Ok(Self {
             shared,

@@ -64,6 +64,17 @@ pub enum ServerError {
          still running (Waiter::global() never shuts down)"
     )]
     WaiterGone,
+    /// A thread this crate needs could not be started (the operating system
+    /// refused: too many threads, say). Not [`Unavailable`](Self::Unavailable):
+    /// the driver and device may be fine, so falling back to the CPU would be
+    /// the wrong answer; retry later, or with fewer threads.
+    #[error("{component} could not start a thread: {reason}")]
+    ThreadSpawn {
+        /// What needed the thread: `"Waiter"`, `"DropQueue"` or `"HostStream"`.
+        component: &'static str,
+        /// The operating system's answer.
+        reason: String,
+    },
     /// An argument or setting this crate cannot work with, refused where it
     /// was given: the caller's bug, not the driver's.
     #[error("invalid {what}: {reason}")]

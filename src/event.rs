@@ -21,7 +21,7 @@ use crate::{EventApi, EventFlags, ServerError};
 /// stream.launch(|| { /* work */ })?;
 /// let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE)?;
 /// event.record(stream.handle())?;
-/// event.wait()?;
+/// event.wait_sync()?;
 /// assert!(event.is_complete()?);
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
@@ -85,8 +85,21 @@ impl<A: EventApi> Event<A> {
     /// # Errors
     ///
     /// A fault of the work before the event, or a refused call.
-    pub fn wait(&self) -> Result<(), ServerError> {
+    #[doc(alias = "wait")]
+    #[doc(alias = "synchronize")]
+    pub fn wait_sync(&self) -> Result<(), ServerError> {
         A::event_synchronize(self.raw())
+    }
+
+    /// The old name of [`wait_sync`](Self::wait_sync): a blocking wait,
+    /// where `wait` elsewhere in this crate returns a future.
+    ///
+    /// # Errors
+    ///
+    /// As for [`wait_sync`](Self::wait_sync).
+    #[deprecated(since = "0.1.0", note = "blocks: renamed `wait_sync`")]
+    pub fn wait(&self) -> Result<(), ServerError> {
+        self.wait_sync()
     }
 
     /// Make `stream` wait for this event on the device; the host does not

@@ -115,7 +115,7 @@ impl<A: EventApi> EventFence<A> {
     /// stream.
     pub fn wait_sync(self) -> Result<(), ServerError> {
         match self.event? {
-            Some(event) => event.wait(),
+            Some(event) => event.wait_sync(),
             None => Ok(()),
         }
     }
@@ -147,7 +147,7 @@ impl<A: EventApi> EventFence<A> {
                 "a {} stream could not be made to wait on a fence, waiting on the host: {err}",
                 A::BACKEND
             );
-            event.wait()?;
+            event.wait_sync()?;
         }
         Ok(())
     }

@@ -64,6 +64,7 @@
 //! EventFence::<Host>::new(b.handle()).wait_sync()?; // the host waits for both
 //! # Ok::<(), device_events::ServerError>(())
 //! ```
+#![warn(missing_debug_implementations, unreachable_pub)]
 
 #[cfg(multi_threading)]
 mod any_fence;
@@ -96,8 +97,8 @@ pub use profiler::{
 };
 #[cfg(multi_threading)]
 pub use waiter::{
-    FenceFuture, Waiter, WaiterBuilder, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_SPIN_BUDGET,
-    MAX_THREADS_LIMIT,
+    Awaitable, FenceFuture, Waiter, WaiterBuilder, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS,
+    MAX_SPIN_BUDGET, MAX_THREADS_LIMIT,
 };
 
 /// The README's examples, compiled and run as doctests.

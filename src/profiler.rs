@@ -199,13 +199,18 @@ impl<A: EventApi> Profile<A> {
     }
 
     /// A future of the device time, served by [`Waiter::global()`]; the same
-    /// as `profile.await`.
+    /// as `profile.await`. On another waiter: `waiter.wait(profile)`.
     pub fn wait(self) -> ProfileFuture<A> {
-        self.wait_on(Waiter::global())
+        Waiter::global().wait(self)
     }
 
-    /// A future of the device time, served by `waiter`.
+    /// The old spelling of `waiter.wait(profile)` ([`Waiter::wait`]).
+    #[deprecated(since = "0.1.0", note = "use `waiter.wait(profile)`")]
     pub fn wait_on(self, waiter: &Waiter) -> ProfileFuture<A> {
+        waiter.wait(self)
+    }
+
+    fn handed_to(self, waiter: &Waiter) -> ProfileFuture<A> {
         let wait = PairWait {
             pair: Arc::downgrade(&self.pair),
             stream: self.stream,
@@ -215,6 +220,16 @@ impl<A: EventApi> Profile<A> {
             pair: self.pair,
             handoff: waiter.handoff(wait),
         }
+    }
+}
+
+impl<A: EventApi> crate::waiter::sealed::Sealed for Profile<A> {}
+
+impl<A: EventApi> crate::waiter::Awaitable for Profile<A> {
+    type Future = ProfileFuture<A>;
+
+    fn wait_on(self, waiter: &Waiter) -> ProfileFuture<A> {
+        self.handed_to(waiter)
     }
 }
 
@@ -241,8 +256,8 @@ impl<A: EventApi> EventPair<A> {
     /// Block until the device reached both events: the start may be on
     /// another, busier stream than the stop.
     fn wait_both(&self) -> Result<(), ServerError> {
-        self.start().wait()?;
-        self.end().wait()
+        self.start().wait_sync()?;
+        self.end().wait_sync()
     }
 
     fn elapsed(&self) -> Result<Duration, ServerError> {

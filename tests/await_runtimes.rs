@@ -274,7 +274,7 @@ fn any_fence_serves_host_fences_like_event_fences() {
     assert!(!fence.is_complete().unwrap());
     assert!(!fence.is_resolved_at_creation());
     let waiter = Waiter::default();
-    let mut future = fence.wait_on(&waiter);
+    let mut future = waiter.wait(fence);
     assert!((&mut future).now_or_never().is_none(), "held");
     let queue = DropQueue::<AnyFence, u32>::new(4).unwrap();
     assert!(queue.push(AnyFence::from(stream.fence()), 7).is_ok());

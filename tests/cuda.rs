@@ -145,14 +145,14 @@ fn events_query_wait_and_time_device_work() {
     sleep.launch(&stream, Duration::from_millis(50)).unwrap();
     end.record(handle).unwrap();
     assert!(!end.is_complete().unwrap());
-    end.wait().unwrap();
+    end.wait_sync().unwrap();
     assert!(end.is_complete().unwrap());
     let elapsed = end.elapsed_since(&start).unwrap();
     assert!(elapsed >= Duration::from_millis(49), "{elapsed:?}");
 
     let untimed = Event::<Cuda>::new(handle, EventFlags::FENCE).unwrap();
     untimed.record(handle).unwrap();
-    untimed.wait().unwrap();
+    untimed.wait_sync().unwrap();
     assert!(
         untimed.elapsed_since(&start).is_err(),
         "fence events carry no timing"
@@ -301,7 +301,7 @@ fn a_profile_started_on_a_busy_stream_and_stopped_on_an_idle_one_waits_for_both(
         let profile = profiler.stop(start, idle).unwrap();
         // cuEventElapsedTime is CUDA_ERROR_NOT_READY until both are complete.
         let elapsed = if by_await {
-            futures::executor::block_on(profile.wait_on(&waiter))
+            futures::executor::block_on(waiter.wait(profile))
         } else {
             profile.wait_sync()
         };

@@ -9,6 +9,8 @@
 //! instead. The fake driver's hooks (`fakeCudaLiveEvents`,
 //! `fakeCudaPrimaryRetains`) add leak and retain checks there; on a real
 //! driver those checks are skipped.
+// FFI to the fake driver's test hooks (dlopen/dlsym), each with a SAFETY note.
+#![allow(unsafe_code)]
 #![cfg(feature = "cuda")]
 
 use std::ffi::{c_int, CStr};
@@ -147,7 +149,7 @@ fn the_calling_threads_context_is_left_as_found(ctx: &Arc<CudaContext>) {
         fence.wait_sync().unwrap();
         let event = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
         event.record(handle).unwrap();
-        event.wait().unwrap();
+        event.wait_sync().unwrap();
         drop(event);
         Cuda::stream_synchronize(handle).unwrap();
         assert_eq!(current(), None, "left bound by a wait, record or destroy");

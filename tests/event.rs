@@ -15,7 +15,7 @@ fn an_event_never_recorded_is_complete() {
     let _gate = Gate::hold(&stream);
     let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
     assert!(event.is_complete().unwrap());
-    event.wait().unwrap();
+    event.wait_sync().unwrap();
 }
 
 #[test]
@@ -26,14 +26,14 @@ fn query_has_three_outcomes() {
     event.record(stream.handle()).unwrap();
     assert!(!event.is_complete().unwrap(), "not yet");
     gate.open();
-    event.wait().unwrap();
+    event.wait_sync().unwrap();
     assert!(event.is_complete().unwrap(), "reached");
 
     let gate = Gate::hold(&stream);
     stream.launch(|| panic!("fault")).unwrap();
     event.record(stream.handle()).unwrap();
     gate.open();
-    assert!(event.wait().unwrap_err().is_faulted());
+    assert!(event.wait_sync().unwrap_err().is_faulted());
     assert!(
         event.is_complete().unwrap_err().is_faulted(),
         "an error, not `false`"
@@ -45,12 +45,12 @@ fn a_record_replaces_the_previous_one() {
     let stream = HostStream::new().unwrap();
     let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
     event.record(stream.handle()).unwrap();
-    event.wait().unwrap();
+    event.wait_sync().unwrap();
     let gate = Gate::hold(&stream);
     event.record(stream.handle()).unwrap();
     assert!(!event.is_complete().unwrap(), "refers to the newest record");
     gate.open();
-    event.wait().unwrap();
+    event.wait_sync().unwrap();
 }
 
 #[test]
@@ -68,7 +68,7 @@ fn a_device_wait_captures_the_record_at_call_time() {
     progress.step_on(&consumer);
     let after = Event::<Host>::new(consumer.handle(), EventFlags::FENCE).unwrap();
     after.record(consumer.handle()).unwrap();
-    after.wait().unwrap();
+    after.wait_sync().unwrap();
     assert_eq!(progress.get(), 1);
     gate.open();
 }
@@ -83,7 +83,7 @@ fn elapsed_measures_the_work_between_two_timing_events() {
         .launch(|| std::thread::sleep(Duration::from_millis(30)))
         .unwrap();
     end.record(stream.handle()).unwrap();
-    end.wait().unwrap();
+    end.wait_sync().unwrap();
     let elapsed = end.elapsed_since(&start).unwrap();
     assert!(elapsed >= Duration::from_millis(30), "{elapsed:?}");
 }
@@ -95,7 +95,7 @@ fn elapsed_refuses_events_without_timing_or_not_reached() {
     let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
     start.record(stream.handle()).unwrap();
     end.record(stream.handle()).unwrap();
-    end.wait().unwrap();
+    end.wait_sync().unwrap();
     assert_eq!(end.elapsed_since(&start).unwrap_err().code(), Some(400));
 
     let start = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
@@ -118,7 +118,7 @@ fn events_are_released_on_every_path() {
     // Dropped after a successful wait.
     let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
     event.record(stream.handle()).unwrap();
-    event.wait().unwrap();
+    event.wait_sync().unwrap();
     drop(event);
     stream.synchronize().unwrap(); // the marker's reference is gone too
     assert_eq!(live.count(), 0, "dropped after a wait");
@@ -137,7 +137,7 @@ fn events_are_released_on_every_path() {
     let event = Event::<Host>::new(stream.handle(), EventFlags::FENCE).unwrap();
     event.record(stream.handle()).unwrap();
     gate.open();
-    assert!(event.wait().is_err());
+    assert!(event.wait_sync().is_err());
     drop(event);
     drop(stream); // joins the worker, which released the faulted marker
     assert_eq!(live.count(), 0, "dropped after a failed wait");

@@ -75,10 +75,7 @@ fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_by_await() {
     let profiler = EventProfiler::<Host>::new();
     let waiter = Waiter::builder().build();
     let start = profiler.start(busy.handle()).unwrap();
-    let mut future = profiler
-        .stop(start, idle.handle())
-        .unwrap()
-        .wait_on(&waiter);
+    let mut future = waiter.wait(profiler.stop(start, idle.handle()).unwrap());
     let first = (&mut future).now_or_never();
     assert!(
         first.is_none(),
@@ -101,7 +98,7 @@ fn a_hot_loop_allocates_no_events_after_warm_up() {
         if round % 2 == 0 {
             profile.wait_sync().unwrap();
         } else {
-            futures::executor::block_on(profile.wait_on(&waiter)).unwrap();
+            futures::executor::block_on(waiter.wait(profile)).unwrap();
         }
     }
     // The waiter holds a profile's events only weakly: they are back in the

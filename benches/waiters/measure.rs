@@ -1,4 +1,6 @@
 //! What the benchmark measures: latencies, process CPU time, thread counts.
+// FFI: clock_gettime for process CPU time, with a SAFETY note.
+#![allow(unsafe_code)]
 
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;

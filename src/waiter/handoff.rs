@@ -43,6 +43,14 @@ enum State<W> {
     Done,
 }
 
+/// What a first poll came to.
+enum FirstPoll {
+    /// Ready at once: reached, failed, or refused by the pool.
+    Resolved(Result<(), ServerError>),
+    /// Handed to the pool, which will fill the slot.
+    HandedOff(Handed),
+}
+
 /// A wait handed to the pool: where its result goes, and where in the pool
 /// it sits (to take it out if the future is dropped).
 struct Handed {
@@ -62,11 +70,11 @@ impl<W: Waitable> Handoff<W> {
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::First(waitable) => match self.first_poll(waitable, cx) {
-                Ok(waiting) => {
-                    self.state = waiting;
+                FirstPoll::HandedOff(handed) => {
+                    self.state = State::Waiting(handed);
                     Poll::Pending
                 }
-                Err(result) => Poll::Ready(result),
+                FirstPoll::Resolved(result) => Poll::Ready(result),
             },
             State::Waiting(handed) => match handed.slot.poll(cx) {
                 Poll::Ready(result) => Poll::Ready(result),
@@ -80,13 +88,8 @@ impl<W: Waitable> Handoff<W> {
     }
 
     /// The first poll: ask (and spin, if the waiter allows) before handing
-    /// off. Returns the result, or the handed-off state: the slot the waiter
-    /// will fill and where the wait sits.
-    fn first_poll(
-        &self,
-        waitable: W,
-        cx: &mut Context<'_>,
-    ) -> Result<State<W>, Result<(), ServerError>> {
+    /// off.
+    fn first_poll(&self, waitable: W, cx: &mut Context<'_>) -> FirstPoll {
         let pool = self.pool.get();
         let budget = pool.config.spin_budget;
         // Read the clock only when spinning is allowed: a ready fence's await
@@ -100,10 +103,10 @@ impl<W: Waitable> Handoff<W> {
             let may_spin = started.is_some_and(|started| first || started.elapsed() < budget);
             first = false;
             match catch_unwind(AssertUnwindSafe(|| waitable.query())) {
-                Ok(Ok(true)) => return Err(Ok(())),
-                Ok(Err(err)) => return Err(Err(err)),
+                Ok(Ok(true)) => return FirstPoll::Resolved(Ok(())),
+                Ok(Err(err)) => return FirstPoll::Resolved(Err(err)),
                 Err(payload) => {
-                    return Err(Err(ServerError::WaiterPanicked {
+                    return FirstPoll::Resolved(Err(ServerError::WaiterPanicked {
                         message: ServerError::panic_message(payload.as_ref()),
                     }))
                 }
@@ -117,12 +120,12 @@ impl<W: Waitable> Handoff<W> {
             slot: slot.clone(),
         };
         match Pool::submit(pool, wait) {
-            Ok((lane, sequence)) => Ok(State::Waiting(Handed {
+            Ok((lane, sequence)) => FirstPoll::HandedOff(Handed {
                 slot,
                 lane,
                 sequence,
-            })),
-            Err(err) => Err(Err(err)),
+            }),
+            Err(err) => FirstPoll::Resolved(Err(err)),
         }
     }
 

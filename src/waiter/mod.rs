@@ -94,10 +94,13 @@ impl Waiter {
         WaiterBuilder::default()
     }
 
-    /// A future that resolves once the device has reached `fence`, served by
-    /// this waiter.
-    pub fn wait<A: EventApi>(&self, fence: EventFence<A>) -> FenceFuture<A> {
-        FenceFuture::new(fence, self)
+    /// A future that resolves once the device has reached `target`, served by
+    /// this waiter: an [`EventFence`] (a [`FenceFuture`]), a
+    /// [`Profile`](crate::Profile) (its device time) or an
+    /// [`AnyFence`](crate::AnyFence). The one spelling of "wait for this,
+    /// on that waiter"; `target.await` is the same on [`Waiter::global()`].
+    pub fn wait<T: Awaitable>(&self, target: T) -> T::Future {
+        target.wait_on(self)
     }
 
     /// The state machine of a future this waiter serves, for `waitable`.
@@ -167,6 +170,34 @@ impl fmt::Debug for Waiter {
             .field("global", &self.global)
             .field("config", &self.pool.config)
             .finish()
+    }
+}
+
+/// What [`Waiter::wait`] accepts: [`EventFence`], [`Profile`](crate::Profile)
+/// and [`AnyFence`](crate::AnyFence). Sealed: implemented in this crate only.
+pub trait Awaitable: sealed::Sealed {
+    /// The future [`Waiter::wait`] returns for it.
+    type Future: std::future::Future;
+
+    /// Hand `self` to `waiter`; call [`Waiter::wait`] instead.
+    #[doc(hidden)]
+    fn wait_on(self, waiter: &Waiter) -> Self::Future;
+}
+
+/// Keeps [`Awaitable`] implemented by this crate's types only.
+pub(crate) mod sealed {
+    /// The seal: a public trait in a private module.
+    #[allow(unreachable_pub)]
+    pub trait Sealed {}
+}
+
+impl<A: EventApi> sealed::Sealed for EventFence<A> {}
+
+impl<A: EventApi> Awaitable for EventFence<A> {
+    type Future = FenceFuture<A>;
+
+    fn wait_on(self, waiter: &Waiter) -> FenceFuture<A> {
+        FenceFuture::new(self, waiter)
     }
 }
 

@@ -125,6 +125,14 @@ pub(crate) struct Wait {
     pub(crate) slot: Arc<Slot>,
 }
 
+/// What [`Pool::resolve_reached`] did.
+struct Resolved {
+    /// How many waits it resolved.
+    resolved: usize,
+    /// Whether the lane still has waits (the first not reached, and after).
+    more: bool,
+}
+
 /// What `submit` must do once it has dropped the lock.
 enum Spawn {
     Nothing,
@@ -188,7 +196,7 @@ impl Pool {
         }
         lane.owner = Owner::Queued;
         state.queued.push_back(key);
-        (sequence, self.find_server(state))
+        (sequence, self.wake_or_spawn_server(state))
     }
 
     /// A lane was queued: wake an idle thread, or decide what to spawn.
@@ -198,7 +206,7 @@ impl Pool {
     /// is free: idle and already woken, or between lanes, and it takes the
     /// queued lane before it sleeps. This keeps threads at one per busy
     /// stream even when lanes drain and refill faster than threads wake.
-    fn find_server(&self, state: &mut State) -> Spawn {
+    fn wake_or_spawn_server(&self, state: &mut State) -> Spawn {
         if self.wake_idle(state) || state.lane_threads >= state.lanes.len() {
             Spawn::Nothing
         } else if state.lane_threads < self.config.max_threads {
@@ -275,8 +283,8 @@ impl Pool {
         drop(state);
         drop(withdrawn);
         for wait in failed {
-            wait.slot.complete(Err(ServerError::Unavailable {
-                backend: "Waiter",
+            wait.slot.complete(Err(ServerError::ThreadSpawn {
+                component: "Waiter",
                 reason: reason.clone(),
             }));
         }
@@ -358,17 +366,16 @@ impl Pool {
         let result = contain(|| waitable.block());
         let _permit = pool.resolving.acquire();
         pool.resolve_blocked(key, &slot, result);
-        Self::resolve_reached(pool, key, Owner::Thread).1
+        Self::resolve_reached(pool, key, Owner::Thread).more
     }
 
     /// Resolve, in order, the waits of `key` that a query shows reached; stop
-    /// at the first that is not. Returns how many were resolved and whether
-    /// the lane still has waits.
+    /// at the first that is not.
     ///
     /// Works in batches: the lane's waits are taken in one lock, queried
     /// outside it, and the rest put back in one more, so a burst of thousands
     /// of reached waits costs two lock round-trips, not three per wait.
-    fn resolve_reached(pool: &Arc<Self>, key: LaneKey, owner: Owner) -> (usize, bool) {
+    fn resolve_reached(pool: &Arc<Self>, key: LaneKey, owner: Owner) -> Resolved {
         let mut resolved = 0;
         // The poller asks each of its lanes every round, mostly to hear "not
         // yet": it takes just the oldest wait first, and a batch only once
@@ -376,7 +383,10 @@ impl Pool {
         let mut limit = if owner == Owner::Poller { 1 } else { BATCH };
         loop {
             let Some(batch) = pool.take_waits(key, owner, limit) else {
-                return (resolved, false);
+                return Resolved {
+                    resolved,
+                    more: false,
+                };
             };
             let mut done = Vec::with_capacity(batch.len());
             let mut rest = Vec::new();
@@ -402,7 +412,10 @@ impl Pool {
                 wait.slot.complete(result);
             }
             if more {
-                return (resolved, true);
+                return Resolved {
+                    resolved,
+                    more: true,
+                };
             }
         }
     }
@@ -500,7 +513,7 @@ impl Pool {
         };
         state.pending -= 1;
         state.withdrawn.push(wait);
-        let spawn = pool.find_disposer(&mut state);
+        let spawn = pool.wake_or_spawn_disposer(&mut state);
         drop(state);
         Self::spawn(pool, spawn);
     }
@@ -508,7 +521,7 @@ impl Pool {
     /// Withdrawn waits are there to drop: leave them to the poller if it
     /// runs, else wake an idle thread, else start a lane thread (which then
     /// stays idle for `keep_alive`, ready for the next), else the poller.
-    fn find_disposer(&self, state: &mut State) -> Spawn {
+    fn wake_or_spawn_disposer(&self, state: &mut State) -> Spawn {
         if state.poller || self.wake_idle(state) {
             Spawn::Nothing
         } else if state.lane_threads < self.config.max_threads {
@@ -563,7 +576,7 @@ impl Pool {
             let mut progressed = !withdrawn.is_empty();
             drop(withdrawn);
             for key in keys {
-                progressed |= Self::resolve_reached(&pool, key, Owner::Poller).0 > 0;
+                progressed |= Self::resolve_reached(&pool, key, Owner::Poller).resolved > 0;
             }
             if progressed {
                 backoff = POLL_BACKOFF_MIN;

@@ -11,7 +11,8 @@ use crate::{EventApi, EventFence, ServerError};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) struct LaneKey {
     backend: TypeId,
-    stream: u64,
+    /// A hash of the backend's stream handle (not the stream itself).
+    stream_hash: u64,
 }
 
 #[cfg(all(test, loom))]
@@ -20,7 +21,7 @@ impl LaneKey {
     pub(crate) fn for_models(stream: u64) -> Self {
         Self {
             backend: TypeId::of::<()>(),
-            stream,
+            stream_hash: stream,
         }
     }
 }
@@ -45,7 +46,7 @@ impl LaneKey {
         stream.hash(&mut hasher);
         Self {
             backend: TypeId::of::<A>(),
-            stream: hasher.finish(),
+            stream_hash: hasher.finish(),
         }
     }
 }

@@ -102,9 +102,9 @@ impl HostStream {
             .spawn(move || worker_shared.run())
             .map_err(|err| {
                 STREAMS.remove(id);
-                ServerError::Unavailable {
-                    backend: super::BACKEND,
-                    reason: format!("could not start a stream thread: {err}"),
+                ServerError::ThreadSpawn {
+                    component: "HostStream",
+                    reason: err.to_string(),
                 }
             })?;
         Ok(Self {
