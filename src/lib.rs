@@ -33,14 +33,35 @@
 //! driver faults come back as [`ServerError`], never as a panic or a hang.
 //! [`AnyFence`] holds a fence of either backend.
 //!
+//! How the waiter serves awaits (lanes, one thread per busy stream, the
+//! poller, cancellation) is described once, in the [`Waiter`]'s module docs:
+//! see [`Waiter`] and its builder.
+//!
 //! # Knobs
 //!
 //! `fence.await` uses [`Waiter::global()`]; [`Waiter::builder()`] makes
-//! others: [`max_threads`](WaiterBuilder::max_threads) (1 to 4096, default
-//! 64), [`keep_alive`](WaiterBuilder::keep_alive) (default 10 s),
-//! [`thread_name`](WaiterBuilder::thread_name), and
+//! others: [`max_threads`](WaiterBuilder::max_threads) (1 to
+//! [`MAX_THREADS_LIMIT`], default [`DEFAULT_MAX_THREADS`]),
+//! [`keep_alive`](WaiterBuilder::keep_alive) (default
+//! [`DEFAULT_KEEP_ALIVE`]), [`thread_name`](WaiterBuilder::thread_name), and
 //! [`spin_budget`](WaiterBuilder::spin_budget) (default zero, at most
 //! [`MAX_SPIN_BUDGET`]).
+//!
+//! # Architecture
+//!
+//! Layers, bottom up; each may use only those below it.
+//!
+//! | layer | owns | may not import |
+//! |---|---|---|
+//! | `api`, `error` | the backend contract ([`EventApi`], [`EventFlags`]) and [`ServerError`] | anything else of the crate |
+//! | `backend::{host, cuda}` | raw events and streams, the stream registry, fence-event pools; all `unsafe` (the FFI file `backend/cuda/driver.rs`) | the waiter and everything above it (they name [`EventFence`] only to offer `cuda::fence` and [`host::HostStream::fence`]) |
+//! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | fences, the waiter |
+//! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | the waiter, any backend by name |
+//! | `waiter` | [`Waiter`]: threads, lanes, hand-off, the futures | any backend, the profiler, the drop queue |
+//! | `profiler`, `drop_queue`, `any_fence` | [`EventProfiler`], [`drop_queue::DropQueue`], [`AnyFence`]: built on fences and the waiter | one another |
+//!
+//! `loom` (the waiter's locks and threads, swapped for loom's in its models)
+//! and `fault_log` (warn once per faulted stream) serve the layers above.
 //!
 //! # Backends
 //!
@@ -66,21 +87,29 @@
 //! ```
 #![warn(missing_debug_implementations, unreachable_pub)]
 
-#[cfg(multi_threading)]
-mod any_fence;
+// In the order of the layers, bottom up (see "Architecture" above); the
+// blank lines keep rustfmt from sorting them.
 mod api;
-mod backend;
-#[cfg(multi_threading)]
-pub mod drop_queue;
 mod error;
+
+mod backend;
+
 mod event;
-mod fault_log;
+
 mod fence;
-mod loom;
-#[cfg(multi_threading)]
-mod profiler;
+
 #[cfg(multi_threading)]
 mod waiter;
+
+#[cfg(multi_threading)]
+mod any_fence;
+#[cfg(multi_threading)]
+pub mod drop_queue;
+#[cfg(multi_threading)]
+mod profiler;
+
+mod fault_log;
+mod loom;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};

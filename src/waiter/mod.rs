@@ -1,18 +1,47 @@
 //! The waiter: `fence.await` without blocking an executor thread and without
 //! spinning.
 //!
-//! A [`Waiter`] is a small pool of dedicated threads (not the executor's)
-//! that sleep in the driver on behalf of awaiting tasks: one thread per busy
-//! stream, not one per pending wait. Each stream's waits form a *lane*,
-//! ordered by fence sequence; the lane's thread blocks on the oldest, resolves
-//! it, resolves every later one already reached, then blocks on the next. So
-//! 10,000 pending awaits on 16 streams need about 16 threads.
+//! # The lane algorithm
 //!
-//! Threads start on demand up to [`WaiterBuilder::max_threads`] and leave
-//! after [`WaiterBuilder::keep_alive`] idle. When more streams are busy than
-//! that, one extra thread polls the rest with queries and a bounded backoff
-//! (50 µs doubling to 1 ms), so a fast stream never waits behind a slow one:
-//! a waiter never has more than `max_threads + 1` threads.
+//! This is the one description of it; the README, the crate docs and
+//! `pool.rs` point here.
+//!
+//! 1. **First poll.** A future asks the device once (a query). A fence
+//!    already reached, or resolved when it was made, is ready at once: no
+//!    hand-off, no allocation. With a [`spin_budget`](WaiterBuilder::spin_budget)
+//!    (at most [`MAX_SPIN_BUDGET`]) it asks again until the budget is spent.
+//! 2. **Hand-off.** Otherwise the wait goes into its stream's *lane*, ordered
+//!    by the record's place in the stream
+//!    ([`EventApi::stream_sequence`](crate::EventApi::stream_sequence)).
+//! 3. **One thread per busy lane.** Work on a stream completes in order, so
+//!    one *lane thread* serves a lane: it blocks on the oldest wait (sleeping
+//!    in the driver: `cuEventSynchronize` on a `BLOCKING_SYNC` event),
+//!    resolves it, then queries the later waits in batches and resolves every
+//!    one reached, and blocks on the next. 10,000 pending awaits on 16 streams
+//!    need 16 threads. Resolving (a query and a task wake-up per wait) is CPU
+//!    work, so at most one lane thread per core resolves at once; the others
+//!    wait for a permit, asleep.
+//! 4. **Bounded threads.** Lane threads start on demand, up to
+//!    [`max_threads`](WaiterBuilder::max_threads) (default
+//!    [`DEFAULT_MAX_THREADS`], at most [`MAX_THREADS_LIMIT`]), and leave after
+//!    [`keep_alive`](WaiterBuilder::keep_alive) idle (default
+//!    [`DEFAULT_KEEP_ALIVE`]). A new lane thread starts only while there are
+//!    fewer lane threads than lanes. When more lanes are busy than that, one
+//!    extra *poller* thread serves the rest: each round it asks each lane's
+//!    oldest wait, resolves what is reached, and backs off (doubling from
+//!    `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` in `pool.rs`, 50 µs to 1 ms)
+//!    when nothing moved. So a fast stream never waits behind a slow one, and
+//!    a waiter never has more than `max_threads + 1` threads. A lane thread
+//!    that runs out of work takes a lane back from the poller.
+//! 5. **Cancellation.** Dropping a future *withdraws* its wait: out of its
+//!    lane at once, and a waiter thread (an idle one, else a new one, else the
+//!    poller) drops it, destroying its event off the dropping thread. Only
+//!    the wait a thread is blocked on right then stays with that thread until
+//!    its block ends.
+//! 6. **Faults and shutdown.** A panic in a backend call resolves that wait
+//!    with [`ServerError::WaiterPanicked`] and the thread goes on.
+//!    [`Waiter::shutdown`] resolves every pending wait, the blocked ones too,
+//!    with [`ServerError::WaiterGone`].
 //!
 //! It depends on no executor: std [`Waker`](std::task::Waker)s only, so it
 //! works under tokio (multi- and current-thread), `futures::executor`, and

@@ -1,20 +1,6 @@
-//! [`Pool`]: the waiter's threads, its lanes, and how waits move between them.
-//!
-//! A *lane* holds the pending waits of one stream, ordered by fence sequence.
-//! Work on a stream completes in order, so one thread serves a lane: it blocks
-//! on the oldest wait (sleeping in the driver), resolves it, resolves every
-//! later wait that a query shows reached, then blocks on the next.
-//!
-//! Lane threads are spawned on demand, up to `max_threads`, and leave after
-//! `keep_alive` idle. When more lanes are busy than lane threads may exist,
-//! one extra *poller* thread serves the rest with queries and a bounded
-//! backoff, so no lane waits behind another's slow work. A lane thread that
-//! runs out of work takes a lane back from the poller.
-//!
-//! A dropped future's wait is *withdrawn*: taken out of its lane at once and
-//! left for a waiter thread (an idle one, else a new one, else the poller) to
-//! drop, so its event is destroyed promptly and never on the thread that
-//! dropped the future.
+//! [`Pool`]: the waiter's threads, its lanes, and how waits move between
+//! them: the lane algorithm described in the [waiter's docs](super), here
+//! in code.
 
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
