@@ -4,18 +4,97 @@
 use std::fmt::Write as _;
 use std::path::PathBuf;
 
+/// The scenarios, by number.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scenario {
+    SingleWait,
+    ManyPending,
+    ManyPendingLarge,
+    ReadyFence,
+    FenceCost,
+    IdleCpu,
+    BusyWorkers,
+    ReadyScaling,
+}
+
+impl Scenario {
+    /// Its number, as `--only` takes it.
+    pub fn id(self) -> &'static str {
+        match self {
+            Self::SingleWait => "1",
+            Self::ManyPending => "2",
+            Self::ManyPendingLarge => "2b",
+            Self::ReadyFence => "3",
+            Self::FenceCost => "4",
+            Self::IdleCpu => "5",
+            Self::BusyWorkers => "6",
+            Self::ReadyScaling => "7",
+        }
+    }
+
+    pub fn title(self) -> &'static str {
+        match self {
+            Self::SingleWait => "single wait latency",
+            Self::ManyPending => "many pending",
+            Self::ManyPendingLarge => "many pending (large)",
+            Self::ReadyFence => "ready fence",
+            Self::FenceCost => "fence cost",
+            Self::IdleCpu => "idle CPU",
+            Self::BusyWorkers => "busy workers",
+            Self::ReadyScaling => "ready scaling",
+        }
+    }
+}
+
+/// A column of a table: typed, so a renamed column cannot silently turn a
+/// target into "not measured".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Metric {
+    P50Us,
+    P99Us,
+    MeanUs,
+    AllResolvedMs,
+    PeakThreads,
+    CpuMs,
+    NsPerOp,
+    NsPerFence,
+    CpuPercentOfCore,
+    Threads,
+    AwaitsPerSecond,
+    CpuUsPerAwait,
+}
+
+impl Metric {
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::P50Us => "p50 us",
+            Self::P99Us => "p99 us",
+            Self::MeanUs => "mean us",
+            Self::AllResolvedMs => "all resolved ms",
+            Self::PeakThreads => "peak threads",
+            Self::CpuMs => "CPU ms",
+            Self::NsPerOp => "ns per op",
+            Self::NsPerFence => "ns per fence",
+            Self::CpuPercentOfCore => "CPU % of a core",
+            Self::Threads => "threads",
+            Self::AwaitsPerSecond => "awaits/s",
+            Self::CpuUsPerAwait => "CPU us per await",
+        }
+    }
+}
+
 /// One scenario on one backend: a row per strategy, the first row (this
 /// crate) the reference for the ratios.
 pub struct Table {
-    pub scenario: &'static str,
+    pub scenario: Scenario,
     pub backend: &'static str,
-    pub metrics: Vec<&'static str>,
+    pub metrics: Vec<Metric>,
     pub rows: Vec<(String, Vec<f64>)>,
     pub notes: Vec<String>,
 }
 
 impl Table {
-    pub fn new(scenario: &'static str, backend: &'static str, metrics: &[&'static str]) -> Self {
+    pub fn new(scenario: Scenario, backend: &'static str, metrics: &[Metric]) -> Self {
         Self {
             scenario,
             backend,
@@ -26,21 +105,45 @@ impl Table {
     }
 
     pub fn row(&mut self, name: &str, values: Vec<f64>) {
+        assert_eq!(
+            values.len(),
+            self.metrics.len(),
+            "row {name:?} of scenario {}: one value per metric",
+            self.scenario.id()
+        );
         self.rows.push((name.to_owned(), values));
     }
 
-    /// The value of `metric` in row `name`.
-    pub fn value(&self, name: &str, metric: &str) -> Option<f64> {
-        let column = self.metrics.iter().position(|m| *m == metric)?;
+    /// The value of `metric` in row `name`; `None` when that row did not
+    /// run.
+    ///
+    /// # Panics
+    ///
+    /// If the table has no such metric: a target that reads a column its
+    /// scenario does not report is a bug in the benchmark, not a miss.
+    pub fn value(&self, name: &str, metric: Metric) -> Option<f64> {
+        let Some(column) = self.metrics.iter().position(|m| *m == metric) else {
+            panic!(
+                "scenario {} ({}) has no metric {:?}",
+                self.scenario.id(),
+                self.scenario.title(),
+                metric
+            )
+        };
         let row = self.rows.iter().find(|(row, _)| row == name)?;
         row.1.get(column).copied()
     }
 
     pub fn print(&self) {
-        println!("\n## {} [{}]", self.scenario, self.backend);
+        println!(
+            "\n## {}. {} [{}]",
+            self.scenario.id(),
+            self.scenario.title(),
+            self.backend
+        );
         let mut header = format!("| {:<26} |", "strategy");
         for metric in &self.metrics {
-            let _ = write!(header, " {metric:>24} |");
+            let _ = write!(header, " {:>24} |", metric.label());
         }
         println!("{header}");
         println!("|{}", "---|".repeat(self.metrics.len() + 1));
@@ -69,7 +172,11 @@ impl Table {
     fn json(&self) -> String {
         let mut json = format!(
             "{{\"scenario\":{},\"backend\":{},\"rows\":[",
-            quote(self.scenario),
+            quote(&format!(
+                "{}. {}",
+                self.scenario.id(),
+                self.scenario.title()
+            )),
             quote(self.backend)
         );
         for (i, (name, values)) in self.rows.iter().enumerate() {
@@ -78,7 +185,7 @@ impl Table {
             }
             let _ = write!(json, "{{\"strategy\":{}", quote(name));
             for (metric, value) in self.metrics.iter().zip(values) {
-                let _ = write!(json, ",{}:{}", quote(metric), json_number(*value));
+                let _ = write!(json, ",{}:{}", quote(metric.label()), json_number(*value));
             }
             json.push('}');
         }

@@ -9,9 +9,12 @@ use device_events::Waiter;
 use futures::FutureExt;
 
 use crate::measure::process_cpu;
-use crate::report::Table;
+use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
 use crate::strategies::Strategy;
+
+/// Scenario 7's ratio row, read by the targets.
+pub const SCALING: &str = "scaling: all / (workers x one)";
 
 /// How long each strategy loops, per round, and how many rounds (taken in
 /// turns, so a noisy stretch of the machine hits every strategy alike).
@@ -40,9 +43,9 @@ pub fn loop_awaits<R: Rig>(rig: &Arc<R>, loops: &Loops) -> Table {
     let workers = workers();
     let streams = loops.streams.min(rig.streams());
     let mut table = Table::new(
-        "6. busy workers",
+        Scenario::BusyWorkers,
         rig.name(),
-        &["awaits/s", "CPU us per await"],
+        &[Metric::AwaitsPerSecond, Metric::CpuUsPerAwait],
     );
     table.notes.push(format!(
         "{} tasks on {workers} workers loop launch + fence + wait on {streams} streams; {} rounds of {:?} per strategy, in turns",
@@ -140,7 +143,11 @@ fn one_round<R: Rig>(
 /// whether the first poll's path scales with the workers.
 pub fn ready_scaling<R: Rig>(rig: &Arc<R>, loops: &Loops) -> Table {
     let workers = workers().min(rig.streams());
-    let mut table = Table::new("7. ready scaling", rig.name(), &["awaits/s"]);
+    let mut table = Table::new(
+        Scenario::ReadyScaling,
+        rig.name(),
+        &[Metric::AwaitsPerSecond],
+    );
     table.notes.push(format!(
         "a loop of fence + await on an idle stream; {} rounds of {:?} each, in turns",
         loops.rounds, loops.round
@@ -153,10 +160,7 @@ pub fn ready_scaling<R: Rig>(rig: &Arc<R>, loops: &Loops) -> Table {
     let rounds = loops.rounds as f64;
     table.row("one worker", vec![one / rounds]);
     table.row(&format!("{workers} workers"), vec![all / rounds]);
-    table.row(
-        "scaling: all / (workers x one)",
-        vec![all / (workers as f64 * one)],
-    );
+    table.row(SCALING, vec![all / (workers as f64 * one)]);
     table
 }
 

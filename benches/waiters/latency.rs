@@ -1,0 +1,183 @@
+//! Scenarios 1 and 2: how soon a wait wakes after its work ends, one at a
+//! time and many pending at once.
+
+use std::time::{Duration, Instant};
+
+use device_events::Waiter;
+
+use crate::measure::{
+    latencies, process_cpu, process_threads, quantile_us, Clock, Stamps, ThreadSampler,
+};
+use crate::report::{Metric, Scenario, Table};
+use crate::rig::Rig;
+use crate::settings::{runtime, Settings};
+use crate::strategies::{self, Pending, Strategy, SINGLE};
+
+/// Scenario 1: one stream, work of known length, a fence; wake latency.
+///
+/// The strategies take turns round by round (each with its own runtime), so
+/// a noisy stretch of the machine hits all of them alike and the ratios
+/// compare like with like.
+pub fn single_wait<R: Rig>(
+    rig: &R,
+    settings: &Settings,
+    clock: Clock,
+) -> (Table, Vec<(String, Vec<u64>)>) {
+    let mut table = Table::new(
+        Scenario::SingleWait,
+        rig.name(),
+        &[Metric::P50Us, Metric::P99Us, Metric::MeanUs],
+    );
+    let runtimes: Vec<_> = SINGLE.iter().map(|_| runtime()).collect();
+    let waiter = Waiter::builder().build();
+    let total = settings.warmup + settings.rounds;
+    let stamps: Vec<_> = SINGLE
+        .iter()
+        .map(|_| (Stamps::new(total), Stamps::new(total)))
+        .collect();
+    for index in 0..total {
+        for ((strategy, runtime), (ends, wakes)) in SINGLE.iter().zip(&runtimes).zip(&stamps) {
+            rig.work(0, settings.work, ends, index);
+            let pending = Pending {
+                index,
+                stream: 0,
+                fence: rig.fence(0),
+            };
+            strategies::wait_one(*strategy, runtime, &waiter, pending, wakes, clock);
+        }
+    }
+    waiter.shutdown();
+    let mut series = Vec::new();
+    for (strategy, (ends, wakes)) in SINGLE.iter().zip(&stamps) {
+        let sorted = latencies(ends, wakes, settings.warmup);
+        let mean = sorted.iter().sum::<u64>() as f64 / sorted.len() as f64 / 1_000.0;
+        table.row(
+            strategy.name(),
+            vec![quantile_us(&sorted, 0.5), quantile_us(&sorted, 0.99), mean],
+        );
+        series.push((strategy.name().to_owned(), sorted));
+    }
+    (table, series)
+}
+
+/// Scenario 2: many awaits pending at once across streams, released together.
+pub fn many_pending<R: Rig>(
+    rig: &R,
+    (streams, per_stream): (usize, usize),
+    hold: Duration,
+    reps: usize,
+    strategies: &[Strategy],
+    clock: Clock,
+) -> (Table, Vec<(String, Vec<u64>)>) {
+    let scenario = if streams * per_stream >= 100_000 {
+        Scenario::ManyPendingLarge
+    } else {
+        Scenario::ManyPending
+    };
+    let mut table = Table::new(
+        scenario,
+        rig.name(),
+        &[
+            Metric::AllResolvedMs,
+            Metric::P50Us,
+            Metric::P99Us,
+            Metric::PeakThreads,
+            Metric::CpuMs,
+        ],
+    );
+    table.notes.push(format!(
+        "{} awaits on {streams} streams, released together after {hold:?}; median of {reps} runs",
+        streams * per_stream
+    ));
+    let mut series = Vec::new();
+    // The strategies take turns, rep by rep, so a noisy stretch of the
+    // machine hits each alike.
+    let mut all_runs: Vec<Vec<(Vec<f64>, Vec<u64>)>> =
+        strategies.iter().map(|_| Vec::new()).collect();
+    for _ in 0..reps {
+        for (&strategy, runs) in strategies.iter().zip(&mut all_runs) {
+            runs.push(many_pending_once(
+                rig,
+                (streams, per_stream),
+                hold,
+                strategy,
+                clock,
+                &mut table.notes,
+            ));
+        }
+    }
+    for (&strategy, mut runs) in strategies.iter().zip(all_runs) {
+        // The median run by p50, and the median of each figure over the runs.
+        runs.sort_by(|a, b| a.0[1].total_cmp(&b.0[1]));
+        let figures = (0..runs[0].0.len())
+            .map(|column| {
+                let mut values: Vec<f64> = runs.iter().map(|run| run.0[column]).collect();
+                values.sort_by(f64::total_cmp);
+                values[values.len() / 2]
+            })
+            .collect();
+        table.row(strategy.name(), figures);
+        let median = runs.swap_remove(runs.len() / 2);
+        series.push((strategy.name().to_owned(), median.1));
+    }
+    (table, series)
+}
+
+/// One run of scenario 2 for one strategy: its figures and sorted latencies.
+fn many_pending_once<R: Rig>(
+    rig: &R,
+    (streams, per_stream): (usize, usize),
+    hold: Duration,
+    strategy: Strategy,
+    clock: Clock,
+    notes: &mut Vec<String>,
+) -> (Vec<f64>, Vec<u64>) {
+    rig.drain();
+    let runtime = runtime();
+    let waiter = Waiter::builder().build();
+    let total = streams * per_stream;
+    let (ends, wakes, releases) = (Stamps::new(total), Stamps::new(total), Stamps::new(streams));
+    let baseline = process_threads();
+    let sampler = ThreadSampler::start();
+    let cpu = process_cpu();
+    let setup = Instant::now();
+    for stream in 0..streams {
+        rig.work(stream, hold, &releases, stream);
+    }
+    let mut fences = Vec::with_capacity(total);
+    for round in 0..per_stream {
+        for stream in 0..streams {
+            let index = round * streams + stream;
+            rig.work(stream, Duration::ZERO, &ends, index);
+            fences.push(Pending {
+                index,
+                stream,
+                fence: rig.fence(stream),
+            });
+        }
+    }
+    let finish = strategies::start(strategy, &runtime, &waiter, fences, &wakes, clock);
+    let setup = setup.elapsed();
+    finish();
+    let cpu = process_cpu().saturating_sub(cpu);
+    // The sampler's own thread is not the strategy's.
+    let peak = sampler.finish().saturating_sub(baseline + 1);
+    if setup > hold.mul_f64(0.8) {
+        notes.push(format!(
+            "{}: setting up took {setup:?}, close to the hold: not all waits were pending at once",
+            strategy.name()
+        ));
+    }
+    let release = (0..streams).map(|s| releases.get(s)).min().unwrap_or(0);
+    let last = (0..total).map(|i| wakes.get(i)).max().unwrap_or(0);
+    let sorted = latencies(&ends, &wakes, 0);
+    waiter.shutdown();
+    let figures = vec![
+        last.saturating_sub(release) as f64 / 1e6,
+        quantile_us(&sorted, 0.5),
+        quantile_us(&sorted, 0.99),
+        peak as f64,
+        cpu.as_secs_f64() * 1e3,
+    ];
+    (figures, sorted)
+}

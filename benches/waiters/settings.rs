@@ -1,0 +1,101 @@
+//! The benchmark's settings: full, `--quick` or `--large`, and `--only`.
+
+use std::time::Duration;
+
+pub struct Settings {
+    pub quick: bool,
+    pub large: bool,
+    pub rounds: usize,
+    pub warmup: usize,
+    pub work: Duration,
+    pub many: (usize, usize),
+    pub hold: Duration,
+    pub ready: usize,
+    pub idle_waits: usize,
+    pub idle_window: Duration,
+    /// Repetitions of scenario 2; each figure is the median over them.
+    pub reps: usize,
+    /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`).
+    pub only: Option<Vec<String>>,
+}
+
+const USAGE: &str =
+    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,7]";
+
+impl Settings {
+    pub fn from_args() -> Self {
+        let (mut quick, mut large, mut only) = (false, false, None);
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--quick" => quick = true,
+                "--large" => large = true,
+                // cargo bench passes --bench to harness = false benchmarks.
+                "--bench" => {}
+                "--only" => match args.next() {
+                    Some(list) => {
+                        only = Some(list.split(',').map(str::to_owned).collect::<Vec<_>>())
+                    }
+                    None => usage_error("--only needs a list of scenarios"),
+                },
+                other => usage_error(&format!("unknown argument {other:?}")),
+            }
+        }
+        let settings = Self::for_mode(quick, large);
+        Self { only, ..settings }
+    }
+
+    /// Whether scenario `id` ("1", "2b", ...) runs.
+    pub fn runs(&self, id: &str) -> bool {
+        self.only
+            .as_ref()
+            .is_none_or(|only| only.iter().any(|wanted| wanted == id))
+    }
+
+    fn for_mode(quick: bool, large: bool) -> Self {
+        if quick {
+            Self {
+                quick,
+                large,
+                rounds: 50,
+                warmup: 5,
+                work: Duration::from_micros(200),
+                many: (4, 100),
+                hold: Duration::from_millis(300),
+                ready: 5_000,
+                idle_waits: 100,
+                idle_window: Duration::from_millis(200),
+                reps: 1,
+                only: None,
+            }
+        } else {
+            Self {
+                quick,
+                large,
+                rounds: 3_000,
+                warmup: 50,
+                work: Duration::from_micros(200),
+                many: (16, 625),
+                hold: Duration::from_millis(1_500),
+                ready: 100_000,
+                idle_waits: 1_000,
+                idle_window: Duration::from_secs(1),
+                reps: 3,
+                only: None,
+            }
+        }
+    }
+}
+
+fn usage_error(message: &str) -> ! {
+    eprintln!("{message}\n{USAGE}");
+    std::process::exit(2);
+}
+
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .expect("a tokio runtime")
+}

@@ -1,0 +1,163 @@
+//! The issues' targets, checked against the measured ratios: PASS, MISS, or
+//! "not measured" when a scenario did not run. Metrics are typed
+//! ([`Metric`]), so a renamed column fails to compile, and a table asked for
+//! a metric it does not have panics rather than reading "not measured".
+
+use crate::report::{Metric, Scenario, Table};
+use crate::strategies::Strategy;
+use crate::{costs, throughput};
+
+/// The targets, checked against the measured ratios.
+pub fn summary(tables: &[Table]) -> Vec<String> {
+    let mut lines = Vec::new();
+    let mut info = Vec::new();
+    let find = |scenario: Scenario, backend: &str| {
+        tables
+            .iter()
+            .find(|table| table.scenario == scenario && table.backend == backend)
+    };
+    let mut check = |what: String, value: Option<f64>, limit: f64| {
+        let line = match value {
+            Some(value) => format!(
+                "{} {what}: {value:.2} (target <= {limit})",
+                if value <= limit { "PASS" } else { "MISS" }
+            ),
+            None => format!("---- {what}: not measured"),
+        };
+        lines.push(line);
+    };
+    let ours = Strategy::Await.name();
+    let blocking = Strategy::SpawnBlocking.name();
+    let ratio = |table: Option<&Table>, metric: Metric, other: &str| {
+        let table = table?;
+        Some(table.value(ours, metric)? / table.value(other, metric)?)
+    };
+    for backend in ["host", "cuda"] {
+        let single = find(Scenario::SingleWait, backend);
+        let many = find(Scenario::ManyPending, backend);
+        if single.is_none() {
+            continue;
+        }
+        check(
+            format!("[{backend}] 2: threads vs spawn_blocking"),
+            ratio(many, Metric::PeakThreads, blocking),
+            0.1,
+        );
+        check(
+            format!("[{backend}] 2: CPU vs spawn_blocking"),
+            ratio(many, Metric::CpuMs, blocking),
+            1.0,
+        );
+        for (label, table) in [("1", single), ("2", many)] {
+            for metric in [Metric::P50Us, Metric::P99Us] {
+                check(
+                    format!(
+                        "[{backend}] {label}: wake {} vs spawn_blocking",
+                        metric.label()
+                    ),
+                    ratio(table, metric, blocking),
+                    1.5,
+                );
+            }
+        }
+        // Not a target: how far this crate is from the cheapest possible
+        // hand-off (one more thread wake-up than the raw blocked thread).
+        if let Some(value) = ratio(single, Metric::P50Us, Strategy::RawHandoff.name()) {
+            info.push(format!(
+                "INFO [{backend}] 1: wake p50 vs raw thread + hand-off: {value:.2}"
+            ));
+        }
+        let ready = find(Scenario::ReadyFence, backend).and_then(|table| {
+            Some(
+                table.value(costs::READY_AWAIT, Metric::NsPerOp)?
+                    / table.value(costs::READY_WAIT_SYNC, Metric::NsPerOp)?,
+            )
+        });
+        check(
+            format!("[{backend}] 3: ready await vs wait_sync"),
+            ready,
+            3.0,
+        );
+        let pooled = find(Scenario::FenceCost, backend).and_then(|table| {
+            Some(
+                table.value(costs::POOLED_FENCE, Metric::NsPerFence)?
+                    / table.value(costs::UNPOOLED_FENCE, Metric::NsPerFence)?,
+            )
+        });
+        check(
+            format!("[{backend}] 4: pooled fence vs unpooled create + record"),
+            pooled,
+            0.5,
+        );
+        let large = find(Scenario::ManyPendingLarge, backend);
+        if large.is_some() {
+            check(
+                format!("[{backend}] 2b: all resolved vs spawn_blocking"),
+                ratio(large, Metric::AllResolvedMs, blocking),
+                0.75,
+            );
+            check(
+                format!("[{backend}] 2b: CPU vs spawn_blocking"),
+                ratio(large, Metric::CpuMs, blocking),
+                1.0,
+            );
+        }
+        let busy = find(Scenario::BusyWorkers, backend);
+        let per_second = |table: Option<&Table>| {
+            let table = table?;
+            Some(
+                table.value(ours, Metric::AwaitsPerSecond)?
+                    / table.value(blocking, Metric::AwaitsPerSecond)?,
+            )
+        };
+        if let Some(value) = per_second(busy) {
+            // A floor, not a ceiling: checked as spawn_blocking's rate over
+            // ours, at most 0.5.
+            check(
+                format!("[{backend}] 6: spawn_blocking awaits/s vs ours (ours >= 2x)"),
+                Some(1.0 / value),
+                0.5,
+            );
+        }
+        check(
+            format!("[{backend}] 6: CPU per await vs spawn_blocking"),
+            ratio(busy, Metric::CpuUsPerAwait, blocking),
+            0.6,
+        );
+        if let Some(scaling) = find(Scenario::ReadyScaling, backend)
+            .and_then(|table| table.value(throughput::SCALING, Metric::AwaitsPerSecond))
+        {
+            check(
+                format!("[{backend}] 7: ready-await scaling shortfall (1 - scaling)"),
+                Some(1.0 - scaling),
+                0.2,
+            );
+        }
+        if backend == "cuda" {
+            check(
+                "[cuda] 1: wake p50 us".to_owned(),
+                single.and_then(|table| table.value(ours, Metric::P50Us)),
+                10.0,
+            );
+            check(
+                "[cuda] 1: wake p50 vs raw blocked thread".to_owned(),
+                ratio(single, Metric::P50Us, Strategy::RawThread.name()),
+                1.2,
+            );
+            check(
+                "[cuda] 5: idle CPU % of a core".to_owned(),
+                find(Scenario::IdleCpu, backend)
+                    .and_then(|table| table.value(ours, Metric::CpuPercentOfCore)),
+                1.0,
+            );
+            check(
+                "[cuda] 2b: waiter threads for 100,000 on 64 streams".to_owned(),
+                find(Scenario::ManyPendingLarge, backend)
+                    .and_then(|table| table.value(ours, Metric::PeakThreads)),
+                65.0,
+            );
+        }
+    }
+    lines.extend(info);
+    lines
+}
