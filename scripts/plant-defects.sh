@@ -66,7 +66,7 @@ plant "the thread's previous context is not restored" src/backend/cuda/driver.rs
     cuda_binding
 
 plant "a profile waits for its stop only" src/profiler.rs \
-    'self.start().wait()?;' \
+    'self.start().wait_sync()?;' \
     '' \
     cuda
 

@@ -291,7 +291,12 @@ fn same_context(
 
 /// `CUDA_ERROR_INVALID_CONTEXT` for `call`, refused before the driver.
 fn invalid_context(call: &'static str, message: &str) -> ServerError {
-    let code = sys::CUresult::CUDA_ERROR_INVALID_CONTEXT;
+    refused(call, sys::CUresult::CUDA_ERROR_INVALID_CONTEXT, message)
+}
+
+/// A call this crate refuses before the driver sees it, with the status the
+/// driver would have given.
+pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) -> ServerError {
     ServerError::Call {
         backend: BACKEND,
         call,

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream};
 
-use super::driver::{FencePool, BACKEND};
+use super::driver::{refused, FencePool};
 use crate::backend::registry::Registry;
 use crate::ServerError;
 
@@ -125,14 +125,7 @@ impl CudaStreamHandle {
 }
 
 fn invalid_handle(call: &'static str, message: &str) -> ServerError {
-    let code = sys::CUresult::CUDA_ERROR_INVALID_HANDLE;
-    ServerError::Call {
-        backend: BACKEND,
-        call,
-        code: code as i32,
-        name: format!("{code:?}"),
-        message: message.to_owned(),
-    }
+    refused(call, sys::CUresult::CUDA_ERROR_INVALID_HANDLE, message)
 }
 
 impl From<&Arc<CudaStream>> for CudaStreamHandle {
