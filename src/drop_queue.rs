@@ -12,10 +12,11 @@ use std::fmt;
 use std::future::Future;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::pin::Pin;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 
+use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::{EventApi, EventFence, ServerError};
 
 /// Something that can be waited for: the contract a [`DropQueue`] needs.
@@ -263,11 +264,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         let mut state = self.shared.lock();
         let target = state.stats.pushed;
         while state.stats.dropped + state.stats.leaked < target {
-            state = self
-                .shared
-                .changed
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+            state = self.shared.changed.wait(state);
         }
     }
 
@@ -374,7 +371,7 @@ impl<F: Fence, T: Send + 'static> Drop for DropQueue<F, T> {
 
 impl<F, T> Shared<F, T> {
     fn lock(&self) -> MutexGuard<'_, State<F, T>> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock()
     }
 }
 
@@ -395,10 +392,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
                     if state.closing {
                         return;
                     }
-                    state = self
-                        .changed
-                        .wait(state)
-                        .unwrap_or_else(PoisonError::into_inner);
+                    state = self.changed.wait(state);
                 }
             };
             let passed =

@@ -4,8 +4,9 @@
 
 use std::collections::HashSet;
 use std::hash::{BuildHasher, Hash, RandomState};
-use std::sync::{Mutex, OnceLock, PoisonError};
+use std::sync::OnceLock;
 
+use crate::loom::Mutex;
 use crate::ServerError;
 
 /// Streams already warned about, by hash of backend and stream. Bounded: when
@@ -28,7 +29,7 @@ fn first_for<S: Hash>(backend: &'static str, stream: &S) -> bool {
     static SEEN: OnceLock<(RandomState, Mutex<HashSet<u64>>)> = OnceLock::new();
     let (hasher, seen) = SEEN.get_or_init(|| (RandomState::new(), Mutex::new(HashSet::new())));
     let key = hasher.hash_one((backend, stream));
-    let mut seen = seen.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut seen = seen.lock();
     if seen.len() >= REMEMBERED {
         seen.clear();
     }

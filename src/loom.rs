@@ -1,27 +1,145 @@
-//! The waiter's locks, atomics and thread spawns, swapped for loom's under
-//! `cfg(loom)` so its models can explore every interleaving (as tokio's
-//! `src/loom/` does).
+//! The crate's one kind of lock, condition variable and thread spawn: std's,
+//! swapped for loom's under `cfg(loom)` so the waiter's models can explore
+//! every interleaving (as tokio's `src/loom/` does).
+//!
+//! The locks ignore poisoning, as tokio's `loom/std/mutex.rs` does: every
+//! critical section in this crate leaves its state consistent before
+//! anything that can panic (user code and backend calls run outside locks,
+//! under `catch_unwind` where they may panic), so a panic elsewhere never
+//! leaves a lock's data half-changed, and no call site handles
+//! `PoisonError`.
+
+use std::fmt;
+use std::sync::PoisonError;
+use std::time::Duration;
 
 #[cfg(not(loom))]
-pub(crate) use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync as imp;
+
+#[cfg(loom)]
+use loom::sync as imp;
+
+pub(crate) use imp::{Arc, MutexGuard};
+
 #[cfg(not(loom))]
 pub(crate) use std::thread;
 
 #[cfg(loom)]
-pub(crate) use loom::sync::{Arc, Condvar, Mutex, MutexGuard};
-#[cfg(loom)]
 pub(crate) use loom::thread;
 
-/// Lock `mutex`, taking the data of a poisoned one: every critical section
-/// here leaves the state consistent before anything that can panic.
-pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
+/// A mutex whose `lock` ignores poisoning.
+pub(crate) struct Mutex<T>(imp::Mutex<T>);
+
+impl<T> Mutex<T> {
+    /// A new mutex; `const` outside loom, so it can be a `static`.
+    #[cfg(not(loom))]
+    pub(crate) const fn new(value: T) -> Self {
+        Self(imp::Mutex::new(value))
+    }
+
+    /// A new mutex.
+    #[cfg(loom)]
+    pub(crate) fn new(value: T) -> Self {
+        Self(imp::Mutex::new(value))
+    }
+
+    pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn get_mut(&mut self) -> &mut T {
+        self.0.get_mut().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+impl<T: Default> Default for Mutex<T> {
+    fn default() -> Self {
+        Self::new(T::default())
+    }
+}
+
+impl<T> fmt::Debug for Mutex<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Mutex { .. }")
+    }
+}
+
+/// A condition variable for [`Mutex`], whose waits ignore poisoning.
+pub(crate) struct Condvar(imp::Condvar);
+
+impl Default for Condvar {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Condvar {
+    /// A new condition variable; `const` outside loom.
+    #[cfg(not(loom))]
+    pub(crate) const fn new() -> Self {
+        Self(imp::Condvar::new())
+    }
+
+    /// A new condition variable.
+    #[cfg(loom)]
+    pub(crate) fn new() -> Self {
+        Self(imp::Condvar::new())
+    }
+
+    pub(crate) fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
+        self.0.wait(guard).unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Wait at most `timeout`; also whether it timed out.
+    pub(crate) fn wait_timeout<'a, T>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        timeout: Duration,
+    ) -> (MutexGuard<'a, T>, bool) {
+        let (guard, result) = self
+            .0
+            .wait_timeout(guard, timeout)
+            .unwrap_or_else(PoisonError::into_inner);
+        (guard, result.timed_out())
+    }
+
+    pub(crate) fn notify_one(&self) {
+        self.0.notify_one();
+    }
+
+    pub(crate) fn notify_all(&self) {
+        self.0.notify_all();
+    }
+}
+
+impl fmt::Debug for Condvar {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Condvar { .. }")
+    }
+}
+
+/// A read-write lock that ignores poisoning. Always std's: it guards the
+/// stream registries, which no loom model explores, and must be `const` for
+/// their statics.
+pub(crate) struct RwLock<T>(std::sync::RwLock<T>);
+
+impl<T> RwLock<T> {
+    pub(crate) const fn new(value: T) -> Self {
+        Self(std::sync::RwLock::new(value))
+    }
+
+    pub(crate) fn read(&self) -> std::sync::RwLockReadGuard<'_, T> {
+        self.0.read().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    pub(crate) fn write(&self) -> std::sync::RwLockWriteGuard<'_, T> {
+        self.0.write().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 /// Sleep the calling thread; under loom, yield so the model can go on.
-pub(crate) fn sleep(duration: std::time::Duration) {
+pub(crate) fn sleep(duration: Duration) {
     #[cfg(not(loom))]
     std::thread::sleep(duration);
     #[cfg(loom)]

@@ -5,12 +5,13 @@ use std::fmt;
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use futures::future::FusedFuture;
 
+use crate::loom::Mutex;
 use crate::waiter::{Handoff, LaneKey, Waitable, Waiter};
 use crate::{Event, EventApi, EventFlags, ServerError};
 
@@ -141,7 +142,7 @@ impl<A: EventApi> EventProfiler<A> {
 
     /// Idle events in the pool now.
     pub fn pooled(&self) -> usize {
-        lock(&self.pool.events).len()
+        self.pool.events.lock().len()
     }
 
     /// Events this profiler has created in all (a loop that stops growing
@@ -160,7 +161,7 @@ impl<A: EventApi> Default for EventProfiler<A> {
 impl<A: EventApi> EventPool<A> {
     /// A pooled event (or a new one) recorded on `stream`.
     fn record(&self, stream: A::Stream) -> Result<Event<A>, ServerError> {
-        let pooled = lock(&self.events).pop();
+        let pooled = self.events.lock().pop();
         if let Some(event) = pooled {
             match event.record(stream) {
                 Ok(()) => return Ok(event),
@@ -175,7 +176,7 @@ impl<A: EventApi> EventPool<A> {
     }
 
     fn give_back(&self, event: Event<A>) {
-        let mut events = lock(&self.events);
+        let mut events = self.events.lock();
         if events.len() < self.capacity {
             events.push(event);
         }
@@ -388,8 +389,4 @@ impl<A: EventApi> fmt::Debug for ProfileFuture<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}ProfileFuture({})", A::BACKEND, self.handoff.phase())
     }
-}
-
-fn lock<T>(mutex: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }

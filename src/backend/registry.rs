@@ -13,7 +13,9 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock, RwLockReadGuard, RwLockWriteGuard, Weak};
+use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard, Weak};
+
+use crate::loom::RwLock;
 
 /// Entries whose stream is gone are swept once a shard has grown past this
 /// many, then past twice what survived the last sweep.
@@ -98,15 +100,11 @@ impl<T, X: Clone> Registry<T, X> {
     }
 
     fn read(&self, index: usize) -> RwLockReadGuard<'_, Shard<T, X>> {
-        self.shards[index]
-            .read()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.shards[index].read()
     }
 
     fn write(&self, index: usize) -> RwLockWriteGuard<'_, Shard<T, X>> {
-        self.shards[index]
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
+        self.shards[index].write()
     }
 }
 
@@ -173,7 +171,7 @@ mod tests {
         let keep = Arc::new(usize::MAX);
         let (kept, ()) = registry.register(&keep, || ());
         for shard in &registry.shards {
-            let len = shard.read().unwrap().by_id.len();
+            let len = shard.read().by_id.len();
             assert!(len <= FIRST_SWEEP, "dead entries were swept, {len} left");
         }
         ids.sort_unstable();

@@ -12,7 +12,7 @@ use super::permits::Permits;
 use super::pool::{Config, Pool, Wait};
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
-use crate::loom::{lock, thread, Arc, Condvar, Mutex};
+use crate::loom::{thread, Arc, Condvar, Mutex};
 use crate::ServerError;
 
 /// A waker that counts its wakes.
@@ -46,7 +46,7 @@ struct Signal {
 
 impl Wake for Signal {
     fn wake(self: std::sync::Arc<Self>) {
-        *lock(&self.woken) = true;
+        *self.woken.lock() = true;
         self.changed.notify_one();
     }
 }
@@ -67,13 +67,9 @@ impl Task {
             if let Poll::Ready(result) = slot.poll(&mut cx) {
                 return result;
             }
-            let mut woken = lock(&self.signal.woken);
+            let mut woken = self.signal.woken.lock();
             while !*woken {
-                woken = self
-                    .signal
-                    .changed
-                    .wait(woken)
-                    .unwrap_or_else(std::sync::PoisonError::into_inner);
+                woken = self.signal.changed.wait(woken);
             }
             *woken = false;
         }
@@ -93,7 +89,7 @@ struct Device {
 
 impl Device {
     fn finish(&self) {
-        *lock(&self.reached) = true;
+        *self.reached.lock() = true;
         self.changed.notify_all();
     }
 }
@@ -121,17 +117,13 @@ impl Waitable for MockFence {
     }
 
     fn query(&self) -> Result<bool, ServerError> {
-        Ok(*lock(&self.reached.reached))
+        Ok(*self.reached.reached.lock())
     }
 
     fn block(self: Box<Self>) -> Result<(), ServerError> {
-        let mut reached = lock(&self.reached.reached);
+        let mut reached = self.reached.reached.lock();
         while !*reached {
-            reached = self
-                .reached
-                .changed
-                .wait(reached)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            reached = self.reached.changed.wait(reached);
         }
         Ok(())
     }
@@ -139,7 +131,7 @@ impl Waitable for MockFence {
 
 impl Drop for MockFence {
     fn drop(&mut self) {
-        lock(&self.reached.dropped_on).push(thread::current().id());
+        self.reached.dropped_on.lock().push(thread::current().id());
         self.reached.fences_dropped.fetch_add(1, Ordering::SeqCst);
     }
 }
@@ -338,7 +330,7 @@ fn loom_a_dropped_future_withdraws_its_wait_or_leaves_it_to_the_thread() {
         }
         assert_eq!(reached.fences_dropped.load(Ordering::SeqCst), 1);
         assert_ne!(
-            lock(&reached.dropped_on)[0],
+            reached.dropped_on.lock()[0],
             thread::current().id(),
             "a waiter thread drops the fence, not the one that dropped the future"
         );

@@ -9,7 +9,7 @@
 //! resolved took 147 ms that way against 80 ms with two at a time. So at most
 //! one resolving thread per core: the rest wait for a permit, asleep.
 
-use crate::loom::{lock, Condvar, Mutex};
+use crate::loom::{Condvar, Mutex};
 
 pub(crate) struct Permits {
     /// Permits free now.
@@ -32,12 +32,9 @@ impl Permits {
 
     /// Take a permit, sleeping until one is free.
     pub(crate) fn acquire(&self) -> Permit<'_> {
-        let mut free = lock(&self.free);
+        let mut free = self.free.lock();
         while *free == 0 {
-            free = self
-                .returned
-                .wait(free)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            free = self.returned.wait(free);
         }
         *free -= 1;
         Permit { permits: self }
@@ -46,7 +43,7 @@ impl Permits {
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
-        *lock(&self.permits.free) += 1;
+        *self.permits.free.lock() += 1;
         self.permits.returned.notify_one();
     }
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 use super::permits::Permits;
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
-use crate::loom::{lock, thread, Arc, Condvar, Mutex, MutexGuard};
+use crate::loom::{thread, Arc, Condvar, Mutex, MutexGuard};
 use crate::ServerError;
 
 /// The most waits a thread takes out of a lane to query in one round.
@@ -137,7 +137,7 @@ impl Pool {
     }
 
     fn state(&self) -> MutexGuard<'_, State> {
-        lock(&self.state)
+        self.state.lock()
     }
 
     /// Hand a wait to the pool. Returns its lane and sequence: where it
@@ -330,14 +330,11 @@ impl Pool {
                 return None;
             }
             state.idle += 1;
-            let (guard, timeout) = self
-                .work
-                .wait_timeout(state, self.config.keep_alive)
-                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            let (guard, timeout) = self.work.wait_timeout(state, self.config.keep_alive);
             state = guard;
             state.idle -= 1;
             state.notified = state.notified.saturating_sub(1);
-            timed_out = timeout.timed_out();
+            timed_out = timeout;
         }
     }
 

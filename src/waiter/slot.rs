@@ -8,7 +8,7 @@
 
 use std::task::{Context, Poll, Waker};
 
-use crate::loom::{lock, Mutex};
+use crate::loom::Mutex;
 use crate::ServerError;
 
 pub(crate) struct Slot {
@@ -35,7 +35,7 @@ impl Slot {
     /// Leave `result` for the future and wake it; a no-op once cancelled.
     pub(crate) fn complete(&self, result: Result<(), ServerError>) {
         let waker = {
-            let mut state = lock(&self.state);
+            let mut state = self.state.lock();
             if state.cancelled || state.result.is_some() {
                 return;
             }
@@ -50,7 +50,7 @@ impl Slot {
 
     /// The result if it is there; otherwise remember `cx`'s waker.
     pub(crate) fn poll(&self, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
-        let mut state = lock(&self.state);
+        let mut state = self.state.lock();
         if let Some(result) = state.result.take() {
             return Poll::Ready(result);
         }
@@ -64,7 +64,7 @@ impl Slot {
     /// The future was dropped: nobody wants the result any more.
     pub(crate) fn cancel(&self) {
         let waker = {
-            let mut state = lock(&self.state);
+            let mut state = self.state.lock();
             state.cancelled = true;
             state.result = None;
             state.waker.take()
@@ -73,6 +73,6 @@ impl Slot {
     }
 
     pub(crate) fn is_cancelled(&self) -> bool {
-        lock(&self.state).cancelled
+        self.state.lock().cancelled
     }
 }

@@ -14,11 +14,12 @@ use std::ffi::{c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, OnceLock, PoisonError, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
+use crate::loom::Mutex;
 use crate::ServerError;
 
 pub(super) const BACKEND: &str = "Cuda";
@@ -332,8 +333,9 @@ impl FencePool {
     /// The pool of `ctx`'s fence events: the same pool for every stream of a
     /// context, found once per stream registration (not per fence).
     pub(crate) fn of(ctx: &Arc<CudaContext>) -> Arc<Self> {
-        static POOLS: Mutex<Vec<Weak<FencePool>>> = Mutex::new(Vec::new());
-        let mut pools = POOLS.lock().unwrap_or_else(PoisonError::into_inner);
+        // In a `OnceLock`: the crate's mutex is not `const` under loom.
+        static POOLS: OnceLock<Mutex<Vec<Weak<FencePool>>>> = OnceLock::new();
+        let mut pools = POOLS.get_or_init(Mutex::default).lock();
         pools.retain(|pool| pool.strong_count() > 0);
         let found = pools
             .iter()
@@ -352,11 +354,7 @@ impl FencePool {
     /// An idle fence event of this pool's context, or a new one. `ctx` is the
     /// pool's context, kept alive by the caller's stream.
     pub(crate) fn take(self: &Arc<Self>, ctx: &Arc<CudaContext>) -> Result<CudaEvent, ServerError> {
-        let idle = self
-            .idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
+        let idle = self.idle.lock().pop();
         let mut event = match idle {
             Some(IdleEvent(raw)) => CudaEvent {
                 raw,
@@ -372,7 +370,7 @@ impl FencePool {
 
 impl Drop for FencePool {
     fn drop(&mut self) {
-        let idle = std::mem::take(self.idle.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let idle = std::mem::take(self.idle.get_mut());
         let Some(ctx) = self.ctx.upgrade() else {
             // The context is gone, and the driver freed its events with it.
             return;
@@ -436,7 +434,7 @@ impl CudaEvent {
     /// the next `cuEventRecord` replaces it, which the driver allows.
     pub(super) fn release(mut self) -> Result<(), ServerError> {
         if let Some(pool) = self.pool.take() {
-            let mut idle = pool.idle.lock().unwrap_or_else(PoisonError::into_inner);
+            let mut idle = pool.idle.lock();
             if idle.len() < FENCE_POOL_CAPACITY {
                 let raw = std::mem::replace(&mut self.raw, ptr::null_mut());
                 idle.push(IdleEvent(raw));

@@ -26,7 +26,7 @@ mod driver;
 mod kernels;
 mod stream;
 
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 pub use cudarc;
@@ -35,6 +35,7 @@ pub use driver::CudaEvent;
 pub use kernels::{ptx_modules, FaultKernel, SleepKernel};
 pub use stream::CudaStreamHandle;
 
+use crate::loom::Mutex;
 use crate::{EventApi, EventFence, EventFlags, ServerError};
 
 /// The CUDA backend; see the [module](self) docs.
@@ -71,7 +72,8 @@ pub fn device_count() -> Result<usize, ServerError> {
 ///
 /// [`ServerError::Unavailable`] without a driver or without that device.
 pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
-    static CONTEXTS: Mutex<Vec<Weak<CudaContext>>> = Mutex::new(Vec::new());
+    // In a `OnceLock`: the crate's mutex is not `const` under loom.
+    static CONTEXTS: OnceLock<Mutex<Vec<Weak<CudaContext>>>> = OnceLock::new();
     let count = device_count()?;
     if ordinal >= count {
         return Err(ServerError::Unavailable {
@@ -79,7 +81,7 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
             reason: format!("no CUDA device {ordinal}: the driver reports {count}"),
         });
     }
-    let mut contexts = CONTEXTS.lock().unwrap_or_else(PoisonError::into_inner);
+    let mut contexts = CONTEXTS.get_or_init(Mutex::default).lock();
     if let Some(ctx) = contexts.get(ordinal).and_then(Weak::upgrade) {
         return Ok(ctx);
     }

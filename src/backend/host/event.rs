@@ -2,10 +2,11 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::error;
+use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::ServerError;
 
 /// Counts of the events created for one [`HostStream`](super::HostStream),
@@ -73,11 +74,7 @@ pub(super) struct FencePool {
 impl FencePool {
     /// An idle fence event, now in use, or a new one counted in `live`.
     pub(super) fn take(self: &Arc<Self>, live: &LiveEvents) -> HostEvent {
-        let pooled = self
-            .idle
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .pop();
+        let pooled = self.idle.lock().pop();
         match pooled {
             Some(event) => {
                 event.inner.in_use.store(true, Ordering::SeqCst);
@@ -169,7 +166,7 @@ impl HostEvent {
         let Some(pool) = self.inner.pool.as_ref().and_then(Weak::upgrade) else {
             return;
         };
-        let mut idle = pool.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut idle = pool.idle.lock();
         if idle.len() < FENCE_POOL_CAPACITY {
             if self.inner.in_use.swap(false, Ordering::SeqCst) {
                 self.inner.live.sub();
@@ -236,11 +233,7 @@ impl HostEvent {
                 Some(result) => return result.map_err(|message| error::faulted(call, message)),
                 None => {
                     state.waiting += 1;
-                    state = self
-                        .inner
-                        .changed
-                        .wait(state)
-                        .unwrap_or_else(PoisonError::into_inner);
+                    state = self.inner.changed.wait(state);
                     state.waiting -= 1;
                 }
             }
@@ -282,7 +275,7 @@ impl HostEvent {
 
 impl EventInner {
     fn lock(&self) -> MutexGuard<'_, EventState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock()
     }
 }
 

@@ -4,13 +4,14 @@ use std::collections::VecDeque;
 use std::fmt;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::sync::Arc;
 use std::thread::{self, JoinHandle};
 
 use super::error;
 use super::event::{FencePool, HostEvent, LiveEvents};
 use super::Host;
 use crate::backend::registry::Registry;
+use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::{EventFence, ServerError};
 
 /// Every live host stream, so a copied handle can never dangle.
@@ -226,7 +227,7 @@ impl StreamShared {
     }
 
     fn lock(&self) -> MutexGuard<'_, StreamState> {
-        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+        self.state.lock()
     }
 
     /// Queue `op` unless the stream is faulted or closing.
@@ -290,10 +291,7 @@ impl StreamShared {
                 return Ok(());
             }
             state.synchronizing += 1;
-            state = self
-                .progressed
-                .wait(state)
-                .unwrap_or_else(PoisonError::into_inner);
+            state = self.progressed.wait(state);
             state.synchronizing -= 1;
         }
     }
@@ -311,10 +309,7 @@ impl StreamShared {
                         return;
                     }
                     state.worker_waiting = true;
-                    state = self
-                        .work_queued
-                        .wait(state)
-                        .unwrap_or_else(PoisonError::into_inner);
+                    state = self.work_queued.wait(state);
                     state.worker_waiting = false;
                 }
             };
