@@ -62,6 +62,23 @@ pub(crate) struct Pool {
     resolving: Permits,
 }
 
+/// Everything under the pool's lock. It changes only through the
+/// transitions below, each a method that keeps these invariants:
+///
+/// - **pending**: `pending` counts the waits handed to the pool and not yet
+///   resolved, withdrawn or failed: those in lanes, plus those a thread has
+///   taken out to block on or to query. [`State::wait_added`] adds one,
+///   [`State::waits_finished`] takes finished ones off.
+/// - **ownership**: a lane is in `queued` exactly when its owner is
+///   [`Owner::Queued`] ([`State::queue_lane`]); a thread or the poller takes
+///   it from there ([`State::take_lane_for_thread`],
+///   [`State::adopt_queued_lanes`]); an emptied lane is removed by whoever
+///   serves it.
+/// - **threads**: `lane_threads` and `poller` count the threads started (or
+///   about to be): [`State::add_lane_thread`] / [`State::lane_thread_left`],
+///   [`State::add_poller`] / [`State::poller_left`]. `idle` counts lane
+///   threads asleep for work, `notified` the wake-ups sent to them and not
+///   yet taken ([`State::go_idle`], [`State::woke`]).
 #[derive(Default)]
 struct State {
     /// Ordered, so iteration (and a loom model) is deterministic.
@@ -159,7 +176,7 @@ impl Pool {
             drop(wait);
             return Err(ServerError::WaiterGone);
         }
-        state.pending += 1;
+        state.wait_added();
         let (sequence, spawn) = pool.insert(&mut state, key, sequence, wait);
         drop(state);
         Self::spawn(pool, spawn);
@@ -180,8 +197,7 @@ impl Pool {
         if lane.owner != Owner::Nobody {
             return (sequence, Spawn::Nothing);
         }
-        lane.owner = Owner::Queued;
-        state.queued.push_back(key);
+        state.queue_lane(key);
         (sequence, self.wake_or_spawn_server(state))
     }
 
@@ -250,9 +266,9 @@ impl Pool {
         log::error!("a waiter thread could not be started: {err}");
         let mut state = pool.state();
         if poller {
-            state.poller = false;
+            state.poller_left();
         } else {
-            state.lane_threads -= 1;
+            state.lane_thread_left();
             if !state.poller {
                 let spawn = state.add_poller();
                 drop(state);
@@ -326,14 +342,13 @@ impl Pool {
                 return Some(key);
             }
             if state.shutdown || timed_out {
-                state.lane_threads -= 1;
+                state.lane_thread_left();
                 return None;
             }
-            state.idle += 1;
+            state.go_idle();
             let (guard, timeout) = self.work.wait_timeout(state, self.config.keep_alive);
             state = guard;
-            state.idle -= 1;
-            state.notified = state.notified.saturating_sub(1);
+            state.woke();
             timed_out = timeout;
         }
     }
@@ -456,11 +471,11 @@ impl Pool {
         let mut state = pool.state();
         let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
-        state.pending -= resolved + cancelled.len();
+        state.waits_finished(resolved + cancelled.len());
         let mut gone = Vec::new();
         let mut spawn = Spawn::Nothing;
         if state.shutdown {
-            state.pending -= rest.len();
+            state.waits_finished(rest.len());
             gone = rest;
         } else {
             for wait in rest {
@@ -494,7 +509,7 @@ impl Pool {
             Entry::Occupied(entry) if Arc::ptr_eq(&entry.get().slot, slot) => entry.remove(),
             _ => return,
         };
-        state.pending -= 1;
+        state.waits_finished(1);
         state.withdrawn.push(wait);
         let spawn = pool.wake_or_spawn_disposer(&mut state);
         drop(state);
@@ -527,7 +542,7 @@ impl Pool {
             })
             .is_some();
         if ours {
-            state.pending -= 1;
+            state.waits_finished(1);
             drop(state);
             slot.complete(result);
         }
@@ -549,7 +564,7 @@ impl Pool {
                 let idle = keys.is_empty() && withdrawn.is_empty();
                 // `+ 1 >`, not `>=`: under loom the linger is 0 rounds.
                 if idle && (idle_rounds + 1 > POLLER_LINGER_ROUNDS || state.shutdown) {
-                    state.poller = false;
+                    state.poller_left();
                     return;
                 }
                 idle_rounds = if idle { idle_rounds + 1 } else { 0 };
@@ -585,7 +600,7 @@ impl Pool {
             blocked.extend(lane.blocked_on);
         }
         state.queued.clear();
-        state.pending -= gone.len() + blocked.len();
+        state.waits_finished(gone.len() + blocked.len());
         drop(state);
         drop(withdrawn);
         self.work.notify_all();
@@ -610,6 +625,46 @@ impl Pool {
 }
 
 impl State {
+    /// A wait was handed to the pool.
+    fn wait_added(&mut self) {
+        self.pending += 1;
+    }
+
+    /// `count` waits left the pool: resolved, withdrawn, or failed.
+    fn waits_finished(&mut self, count: usize) {
+        self.pending -= count;
+    }
+
+    /// A lane nobody serves waits for a thread (or the poller).
+    fn queue_lane(&mut self, key: LaneKey) {
+        if let Some(lane) = self.lanes.get_mut(&key) {
+            lane.owner = Owner::Queued;
+            self.queued.push_back(key);
+        }
+    }
+
+    /// A lane thread is about to sleep, waiting for a lane.
+    fn go_idle(&mut self) {
+        self.idle += 1;
+    }
+
+    /// A lane thread woke (notified, spuriously, or timed out).
+    fn woke(&mut self) {
+        self.idle -= 1;
+        self.notified = self.notified.saturating_sub(1);
+    }
+
+    /// A lane thread exits (idle past keep-alive, shut down), or never
+    /// started.
+    fn lane_thread_left(&mut self) {
+        self.lane_threads -= 1;
+    }
+
+    /// The poller exits, or never started.
+    fn poller_left(&mut self) {
+        self.poller = false;
+    }
+
     /// Count in a lane thread the caller is about to spawn.
     fn add_lane_thread(&mut self) -> Spawn {
         self.lane_threads += 1;
@@ -669,7 +724,7 @@ impl State {
                 waits.extend(lane.waits.into_values());
             }
         }
-        self.pending -= waits.len();
+        self.waits_finished(waits.len());
         waits
     }
 }
