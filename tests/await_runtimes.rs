@@ -286,3 +286,39 @@ fn any_fence_serves_host_fences_like_event_fences() {
     futures::executor::block_on(async { later.await }).unwrap();
     AnyFence::from(stream.fence()).wait_sync().unwrap();
 }
+
+/// A synchronous wait with a deadline: on a held stream it gives up (the
+/// future stays pending, to wait on again), and once the stream is released
+/// the same future resolves; dropping it instead cancels the wait.
+#[test]
+fn wait_sync_timeout_gives_up_on_a_held_stream_and_can_wait_again() {
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let progress = Progress::default();
+    let gate = Gate::hold(&stream);
+    progress.step_on(&stream);
+    let mut wait = waiter.wait(stream.fence());
+    assert_eq!(wait.wait_sync_timeout(Duration::from_millis(20)), None);
+    assert_eq!(waiter.pending(), 1, "still handed off");
+    assert_eq!(progress.get(), 0, "the stream's work is untouched");
+    gate.open();
+    let result = wait.wait_sync_timeout(Duration::from_secs(20));
+    assert_eq!(result, Some(Ok(())));
+    assert_eq!(progress.get(), 1);
+
+    // Given up for good: dropping the future cancels the wait.
+    let gate = Gate::hold(&stream);
+    let mut wait = waiter.wait(stream.fence());
+    assert_eq!(wait.wait_sync_timeout(Duration::ZERO), None);
+    drop(wait);
+    gate.open();
+    // Withdrawn at once, or (if the lane's thread was already blocked on
+    // it) let go when that block ends.
+    eventually(Duration::from_secs(20), "the cancelled wait leaves", || {
+        waiter.pending() == 0
+    });
+    // A reached fence needs no deadline and no hand-off.
+    stream.synchronize().unwrap();
+    let mut ready = waiter.wait(stream.fence());
+    assert_eq!(ready.wait_sync_timeout(Duration::ZERO), Some(Ok(())));
+}

@@ -337,3 +337,17 @@ fn any_fence_holds_and_awaits_a_cuda_fence() {
     futures::executor::block_on(fence.wait()).unwrap();
     assert!(cuda::fence(&stream).is_complete().unwrap());
 }
+
+#[test]
+fn a_cudarc_stream_makes_its_own_fence() {
+    use device_events::cuda::CudaStreamExt;
+    let Some((ctx, sleep)) = gpu("a_cudarc_stream_makes_its_own_fence") else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    sleep.launch(&stream, Duration::from_millis(20)).unwrap();
+    let fence = stream.fence();
+    assert!(!fence.is_complete().unwrap(), "the kernel is still running");
+    futures::executor::block_on(async { stream.fence().await }).unwrap();
+    assert!(fence.is_complete().unwrap());
+}

@@ -47,6 +47,51 @@ impl<A: EventApi> FenceFuture<A> {
             handoff: waiter.handoff(fence),
         }
     }
+
+    /// Block the calling thread until the fence is reached or `timeout`
+    /// passes, without spinning: the wait goes to the waiter's threads, and
+    /// this thread sleeps until one of them wakes it. For synchronous code
+    /// that must be able to give up (a watchdog on a kernel that may hang);
+    /// async code uses `.await` with a timer instead.
+    ///
+    /// `None` when the time ran out: the future is left as it was, still
+    /// handed off, to wait on again (this, or `.await`) or to drop, which
+    /// cancels the wait. Nothing happens to the stream's work either way: the
+    /// device goes on, and a later fence still waits for it.
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    /// use std::time::Duration;
+    ///
+    /// let stream = HostStream::new()?;
+    /// stream.launch(|| std::thread::sleep(Duration::from_millis(50)))?;
+    /// let mut wait = stream.fence().wait();
+    /// match wait.wait_sync_timeout(Duration::from_millis(1)) {
+    ///     Some(result) => result?, // reached (or failed) in time
+    ///     None => {
+    ///         // Not yet: give up, or wait again, as long as you like.
+    ///         wait.wait_sync_timeout(Duration::from_secs(10)).expect("reached")?;
+    ///     }
+    /// }
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As for the future: `Some(Err(..))` with the fence's error, a fault,
+    /// or [`ServerError::WaiterGone`](crate::ServerError::WaiterGone).
+    #[doc(alias = "timeout")]
+    pub fn wait_sync_timeout(
+        &mut self,
+        timeout: std::time::Duration,
+    ) -> Option<Result<(), ServerError>> {
+        let deadline = std::time::Instant::now()
+            .checked_add(timeout)
+            .unwrap_or_else(|| {
+                std::time::Instant::now() + std::time::Duration::from_secs(86_400 * 365)
+            });
+        super::deadline::block_until(self, deadline)
+    }
 }
 
 impl<A: EventApi> Future for FenceFuture<A> {

@@ -47,6 +47,7 @@
 //! works under tokio (multi- and current-thread), `futures::executor`, and
 //! any other runtime.
 
+mod deadline;
 mod future;
 mod handoff;
 #[cfg(all(test, loom))]

@@ -387,6 +387,20 @@ impl Drop for FencePool {
 
 /// The CUDA backend's raw event. It keeps its context alive, and is destroyed
 /// when dropped if [`Cuda::event_destroy`](super::Cuda) did not already.
+/// Usually held inside an [`Event`](crate::Event) or a fence:
+///
+/// ```no_run
+/// use device_events::cuda::{self, Cuda, CudaStreamHandle};
+/// use device_events::{Event, EventFlags};
+///
+/// let stream = cuda::context(0)?.new_stream()?;
+/// let handle = CudaStreamHandle::new(&stream);
+/// let event = Event::<Cuda>::new(handle, EventFlags::TIMING)?;
+/// event.record(handle)?;
+/// let raw: &cuda::CudaEvent = event.raw();
+/// println!("{raw:?}");
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
 pub struct CudaEvent {
     raw: sys::CUevent,
     ctx: Arc<CudaContext>,

@@ -153,6 +153,17 @@ impl std::fmt::Debug for SleepKernel {
 /// context fails with `CUDA_ERROR_ILLEGAL_ADDRESS` (a sticky
 /// [`ServerError::Faulted`]) for the rest of the process: run it in a test
 /// binary of its own.
+///
+/// ```no_run
+/// use device_events::cuda::{self, FaultKernel};
+///
+/// let ctx = cuda::context(0)?;
+/// let stream = ctx.new_stream()?;
+/// FaultKernel::new(&ctx)?.launch(&stream)?;
+/// let err = cuda::fence(&stream).wait_sync().unwrap_err();
+/// assert!(err.is_faulted()); // and so is every later call on `ctx`
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
 pub struct FaultKernel {
     kernel: Kernel,
 }

@@ -38,19 +38,58 @@ pub use stream::CudaStreamHandle;
 use crate::loom::Mutex;
 use crate::{EventApi, EventFence, EventFlags, ServerError};
 
-/// The CUDA backend; see the [module](self) docs.
+/// The CUDA backend; see the [module](self) docs. Named as the type
+/// parameter of the generic types, or through its aliases:
+///
+/// ```no_run
+/// use device_events::cuda::{self, Cuda, CudaStreamHandle};
+/// use device_events::{EventFence, EventProfiler};
+///
+/// let stream = cuda::context(0)?.new_stream()?;
+/// let fence: EventFence<Cuda> = EventFence::new(CudaStreamHandle::new(&stream));
+/// let profiler = EventProfiler::<Cuda>::new();
+/// # let _ = (fence, profiler);
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cuda;
 
 /// A fence on a CUDA stream.
+///
+/// ```no_run
+/// use device_events::cuda::{self, CudaFence};
+///
+/// let stream = cuda::context(0)?.new_stream()?;
+/// let fences: Vec<CudaFence> = (0..4).map(|_| cuda::fence(&stream)).collect();
+/// for fence in fences {
+///     fence.wait_sync()?;
+/// }
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
 pub type CudaFence = EventFence<Cuda>;
 
-/// Whether the driver loads and reports at least one device.
+/// Whether the driver loads and reports at least one device: the switch
+/// between a CUDA path and a host fallback.
+///
+/// ```
+/// if device_events::cuda::is_available() {
+///     println!("running on the GPU");
+/// } else {
+///     println!("no GPU: running on host streams");
+/// }
+/// ```
 pub fn is_available() -> bool {
     device_count().is_ok_and(|count| count > 0)
 }
 
 /// How many CUDA devices the driver reports.
+///
+/// ```
+/// match device_events::cuda::device_count() {
+///     Ok(count) => println!("{count} CUDA devices"),
+///     Err(err) => assert!(err.is_unavailable(), "{err}"), // no driver: not a panic
+/// }
+/// ```
 ///
 /// # Errors
 ///
@@ -67,6 +106,13 @@ pub fn device_count() -> Result<usize, ServerError> {
 /// While a context returned for `ordinal` is alive, later calls return the
 /// same `Arc`: cudarc makes a new `CudaContext` on every `CudaContext::new`,
 /// and each one's first stream synchronizes the whole device.
+///
+/// ```
+/// match device_events::cuda::context(0) {
+///     Ok(ctx) => println!("device 0: {}", ctx.ordinal()),
+///     Err(no_gpu) => eprintln!("{no_gpu}"), // ServerError::Unavailable
+/// }
+/// ```
 ///
 /// # Errors
 ///
@@ -94,8 +140,41 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
 }
 
 /// A fence at the current end of a cudarc stream, in one call.
+///
+/// ```no_run
+/// use device_events::cuda;
+///
+/// let stream = cuda::context(0)?.new_stream()?;
+/// // ... launch work on `stream` with cudarc ...
+/// cuda::fence(&stream).wait_sync()?;
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
 pub fn fence(stream: &Arc<CudaStream>) -> CudaFence {
     EventFence::new(CudaStreamHandle::new(stream))
+}
+
+/// `stream.fence()` on a cudarc `Arc<CudaStream>`: the same as
+/// [`cuda::fence(&stream)`](fence).
+///
+/// ```no_run
+/// use device_events::cuda::{self, CudaStreamExt};
+///
+/// # async fn run() -> Result<(), device_events::ServerError> {
+/// let stream = cuda::context(0)?.new_stream()?;
+/// // ... launch work on `stream` with cudarc ...
+/// stream.fence().await?; // or stream.fence().wait_sync()?
+/// # Ok(())
+/// # }
+/// ```
+pub trait CudaStreamExt {
+    /// A fence at the current end of this stream's work.
+    fn fence(&self) -> CudaFence;
+}
+
+impl CudaStreamExt for Arc<CudaStream> {
+    fn fence(&self) -> CudaFence {
+        fence(self)
+    }
 }
 
 impl EventApi for Cuda {

@@ -53,6 +53,19 @@ impl PerStream {
 /// affected: a fence is recorded on the caller's thread, and waiting on its
 /// event is correct from any thread. The legacy default stream (null or
 /// `CU_STREAM_LEGACY`) is one per context and may be used from any thread.
+///
+/// ```no_run
+/// use device_events::cuda::{self, Cuda, CudaStreamHandle};
+/// use device_events::EventApi;
+///
+/// let stream = cuda::context(0)?.new_stream()?;
+/// let handle = CudaStreamHandle::new(&stream);
+/// assert_eq!(handle, CudaStreamHandle::from(&stream));
+/// Cuda::stream_synchronize(handle)?;
+/// drop(stream);
+/// assert!(handle.stream().is_none()); // gone: calls through it are errors
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CudaStreamHandle {
     id: u64,
