@@ -1,11 +1,25 @@
 //! Every raw CUDA driver call of the crate, behind [`check`], which turns a
 //! status into a [`ServerError`].
 //!
-//! cudarc's safe layer is used where it fits (contexts, streams, binding a
-//! context to the calling thread); the calls here drop to `cudarc::driver::sys`
-//! because a fence event needs flags that cudarc's enum cannot express
-//! (`DISABLE_TIMING | BLOCKING_SYNC`), queries need all three outcomes, and
-//! destroying an event must report its error to the caller.
+//! cudarc's safe layer is used where it fits (contexts and streams); the calls
+//! here drop to `cudarc::driver::sys` because a fence event needs flags that
+//! cudarc's enum cannot express (`DISABLE_TIMING | BLOCKING_SYNC`), queries
+//! need all three outcomes, destroying an event must report its error to the
+//! caller, and binding a context must not take cudarc's stored errors.
+//!
+//! The driver API pages the rules here come from (CUDA 12 and 13):
+//! - events (`cuEventCreate`, `cuEventRecord`, `cuEventQuery`,
+//!   `cuEventSynchronize`, `cuEventDestroy`, `cuEventElapsedTime`):
+//!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html>
+//! - streams (`cuStreamWaitEvent`, `cuStreamSynchronize`, the default streams):
+//!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__STREAM.html>
+//! - contexts (`cuCtxGetCurrent`, `cuCtxSetCurrent`):
+//!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html>
+//! - status codes and which are sticky (`CUresult`), event flags
+//!   (`CUevent_flags`): <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html>
+//! - modules and launches (`cuModuleLoadData`, `cuLaunchKernel`):
+//!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html>,
+//!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html>
 // The crate's one FFI edge: every `unsafe` of the crate is here, each with
 // a `// SAFETY:` comment (the crate root denies `unsafe_code` elsewhere).
 #![allow(unsafe_code)]
