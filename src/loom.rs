@@ -1,5 +1,5 @@
 //! The crate's one kind of lock, condition variable and thread spawn: std's,
-//! swapped for loom's under `cfg(loom)` so the waiter's models can explore
+//! swapped for loom's under `cfg(device_events_loom)` so the waiter's models can explore
 //! every interleaving (as tokio's `src/loom/` does).
 //!
 //! The locks ignore poisoning, as tokio's `loom/std/mutex.rs` does: every
@@ -13,18 +13,18 @@ use std::fmt;
 use std::sync::PoisonError;
 use std::time::Duration;
 
-#[cfg(not(loom))]
+#[cfg(not(device_events_loom))]
 use std::sync as imp;
 
-#[cfg(loom)]
+#[cfg(device_events_loom)]
 use loom::sync as imp;
 
 pub(crate) use imp::{Arc, MutexGuard};
 
-#[cfg(not(loom))]
+#[cfg(not(device_events_loom))]
 pub(crate) use std::thread;
 
-#[cfg(loom)]
+#[cfg(device_events_loom)]
 pub(crate) use loom::thread;
 
 /// A mutex whose `lock` ignores poisoning.
@@ -32,13 +32,13 @@ pub(crate) struct Mutex<T>(imp::Mutex<T>);
 
 impl<T> Mutex<T> {
     /// A new mutex; `const` outside loom, so it can be a `static`.
-    #[cfg(not(loom))]
+    #[cfg(not(device_events_loom))]
     pub(crate) const fn new(value: T) -> Self {
         Self(imp::Mutex::new(value))
     }
 
     /// A new mutex.
-    #[cfg(loom)]
+    #[cfg(device_events_loom)]
     pub(crate) fn new(value: T) -> Self {
         Self(imp::Mutex::new(value))
     }
@@ -76,13 +76,13 @@ impl Default for Condvar {
 
 impl Condvar {
     /// A new condition variable; `const` outside loom.
-    #[cfg(not(loom))]
+    #[cfg(not(device_events_loom))]
     pub(crate) const fn new() -> Self {
         Self(imp::Condvar::new())
     }
 
     /// A new condition variable.
-    #[cfg(loom)]
+    #[cfg(device_events_loom)]
     pub(crate) fn new() -> Self {
         Self(imp::Condvar::new())
     }
@@ -140,9 +140,9 @@ impl<T> RwLock<T> {
 
 /// Sleep the calling thread; under loom, yield so the model can go on.
 pub(crate) fn sleep(duration: Duration) {
-    #[cfg(not(loom))]
+    #[cfg(not(device_events_loom))]
     std::thread::sleep(duration);
-    #[cfg(loom)]
+    #[cfg(device_events_loom)]
     {
         let _ = duration;
         loom::thread::yield_now();

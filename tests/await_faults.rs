@@ -292,3 +292,30 @@ fn shutdown_resolves_pending_waits_and_refuses_new_ones() {
         waiter.threads() == 0
     });
 }
+
+/// A burst of cancelled waits (a client hanging up on many requests at once)
+/// is disposed of by one extra thread, however many waits and however high
+/// `max_threads`: not a new thread per dropped future.
+#[test]
+fn a_burst_of_dropped_futures_starts_at_most_one_extra_thread() {
+    let waiter = Waiter::builder().max_threads(64).build();
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let mut futures: Vec<_> = (0..200)
+        .map(|_| waiter.wait(EventFence::<Host>::new(stream.handle())))
+        .collect();
+    for future in &mut futures {
+        assert!(future.now_or_never().is_none(), "held by the gate");
+    }
+    drop(futures);
+    gate.open();
+    eventually(LIMIT, "the dropped waits are disposed of", || {
+        waiter.pending() == 0 && stream.live_events().count() == 0
+    });
+    // The stream's lane thread, and one thread to dispose of the rest.
+    assert!(
+        waiter.peak_threads() <= 2,
+        "peak {} threads",
+        waiter.peak_threads()
+    );
+}

@@ -1,6 +1,6 @@
 //! loom models of the waiter's hand-off: a polling task, a waiter thread, the
 //! "device", and a cancelling drop. Run with
-//! `RUSTFLAGS="--cfg loom" cargo test --release --lib loom`.
+//! `RUSTFLAGS="--cfg device_events_loom" cargo test --release --lib loom`.
 
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;

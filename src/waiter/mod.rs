@@ -34,8 +34,9 @@
 //!    a waiter never has more than `max_threads + 1` threads. A lane thread
 //!    that runs out of work takes a lane back from the poller.
 //! 5. **Cancellation.** Dropping a future *withdraws* its wait: out of its
-//!    lane at once, and a waiter thread (an idle one, else a new one, else the
-//!    poller) drops it, destroying its event off the dropping thread. Only
+//!    lane at once, and a waiter thread (an idle one, else the poller, which
+//!    is started if it is not running) drops it, destroying its event off the
+//!    dropping thread. A burst of drops starts at most that one thread. Only
 //!    the wait a thread is blocked on right then stays with that thread until
 //!    its block ends.
 //! 6. **Faults and shutdown.** A panic in a backend call resolves that wait
@@ -50,7 +51,7 @@
 mod deadline;
 mod future;
 mod handoff;
-#[cfg(all(test, loom))]
+#[cfg(all(test, device_events_loom))]
 mod loom_models;
 mod permits;
 mod pool;

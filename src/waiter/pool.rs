@@ -23,7 +23,7 @@ const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
 /// How many rounds without work the poller waits out before it exits: from
 /// [`POLL_BACKOFF_MIN`] doubling to [`POLL_BACKOFF_MAX`], about 2.5 ms. None
 /// under loom, whose models would otherwise explore every round.
-const POLLER_LINGER_ROUNDS: u32 = if cfg!(loom) { 0 } else { 6 };
+const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
 
 /// The waiter's settings; see [`WaiterBuilder`](super::WaiterBuilder).
 #[derive(Debug, Clone)]
@@ -517,13 +517,14 @@ impl Pool {
     }
 
     /// Withdrawn waits are there to drop: leave them to the poller if it
-    /// runs, else wake an idle thread, else start a lane thread (which then
-    /// stays idle for `keep_alive`, ready for the next), else the poller.
+    /// runs, else wake an idle thread, else start the poller. Never a new
+    /// lane thread: a burst of drops (a client hanging up on many requests)
+    /// would find no thread idle each time and start one per drop, up to
+    /// `max_threads`; there is only ever one poller, and it lingers a few
+    /// milliseconds for more before it exits.
     fn wake_or_spawn_disposer(&self, state: &mut State) -> Spawn {
         if state.poller || self.wake_idle(state) {
             Spawn::Nothing
-        } else if state.lane_threads < self.config.max_threads {
-            state.add_lane_thread()
         } else {
             state.add_poller()
         }

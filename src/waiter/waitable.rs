@@ -15,7 +15,7 @@ pub(crate) struct LaneKey {
     stream_hash: u64,
 }
 
-#[cfg(all(test, loom))]
+#[cfg(all(test, device_events_loom))]
 impl LaneKey {
     /// A lane for the loom models, which have no backend.
     pub(crate) fn for_models(stream: u64) -> Self {

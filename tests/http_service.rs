@@ -1,0 +1,221 @@
+//! The HTTP service example (`examples/http_service.rs`), started in-process
+//! on a loopback port and driven over HTTP/1.1: good jobs, each kind of bad
+//! input, a faulted stream, and shutdown with a request in flight.
+
+#[path = "../examples/http_service.rs"]
+#[allow(dead_code, unreachable_pub)]
+mod http_service;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_service::{AppState, WaitBy};
+use serde_json::Value;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::oneshot;
+
+/// One request on its own connection; the status and the JSON body.
+async fn request(
+    address: std::net::SocketAddr,
+    method: &str,
+    path: &str,
+    body: &str,
+) -> (u16, Value) {
+    let mut connection = TcpStream::connect(address).await.expect("connect");
+    let request = format!(
+        "{method} {path} HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    connection
+        .write_all(request.as_bytes())
+        .await
+        .expect("send");
+    let mut response = Vec::new();
+    connection.read_to_end(&mut response).await.expect("read");
+    let response = String::from_utf8(response).expect("UTF-8");
+    let status = response
+        .split_whitespace()
+        .nth(1)
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {response:?}"));
+    let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
+    let json = serde_json::from_str(body).unwrap_or(Value::Null);
+    (status, json)
+}
+
+struct Service {
+    address: std::net::SocketAddr,
+    state: Arc<AppState>,
+    stop: Option<oneshot::Sender<()>>,
+    served: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start(wait_by: WaitBy) -> Service {
+    let state = Arc::new(AppState::host(2, wait_by).expect("host streams"));
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let address = listener.local_addr().expect("address");
+    let (stop, stopped) = oneshot::channel::<()>();
+    let served = tokio::spawn(http_service::serve(listener, state.clone(), async move {
+        let _ = stopped.await;
+    }));
+    Service {
+        address,
+        state,
+        stop: Some(stop),
+        served,
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+#[test]
+fn good_jobs_are_answered_by_await_and_by_spawn_blocking() {
+    runtime().block_on(async {
+        for wait_by in [WaitBy::Await, WaitBy::SpawnBlocking] {
+            let service = start(wait_by).await;
+            let (status, body) = request(
+                service.address,
+                "POST",
+                "/jobs",
+                r#"{"work_us": 2000, "stream": 1}"#,
+            )
+            .await;
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(body["stream"], 1);
+            assert_eq!(body["backend"], "Host");
+            assert!(body["total_us"].as_u64().unwrap() >= 2000, "{body}");
+            assert!(body["queued_us"].as_u64().is_some(), "{body}");
+            let (status, body) = request(
+                service.address,
+                "POST",
+                "/jobs",
+                r#"{"work_us": 0, "stream": "any"}"#,
+            )
+            .await;
+            assert_eq!(status, 200, "{body}");
+            let (status, stats) = request(service.address, "GET", "/stats", "").await;
+            assert_eq!(status, 200, "{stats}");
+            assert_eq!(stats["waiter"]["pending"], 0);
+            assert!(stats["process_threads"].as_u64().unwrap() > 0, "{stats}");
+            assert_eq!(stats["wait_by"], format!("{wait_by:?}"));
+        }
+    });
+}
+
+#[test]
+fn bad_input_gets_a_4xx_with_the_reason() {
+    runtime().block_on(async {
+        let service = start(WaitBy::Await).await;
+        let cases = [
+            (r#"{"work_us": 10, "stream": 7}"#, "unknown stream"),
+            (r#"{"work_us": 10, "stream": "fastest"}"#, "unknown stream"),
+            (r#"{"work_us": -5}"#, "must not be negative"),
+            (r#"{"work_us": 99999999999}"#, "more than the most"),
+            (r#"{"work_us": 1.5}"#, "whole number"),
+            (r#"{"stream": 0}"#, "missing \"work_us\""),
+            (r#"{"work_us": 10, "fault": "yes"}"#, "\"fault\" must be"),
+            (r#"{"work_us": 10"#, "malformed JSON"),
+            ("not json at all", "malformed JSON"),
+        ];
+        for (body, reason) in cases {
+            let (status, answer) = request(service.address, "POST", "/jobs", body).await;
+            assert_eq!(status, 400, "{body} -> {answer}");
+            let message = answer["error"].as_str().unwrap_or_default();
+            assert!(
+                message.contains(reason),
+                "{body} -> {message:?}, wanted {reason:?}"
+            );
+        }
+        // Still serving.
+        let (status, _) = request(service.address, "POST", "/jobs", r#"{"work_us": 1}"#).await;
+        assert_eq!(status, 200);
+    });
+}
+
+#[test]
+fn a_faulted_stream_answers_500_and_the_others_go_on() {
+    runtime().block_on(async {
+        let service = start(WaitBy::Await).await;
+        let (status, body) = request(
+            service.address,
+            "POST",
+            "/jobs",
+            r#"{"work_us": 10, "stream": 0, "fault": true}"#,
+        )
+        .await;
+        assert_eq!(status, 500, "{body}");
+        assert!(
+            body["error"].as_str().unwrap().contains("faulted"),
+            "{body}"
+        );
+        // Stream 0 stays faulted; stream 1 serves.
+        let (status, body) = request(
+            service.address,
+            "POST",
+            "/jobs",
+            r#"{"work_us": 10, "stream": 0}"#,
+        )
+        .await;
+        assert_eq!(status, 500, "{body}");
+        let (status, body) = request(
+            service.address,
+            "POST",
+            "/jobs",
+            r#"{"work_us": 10, "stream": 1}"#,
+        )
+        .await;
+        assert_eq!(status, 200, "{body}");
+    });
+}
+
+#[test]
+fn shutdown_lets_a_request_in_flight_finish_then_stops_the_waiter() {
+    runtime().block_on(async {
+        let mut service = start(WaitBy::Await).await;
+        let address = service.address;
+        let in_flight = tokio::spawn(async move {
+            request(
+                address,
+                "POST",
+                "/jobs",
+                r#"{"work_us": 300000, "stream": 0}"#,
+            )
+            .await
+        });
+        // Shut down once the job's wait is with the waiter: in flight.
+        let handed_off = async {
+            while service.state.waiter.pending() == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), handed_off)
+            .await
+            .expect("the job's wait reaches the waiter");
+        service.stop.take().unwrap().send(()).unwrap();
+        let (status, body) = in_flight.await.unwrap();
+        assert_eq!(status, 200, "{body}");
+        service.served.await.unwrap().unwrap();
+        assert_eq!(service.state.waiter.pending(), 0);
+        // The waiter was shut down with the service: a wait that needs it
+        // (its stream is held) is refused.
+        let late = device_events::host::HostStream::new().unwrap();
+        let (open, opened) = std::sync::mpsc::channel::<()>();
+        late.launch(move || {
+            let _ = opened.recv();
+        })
+        .unwrap();
+        let gone = service.state.waiter.wait(late.fence()).await;
+        assert_eq!(gone, Err(device_events::ServerError::WaiterGone));
+        drop(open);
+        // The listener is gone: nothing answers any more.
+        let refused = TcpStream::connect(address).await;
+        assert!(refused.is_err(), "still accepting after shutdown");
+    });
+}
