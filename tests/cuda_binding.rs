@@ -197,6 +197,50 @@ fn a_per_thread_stream_handle_stays_on_its_thread(ctx: &Arc<CudaContext>) {
     });
     elsewhere.join().unwrap();
     drop(stream);
+    default_streams_keep_their_semantics(ctx);
+}
+
+/// The two default streams, as the driver defines them: the legacy one is
+/// one stream of the context, whichever thread uses it; the per-thread one
+/// is each thread's own. Fences (recorded on the caller's thread) see that.
+fn default_streams_keep_their_semantics(ctx: &Arc<CudaContext>) {
+    let sleep = SleepKernel::new(ctx).unwrap();
+
+    // Legacy: work queued from this thread holds a fence made on another.
+    let legacy = ctx.default_stream();
+    sleep.launch(&legacy, LONG).unwrap();
+    let legacy_handle = CudaStreamHandle::new(&legacy);
+    let from_elsewhere = std::thread::spawn(move || {
+        let fence = EventFence::<Cuda>::new(legacy_handle);
+        let behind = !fence.is_complete().unwrap();
+        fence.wait_sync().unwrap();
+        behind
+    });
+    assert!(
+        from_elsewhere.join().unwrap(),
+        "the legacy default stream is one stream for every thread"
+    );
+
+    // Per-thread: this thread's long work does not hold another thread's
+    // per-thread stream.
+    let mine = ctx.per_thread_stream();
+    sleep.launch(&mine, LONG).unwrap();
+    let context = ctx.clone();
+    let theirs = std::thread::spawn(move || {
+        let stream = context.per_thread_stream();
+        let fence = EventFence::<Cuda>::new(CudaStreamHandle::new(&stream));
+        fence.is_complete().unwrap()
+    });
+    assert!(
+        theirs.join().unwrap(),
+        "another thread's per-thread stream waited for this thread's work"
+    );
+    let fence = EventFence::<Cuda>::new(CudaStreamHandle::new(&mine));
+    assert!(
+        !fence.is_complete().unwrap(),
+        "this thread's work is still queued"
+    );
+    fence.wait_sync().unwrap();
 }
 
 /// `cuda::context(0)` twice is one context, retained once.
