@@ -90,4 +90,9 @@ plant "CUDA fence events are destroyed, not pooled" src/backend/cuda/driver.rs \
     'if idle.len() < FENCE_POOL_CAPACITY && false {' \
     cuda_binding
 
+plant "CUDA_ERROR_CONTAINED (226, by number) is not sticky" src/backend/cuda/driver.rs \
+    'const STICKY_SINCE_12_8: &[i32] = &[226, 721];' \
+    'const STICKY_SINCE_12_8: &[i32] = &[721];' \
+    cuda_binding
+
 echo "== every plant caught ($caught)"

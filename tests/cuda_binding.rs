@@ -67,6 +67,13 @@ fn events_created(device: c_int) -> Option<c_int> {
     fake_hook(c"fakeCudaEventsCreated").map(|hook| unsafe { hook(device) })
 }
 
+/// Make the fake driver's next `cuEventQuery` return `status`; false on a
+/// real driver.
+fn fail_next_query(status: c_int) -> bool {
+    // SAFETY: as above; the hook only stores the number.
+    fake_hook(c"fakeCudaFailNextQuery").is_some_and(|hook| unsafe { hook(status) } == 0)
+}
+
 fn primary_retains(device: c_int) -> Option<c_int> {
     // SAFETY: as above.
     fake_hook(c"fakeCudaPrimaryRetains").map(|hook| unsafe { hook(device) })
@@ -92,6 +99,7 @@ fn contexts_threads_and_devices() {
     a_per_thread_stream_handle_stays_on_its_thread(&ctx);
     one_context_per_device_while_alive(&ctx);
     fence_events_are_pooled_per_context(&ctx);
+    any_status_the_driver_returns_is_a_number(&ctx);
     match cuda::device_count().unwrap() {
         1 => eprintln!(
             "one device: the two-device checks need a second GPU (the fake driver has two)"
@@ -280,6 +288,32 @@ fn fence_events_are_pooled_per_context(ctx: &Arc<CudaContext>) {
             created - warm
         );
     }
+}
+
+/// A driver newer than the bindings the crate was built with can return a
+/// status they do not list: this crate calls the driver with the status as
+/// an integer, so it is reported (and classified) by number, never turned
+/// into an enum value that does not exist. Fake driver only.
+fn any_status_the_driver_returns_is_a_number(ctx: &Arc<CudaContext>) {
+    let stream = ctx.new_stream().unwrap();
+    let sleep = SleepKernel::new(ctx).unwrap();
+    sleep.launch(&stream, LONG).unwrap();
+    let fence = cuda::fence(&stream);
+    if !fail_next_query(12_345) {
+        eprintln!("a real driver: the injected-status checks need the fake driver");
+        fence.wait_sync().unwrap();
+        return;
+    }
+    let unknown = fence.is_complete().unwrap_err();
+    assert_eq!(unknown.code(), Some(12_345), "{unknown}");
+    assert!(!unknown.is_faulted(), "{unknown}");
+    // CUDA_ERROR_CONTAINED (226), which cudarc's 12.0-12.6 bindings lack:
+    // sticky, by its number.
+    assert!(fail_next_query(226));
+    let contained = fence.is_complete().unwrap_err();
+    assert!(contained.is_faulted(), "{contained}");
+    assert_eq!(contained.code(), Some(226));
+    fence.wait_sync().unwrap();
 }
 
 /// One waiter, streams on two devices, and a device-side wait from one device

@@ -43,8 +43,8 @@
  * - cuCtxSynchronize waits for every stream of the current context.
  *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
- * fakeCudaEventsCreated(device) and fakeCudaPrimaryRetains(device), found by
- * the tests with dlsym.
+ * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device) and
+ * fakeCudaFailNextQuery(status), found by the tests with dlsym.
  *
  * It validates nothing of PTX or of real hardware; scripts/fake-cuda.sh
  * builds it and runs the CUDA tests against it.
@@ -116,6 +116,8 @@ static ctx_t contexts[DEVICES] = {
     {.device = 1, .fault_at = INT64_MAX},
 };
 static __thread ctx_t *current;
+/* Test hook: the status the next cuEventQuery returns (0: none injected). */
+static int next_query_status;
 
 static int64_t now_ns(void) {
     struct timespec t;
@@ -407,6 +409,11 @@ int cuEventRecord(void *event, void *stream) {
 int cuEventQuery(void *event) {
     event_t *e = event;
     pthread_mutex_lock(&lock);
+    int injected = next_query_status;
+    next_query_status = 0;
+    pthread_mutex_unlock(&lock);
+    if (injected != 0) return injected;
+    pthread_mutex_lock(&lock);
     int status = usable(e->ctx, e->generation);
     int done = !e->recorded || now_ns() >= e->at;
     pthread_mutex_unlock(&lock);
@@ -534,6 +541,15 @@ int fakeCudaLiveEvents(int device) {
     int live = contexts[device].live_events;
     pthread_mutex_unlock(&lock);
     return live;
+}
+
+/* The next cuEventQuery returns `status`, whatever it is: a status the
+ * caller's bindings may not know (a newer driver's). */
+int fakeCudaFailNextQuery(int status) {
+    pthread_mutex_lock(&lock);
+    next_query_status = status;
+    pthread_mutex_unlock(&lock);
+    return 0;
 }
 
 int fakeCudaEventsCreated(int device) {

@@ -24,7 +24,7 @@
 // a `// SAFETY:` comment (the crate root denies `unsafe_code` elsewhere).
 #![allow(unsafe_code)]
 
-use std::ffi::{c_uint, c_void, CStr};
+use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -74,30 +74,59 @@ const REQUIRED_SYMBOLS: &[&str] = &[
 /// loses timing, not the backend.
 const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime", "cuEventElapsedTime_v2"];
 
-type ElapsedFn = unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> sys::CUresult;
+/// A driver status, as the driver returns it: a C `enum`, which is an `int`.
+type Status = c_int;
 
-/// The driver's elapsed-time entry point, looked up once.
-fn elapsed_fn() -> Result<ElapsedFn, ServerError> {
-    static FOUND: OnceLock<Option<ElapsedFn>> = OnceLock::new();
-    let found = FOUND.get_or_init(|| {
-        // SAFETY: only called after `ensure_loaded` found the library (an
-        // event exists), so cudarc's loader does not reach its panic.
-        let library = unsafe { sys::culib() };
-        ELAPSED_SYMBOLS.iter().find_map(|name| {
-            // SAFETY: both names have the signature of `ElapsedFn`
-            // (CUDA driver API, cuEventElapsedTime); the library stays
-            // loaded for the life of the process, so the pointer does too.
-            unsafe { library.get::<ElapsedFn>(name.as_bytes()) }
-                .ok()
-                .map(|symbol| *symbol)
-        })
-    });
-    found.ok_or_else(|| {
-        unavailable(format!(
-            "the CUDA driver exports neither {}",
-            ELAPSED_SYMBOLS.join(" nor ")
-        ))
-    })
+/// The driver entry points this crate calls itself, looked up once by name
+/// and typed to return the status as a plain integer. cudarc's `sys` bindings
+/// return a Rust `enum`, and a status that the compiled bindings do not list
+/// (a driver newer than the bindings a user picked: `CUDA_ERROR_CONTAINED`
+/// from a CUDA 13 driver under the CUDA 12.0 bindings, say) would be undefined
+/// behaviour the moment it came back. As an integer, any status is a number.
+/// Signatures: the CUDA driver API reference (links at the top of this file).
+struct Api {
+    init: unsafe extern "C" fn(c_uint) -> Status,
+    error_name: unsafe extern "C" fn(Status, *mut *const c_char) -> Status,
+    error_string: unsafe extern "C" fn(Status, *mut *const c_char) -> Status,
+    ctx_get_current: unsafe extern "C" fn(*mut sys::CUcontext) -> Status,
+    ctx_set_current: unsafe extern "C" fn(sys::CUcontext) -> Status,
+    event_create: unsafe extern "C" fn(*mut sys::CUevent, c_uint) -> Status,
+    event_record: unsafe extern "C" fn(sys::CUevent, sys::CUstream) -> Status,
+    event_query: unsafe extern "C" fn(sys::CUevent) -> Status,
+    event_synchronize: unsafe extern "C" fn(sys::CUevent) -> Status,
+    event_destroy: unsafe extern "C" fn(sys::CUevent) -> Status,
+    /// Under either of its names (see [`ELAPSED_SYMBOLS`]); a driver with
+    /// neither only loses timing.
+    event_elapsed: Option<unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> Status>,
+    stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
+    stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
+    module_load_data: unsafe extern "C" fn(*mut sys::CUmodule, *const c_void) -> Status,
+    module_get_function:
+        unsafe extern "C" fn(*mut sys::CUfunction, sys::CUmodule, *const c_char) -> Status,
+    #[allow(clippy::type_complexity)]
+    launch_kernel: unsafe extern "C" fn(
+        sys::CUfunction,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        c_uint,
+        sys::CUstream,
+        *mut *mut c_void,
+        *mut *mut c_void,
+    ) -> Status,
+}
+
+/// Filled by [`load`] once every required symbol was found.
+static API: OnceLock<Api> = OnceLock::new();
+
+/// The driver's entry points: loads the driver first if need be.
+fn api() -> Result<&'static Api, ServerError> {
+    ensure_loaded()?;
+    API.get()
+        .ok_or_else(|| unavailable("the CUDA driver's entry points were not found".to_owned()))
 }
 
 /// Status codes after which the process must restart: "This leaves the
@@ -177,9 +206,48 @@ fn load() -> Result<(), ServerError> {
             missing.join(", ")
         )));
     }
+    // One entry point, typed by the `Api` field it fills: each field's type
+    // is the driver API's signature for that name, with `CUresult` as the
+    // `int` it is.
+    macro_rules! entry {
+        ($name:expr) => {
+            // SAFETY: the field's type is the symbol's C signature (see
+            // `Api`); the library stays loaded for the life of the process
+            // (cudarc keeps it in a static), so the pointer stays valid.
+            match unsafe { library.get($name.as_bytes()) } {
+                Ok(symbol) => *symbol,
+                Err(_) => return Err(unavailable(format!("the CUDA driver lacks {}", $name))),
+            }
+        };
+    }
+    let elapsed = ELAPSED_SYMBOLS.iter().find_map(|name| {
+        // SAFETY: as in `entry!`: both names have this signature.
+        unsafe { library.get(name.as_bytes()) }
+            .ok()
+            .map(|symbol| *symbol)
+    });
+    let found = Api {
+        init: entry!("cuInit"),
+        error_name: entry!("cuGetErrorName"),
+        error_string: entry!("cuGetErrorString"),
+        ctx_get_current: entry!("cuCtxGetCurrent"),
+        ctx_set_current: entry!("cuCtxSetCurrent"),
+        event_create: entry!("cuEventCreate"),
+        event_record: entry!("cuEventRecord"),
+        event_query: entry!("cuEventQuery"),
+        event_synchronize: entry!("cuEventSynchronize"),
+        event_destroy: entry!("cuEventDestroy_v2"),
+        event_elapsed: elapsed,
+        stream_wait_event: entry!("cuStreamWaitEvent"),
+        stream_synchronize: entry!("cuStreamSynchronize"),
+        module_load_data: entry!("cuModuleLoadData"),
+        module_get_function: entry!("cuModuleGetFunction"),
+        launch_kernel: entry!("cuLaunchKernel"),
+    };
+    let api = API.get_or_init(|| found);
     LIBRARY_FOUND.store(true, Ordering::Release);
     // SAFETY: cuInit takes flags by value; 0 is the only documented value.
-    check("cuInit", unsafe { sys::cuInit(0) }).map_err(|err| unavailable(err.to_string()))
+    check("cuInit", unsafe { (api.init)(0) }).map_err(|err| unavailable(err.to_string()))
 }
 
 fn unavailable(reason: String) -> ServerError {
@@ -190,28 +258,52 @@ fn unavailable(reason: String) -> ServerError {
 }
 
 /// The one place a driver status becomes a result.
-pub(super) fn check(call: &'static str, status: sys::CUresult) -> Result<(), ServerError> {
-    status.result().map_err(|err| driver_error(call, err))
+pub(super) fn check(call: &'static str, status: Status) -> Result<(), ServerError> {
+    if status == sys::CUresult::CUDA_SUCCESS as Status {
+        Ok(())
+    } else {
+        Err(status_error(call, status, || {
+            format!("CUDA error {status}")
+        }))
+    }
 }
 
-/// A driver error, named and described by the driver, marked faulted when it
-/// is one of the sticky ones. Never panics: cudarc's name and description
-/// lookups load the driver library (and panic without one), so they are asked
-/// only once the library is known to be loaded; the name otherwise comes from
-/// the binding's variant name, which is the driver's.
+/// A cudarc error (from its own calls, or a user's), as this crate reports
+/// driver errors. Never panics, with or without a driver.
 pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError {
-    let code = err.0 as i32;
-    let loaded = LIBRARY_FOUND.load(Ordering::Acquire);
-    let name = if loaded { err.error_name().ok() } else { None }
-        .map(|name| name.to_string_lossy().into_owned())
-        .unwrap_or_else(|| format!("{:?}", err.0));
-    let message = if loaded {
-        err.error_string().ok()
-    } else {
-        None
-    }
-    .map(|message| message.to_string_lossy().into_owned())
-    .unwrap_or_default();
+    status_error(call, err.0 as Status, || format!("{:?}", err.0))
+}
+
+/// A failed status, named and described by the driver itself when it is
+/// loaded (`fallback` names it otherwise), marked faulted when it is one of
+/// the sticky ones.
+fn status_error(
+    call: &'static str,
+    code: Status,
+    fallback: impl FnOnce() -> String,
+) -> ServerError {
+    let loaded = LIBRARY_FOUND
+        .load(Ordering::Acquire)
+        .then(|| API.get())
+        .flatten();
+    let text = |lookup: unsafe extern "C" fn(Status, *mut *const c_char) -> Status| {
+        let mut text = ptr::null();
+        // SAFETY: `text` is a valid place for the pointer; the driver points
+        // it at a static string (or leaves it null) for any status.
+        let status = unsafe { lookup(code, &mut text) };
+        (status == sys::CUresult::CUDA_SUCCESS as Status && !text.is_null()).then(|| {
+            // SAFETY: a non-null answer is a NUL-terminated static string.
+            unsafe { CStr::from_ptr(text) }
+                .to_string_lossy()
+                .into_owned()
+        })
+    };
+    let name = loaded
+        .and_then(|api| text(api.error_name))
+        .unwrap_or_else(fallback);
+    let message = loaded
+        .and_then(|api| text(api.error_string))
+        .unwrap_or_default();
     if is_sticky(code) {
         ServerError::Faulted {
             backend: BACKEND,
@@ -250,24 +342,30 @@ impl From<DriverError> for ServerError {
 struct Bound {
     /// What was current before, to restore; `None` when it already was `ctx`.
     previous: Option<sys::CUcontext>,
+    api: &'static Api,
 }
 
 /// Make `ctx` current on this thread until the returned guard drops.
 fn bind(ctx: &CudaContext) -> Result<Bound, ServerError> {
+    let api = api()?;
     let mut previous = ptr::null_mut();
     // SAFETY: `previous` is a valid place for the handle.
     check("cuCtxGetCurrent", unsafe {
-        sys::cuCtxGetCurrent(&mut previous)
+        (api.ctx_get_current)(&mut previous)
     })?;
     let target = ctx.cu_ctx();
     if previous == target {
-        return Ok(Bound { previous: None });
+        return Ok(Bound {
+            previous: None,
+            api,
+        });
     }
     // SAFETY: `target` is live: `ctx` holds its primary-context retain for
     // as long as the borrow lasts.
-    check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(target) })?;
+    check("cuCtxSetCurrent", unsafe { (api.ctx_set_current)(target) })?;
     Ok(Bound {
         previous: Some(previous),
+        api,
     })
 }
 
@@ -280,7 +378,9 @@ impl Drop for Bound {
         // made (or null: no context), so it is the caller's to keep alive; a
         // context destroyed meanwhile is a handle the driver rejects with an
         // error, reported below.
-        if let Err(err) = check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(previous) }) {
+        if let Err(err) = check("cuCtxSetCurrent", unsafe {
+            (self.api.ctx_set_current)(previous)
+        }) {
             log::debug!(
                 "the thread's previous CUDA context could not be made current again: {err}"
             );
@@ -443,12 +543,12 @@ impl CudaEvent {
         if blocking {
             flags |= EVENT_BLOCKING_SYNC;
         }
-        let _bound = bind(ctx)?;
+        let bound = bind(ctx)?;
         let mut raw = ptr::null_mut();
         // SAFETY: `raw` is a valid place for the new handle; the flags are a
         // combination of documented bits.
         check("cuEventCreate", unsafe {
-            sys::cuEventCreate(&mut raw, flags)
+            (bound.api.event_create)(&mut raw, flags)
         })?;
         Ok(Self {
             raw,
@@ -476,49 +576,54 @@ impl CudaEvent {
     /// event's context.
     pub(super) fn record(&self, stream: &CudaStream) -> Result<(), ServerError> {
         same_context("cuEventRecord", &self.ctx, stream)?;
-        let _bound = bind(&self.ctx)?;
+        let bound = bind(&self.ctx)?;
         // SAFETY: both handles are live: the event is owned by `self`, the
         // stream is borrowed from its owner for the call.
         check("cuEventRecord", unsafe {
-            sys::cuEventRecord(self.raw, stream.cu_stream())
+            (bound.api.event_record)(self.raw, stream.cu_stream())
         })
     }
 
     /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
     pub(super) fn query(&self) -> Result<bool, ServerError> {
-        let _bound = bind(&self.ctx)?;
+        let bound = bind(&self.ctx)?;
         // SAFETY: the event is live, owned by `self`.
-        match unsafe { sys::cuEventQuery(self.raw) } {
-            sys::CUresult::CUDA_SUCCESS => Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+        match unsafe { (bound.api.event_query)(self.raw) } {
+            status if status == sys::CUresult::CUDA_SUCCESS as Status => Ok(true),
+            status if status == sys::CUresult::CUDA_ERROR_NOT_READY as Status => Ok(false),
             status => check("cuEventQuery", status).map(|()| false),
         }
     }
 
     /// Block until reached; sleeps in the driver for a `BLOCKING_SYNC` event.
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
-        let _bound = bind(&self.ctx)?;
+        let bound = bind(&self.ctx)?;
         // SAFETY: the event is live, owned by `self`.
         check("cuEventSynchronize", unsafe {
-            sys::cuEventSynchronize(self.raw)
+            (bound.api.event_synchronize)(self.raw)
         })
     }
 
     /// Make `stream` wait for this event's latest record, on the device. Works
     /// across contexts.
     pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
-        let _bound = bind(stream.context())?;
+        let bound = bind(stream.context())?;
         // SAFETY: both handles are live; flag 0 is CU_EVENT_WAIT_DEFAULT.
         check("cuStreamWaitEvent", unsafe {
-            sys::cuStreamWaitEvent(stream.cu_stream(), self.raw, 0)
+            (bound.api.stream_wait_event)(stream.cu_stream(), self.raw, 0)
         })
     }
 
     /// Milliseconds from `start` to `self`, as the driver measures them.
     pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
-        let _bound = bind(&self.ctx)?;
+        let bound = bind(&self.ctx)?;
         let mut ms = 0.0f32;
-        let elapsed = elapsed_fn()?;
+        let elapsed = bound.api.event_elapsed.ok_or_else(|| {
+            unavailable(format!(
+                "the CUDA driver exports neither {}",
+                ELAPSED_SYMBOLS.join(" nor ")
+            ))
+        })?;
         // SAFETY: `ms` is a valid place for the result; both events are live;
         // `elapsed` has the driver's signature for these arguments.
         check("cuEventElapsedTime", unsafe {
@@ -543,7 +648,12 @@ impl CudaEvent {
         let bound = bind(&self.ctx);
         // SAFETY: `raw` was created by cuEventCreate and is destroyed once:
         // the field is nulled above.
-        let destroyed = check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(raw) });
+        let destroyed = match api() {
+            // SAFETY: `raw` was created by cuEventCreate and is destroyed
+            // once: the field is nulled above.
+            Ok(api) => check("cuEventDestroy", unsafe { (api.event_destroy)(raw) }),
+            Err(err) => Err(err),
+        };
         drop(bound);
         destroyed
     }
@@ -586,18 +696,18 @@ impl Kernel {
         ptx: &CStr,
         name: &CStr,
     ) -> Result<Self, ServerError> {
-        let _bound = bind(ctx)?;
+        let bound = bind(ctx)?;
         let mut module = ptr::null_mut();
         // SAFETY: `ptx` is a NUL-terminated image that outlives the call;
         // `module` is a valid place for the handle.
         check("cuModuleLoadData", unsafe {
-            sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast())
+            (bound.api.module_load_data)(&mut module, ptx.as_ptr().cast())
         })?;
         let mut function = ptr::null_mut();
         // SAFETY: the module was just loaded and is never unloaded; `name` is
         // NUL-terminated; `function` is a valid place for the handle.
         check("cuModuleGetFunction", unsafe {
-            sys::cuModuleGetFunction(&mut function, module, name.as_ptr())
+            (bound.api.module_get_function)(&mut function, module, name.as_ptr())
         })?;
         Ok(Self {
             function,
@@ -617,14 +727,14 @@ impl Kernel {
                 "the kernel and the stream belong to different contexts",
             ));
         }
-        let _bound = bind(&self.ctx)?;
+        let bound = bind(&self.ctx)?;
         let mut params = [ptr::addr_of_mut!(argument).cast::<c_void>()];
         // SAFETY: the function is live (its module is never unloaded); the
         // kernel takes exactly one u64 parameter, and the driver copies the
         // parameter values before cuLaunchKernel returns, so pointers to
         // locals are enough.
         check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
+            (bound.api.launch_kernel)(
                 self.function,
                 1,
                 1,
@@ -643,9 +753,9 @@ impl Kernel {
 
 /// Block until all work queued on `stream` is done.
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
-    let _bound = bind(stream.context())?;
+    let bound = bind(stream.context())?;
     // SAFETY: the stream is live, borrowed from its owner for the call.
     check("cuStreamSynchronize", unsafe {
-        sys::cuStreamSynchronize(stream.cu_stream())
+        (bound.api.stream_synchronize)(stream.cu_stream())
     })
 }
