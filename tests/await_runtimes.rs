@@ -297,8 +297,19 @@ fn wait_sync_timeout_gives_up_on_a_held_stream_and_can_wait_again() {
     let progress = Progress::default();
     let gate = Gate::hold(&stream);
     progress.step_on(&stream);
-    let mut wait = waiter.wait(stream.fence());
-    assert_eq!(wait.wait_sync_timeout(Duration::from_millis(20)), None);
+    let wait = waiter.wait(stream.fence());
+    // On its own thread, so a wait that ignored its deadline fails this test
+    // (below) instead of hanging it.
+    let timed = std::thread::spawn(move || {
+        let mut wait = wait;
+        let result = wait.wait_sync_timeout(Duration::from_millis(20));
+        (result, wait)
+    });
+    eventually(Duration::from_secs(20), "the deadline passes", || {
+        timed.is_finished()
+    });
+    let (result, mut wait) = timed.join().unwrap();
+    assert_eq!(result, None);
     assert_eq!(waiter.pending(), 1, "still handed off");
     assert_eq!(progress.get(), 0, "the stream's work is untouched");
     gate.open();
