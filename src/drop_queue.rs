@@ -270,12 +270,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
 
     /// What the queue has done so far.
     pub fn stats(&self) -> DropQueueStats {
-        let state = self.shared.lock();
-        DropQueueStats {
-            pending: state.pending(),
-            queued: state.queue.len(),
-            ..state.stats
-        }
+        self.shared.lock().stats()
     }
 
     /// A future of [`flush`](Self::flush): resolves once every value pushed
@@ -472,11 +467,7 @@ impl<F, T> Future for Progress<F, T> {
             Until::Exited => state.exited,
         };
         if done {
-            return Poll::Ready(DropQueueStats {
-                pending: state.pending(),
-                queued: state.queue.len(),
-                ..state.stats
-            });
+            return Poll::Ready(state.stats());
         }
         if !state.wakers.iter().any(|waker| waker.will_wake(cx.waker())) {
             state.wakers.push(cx.waker().clone());
@@ -496,6 +487,15 @@ impl<F, T> fmt::Debug for Progress<F, T> {
 impl<F, T> State<F, T> {
     fn pending(&self) -> usize {
         self.queue.len() + usize::from(self.in_flight)
+    }
+
+    /// What the queue has done so far, and what waits now.
+    fn stats(&self) -> DropQueueStats {
+        DropQueueStats {
+            pending: self.pending(),
+            queued: self.queue.len(),
+            ..self.stats
+        }
     }
 }
 

@@ -222,13 +222,13 @@ impl EventApi for Cuda {
     /// From the stream's context's pool of idle fence events.
     fn fence_event_acquire(stream: CudaStreamHandle) -> Result<CudaEvent, ServerError> {
         driver::ensure_loaded()?;
-        let (stream, per_stream) = stream.resolve_with_pool("cuEventCreate")?;
+        let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
         per_stream.pool.take(stream.context())
     }
 
     /// One counter per stream: fences on different streams share nothing.
     fn stream_sequence(stream: CudaStreamHandle) -> u64 {
-        match stream.resolve_with_pool("cuEventRecord") {
+        match stream.resolve_per_stream("cuEventRecord") {
             Ok((_, per_stream)) => per_stream.next_sequence(),
             Err(_) => crate::fence::next_sequence(),
         }
@@ -240,7 +240,7 @@ impl EventApi for Cuda {
 
     fn fence_event_record(stream: CudaStreamHandle) -> Result<(CudaEvent, u64), ServerError> {
         driver::ensure_loaded()?;
-        let (stream, per_stream) = stream.resolve_with_pool("cuEventCreate")?;
+        let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
         let event = per_stream.pool.take(stream.context())?;
         match event.record(&stream) {
             Ok(()) => Ok((event, per_stream.next_sequence())),

@@ -114,12 +114,12 @@ impl CudaStreamHandle {
     /// The stream, or an invalid-handle error once it has been dropped, or
     /// when it is another thread's per-thread default stream.
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<CudaStream>, ServerError> {
-        self.resolve_with_pool(call).map(|(stream, _)| stream)
+        self.resolve_per_stream(call).map(|(stream, _)| stream)
     }
 
     /// As [`resolve`](Self::resolve), with what this crate keeps for the
     /// stream.
-    pub(super) fn resolve_with_pool(
+    pub(super) fn resolve_per_stream(
         self,
         call: &'static str,
     ) -> Result<(Arc<CudaStream>, Arc<PerStream>), ServerError> {
