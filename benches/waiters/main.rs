@@ -52,7 +52,7 @@ fn run_all<R: Rig>(shared: &Arc<R>, settings: &Settings, clock: Clock, tables: &
             settings.many,
             settings.hold,
             settings.reps,
-            &ALL,
+            &settings.pick(&ALL),
             clock,
         );
         let plot = report::write_latency_svg(
@@ -82,7 +82,7 @@ fn run_all<R: Rig>(shared: &Arc<R>, settings: &Settings, clock: Clock, tables: &
             (64, 1_563),
             Duration::from_secs(2),
             5,
-            &strategies,
+            &settings.pick(&strategies),
             clock,
         );
         table.print();

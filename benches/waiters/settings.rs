@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use crate::strategies::Strategy;
+
 pub struct Settings {
     pub quick: bool,
     pub large: bool,
@@ -17,14 +19,18 @@ pub struct Settings {
     pub reps: usize,
     /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`).
     pub only: Option<Vec<String>>,
+    /// `--strategies await,spawn_blocking`: in scenarios 2 and 2b, run just
+    /// these (by [`Strategy::flag`]), e.g. to profile one.
+    pub strategies: Option<Vec<String>>,
 }
 
 const USAGE: &str =
-    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,7]";
+    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,7] \
+     [--strategies await,spawn_blocking,thread,query_yield,raw]";
 
 impl Settings {
     pub fn from_args() -> Self {
-        let (mut quick, mut large, mut only) = (false, false, None);
+        let (mut quick, mut large, mut only, mut strategies) = (false, false, None, None);
         let mut args = std::env::args().skip(1);
         while let Some(arg) = args.next() {
             match arg.as_str() {
@@ -38,11 +44,28 @@ impl Settings {
                     }
                     None => usage_error("--only needs a list of scenarios"),
                 },
+                "--strategies" => match args.next() {
+                    Some(list) => {
+                        let names: Vec<String> = list.split(',').map(str::to_owned).collect();
+                        if let Some(unknown) = names
+                            .iter()
+                            .find(|name| !Strategy::FLAGS.contains(&name.as_str()))
+                        {
+                            usage_error(&format!("unknown strategy {unknown:?}"));
+                        }
+                        strategies = Some(names);
+                    }
+                    None => usage_error("--strategies needs a list of strategies"),
+                },
                 other => usage_error(&format!("unknown argument {other:?}")),
             }
         }
         let settings = Self::for_mode(quick, large);
-        Self { only, ..settings }
+        Self {
+            only,
+            strategies,
+            ..settings
+        }
     }
 
     /// Whether scenario `id` ("1", "2b", ...) runs.
@@ -50,6 +73,18 @@ impl Settings {
         self.only
             .as_ref()
             .is_none_or(|only| only.iter().any(|wanted| wanted == id))
+    }
+
+    /// `all`, less the strategies `--strategies` leaves out.
+    pub fn pick(&self, all: &[Strategy]) -> Vec<Strategy> {
+        all.iter()
+            .copied()
+            .filter(|strategy| {
+                self.strategies
+                    .as_ref()
+                    .is_none_or(|wanted| wanted.iter().any(|name| name == strategy.flag()))
+            })
+            .collect()
     }
 
     fn for_mode(quick: bool, large: bool) -> Self {
@@ -67,6 +102,7 @@ impl Settings {
                 idle_window: Duration::from_millis(200),
                 reps: 1,
                 only: None,
+                strategies: None,
             }
         } else {
             Self {
@@ -82,6 +118,7 @@ impl Settings {
                 idle_window: Duration::from_secs(1),
                 reps: 3,
                 only: None,
+                strategies: None,
             }
         }
     }

@@ -295,11 +295,12 @@ impl Pool {
     /// A lane thread: take a lane, serve it until empty, take the next.
     fn run_lane_thread(pool: Arc<Self>) {
         let mut finished = None;
+        let mut scratch = Vec::new();
         loop {
             let Some(key) = pool.next_lane(finished.take()) else {
                 return;
             };
-            while Self::serve_lane_once(&pool, key) {}
+            while Self::serve_lane_once(&pool, key, &mut scratch) {}
             finished = Some(key);
         }
     }
@@ -356,7 +357,7 @@ impl Pool {
     /// Block on the oldest wait of `key`, then resolve every later one
     /// already reached. Returns whether the lane still has waits (and is
     /// still this thread's).
-    fn serve_lane_once(pool: &Arc<Self>, key: LaneKey) -> bool {
+    fn serve_lane_once(pool: &Arc<Self>, key: LaneKey, scratch: &mut Vec<Wait>) -> bool {
         let Some(wait) = pool.pop_oldest(key) else {
             return false;
         };
@@ -364,7 +365,7 @@ impl Pool {
         let result = contain(|| waitable.block());
         let _permit = pool.resolving.acquire();
         pool.resolve_blocked(key, &slot, result);
-        Self::resolve_reached(pool, key, Owner::Thread).more
+        Self::resolve_reached(pool, key, Owner::Thread, scratch).more
     }
 
     /// Resolve, in order, the waits of `key` that a query shows reached; stop
@@ -372,43 +373,45 @@ impl Pool {
     ///
     /// Works in batches: the lane's waits are taken in one lock, queried
     /// outside it, and the rest put back in one more, so a burst of thousands
-    /// of reached waits costs two lock round-trips, not three per wait.
-    fn resolve_reached(pool: &Arc<Self>, key: LaneKey, owner: Owner) -> Resolved {
+    /// of reached waits costs two lock round-trips, not three per wait. Each
+    /// batch's futures are all woken before any of its waits (and their
+    /// events) is dropped, so the tasks run while this thread cleans up; the
+    /// batch lives in `scratch`, the calling thread's buffer, so a burst
+    /// allocates nothing per batch.
+    fn resolve_reached(
+        pool: &Arc<Self>,
+        key: LaneKey,
+        owner: Owner,
+        scratch: &mut Vec<Wait>,
+    ) -> Resolved {
         let mut resolved = 0;
         // The poller asks each of its lanes every round, mostly to hear "not
         // yet": it takes just the oldest wait first, and a batch only once
         // that one is reached. A lane thread has just seen its oldest reached.
         let mut limit = if owner == Owner::Poller { 1 } else { BATCH };
         loop {
-            let Some(batch) = pool.take_waits(key, owner, limit) else {
+            if !pool.take_waits(key, owner, limit, scratch) {
                 return Resolved {
                     resolved,
                     more: false,
                 };
-            };
-            let mut done = Vec::with_capacity(batch.len());
-            let mut rest = Vec::new();
-            let mut waits = batch.into_iter();
-            for wait in waits.by_ref() {
-                match contain(|| wait.waitable.query()) {
-                    Ok(false) => {
-                        rest.push(wait);
-                        break;
-                    }
-                    Ok(true) => done.push((wait, Ok(()))),
-                    Err(err) => done.push((wait, Err(err))),
+            }
+            let (reached, failed) = reached_prefix(scratch);
+            let rest = scratch.split_off(reached);
+            let more = !rest.is_empty();
+            resolved += reached;
+            limit = BATCH;
+            Self::settle(pool, key, rest, reached);
+            // Woken outside the lock, oldest first; then each wait (and its
+            // event) is dropped here, on this thread.
+            let mut failed = failed.into_iter().peekable();
+            for (index, wait) in scratch.iter().enumerate() {
+                match failed.next_if(|(at, _)| *at == index) {
+                    Some((_, err)) => wait.slot.complete(Err(err)),
+                    None => wait.slot.complete(Ok(())),
                 }
             }
-            rest.extend(waits);
-            let more = !rest.is_empty();
-            resolved += done.len();
-            limit = BATCH;
-            Self::settle(pool, key, rest, done.len());
-            // Woken outside the lock; each wait (and its event) is dropped here,
-            // on this thread.
-            for (wait, result) in done {
-                wait.slot.complete(result);
-            }
+            scratch.clear();
             if more {
                 return Resolved {
                     resolved,
@@ -432,29 +435,30 @@ impl Pool {
         Some(wait)
     }
 
-    /// Take up to `limit` (at most [`BATCH`]) waits of `key`, oldest first, if `owner` serves
-    /// it; `None` when there are none (a lane the poller emptied is removed).
+    /// Move up to `limit` (at most [`BATCH`]) waits of `key` into `batch`,
+    /// oldest first, if `owner` serves it. False when there are none (a lane
+    /// the poller emptied is removed).
     ///
     /// Bounded, so a lane of thousands that is only partly reached costs a
     /// batch per round, not the whole lane taken out and put back.
-    fn take_waits(&self, key: LaneKey, owner: Owner, limit: usize) -> Option<Vec<Wait>> {
+    fn take_waits(&self, key: LaneKey, owner: Owner, limit: usize, batch: &mut Vec<Wait>) -> bool {
         let mut state = self.state();
-        let lane = state
-            .lanes
-            .get_mut(&key)
-            .filter(|lane| lane.owner == owner)?;
+        let Some(lane) = state.lanes.get_mut(&key).filter(|lane| lane.owner == owner) else {
+            return false;
+        };
         if lane.waits.is_empty() {
             if owner == Owner::Poller {
                 state.lanes.remove(&key);
             }
-            return None;
+            return false;
         }
         let rest = match lane.waits.keys().nth(limit) {
             Some(&first_left) => lane.waits.split_off(&first_left),
             None => BTreeMap::new(),
         };
-        let batch = std::mem::replace(&mut lane.waits, rest);
-        Some(batch.into_values().collect())
+        let taken = std::mem::replace(&mut lane.waits, rest);
+        batch.extend(taken.into_values());
+        true
     }
 
     /// Return waits not reached yet to their lane and count `resolved` ones
@@ -557,6 +561,7 @@ impl Pool {
     fn run_poller(pool: Arc<Self>) {
         let mut backoff = POLL_BACKOFF_MIN;
         let mut idle_rounds = 0;
+        let mut scratch = Vec::new();
         loop {
             let (keys, withdrawn) = {
                 let mut state = pool.state();
@@ -575,7 +580,8 @@ impl Pool {
             let mut progressed = !withdrawn.is_empty();
             drop(withdrawn);
             for key in keys {
-                progressed |= Self::resolve_reached(&pool, key, Owner::Poller).resolved > 0;
+                progressed |=
+                    Self::resolve_reached(&pool, key, Owner::Poller, &mut scratch).resolved > 0;
             }
             if progressed {
                 backoff = POLL_BACKOFF_MIN;
@@ -728,6 +734,21 @@ impl State {
         self.waits_finished(waits.len());
         waits
     }
+}
+
+/// How many of `batch`'s waits, from the oldest, a query shows reached (or
+/// failed), stopping at the first not reached; and the failures among them,
+/// by index. Failures are rare, so the common burst allocates nothing here.
+fn reached_prefix(batch: &[Wait]) -> (usize, Vec<(usize, ServerError)>) {
+    let mut failed = Vec::new();
+    for (index, wait) in batch.iter().enumerate() {
+        match contain(|| wait.waitable.query()) {
+            Ok(true) => {}
+            Ok(false) => return (index, failed),
+            Err(err) => failed.push((index, err)),
+        }
+    }
+    (batch.len(), failed)
 }
 
 /// Run a backend call, turning a panic into an error: the pool keeps serving.
