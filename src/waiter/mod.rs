@@ -13,6 +13,10 @@
 //! 2. **Hand-off.** Otherwise the wait goes into its stream's *lane*, ordered
 //!    by the record's place in the stream
 //!    ([`EventApi::stream_sequence`](crate::EventApi::stream_sequence)).
+//!    Lanes live in shards, each behind its own lock, so hand-offs,
+//!    resolutions and cancellations on different streams do not contend; a
+//!    second lock, the scheduler's, is taken only when a lane starts (it
+//!    needs a thread) or ends, and on cancellation (see `pool.rs`).
 //! 3. **One thread per busy lane.** Work on a stream completes in order, so
 //!    one *lane thread* serves a lane: it blocks on the oldest wait (sleeping
 //!    in the driver: `cuEventSynchronize` on a `BLOCKING_SYNC` event),

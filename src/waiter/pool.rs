@@ -5,12 +5,13 @@
 use std::collections::btree_map::Entry;
 use std::collections::{BTreeMap, VecDeque};
 use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use super::permits::Permits;
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
-use crate::loom::{thread, Arc, Condvar, Mutex, MutexGuard};
+use crate::loom::{thread, Arc, AtomicUsize, Condvar, Mutex, MutexGuard};
 use crate::ServerError;
 
 /// The most waits a thread takes out of a lane to query in one round.
@@ -53,37 +54,78 @@ impl Config {
 }
 
 /// The shared state of a waiter: owned by its threads and its handles.
+///
+/// # Locks
+///
+/// Work on different streams must not contend, so the state is split:
+///
+/// - **Shards** ([`SHARDS`] of them, a lane's shard picked by its key): each
+///   lane's waits, owner, and the wait its thread is blocked on. Handing a
+///   wait to a lane that is already served, resolving waits, and withdrawing
+///   one take only their lane's shard.
+/// - **The scheduler** ([`Sched`]): lanes waiting for a server, the threads,
+///   idle threads' wake-ups, withdrawn waits to drop. Taken only when a lane
+///   starts (it needs a server) or ends (its server looks for the next), and
+///   on cancellation.
+///
+/// Lock order: a shard, then the scheduler; never two shards at once, and
+/// no shard while holding the scheduler. So a lane moves between the two in
+/// steps, its [`Owner`] saying where it is in between.
 pub(crate) struct Pool {
     pub(crate) config: Config,
-    state: Mutex<State>,
-    /// Idle lane threads wait here for a lane.
+    shards: Vec<Mutex<Shard>>,
+    /// Lanes in all shards, changed under their shard's lock. Read under the
+    /// scheduler's to decide whether a queued lane needs a new thread (see
+    /// [`Pool::wake_or_spawn_server`]); it is touched only when a lane
+    /// starts or ends, never per wait of a busy lane.
+    lanes: AtomicUsize,
+    sched: Mutex<Sched>,
+    /// Idle lane threads wait here (with the scheduler's lock) for a lane.
     work: Condvar,
     /// Lane threads resolving what they found reached, at most one per core.
     resolving: Permits,
 }
 
-/// Everything under the pool's lock. It changes only through the
-/// transitions below, each a method that keeps these invariants:
+/// How many shards the lanes are spread over: a power of two. Two under
+/// loom, whose models use lanes 0 and 1, one in each.
+const SHARDS: usize = if cfg!(device_events_loom) { 2 } else { 16 };
+
+/// One shard's lanes. Invariants, each kept under the shard's lock:
 ///
-/// - **pending**: `pending` counts the waits handed to the pool and not yet
-///   resolved, withdrawn or failed: those in lanes, plus those a thread has
-///   taken out to block on or to query. [`State::wait_added`] adds one,
-///   [`State::waits_finished`] takes finished ones off.
-/// - **ownership**: a lane is in `queued` exactly when its owner is
-///   [`Owner::Queued`] ([`State::queue_lane`]); a thread or the poller takes
-///   it from there ([`State::take_lane_for_thread`],
-///   [`State::adopt_queued_lanes`]); an emptied lane is removed by whoever
-///   serves it.
-/// - **threads**: `lane_threads` and `poller` count the threads started (or
-///   about to be): [`State::add_lane_thread`] / [`State::lane_thread_left`],
-///   [`State::add_poller`] / [`State::poller_left`]. `idle` counts lane
-///   threads asleep for work, `notified` the wake-ups sent to them and not
-///   yet taken ([`State::go_idle`], [`State::woke`]).
+/// - **pending**: `pending` counts this shard's waits handed to the pool
+///   and not yet resolved, withdrawn or failed: those in lanes, plus those a
+///   thread has taken out to block on or to query. [`Pool::pending`] sums
+///   the shards.
+/// - **lanes**: a lane is created by the wait that finds none ([`Pool::insert`]),
+///   queued for a server by that same caller once it has let go of the shard
+///   ([`Pool::queue_lane`]), and removed only by its server when it is empty
+///   ([`Pool::next_lane`], [`Pool::take_waits`]) or by shutdown. `Pool::lanes`
+///   follows every creation and removal.
+/// - **shut**: set by shutdown when it drains the shard; no wait enters after.
 #[derive(Default)]
-struct State {
+struct Shard {
     /// Ordered, so iteration (and a loom model) is deterministic.
     lanes: BTreeMap<LaneKey, Lane>,
-    /// Lanes with waits and no thread, oldest first.
+    pending: usize,
+    shut: bool,
+}
+
+/// Everything under the scheduler's lock. It changes only through the
+/// transitions below, each a method that keeps these invariants:
+///
+/// - **queued**: holds the keys of lanes whose owner is [`Owner::Queued`]
+///   and that no thread has taken out yet; a thread or the poller takes a
+///   key out here and then claims the lane in its shard ([`Pool::claim`]).
+/// - **threads**: `lane_threads` and `poller` count the threads started (or
+///   about to be): [`Sched::add_lane_thread`] / [`Sched::lane_thread_left`],
+///   [`Sched::add_poller`] / [`Sched::poller_left`]. `idle` counts lane
+///   threads asleep for work, `notified` the wake-ups sent to them and not
+///   yet taken ([`Sched::go_idle`], [`Sched::woke`]).
+/// - **shutdown**: set once, before the shards are drained; nothing is
+///   queued or withdrawn here after it.
+#[derive(Default)]
+struct Sched {
+    /// Lanes waiting for a thread (or the poller), oldest first.
     queued: VecDeque<LaneKey>,
     lane_threads: usize,
     idle: usize,
@@ -95,7 +137,6 @@ struct State {
     /// dropped the future.
     withdrawn: Vec<Wait>,
     peak_threads: usize,
-    pending: usize,
     shutdown: bool,
     next_thread: usize,
 }
@@ -109,12 +150,16 @@ struct Lane {
     blocked_on: Option<Arc<Slot>>,
 }
 
+/// Who serves a lane. A lane is created `Queued`; a thread or the poller
+/// claims it; it is never handed from one server to another except when a
+/// lane thread takes one back from the poller.
 #[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
 enum Owner {
-    /// Just created: nobody serves it yet.
+    /// Waiting for a server: its key is in `Sched::queued`, or is about to
+    /// be (its creator is on the way to the scheduler), or was just taken
+    /// out by a thread or the poller on its way to claim it. Someone will
+    /// serve it either way, so a wait that finds it adds nothing.
     #[default]
-    Nobody,
-    /// In `State::queued`, waiting for a thread.
     Queued,
     /// Served by a lane thread.
     Thread,
@@ -132,11 +177,12 @@ pub(crate) struct Wait {
 struct Resolved {
     /// How many waits it resolved.
     resolved: usize,
-    /// Whether the lane still has waits (the first not reached, and after).
+    /// Whether the lane still has waits (the first not reached, and after)
+    /// and is still the caller's.
     more: bool,
 }
 
-/// What `submit` must do once it has dropped the lock.
+/// What must be spawned once the scheduler's lock is let go.
 enum Spawn {
     Nothing,
     LaneThread(usize),
@@ -148,17 +194,24 @@ impl Pool {
         Self {
             resolving: Permits::new(config.resolvers),
             config,
-            state: Mutex::new(State::default()),
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            lanes: AtomicUsize::new(0),
+            sched: Mutex::new(Sched::default()),
             work: Condvar::new(),
         }
     }
 
-    fn state(&self) -> MutexGuard<'_, State> {
-        self.state.lock()
+    fn shard(&self, key: LaneKey) -> MutexGuard<'_, Shard> {
+        self.shards[key.shard(SHARDS)].lock()
+    }
+
+    fn sched(&self) -> MutexGuard<'_, Sched> {
+        self.sched.lock()
     }
 
     /// Hand a wait to the pool. Returns its lane and sequence: where it
-    /// sits, for [`Pool::withdraw`].
+    /// sits, for [`Pool::withdraw`]. A wait for a lane already served takes
+    /// its shard's lock and nothing else.
     ///
     /// # Errors
     ///
@@ -170,35 +223,53 @@ impl Pool {
         if let Some(invalid) = pool.config.invalid() {
             return Err(invalid);
         }
-        let mut state = pool.state();
-        if state.shutdown {
-            drop(state);
+        let mut shard = pool.shard(key);
+        if shard.shut {
+            drop(shard);
             drop(wait);
             return Err(ServerError::WaiterGone);
         }
-        state.wait_added();
-        let (sequence, spawn) = pool.insert(&mut state, key, sequence, wait);
-        drop(state);
-        Self::spawn(pool, spawn);
+        shard.pending += 1;
+        let (sequence, new_lane) = pool.insert(&mut shard, key, sequence, wait);
+        drop(shard);
+        if new_lane {
+            Self::queue_lane(pool, key);
+        }
         Ok((key, sequence))
     }
 
     /// Put `wait` in its lane, at `sequence` or, if that place is taken, the
     /// next free one (sequences are unique per stream, but two streams may
-    /// share a lane whose keys collide: no wait may overwrite another). A
-    /// lane nobody serves is queued for a server. Returns where it went.
-    fn insert(&self, state: &mut State, key: LaneKey, sequence: u64, wait: Wait) -> (u64, Spawn) {
-        let lane = state.lanes.entry(key).or_default();
+    /// share a lane whose keys collide: no wait may overwrite another).
+    /// Returns where it went, and whether it made a new lane, which the
+    /// caller must then [queue](Self::queue_lane) once it has let go of the
+    /// shard.
+    fn insert(&self, shard: &mut Shard, key: LaneKey, sequence: u64, wait: Wait) -> (u64, bool) {
+        let mut new_lane = false;
+        let lane = shard.lanes.entry(key).or_insert_with(|| {
+            new_lane = true;
+            self.lanes.fetch_add(1, Ordering::SeqCst);
+            Lane::default()
+        });
         let mut sequence = sequence;
         while lane.waits.contains_key(&sequence) {
             sequence = sequence.wrapping_add(1);
         }
         lane.waits.insert(sequence, wait);
-        if lane.owner != Owner::Nobody {
-            return (sequence, Spawn::Nothing);
+        (sequence, new_lane)
+    }
+
+    /// A new lane needs a server: queue it, and wake an idle thread or start
+    /// one. After shutdown it is left alone: shutdown drains its shard.
+    fn queue_lane(pool: &Arc<Self>, key: LaneKey) {
+        let mut sched = pool.sched();
+        if sched.shutdown {
+            return;
         }
-        state.queue_lane(key);
-        (sequence, self.wake_or_spawn_server(state))
+        sched.queued.push_back(key);
+        let spawn = pool.wake_or_spawn_server(&mut sched);
+        drop(sched);
+        Self::spawn(pool, spawn);
     }
 
     /// A lane was queued: wake an idle thread, or decide what to spawn.
@@ -206,24 +277,25 @@ impl Pool {
     /// A new lane thread starts only while there are fewer lane threads than
     /// lanes. Each thread serves at most one lane, so otherwise some thread
     /// is free: idle and already woken, or between lanes, and it takes the
-    /// queued lane before it sleeps. This keeps threads at one per busy
-    /// stream even when lanes drain and refill faster than threads wake.
-    fn wake_or_spawn_server(&self, state: &mut State) -> Spawn {
-        if self.wake_idle(state) || state.lane_threads >= state.lanes.len() {
+    /// queued lane before it sleeps (it looks at `queued` under this lock).
+    /// This keeps threads at one per busy stream even when lanes drain and
+    /// refill faster than threads wake.
+    fn wake_or_spawn_server(&self, sched: &mut Sched) -> Spawn {
+        if self.wake_idle(sched) || sched.lane_threads >= self.lanes.load(Ordering::SeqCst) {
             Spawn::Nothing
-        } else if state.lane_threads < self.config.max_threads {
-            state.add_lane_thread()
-        } else if !state.poller {
-            state.add_poller()
+        } else if sched.lane_threads < self.config.max_threads {
+            sched.add_lane_thread()
+        } else if !sched.poller {
+            sched.add_poller()
         } else {
             Spawn::Nothing
         }
     }
 
     /// Wake an idle lane thread not woken yet, if there is one.
-    fn wake_idle(&self, state: &mut State) -> bool {
-        if state.idle > state.notified {
-            state.notified += 1;
+    fn wake_idle(&self, sched: &mut Sched) -> bool {
+        if sched.idle > sched.notified {
+            sched.notified += 1;
             self.work.notify_one();
             true
         } else {
@@ -264,32 +336,75 @@ impl Pool {
     /// rather than leave them pending forever.
     fn spawn_failed(pool: &Arc<Self>, poller: bool, err: &std::io::Error) {
         log::error!("a waiter thread could not be started: {err}");
-        let mut state = pool.state();
+        let mut sched = pool.sched();
         if poller {
-            state.poller_left();
+            sched.poller_left();
         } else {
-            state.lane_thread_left();
-            if !state.poller {
-                let spawn = state.add_poller();
-                drop(state);
+            sched.lane_thread_left();
+            if !sched.poller {
+                let spawn = sched.add_poller();
+                drop(sched);
                 return Self::spawn(pool, spawn);
             }
         }
-        if state.lane_threads > 0 || state.poller {
+        if sched.lane_threads > 0 || sched.poller {
             return;
         }
-        let reason = format!("no waiter thread could be started: {err}");
-        let failed = state.take_queued_waits();
+        let keys: Vec<LaneKey> = sched.queued.drain(..).collect();
         // No thread will drop them: dropped here, as the last resort.
-        let withdrawn = std::mem::take(&mut state.withdrawn);
-        drop(state);
+        let withdrawn = std::mem::take(&mut sched.withdrawn);
+        drop(sched);
         drop(withdrawn);
-        for wait in failed {
-            wait.slot.complete(Err(ServerError::ThreadSpawn {
-                component: "Waiter",
-                reason: reason.clone(),
-            }));
+        let reason = format!("no waiter thread could be started: {err}");
+        for key in keys {
+            for wait in pool.remove_queued_lane(key) {
+                wait.slot.complete(Err(ServerError::ThreadSpawn {
+                    component: "Waiter",
+                    reason: reason.clone(),
+                }));
+            }
         }
+    }
+
+    /// Remove a lane taken out of `queued` that no thread will serve, and
+    /// return its waits (counted finished).
+    fn remove_queued_lane(&self, key: LaneKey) -> Vec<Wait> {
+        let mut shard = self.shard(key);
+        let lane = match shard.lanes.entry(key) {
+            Entry::Occupied(entry) if entry.get().owner == Owner::Queued => entry.remove(),
+            _ => return Vec::new(),
+        };
+        self.lanes.fetch_sub(1, Ordering::SeqCst);
+        shard.pending -= lane.waits.len();
+        lane.waits.into_values().collect()
+    }
+
+    /// A thread or the poller took `key` out of `queued`: make the lane
+    /// `owner`'s. False if it is gone (shutdown drained it).
+    fn claim(&self, key: LaneKey, owner: Owner) -> bool {
+        let mut shard = self.shard(key);
+        match shard.lanes.get_mut(&key) {
+            Some(lane) if lane.owner == Owner::Queued => {
+                lane.owner = owner;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// A lane the poller serves, made this lane thread's, if there is one.
+    /// Looks through every shard: only while the poller runs, when a thread
+    /// runs out of lanes.
+    fn take_back_from_poller(&self) -> Option<LaneKey> {
+        self.shards.iter().find_map(|shard| {
+            let mut shard = shard.lock();
+            let (key, lane) = shard
+                .lanes
+                .iter_mut()
+                .find(|(_, lane)| lane.owner == Owner::Poller)?;
+            lane.owner = Owner::Thread;
+            Some(*key)
+        })
     }
 
     /// A lane thread: take a lane, serve it until empty, take the next.
@@ -308,49 +423,72 @@ impl Pool {
     /// The next lane for a lane thread that just `finished` one (or none), or
     /// `None` when it should exit (idle past keep-alive, or shut down).
     ///
-    /// Releasing the finished lane and looking for the next happen under the
-    /// lock, and the lock is let go only to drop withdrawn waits, after which
-    /// the thread looks again before it sleeps. A wait submitted meanwhile
-    /// either finds the lane still served, or counts this thread among the
-    /// lane threads (so it starts none) and is taken by it, or finds it idle
-    /// and wakes it. So a stream whose lane empties and refills does not make
-    /// the pool start another thread.
+    /// The finished lane is released (removed, if still empty) under its
+    /// shard's lock; then the thread looks for the next under the
+    /// scheduler's, and goes idle under that same lock if there is none. A
+    /// wait submitted meanwhile for the released lane makes a new lane and
+    /// queues it under the scheduler's lock: either before this thread looks
+    /// (which finds it), or after it went idle (and the queuing wakes it).
+    /// While this thread is between lanes it counts among the lane threads,
+    /// so the queuing starts no other. So a stream whose lane empties and
+    /// refills does not make the pool start another thread.
     fn next_lane(&self, finished: Option<LaneKey>) -> Option<LaneKey> {
-        let mut state = self.state();
         if let Some(key) = finished {
-            match state.lanes.get(&key) {
+            let mut shard = self.shard(key);
+            match shard.lanes.get(&key) {
                 Some(lane) if lane.owner == Owner::Thread && !lane.waits.is_empty() => {
                     return Some(key)
                 }
                 Some(lane) if lane.owner == Owner::Thread => {
-                    state.lanes.remove(&key);
+                    shard.lanes.remove(&key);
+                    self.lanes.fetch_sub(1, Ordering::SeqCst);
                 }
                 _ => {}
             }
         }
         let mut timed_out = false;
+        // Whether this thread has looked for a lane to take back from the
+        // poller since it last slept: once per wake-up is enough, as the
+        // poller wakes an idle thread each round it has lanes.
+        let mut looked_at_poller = false;
+        let mut sched = self.sched();
         loop {
-            if !state.withdrawn.is_empty() {
+            if !sched.withdrawn.is_empty() {
                 // Dropped outside the lock; then look again, as new work may
                 // have come meanwhile.
-                let withdrawn = std::mem::take(&mut state.withdrawn);
-                drop(state);
+                let withdrawn = std::mem::take(&mut sched.withdrawn);
+                drop(sched);
                 drop(withdrawn);
-                state = self.state();
+                sched = self.sched();
                 continue;
             }
-            if let Some(key) = state.take_lane_for_thread() {
-                return Some(key);
+            if let Some(key) = sched.queued.pop_front() {
+                drop(sched);
+                if self.claim(key, Owner::Thread) {
+                    return Some(key);
+                }
+                sched = self.sched();
+                continue;
             }
-            if state.shutdown || timed_out {
-                state.lane_thread_left();
+            if sched.poller && !looked_at_poller && !sched.shutdown {
+                looked_at_poller = true;
+                drop(sched);
+                if let Some(key) = self.take_back_from_poller() {
+                    return Some(key);
+                }
+                sched = self.sched();
+                continue;
+            }
+            if sched.shutdown || timed_out {
+                sched.lane_thread_left();
                 return None;
             }
-            state.go_idle();
-            let (guard, timeout) = self.work.wait_timeout(state, self.config.keep_alive);
-            state = guard;
-            state.woke();
+            sched.go_idle();
+            let (guard, timeout) = self.work.wait_timeout(sched, self.config.keep_alive);
+            sched = guard;
+            sched.woke();
             timed_out = timeout;
+            looked_at_poller = false;
         }
     }
 
@@ -425,8 +563,8 @@ impl Pool {
     /// notes it in `blocked_on`). `None` when the lane is empty or no longer
     /// this thread's; a lane thread releases its emptied lane in `next_lane`.
     fn pop_oldest(&self, key: LaneKey) -> Option<Wait> {
-        let mut state = self.state();
-        let lane = state
+        let mut shard = self.shard(key);
+        let lane = shard
             .lanes
             .get_mut(&key)
             .filter(|lane| lane.owner == Owner::Thread)?;
@@ -442,13 +580,14 @@ impl Pool {
     /// Bounded, so a lane of thousands that is only partly reached costs a
     /// batch per round, not the whole lane taken out and put back.
     fn take_waits(&self, key: LaneKey, owner: Owner, limit: usize, batch: &mut Vec<Wait>) -> bool {
-        let mut state = self.state();
-        let Some(lane) = state.lanes.get_mut(&key).filter(|lane| lane.owner == owner) else {
+        let mut shard = self.shard(key);
+        let Some(lane) = shard.lanes.get_mut(&key).filter(|lane| lane.owner == owner) else {
             return false;
         };
         if lane.waits.is_empty() {
             if owner == Owner::Poller {
-                state.lanes.remove(&key);
+                shard.lanes.remove(&key);
+                self.lanes.fetch_sub(1, Ordering::SeqCst);
             }
             return false;
         }
@@ -463,41 +602,39 @@ impl Pool {
 
     /// Return waits not reached yet to their lane and count `resolved` ones
     /// as done, in one lock. If the lane was emptied and removed meanwhile (a
-    /// thread took it over from the poller and found it empty), it is queued
-    /// afresh, so someone serves it.
+    /// thread took it over from the poller and found it empty), it is made
+    /// and queued afresh, so someone serves it.
     ///
     /// A wait whose future was dropped while it was out of its lane (so
     /// `withdraw` did not find it) is dropped here instead of put back. This
     /// is the only way a cancelled wait could enter a lane: the future's drop
-    /// marks the slot cancelled before it takes the pool lock to withdraw, so
-    /// under this lock a wait is either seen cancelled or withdrawn later.
+    /// marks the slot cancelled before it takes the shard lock to withdraw,
+    /// so under this lock a wait is either seen cancelled or withdrawn later.
     fn settle(pool: &Arc<Self>, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
-        let mut state = pool.state();
+        let mut shard = pool.shard(key);
         let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
-        state.waits_finished(resolved + cancelled.len());
+        shard.pending -= resolved + cancelled.len();
         let mut gone = Vec::new();
-        let mut spawn = Spawn::Nothing;
-        if state.shutdown {
-            state.waits_finished(rest.len());
+        let mut new_lane = false;
+        if shard.shut {
+            shard.pending -= rest.len();
             gone = rest;
         } else {
             for wait in rest {
                 let sequence = wait.waitable.sequence();
-                if let (_, found @ (Spawn::LaneThread(_) | Spawn::Poller)) =
-                    pool.insert(&mut state, key, sequence, wait)
-                {
-                    spawn = found;
-                }
+                new_lane |= pool.insert(&mut shard, key, sequence, wait).1;
             }
         }
-        drop(state);
+        drop(shard);
         // Dropped (destroying their events) and woken outside the lock.
         drop(cancelled);
         for wait in gone {
             wait.slot.complete(Err(ServerError::WaiterGone));
         }
-        Self::spawn(pool, spawn);
+        if new_lane {
+            Self::queue_lane(pool, key);
+        }
     }
 
     /// The future of the wait at `sequence` of lane `key` was dropped: take
@@ -505,18 +642,26 @@ impl Pool {
     /// have a waiter thread drop it (destroying its event) soon. A wait a
     /// thread has taken out is not there; that thread drops it when done.
     pub(crate) fn withdraw(pool: &Arc<Self>, key: LaneKey, sequence: u64, slot: &Arc<Slot>) {
-        let mut state = pool.state();
-        let Some(lane) = state.lanes.get_mut(&key) else {
+        let mut shard = pool.shard(key);
+        let Some(lane) = shard.lanes.get_mut(&key) else {
             return;
         };
         let wait = match lane.waits.entry(sequence) {
             Entry::Occupied(entry) if Arc::ptr_eq(&entry.get().slot, slot) => entry.remove(),
             _ => return,
         };
-        state.waits_finished(1);
-        state.withdrawn.push(wait);
-        let spawn = pool.wake_or_spawn_disposer(&mut state);
-        drop(state);
+        shard.pending -= 1;
+        drop(shard);
+        let mut sched = pool.sched();
+        if sched.shutdown {
+            // No waiter thread is left to drop it: dropped here.
+            drop(sched);
+            drop(wait);
+            return;
+        }
+        sched.withdrawn.push(wait);
+        let spawn = pool.wake_or_spawn_disposer(&mut sched);
+        drop(sched);
         Self::spawn(pool, spawn);
     }
 
@@ -526,19 +671,19 @@ impl Pool {
     /// would find no thread idle each time and start one per drop, up to
     /// `max_threads`; there is only ever one poller, and it lingers a few
     /// milliseconds for more before it exits.
-    fn wake_or_spawn_disposer(&self, state: &mut State) -> Spawn {
-        if state.poller || self.wake_idle(state) {
+    fn wake_or_spawn_disposer(&self, sched: &mut Sched) -> Spawn {
+        if sched.poller || self.wake_idle(sched) {
             Spawn::Nothing
         } else {
-            state.add_poller()
+            sched.add_poller()
         }
     }
 
     /// A lane thread's block on `slot`'s wait ended with `result`. Unless
     /// shutdown has resolved it meanwhile, count it done and wake its future.
     fn resolve_blocked(&self, key: LaneKey, slot: &Arc<Slot>, result: Result<(), ServerError>) {
-        let mut state = self.state();
-        let ours = state
+        let mut shard = self.shard(key);
+        let ours = shard
             .lanes
             .get_mut(&key)
             .and_then(|lane| {
@@ -547,8 +692,8 @@ impl Pool {
             })
             .is_some();
         if ours {
-            state.waits_finished(1);
-            drop(state);
+            shard.pending -= 1;
+            drop(shard);
             slot.complete(result);
         }
     }
@@ -557,32 +702,50 @@ impl Pool {
     /// bounded backoff, and drop withdrawn waits. With nothing to do it
     /// lingers a few backoff rounds (about 2.5 ms) before it exits, so a
     /// burst of dropped futures while every lane thread is busy does not
-    /// start a thread per drop.
+    /// start a thread per drop. While it serves lanes and a lane thread is
+    /// idle, it wakes that thread each round, which takes a lane back and
+    /// blocks on it rather than have it polled.
     fn run_poller(pool: Arc<Self>) {
         let mut backoff = POLL_BACKOFF_MIN;
         let mut idle_rounds = 0;
         let mut scratch = Vec::new();
+        // The lanes this poller serves; a lane a thread took back, or that
+        // emptied, is forgotten when its round finds it no longer ours.
+        let mut lanes: Vec<LaneKey> = Vec::new();
         loop {
-            let (keys, withdrawn) = {
-                let mut state = pool.state();
-                let withdrawn = std::mem::take(&mut state.withdrawn);
-                let keys = state.adopt_queued_lanes();
-                let idle = keys.is_empty() && withdrawn.is_empty();
+            let (adopted, withdrawn) = {
+                let mut sched = pool.sched();
+                let withdrawn = std::mem::take(&mut sched.withdrawn);
+                let adopted: Vec<LaneKey> = sched.queued.drain(..).collect();
+                let idle = lanes.is_empty() && adopted.is_empty() && withdrawn.is_empty();
                 // `+ 1 >`, not `>=`: under loom the linger is 0 rounds.
-                if idle && (idle_rounds + 1 > POLLER_LINGER_ROUNDS || state.shutdown) {
-                    state.poller_left();
+                if idle && (idle_rounds + 1 > POLLER_LINGER_ROUNDS || sched.shutdown) {
+                    sched.poller_left();
                     return;
                 }
                 idle_rounds = if idle { idle_rounds + 1 } else { 0 };
-                (keys, withdrawn)
+                if !lanes.is_empty() || !adopted.is_empty() {
+                    pool.wake_idle(&mut sched);
+                }
+                (adopted, withdrawn)
             };
             // Dropped here, outside the lock.
             let mut progressed = !withdrawn.is_empty();
             drop(withdrawn);
-            for key in keys {
-                progressed |=
-                    Self::resolve_reached(&pool, key, Owner::Poller, &mut scratch).resolved > 0;
+            lanes.extend(
+                adopted
+                    .into_iter()
+                    .filter(|&key| pool.claim(key, Owner::Poller)),
+            );
+            let mut kept = Vec::with_capacity(lanes.len());
+            for key in lanes.drain(..) {
+                let round = Self::resolve_reached(&pool, key, Owner::Poller, &mut scratch);
+                progressed |= round.resolved > 0;
+                if round.more {
+                    kept.push(key);
+                }
             }
+            lanes = kept;
             if progressed {
                 backoff = POLL_BACKOFF_MIN;
             } else {
@@ -595,22 +758,35 @@ impl Pool {
     /// Resolve every pending wait with [`ServerError::WaiterGone`] and let the
     /// threads exit. A wait a thread is blocked on resolves now too; the
     /// thread drops it (its event) when the block ends, then exits.
+    ///
+    /// The scheduler is shut first (nothing is queued or withdrawn there
+    /// after), then each shard is drained and shut in turn: a submit that
+    /// got into a shard before it was drained is drained with it, and one
+    /// after finds it shut.
     pub(crate) fn shutdown(&self) {
-        let mut state = self.state();
-        state.shutdown = true;
+        let withdrawn = {
+            let mut sched = self.sched();
+            sched.shutdown = true;
+            sched.queued.clear();
+            std::mem::take(&mut sched.withdrawn)
+        };
+        self.work.notify_all();
+        // Withdrawn waits are dropped here, with the rest.
+        drop(withdrawn);
         let mut gone = Vec::new();
         let mut blocked = Vec::new();
-        // Withdrawn waits are dropped here, with the rest.
-        let withdrawn = std::mem::take(&mut state.withdrawn);
-        for lane in std::mem::take(&mut state.lanes).into_values() {
-            gone.extend(lane.waits.into_values());
-            blocked.extend(lane.blocked_on);
+        for shard in &self.shards {
+            let mut shard = shard.lock();
+            shard.shut = true;
+            let lanes = std::mem::take(&mut shard.lanes);
+            self.lanes.fetch_sub(lanes.len(), Ordering::SeqCst);
+            let before = gone.len() + blocked.len();
+            for lane in lanes.into_values() {
+                gone.extend(lane.waits.into_values());
+                blocked.extend(lane.blocked_on);
+            }
+            shard.pending -= gone.len() + blocked.len() - before;
         }
-        state.queued.clear();
-        state.waits_finished(gone.len() + blocked.len());
-        drop(state);
-        drop(withdrawn);
-        self.work.notify_all();
         let slots = gone.iter().map(|wait| &wait.slot).chain(&blocked);
         for slot in slots {
             slot.complete(Err(ServerError::WaiterGone));
@@ -618,38 +794,21 @@ impl Pool {
     }
 
     pub(crate) fn threads(&self) -> usize {
-        let state = self.state();
-        state.lane_threads + usize::from(state.poller)
+        let sched = self.sched();
+        sched.lane_threads + usize::from(sched.poller)
     }
 
     pub(crate) fn peak_threads(&self) -> usize {
-        self.state().peak_threads
+        self.sched().peak_threads
     }
 
+    /// Waits handed to the pool and not finished, summed over the shards.
     pub(crate) fn pending(&self) -> usize {
-        self.state().pending
+        self.shards.iter().map(|shard| shard.lock().pending).sum()
     }
 }
 
-impl State {
-    /// A wait was handed to the pool.
-    fn wait_added(&mut self) {
-        self.pending += 1;
-    }
-
-    /// `count` waits left the pool: resolved, withdrawn, or failed.
-    fn waits_finished(&mut self, count: usize) {
-        self.pending -= count;
-    }
-
-    /// A lane nobody serves waits for a thread (or the poller).
-    fn queue_lane(&mut self, key: LaneKey) {
-        if let Some(lane) = self.lanes.get_mut(&key) {
-            lane.owner = Owner::Queued;
-            self.queued.push_back(key);
-        }
-    }
-
+impl Sched {
     /// A lane thread is about to sleep, waiting for a lane.
     fn go_idle(&mut self) {
         self.idle += 1;
@@ -691,48 +850,6 @@ impl State {
         self.peak_threads = self
             .peak_threads
             .max(self.lane_threads + usize::from(self.poller));
-    }
-
-    /// A queued lane, or else one taken back from the poller.
-    fn take_lane_for_thread(&mut self) -> Option<LaneKey> {
-        while let Some(key) = self.queued.pop_front() {
-            if let Some(lane) = self.lanes.get_mut(&key) {
-                lane.owner = Owner::Thread;
-                return Some(key);
-            }
-        }
-        let (key, lane) = self
-            .lanes
-            .iter_mut()
-            .find(|(_, lane)| lane.owner == Owner::Poller)?;
-        lane.owner = Owner::Thread;
-        Some(*key)
-    }
-
-    /// Give the poller every queued lane; return all lanes it serves.
-    fn adopt_queued_lanes(&mut self) -> Vec<LaneKey> {
-        while let Some(key) = self.queued.pop_front() {
-            if let Some(lane) = self.lanes.get_mut(&key) {
-                lane.owner = Owner::Poller;
-            }
-        }
-        self.lanes
-            .iter()
-            .filter(|(_, lane)| lane.owner == Owner::Poller)
-            .map(|(key, _)| *key)
-            .collect()
-    }
-
-    /// Remove the waits of every queued lane (no thread will serve them).
-    fn take_queued_waits(&mut self) -> Vec<Wait> {
-        let mut waits = Vec::new();
-        while let Some(key) = self.queued.pop_front() {
-            if let Some(lane) = self.lanes.remove(&key) {
-                waits.extend(lane.waits.into_values());
-            }
-        }
-        self.waits_finished(waits.len());
-        waits
     }
 }
 

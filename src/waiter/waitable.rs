@@ -40,6 +40,13 @@ pub(crate) trait Waitable: Send + 'static {
 }
 
 impl LaneKey {
+    /// Which of `shards` (a power of two) holds this lane: the low bits of
+    /// its stream's hash, which are as well mixed as the rest.
+    pub(crate) fn shard(self, shards: usize) -> usize {
+        debug_assert!(shards.is_power_of_two());
+        (self.stream_hash as usize) & (shards - 1)
+    }
+
     /// The lane of `stream` of backend `A`.
     pub(crate) fn of<A: EventApi>(stream: A::Stream) -> Self {
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
