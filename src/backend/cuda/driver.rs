@@ -458,7 +458,8 @@ impl FencePool {
         found.unwrap_or_else(|| {
             let pool = Arc::new(Self {
                 ctx: Arc::downgrade(ctx),
-                idle: Mutex::new(Vec::new()),
+                // Room for a full pool: a release never grows it.
+                idle: Mutex::new(Vec::with_capacity(FENCE_POOL_CAPACITY)),
             });
             pools.push(Arc::downgrade(&pool));
             pool
