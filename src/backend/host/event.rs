@@ -1,7 +1,7 @@
 //! [`HostEvent`]: a marker that host streams pass when they reach it.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
@@ -22,7 +22,13 @@ pub struct LiveEvents(Arc<Counts>);
 
 #[derive(Default)]
 struct Counts {
-    live: AtomicUsize,
+    /// The stream's events allocated and not yet freed: in use, or idle in
+    /// the stream's pool.
+    alive: AtomicUsize,
+    /// Of those, how many are idle in the pool: a gauge the pool sets under
+    /// its lock, with a plain store, so taking and giving back a pooled
+    /// event costs no read-modify-write here.
+    idle: AtomicUsize,
     created: AtomicU64,
 }
 
@@ -34,7 +40,10 @@ impl LiveEvents {
     /// event once its work completes, and so does this backend); idle events
     /// in the pool do not count.
     pub fn count(&self) -> usize {
-        self.0.live.load(Ordering::SeqCst)
+        // The gauge first: an event given back between the two reads then
+        // still counts (never a count too low for a leak check to trust).
+        let idle = self.0.idle.load(Ordering::SeqCst);
+        self.0.alive.load(Ordering::SeqCst).saturating_sub(idle)
     }
 
     /// How many events were ever created for the stream: a steady loop of
@@ -43,12 +52,18 @@ impl LiveEvents {
         self.0.created.load(Ordering::SeqCst)
     }
 
-    fn add(&self) {
-        self.0.live.fetch_add(1, Ordering::SeqCst);
+    fn allocated(&self) {
+        self.0.created.fetch_add(1, Ordering::SeqCst);
+        self.0.alive.fetch_add(1, Ordering::SeqCst);
     }
 
-    fn sub(&self) {
-        self.0.live.fetch_sub(1, Ordering::SeqCst);
+    fn freed(&self) {
+        self.0.alive.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// The pool now holds `idle` events; called under the pool's lock.
+    fn set_idle(&self, idle: usize) {
+        self.0.idle.store(idle, Ordering::Release);
     }
 }
 
@@ -67,32 +82,39 @@ pub(super) const FENCE_POOL_CAPACITY: usize = 64;
 /// A host stream's idle fence events. Owned by the stream; its events point
 /// back at it weakly, so one given back after the stream is gone is freed.
 pub(super) struct FencePool {
+    /// Created with room for a full pool: giving an event back never grows
+    /// it (a growing `Vec` in the middle of a burst of released waits made
+    /// the allocator consolidate, measurably).
     idle: Mutex<Vec<HostEvent>>,
-}
-
-/// Empty, with room for a full pool: giving an event back never grows it
-/// (a growing `Vec` in the middle of a burst of released waits made the
-/// allocator consolidate, measurably).
-impl Default for FencePool {
-    fn default() -> Self {
-        Self {
-            idle: Mutex::new(Vec::with_capacity(FENCE_POOL_CAPACITY)),
-        }
-    }
+    /// The stream's counts, whose idle gauge this pool keeps.
+    live: LiveEvents,
 }
 
 impl FencePool {
-    /// An idle fence event, now in use, or a new one counted in `live`.
-    pub(super) fn take(self: &Arc<Self>, live: &LiveEvents) -> HostEvent {
-        let pooled = self.idle.lock().pop();
-        match pooled {
-            Some(event) => {
-                event.inner.in_use.store(true, Ordering::SeqCst);
-                live.add();
-                event
-            }
-            None => HostEvent::create(false, live, Some(Arc::downgrade(self))),
+    /// An empty pool for the stream counted in `live`.
+    pub(super) fn new(live: LiveEvents) -> Self {
+        Self {
+            idle: Mutex::new(Vec::with_capacity(FENCE_POOL_CAPACITY)),
+            live,
         }
+    }
+
+    /// An idle fence event, now in use, or a new one.
+    pub(super) fn take(self: &Arc<Self>) -> HostEvent {
+        let mut idle = self.idle.lock();
+        if let Some(event) = idle.pop() {
+            self.live.set_idle(idle.len());
+            return event;
+        }
+        drop(idle);
+        HostEvent::create(false, &self.live, Some(Arc::downgrade(self)))
+    }
+}
+
+impl Drop for FencePool {
+    fn drop(&mut self) {
+        // Its idle events are freed with it (each counted out of `alive`).
+        self.live.set_idle(0);
     }
 }
 
@@ -114,8 +136,6 @@ pub(super) struct EventInner {
     timing: bool,
     /// The creating stream's counts.
     live: LiveEvents,
-    /// Counted in `live`: false while idle in the pool.
-    in_use: AtomicBool,
     /// The fence-event pool it goes back to, for fence events.
     pool: Option<Weak<FencePool>>,
 }
@@ -155,15 +175,13 @@ impl HostEvent {
     }
 
     fn create(timing: bool, live: &LiveEvents, pool: Option<Weak<FencePool>>) -> Self {
-        live.0.created.fetch_add(1, Ordering::SeqCst);
-        live.add();
+        live.allocated();
         Self {
             inner: Arc::new(EventInner {
                 state: Mutex::new(EventState::default()),
                 changed: Condvar::new(),
                 timing,
                 live: live.clone(),
-                in_use: AtomicBool::new(true),
                 pool,
             }),
         }
@@ -178,10 +196,11 @@ impl HostEvent {
         };
         let mut idle = pool.idle.lock();
         if idle.len() < FENCE_POOL_CAPACITY {
-            if self.inner.in_use.swap(false, Ordering::SeqCst) {
-                self.inner.live.sub();
-            }
             idle.push(self);
+            pool.live.set_idle(idle.len());
+        } else {
+            drop(idle);
+            drop(self);
         }
     }
 
@@ -191,6 +210,21 @@ impl HostEvent {
         state.recorded += 1;
         state.reached_at = None;
         state.recorded
+    }
+
+    /// Record a new generation that is reached at once (its stream is
+    /// idle): [`next_generation`](Self::next_generation) and
+    /// [`signal`](Self::signal) in one lock.
+    pub(super) fn record_reached(&self) {
+        let mut state = self.inner.lock();
+        state.recorded += 1;
+        state.reached = state.recorded;
+        state.reached_at = self.inner.timing.then(Instant::now);
+        let waiting = state.waiting > 0;
+        drop(state);
+        if waiting {
+            self.inner.changed.notify_all();
+        }
     }
 
     /// The generation a waiter asking now refers to.
@@ -291,9 +325,7 @@ impl EventInner {
 
 impl Drop for EventInner {
     fn drop(&mut self) {
-        if *self.in_use.get_mut() {
-            self.live.sub();
-        }
+        self.live.freed();
     }
 }
 

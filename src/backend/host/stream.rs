@@ -88,12 +88,13 @@ impl HostStream {
     ///
     /// The operating system refused to start the thread.
     pub fn new() -> Result<Self, ServerError> {
+        let live_events = LiveEvents::default();
         let shared = Arc::new(StreamShared {
             state: Mutex::new(StreamState::default()),
             work_queued: Condvar::new(),
             progressed: Condvar::new(),
-            live_events: LiveEvents::default(),
-            fence_pool: Arc::default(),
+            fence_pool: Arc::new(FencePool::new(live_events.clone())),
+            live_events,
             sequence: AtomicU64::new(0),
         });
         let (id, ()) = STREAMS.register(&shared, || ());
@@ -223,7 +224,7 @@ impl StreamShared {
 
     /// A fence event from this stream's pool, or a new one.
     pub(super) fn take_fence_event(&self) -> HostEvent {
-        self.fence_pool.take(&self.live_events)
+        self.fence_pool.take()
     }
 
     fn lock(&self) -> MutexGuard<'_, StreamState> {
@@ -250,14 +251,14 @@ impl StreamShared {
         // stream lock keeps generations in queue order on this stream.
         let mut state = self.lock();
         state.accepting("event_record")?;
-        let generation = event.next_generation();
         if state.queue.is_empty() && state.finished == state.queued {
             // Idle: everything queued before this record has run, so the
             // event is reached now, as the worker would signal it: no marker,
             // no wake-up of the worker.
-            event.signal(generation);
+            event.record_reached();
             return Ok(());
         }
+        let generation = event.next_generation();
         state.queue.push_back(Op::Signal(event.clone(), generation));
         state.queued += 1;
         let wake = state.worker_waiting;
