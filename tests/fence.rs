@@ -245,3 +245,19 @@ fn a_steady_loop_of_fences_creates_no_events_after_warm_up() {
         || live.count() == 0,
     );
 }
+
+/// `LiveEvents::count` counts pooled events while they are in use, however
+/// often they have been to the pool and back, and not while they are idle
+/// there.
+#[test]
+fn live_events_count_pooled_events_in_use_and_not_idle_ones() {
+    let stream = HostStream::new().unwrap();
+    let live = stream.live_events();
+    for round in 0..10 {
+        let held: Vec<_> = (0..=round % 3).map(|_| stream.fence()).collect();
+        assert_eq!(live.count(), held.len(), "round {round}: fences alive");
+        drop(held);
+        assert_eq!(live.count(), 0, "round {round}: all back in the pool");
+    }
+    assert!(live.created() <= 3, "created {} events", live.created());
+}
