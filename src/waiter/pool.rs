@@ -595,12 +595,15 @@ impl Pool {
             }
             return false;
         }
-        let rest = match lane.waits.keys().nth(limit) {
-            Some(&first_left) => lane.waits.split_off(&first_left),
-            None => BTreeMap::new(),
-        };
-        let taken = std::mem::replace(&mut lane.waits, rest);
-        batch.extend(taken.into_values());
+        // One at a time from the front, not `split_off`: that allocates a
+        // new tree for the rest on every batch, in the middle of a burst.
+        debug_assert!(batch.is_empty(), "the caller's buffer is cleared");
+        while batch.len() < limit {
+            let Some((_, wait)) = lane.waits.pop_first() else {
+                break;
+            };
+            batch.push(wait);
+        }
         true
     }
 
