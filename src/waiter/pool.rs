@@ -739,11 +739,13 @@ impl Pool {
             // Dropped here, outside the lock.
             let mut progressed = !withdrawn.is_empty();
             drop(withdrawn);
-            lanes.extend(
-                adopted
-                    .into_iter()
-                    .filter(|&key| pool.claim(key, Owner::Poller)),
-            );
+            for key in adopted {
+                // A lane this poller still lists may have been taken back,
+                // emptied, made afresh and queued again: listed once.
+                if pool.claim(key, Owner::Poller) && !lanes.contains(&key) {
+                    lanes.push(key);
+                }
+            }
             let mut kept = Vec::with_capacity(lanes.len());
             for key in lanes.drain(..) {
                 let round = Self::resolve_reached(&pool, key, Owner::Poller, &mut scratch);
