@@ -86,8 +86,8 @@ plant "sticky codes miss CUDA_ERROR_ILLEGAL_ADDRESS" src/backend/cuda/driver.rs 
     cuda_faults
 
 plant "CUDA fence events are destroyed, not pooled" src/backend/cuda/driver.rs \
-    'if idle.len() < FENCE_POOL_CAPACITY {' \
-    'if idle.len() < FENCE_POOL_CAPACITY && false {' \
+    'if idle.len() < SHARD_CAPACITY {' \
+    'if idle.len() < SHARD_CAPACITY && false {' \
     cuda_binding
 
 plant "CUDA_ERROR_CONTAINED (226, by number) is not sticky" src/backend/cuda/driver.rs \

@@ -288,6 +288,58 @@ fn fence_events_are_pooled_per_context(ctx: &Arc<CudaContext>) {
             created - warm
         );
     }
+    fence_events_are_pooled_across_threads(ctx, &waiter);
+}
+
+/// The context's pool is split by thread, so threads making fences on one
+/// context do not share a lock: a steady loop on four threads creates a few
+/// events per thread while warming up, then none; and a thread that holds
+/// 48 fences at once, lets them go and makes 48 more creates no new ones.
+fn fence_events_are_pooled_across_threads(ctx: &Arc<CudaContext>, waiter: &Waiter) {
+    let run = |rounds: usize| {
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                let stream = ctx.new_stream().unwrap();
+                scope.spawn(move || {
+                    for round in 0..rounds {
+                        let fence = cuda::fence(&stream);
+                        if round % 2 == 0 {
+                            fence.wait_sync().unwrap();
+                        } else {
+                            futures::executor::block_on(waiter.wait(fence)).unwrap();
+                        }
+                    }
+                });
+            }
+        });
+    };
+    run(50);
+    let warm = events_created(0);
+    run(200);
+    if let Some(warm) = warm {
+        let created = events_created(0).unwrap() - warm;
+        assert!(
+            created <= 8,
+            "{created} events created after warm-up on 4 threads"
+        );
+    }
+    let stream = ctx.new_stream().unwrap();
+    let hold = |count: usize| {
+        let fences: Vec<_> = (0..count).map(|_| cuda::fence(&stream)).collect();
+        for fence in fences {
+            fence.wait_sync().unwrap();
+        }
+    };
+    hold(48);
+    let warm = events_created(0);
+    hold(48);
+    if let Some(warm) = warm {
+        let created = events_created(0).unwrap() - warm;
+        assert_eq!(
+            created, 0,
+            "events created for 48 fences held a second time"
+        );
+    }
 }
 
 /// A driver newer than the bindings the crate was built with can return a

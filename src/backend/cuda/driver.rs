@@ -27,7 +27,7 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
 
 use cudarc::driver::result::DriverError;
@@ -421,27 +421,47 @@ pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) ->
     }
 }
 
-/// The most idle fence events a context's pool keeps.
-const FENCE_POOL_CAPACITY: usize = 256;
+/// The most idle fence events a context's pool keeps: [`SHARD_CAPACITY`] in
+/// each of its [`FENCE_POOL_SHARDS`] shards.
+const FENCE_POOL_CAPACITY: usize = 512;
+
+/// How many locks a context's pool is split into. Every executor thread
+/// makes fences on the same context, so one lock would be a lock shared by
+/// all of them; each thread takes from its own shard (see [`home_shard`]),
+/// or another's when its own is empty, and an event goes back to the shard
+/// of the thread that took it.
+const FENCE_POOL_SHARDS: usize = 8;
 
 /// One context's idle fence events (`DISABLE_TIMING | BLOCKING_SYNC`), for
 /// later fences: on busy GPUs `cuEventCreate` contends on the driver's
-/// context lock, so a steady loop of fences creates none after warm-up.
+/// context lock, so a steady loop of fences creates none after warm-up. At
+/// most [`FENCE_POOL_CAPACITY`] idle events, spread over
+/// [`FENCE_POOL_SHARDS`] locks.
 ///
 /// Idle events do not keep the context alive (the pool holds it weakly): if
 /// the context goes, the driver frees its events with it, and the pool
 /// forgets them without a call.
 pub(crate) struct FencePool {
     ctx: Weak<CudaContext>,
-    idle: Mutex<Vec<IdleEvent>>,
+    shards: Vec<Mutex<Vec<IdleEvent>>>,
 }
 
 /// An idle event's raw handle.
 struct IdleEvent(sys::CUevent);
 
 // SAFETY: a CUevent is a driver handle, not memory this process reads; an
-// idle one is touched only under the pool's lock, then by one owner.
+// idle one is touched only under its shard's lock, then by one owner.
 unsafe impl Send for IdleEvent {}
+
+/// The pool shard of the calling thread: threads are spread over the shards
+/// in the order they first make a fence.
+fn home_shard() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % FENCE_POOL_SHARDS;
+    }
+    SHARD.with(|shard| *shard)
+}
 
 impl FencePool {
     /// The pool of `ctx`'s fence events: the same pool for every stream of a
@@ -458,18 +478,24 @@ impl FencePool {
         found.unwrap_or_else(|| {
             let pool = Arc::new(Self {
                 ctx: Arc::downgrade(ctx),
-                // Room for a full pool: a release never grows it.
-                idle: Mutex::new(Vec::with_capacity(FENCE_POOL_CAPACITY)),
+                // Room for a full shard: a release never grows it.
+                shards: (0..FENCE_POOL_SHARDS)
+                    .map(|_| Mutex::new(Vec::with_capacity(SHARD_CAPACITY)))
+                    .collect(),
             });
             pools.push(Arc::downgrade(&pool));
             pool
         })
     }
 
-    /// An idle fence event of this pool's context, or a new one. `ctx` is the
-    /// pool's context, kept alive by the caller's stream.
+    /// An idle fence event of this pool's context from the calling thread's
+    /// shard, or a new one. `ctx` is the pool's context, kept alive by the
+    /// caller's stream.
     pub(crate) fn take(self: &Arc<Self>, ctx: &Arc<CudaContext>) -> Result<CudaEvent, ServerError> {
-        let idle = self.idle.lock().pop();
+        let shard = home_shard();
+        // Another shard's idle event before a new one: the pool holds up to
+        // its capacity for whichever threads make fences.
+        let idle = self.shards_from(shard).find_map(|other| other.lock().pop());
         let mut event = match idle {
             Some(IdleEvent(raw)) => CudaEvent {
                 raw,
@@ -478,14 +504,28 @@ impl FencePool {
             },
             None => CudaEvent::create(ctx, false, true)?,
         };
-        event.pool = Some(self.clone());
+        event.pool = Some((self.clone(), shard));
         Ok(event)
     }
 }
 
+impl FencePool {
+    /// Every shard, starting with `first`.
+    fn shards_from(&self, first: usize) -> impl Iterator<Item = &Mutex<Vec<IdleEvent>>> {
+        (0..FENCE_POOL_SHARDS).map(move |step| &self.shards[(first + step) % FENCE_POOL_SHARDS])
+    }
+}
+
+/// The most idle events one shard keeps.
+const SHARD_CAPACITY: usize = FENCE_POOL_CAPACITY / FENCE_POOL_SHARDS;
+
 impl Drop for FencePool {
     fn drop(&mut self) {
-        let idle = std::mem::take(self.idle.get_mut());
+        let idle: Vec<IdleEvent> = self
+            .shards
+            .iter_mut()
+            .flat_map(|shard| std::mem::take(shard.get_mut()))
+            .collect();
         let Some(ctx) = self.ctx.upgrade() else {
             // The context is gone, and the driver freed its events with it.
             return;
@@ -519,8 +559,8 @@ impl Drop for FencePool {
 pub struct CudaEvent {
     raw: sys::CUevent,
     ctx: Arc<CudaContext>,
-    /// The pool a fence event goes back to.
-    pool: Option<Arc<FencePool>>,
+    /// The pool a fence event goes back to, and the shard it came from.
+    pool: Option<(Arc<FencePool>, usize)>,
 }
 
 // SAFETY: a CUevent is a driver handle, not memory this process reads; the
@@ -562,9 +602,12 @@ impl CudaEvent {
     /// pool is full (or it has none). Its last record may still be pending:
     /// the next `cuEventRecord` replaces it, which the driver allows.
     pub(super) fn release(mut self) -> Result<(), ServerError> {
-        if let Some(pool) = self.pool.take() {
-            let mut idle = pool.idle.lock();
-            if idle.len() < FENCE_POOL_CAPACITY {
+        if let Some((pool, shard)) = self.pool.take() {
+            // Back to the shard of the thread that took it; a full shard
+            // destroys it rather than lock the others (a burst of releases
+            // beyond the pool's capacity would lock every shard each time).
+            let mut idle = pool.shards[shard].lock();
+            if idle.len() < SHARD_CAPACITY {
                 let raw = std::mem::replace(&mut self.raw, ptr::null_mut());
                 idle.push(IdleEvent(raw));
                 return Ok(());
