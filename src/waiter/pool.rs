@@ -94,13 +94,15 @@ const SHARDS: usize = if cfg!(device_events_loom) { 2 } else { 16 };
 ///
 /// - **pending**: `pending` counts this shard's waits handed to the pool
 ///   and not yet resolved, withdrawn or failed: those in lanes, plus those a
-///   thread has taken out to block on or to query. [`Pool::pending`] sums
-///   the shards.
+///   thread has taken out to block on or to query. [`Shard::wait_added`]
+///   adds one, [`Shard::waits_finished`] takes finished ones off;
+///   [`Pool::pending`] sums the shards.
 /// - **lanes**: a lane is created by the wait that finds none ([`Pool::insert`]),
 ///   queued for a server by that same caller once it has let go of the shard
 ///   ([`Pool::queue_lane`]), and removed only by its server when it is empty
 ///   ([`Pool::next_lane`], [`Pool::take_waits`]) or by shutdown. `Pool::lanes`
-///   follows every creation and removal.
+///   follows every creation ([`Pool::lane_created`]) and removal
+///   ([`Pool::remove_lane`], the only way a lane leaves its shard).
 /// - **shut**: set by shutdown when it drains the shard; no wait enters after.
 #[derive(Default)]
 struct Shard {
@@ -229,7 +231,7 @@ impl Pool {
             drop(wait);
             return Err(ServerError::WaiterGone);
         }
-        shard.pending += 1;
+        shard.wait_added();
         let (sequence, new_lane) = pool.insert(&mut shard, key, sequence, wait);
         drop(shard);
         if new_lane {
@@ -248,7 +250,7 @@ impl Pool {
         let mut new_lane = false;
         let lane = shard.lanes.entry(key).or_insert_with(|| {
             new_lane = true;
-            self.lanes.fetch_add(1, Ordering::SeqCst);
+            self.lane_created();
             Lane::default()
         });
         let mut sequence = sequence;
@@ -370,13 +372,19 @@ impl Pool {
     /// return its waits (counted finished).
     fn remove_queued_lane(&self, key: LaneKey) -> Vec<Wait> {
         let mut shard = self.shard(key);
-        let lane = match shard.lanes.entry(key) {
-            Entry::Occupied(entry) if entry.get().owner == Owner::Queued => entry.remove(),
-            _ => return Vec::new(),
-        };
-        self.lanes.fetch_sub(1, Ordering::SeqCst);
-        shard.pending -= lane.waits.len();
-        lane.waits.into_values().collect()
+        if shard
+            .lanes
+            .get(&key)
+            .is_none_or(|lane| lane.owner != Owner::Queued)
+        {
+            return Vec::new();
+        }
+        let waits: Vec<Wait> = self
+            .remove_lane(&mut shard, key)
+            .map(|lane| lane.waits.into_values().collect())
+            .unwrap_or_default();
+        shard.waits_finished(waits.len());
+        waits
     }
 
     /// A thread or the poller took `key` out of `queued`: make the lane
@@ -444,8 +452,7 @@ impl Pool {
                     return Some(key)
                 }
                 Some(lane) if lane.owner == Owner::Thread => {
-                    shard.lanes.remove(&key);
-                    self.lanes.fetch_sub(1, Ordering::SeqCst);
+                    self.remove_lane(&mut shard, key);
                 }
                 _ => {}
             }
@@ -590,8 +597,7 @@ impl Pool {
         };
         if lane.waits.is_empty() {
             if owner == Owner::Poller {
-                shard.lanes.remove(&key);
-                self.lanes.fetch_sub(1, Ordering::SeqCst);
+                self.remove_lane(&mut shard, key);
             }
             return false;
         }
@@ -621,11 +627,11 @@ impl Pool {
         let mut shard = pool.shard(key);
         let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
-        shard.pending -= resolved + cancelled.len();
+        shard.waits_finished(resolved + cancelled.len());
         let mut gone = Vec::new();
         let mut new_lane = false;
         if shard.shut {
-            shard.pending -= rest.len();
+            shard.waits_finished(rest.len());
             gone = rest;
         } else {
             for wait in rest {
@@ -657,7 +663,7 @@ impl Pool {
             Entry::Occupied(entry) if Arc::ptr_eq(&entry.get().slot, slot) => entry.remove(),
             _ => return,
         };
-        shard.pending -= 1;
+        shard.waits_finished(1);
         drop(shard);
         let mut sched = pool.sched();
         if sched.shutdown {
@@ -699,7 +705,7 @@ impl Pool {
             })
             .is_some();
         if ours {
-            shard.pending -= 1;
+            shard.waits_finished(1);
             drop(shard);
             slot.complete(result);
         }
@@ -787,14 +793,15 @@ impl Pool {
         for shard in &self.shards {
             let mut shard = shard.lock();
             shard.shut = true;
-            let lanes = std::mem::take(&mut shard.lanes);
-            self.lanes.fetch_sub(lanes.len(), Ordering::SeqCst);
+            let keys: Vec<LaneKey> = shard.lanes.keys().copied().collect();
             let before = gone.len() + blocked.len();
-            for lane in lanes.into_values() {
-                gone.extend(lane.waits.into_values());
-                blocked.extend(lane.blocked_on);
+            for key in keys {
+                if let Some(lane) = self.remove_lane(&mut shard, key) {
+                    gone.extend(lane.waits.into_values());
+                    blocked.extend(lane.blocked_on);
+                }
             }
-            shard.pending -= gone.len() + blocked.len() - before;
+            shard.waits_finished(gone.len() + blocked.len() - before);
         }
         let slots = gone.iter().map(|wait| &wait.slot).chain(&blocked);
         for slot in slots {
@@ -814,6 +821,34 @@ impl Pool {
     /// Waits handed to the pool and not finished, summed over the shards.
     pub(crate) fn pending(&self) -> usize {
         self.shards.iter().map(|shard| shard.lock().pending).sum()
+    }
+}
+
+impl Pool {
+    /// A lane was made in a shard (under its lock).
+    fn lane_created(&self) {
+        self.lanes.fetch_add(1, Ordering::SeqCst);
+    }
+
+    /// Remove `key`'s lane from `shard` (its lock held), keeping the count
+    /// of lanes.
+    fn remove_lane(&self, shard: &mut Shard, key: LaneKey) -> Option<Lane> {
+        let lane = shard.lanes.remove(&key)?;
+        self.lanes.fetch_sub(1, Ordering::SeqCst);
+        Some(lane)
+    }
+}
+
+impl Shard {
+    /// A wait was handed to this shard.
+    fn wait_added(&mut self) {
+        self.pending += 1;
+    }
+
+    /// `count` of this shard's waits left the pool: resolved, withdrawn, or
+    /// failed.
+    fn waits_finished(&mut self, count: usize) {
+        self.pending -= count;
     }
 }
 
