@@ -313,33 +313,34 @@ fn fence_events_are_pooled_across_threads(ctx: &Arc<CudaContext>, waiter: &Waite
             }
         });
     };
-    run(50);
-    let warm = events_created(0);
-    run(200);
-    if let Some(warm) = warm {
-        let created = events_created(0).unwrap() - warm;
+    if let Some(created) = created_the_second_time(|| run(200)) {
         assert!(
             created <= 8,
             "{created} events created after warm-up on 4 threads"
         );
     }
     let stream = ctx.new_stream().unwrap();
-    let hold = |count: usize| {
-        let fences: Vec<_> = (0..count).map(|_| cuda::fence(&stream)).collect();
+    let hold = || {
+        let fences: Vec<_> = (0..48).map(|_| cuda::fence(&stream)).collect();
         for fence in fences {
             fence.wait_sync().unwrap();
         }
     };
-    hold(48);
-    let warm = events_created(0);
-    hold(48);
-    if let Some(warm) = warm {
-        let created = events_created(0).unwrap() - warm;
+    if let Some(created) = created_the_second_time(hold) {
         assert_eq!(
             created, 0,
             "events created for 48 fences held a second time"
         );
     }
+}
+
+/// How many events (device 0) `work` creates when run a second time, after
+/// a first run that warms the pool up; `None` on a real driver.
+fn created_the_second_time(work: impl Fn()) -> Option<c_int> {
+    work();
+    let warm = events_created(0)?;
+    work();
+    Some(events_created(0)? - warm)
 }
 
 /// A driver newer than the bindings the crate was built with can return a
