@@ -99,11 +99,16 @@ fn run_all<R: Rig>(shared: &Arc<R>, settings: &Settings, clock: Clock, tables: &
         },
         rounds: if settings.quick { 1 } else { 3 },
     };
-    let scenarios: [(&str, &dyn Fn() -> Table); 5] = [
+    let one_per_stream = throughput::Loops {
+        tasks: loops.streams,
+        ..loops
+    };
+    let scenarios: [(&str, &dyn Fn() -> Table); 6] = [
         ("3", &|| costs::ready_fence(rig, settings)),
         ("4", &|| costs::fence_cost(rig, settings)),
         ("5", &|| costs::idle_cpu(rig, settings, clock)),
         ("6", &|| throughput::loop_awaits(shared, &loops)),
+        ("6b", &|| throughput::loop_awaits(shared, &one_per_stream)),
         ("7", &|| throughput::ready_scaling(shared, &loops)),
     ];
     for (id, scenario) in scenarios {

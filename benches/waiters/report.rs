@@ -14,6 +14,7 @@ pub enum Scenario {
     FenceCost,
     IdleCpu,
     BusyWorkers,
+    OneTaskPerStream,
     ReadyScaling,
 }
 
@@ -28,6 +29,7 @@ impl Scenario {
             Self::FenceCost => "4",
             Self::IdleCpu => "5",
             Self::BusyWorkers => "6",
+            Self::OneTaskPerStream => "6b",
             Self::ReadyScaling => "7",
         }
     }
@@ -41,6 +43,7 @@ impl Scenario {
             Self::FenceCost => "fence cost",
             Self::IdleCpu => "idle CPU",
             Self::BusyWorkers => "busy workers",
+            Self::OneTaskPerStream => "one task per stream",
             Self::ReadyScaling => "ready scaling",
         }
     }

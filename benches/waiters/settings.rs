@@ -25,7 +25,7 @@ pub struct Settings {
 }
 
 const USAGE: &str =
-    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,7] \
+    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,6b,7] \
      [--strategies await,spawn_blocking,thread,query_yield,raw]";
 
 impl Settings {
