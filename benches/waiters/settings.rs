@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use crate::strategies::Strategy;
+use crate::strategies::{Strategy, SINGLE};
 
 pub struct Settings {
     pub quick: bool,
@@ -47,9 +47,10 @@ impl Settings {
                 "--strategies" => match args.next() {
                     Some(list) => {
                         let names: Vec<String> = list.split(',').map(str::to_owned).collect();
+                        // Scenario 1's list holds every strategy.
                         if let Some(unknown) = names
                             .iter()
-                            .find(|name| !Strategy::FLAGS.contains(&name.as_str()))
+                            .find(|name| !SINGLE.iter().any(|known| known.flag() == *name))
                         {
                             usage_error(&format!("unknown strategy {unknown:?}"));
                         }

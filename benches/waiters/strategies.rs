@@ -45,25 +45,15 @@ pub const SINGLE: [Strategy; 6] = [
 ];
 
 impl Strategy {
-    /// The names `--strategies` takes, one per strategy.
-    pub const FLAGS: [&'static str; 6] = [
-        "await",
-        "spawn_blocking",
-        "thread",
-        "query_yield",
-        "raw",
-        "raw_handoff",
-    ];
-
     /// This strategy's name for `--strategies`.
     pub fn flag(self) -> &'static str {
         match self {
-            Self::Await => Self::FLAGS[0],
-            Self::SpawnBlocking => Self::FLAGS[1],
-            Self::ThreadPerWait => Self::FLAGS[2],
-            Self::QueryYield => Self::FLAGS[3],
-            Self::RawThread => Self::FLAGS[4],
-            Self::RawHandoff => Self::FLAGS[5],
+            Self::Await => "await",
+            Self::SpawnBlocking => "spawn_blocking",
+            Self::ThreadPerWait => "thread",
+            Self::QueryYield => "query_yield",
+            Self::RawThread => "raw",
+            Self::RawHandoff => "raw_handoff",
         }
     }
 

@@ -102,7 +102,8 @@ const SHARDS: usize = if cfg!(device_events_loom) { 2 } else { 16 };
 ///   ([`Pool::queue_lane`]), and removed only by its server when it is empty
 ///   ([`Pool::next_lane`], [`Pool::take_waits`]) or by shutdown. `Pool::lanes`
 ///   follows every creation ([`Pool::lane_created`]) and removal
-///   ([`Pool::remove_lane`], the only way a lane leaves its shard).
+///   ([`Pool::remove_lane`], [`Pool::remove_all_lanes`], the only ways a
+///   lane leaves its shard).
 /// - **shut**: set by shutdown when it drains the shard; no wait enters after.
 #[derive(Default)]
 struct Shard {
@@ -752,15 +753,11 @@ impl Pool {
                     lanes.push(key);
                 }
             }
-            let mut kept = Vec::with_capacity(lanes.len());
-            for key in lanes.drain(..) {
+            lanes.retain(|&key| {
                 let round = Self::resolve_reached(&pool, key, Owner::Poller, &mut scratch);
                 progressed |= round.resolved > 0;
-                if round.more {
-                    kept.push(key);
-                }
-            }
-            lanes = kept;
+                round.more
+            });
             if progressed {
                 backoff = POLL_BACKOFF_MIN;
             } else {
@@ -793,13 +790,10 @@ impl Pool {
         for shard in &self.shards {
             let mut shard = shard.lock();
             shard.shut = true;
-            let keys: Vec<LaneKey> = shard.lanes.keys().copied().collect();
             let before = gone.len() + blocked.len();
-            for key in keys {
-                if let Some(lane) = self.remove_lane(&mut shard, key) {
-                    gone.extend(lane.waits.into_values());
-                    blocked.extend(lane.blocked_on);
-                }
+            for lane in self.remove_all_lanes(&mut shard) {
+                gone.extend(lane.waits.into_values());
+                blocked.extend(lane.blocked_on);
             }
             shard.waits_finished(gone.len() + blocked.len() - before);
         }
@@ -836,6 +830,14 @@ impl Pool {
         let lane = shard.lanes.remove(&key)?;
         self.lanes.fetch_sub(1, Ordering::SeqCst);
         Some(lane)
+    }
+
+    /// Remove every lane of `shard` (its lock held; shutdown), keeping the
+    /// count of lanes.
+    fn remove_all_lanes(&self, shard: &mut Shard) -> impl Iterator<Item = Lane> {
+        let lanes = std::mem::take(&mut shard.lanes);
+        self.lanes.fetch_sub(lanes.len(), Ordering::SeqCst);
+        lanes.into_values()
     }
 }
 

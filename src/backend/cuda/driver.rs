@@ -432,6 +432,9 @@ const FENCE_POOL_CAPACITY: usize = 512;
 /// of the thread that took it.
 const FENCE_POOL_SHARDS: usize = 8;
 
+/// The most idle events one shard keeps.
+const SHARD_CAPACITY: usize = FENCE_POOL_CAPACITY / FENCE_POOL_SHARDS;
+
 /// One context's idle fence events (`DISABLE_TIMING | BLOCKING_SYNC`), for
 /// later fences: on busy GPUs `cuEventCreate` contends on the driver's
 /// context lock, so a steady loop of fences creates none after warm-up. At
@@ -507,17 +510,12 @@ impl FencePool {
         event.pool = Some((self.clone(), shard));
         Ok(event)
     }
-}
 
-impl FencePool {
     /// Every shard, starting with `first`.
     fn shards_from(&self, first: usize) -> impl Iterator<Item = &Mutex<Vec<IdleEvent>>> {
         (0..FENCE_POOL_SHARDS).map(move |step| &self.shards[(first + step) % FENCE_POOL_SHARDS])
     }
 }
-
-/// The most idle events one shard keeps.
-const SHARD_CAPACITY: usize = FENCE_POOL_CAPACITY / FENCE_POOL_SHARDS;
 
 impl Drop for FencePool {
     fn drop(&mut self) {
