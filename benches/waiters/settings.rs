@@ -117,7 +117,7 @@ impl Settings {
                 ready: 100_000,
                 idle_waits: 1_000,
                 idle_window: Duration::from_secs(1),
-                reps: 3,
+                reps: 5,
                 only: None,
                 strategies: None,
             }

@@ -79,7 +79,7 @@ impl<A: EventApi> FenceFuture<A> {
     /// # Errors
     ///
     /// As for the future: `Some(Err(..))` with the fence's error, a fault,
-    /// or [`ServerError::WaiterGone`](crate::ServerError::WaiterGone).
+    /// or [`ServerError::WaiterGone`].
     #[doc(alias = "timeout")]
     pub fn wait_sync_timeout(
         &mut self,

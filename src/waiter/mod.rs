@@ -12,7 +12,7 @@
 //!    (at most [`MAX_SPIN_BUDGET`]) it asks again until the budget is spent.
 //! 2. **Hand-off.** Otherwise the wait goes into its stream's *lane*, ordered
 //!    by the record's place in the stream
-//!    ([`EventApi::stream_sequence`](crate::EventApi::stream_sequence)).
+//!    ([`EventApi::stream_sequence`]).
 //!    Lanes live in shards, each behind its own lock, so hand-offs,
 //!    resolutions and cancellations on different streams do not contend; a
 //!    second lock, the scheduler's, is taken only when a lane starts (it
@@ -165,7 +165,7 @@ impl Waiter {
     }
 
     /// Resolve every pending wait with
-    /// [`ServerError::WaiterGone`](crate::ServerError::WaiterGone), refuse new
+    /// [`ServerError::WaiterGone`], refuse new
     /// ones the same way, and let the threads exit. Waits a thread is blocked
     /// on resolve at once too (the thread lets go of them, and exits, when the
     /// device reaches them). Safe to call more than once; never blocks.

@@ -35,7 +35,7 @@ pub struct HostStream {
 }
 
 /// A copyable handle to a [`HostStream`], taken by
-/// [`EventFence::new`](crate::EventFence::new) and the [`Host`](super::Host)
+/// [`EventFence::new`] and the [`Host`]
 /// calls. It does not keep the stream alive: calls through the handle of a
 /// dropped stream return an invalid-handle error.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -155,7 +155,7 @@ impl HostStream {
         self.shared.synchronize()
     }
 
-    /// The copyable handle that fences and [`Host`](super::Host) calls take.
+    /// The copyable handle that fences and [`Host`] calls take.
     pub fn handle(&self) -> HostStreamHandle {
         self.handle
     }
