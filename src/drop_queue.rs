@@ -374,6 +374,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
     /// The queue's thread: wait for each fence in push order, then drop its
     /// value (or leak it if the fence failed).
     fn run(&self) {
+        crate::own_threads::enter();
         // Whichever way the thread ends, awaiting shutdowns learn it.
         let _exit = ExitGuard(self);
         loop {

@@ -60,8 +60,10 @@
 //! | `waiter` | [`Waiter`]: threads, lanes, hand-off, the futures | any backend, the profiler, the drop queue |
 //! | `profiler`, `drop_queue`, `any_fence` | [`EventProfiler`], [`drop_queue::DropQueue`], [`AnyFence`]: built on fences and the waiter | one another |
 //!
-//! `loom` (the waiter's locks and threads, swapped for loom's in its models)
-//! and `fault_log` (warn once per faulted stream) serve the layers above.
+//! `loom` (the waiter's locks and threads, swapped for loom's in its models),
+//! `fault_log` (warn once per faulted stream) and `own_threads` (which
+//! threads the crate started: the waiter and the drop queue mark theirs,
+//! the CUDA backend leaves a context bound on them) serve the layers above.
 //!
 //! # Backends
 //!
@@ -110,6 +112,7 @@ mod profiler;
 
 mod fault_log;
 mod loom;
+mod own_threads;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};

@@ -74,6 +74,11 @@ fn fail_next_query(status: c_int) -> bool {
     fake_hook(c"fakeCudaFailNextQuery").is_some_and(|hook| unsafe { hook(status) } == 0)
 }
 
+fn context_switches(device: c_int) -> Option<c_int> {
+    // SAFETY: as above.
+    fake_hook(c"fakeCudaContextSwitches").map(|hook| unsafe { hook(device) })
+}
+
 fn primary_retains(device: c_int) -> Option<c_int> {
     // SAFETY: as above.
     fake_hook(c"fakeCudaPrimaryRetains").map(|hook| unsafe { hook(device) })
@@ -99,6 +104,7 @@ fn contexts_threads_and_devices() {
     a_per_thread_stream_handle_stays_on_its_thread(&ctx);
     one_context_per_device_while_alive(&ctx);
     fence_events_are_pooled_per_context(&ctx);
+    the_waiters_threads_keep_the_context_bound(&ctx);
     any_status_the_driver_returns_is_a_number(&ctx);
     match cuda::device_count().unwrap() {
         1 => eprintln!(
@@ -341,6 +347,42 @@ fn created_the_second_time(work: impl Fn()) -> Option<c_int> {
     let warm = events_created(0)?;
     work();
     Some(events_created(0)? - warm)
+}
+
+/// The waiter's threads are the crate's own: the context stays bound there
+/// between calls, so resolving a hundred waits of one context switches
+/// contexts once (a new waiter thread's first call), not twice per query.
+/// The calling thread, which already had the context, switches none.
+/// Fake driver only (it counts the switches).
+fn the_waiters_threads_keep_the_context_bound(ctx: &Arc<CudaContext>) {
+    let stream = ctx.new_stream().unwrap();
+    let sleep = SleepKernel::new(ctx).unwrap();
+    let waiter = Waiter::builder().max_threads(1).build();
+    let cu_ctx = ctx.cu_ctx() as usize;
+    let switched = std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                // SAFETY: the context is live: `ctx` holds its retain.
+                unsafe { result::ctx::set_current(cu_ctx as sys::CUcontext) }.unwrap();
+                let before = context_switches(0)?;
+                sleep.launch(&stream, Duration::from_millis(20)).unwrap();
+                let waits: Vec<_> = (0..100)
+                    .map(|_| waiter.wait(cuda::fence(&stream)))
+                    .collect();
+                for result in futures::executor::block_on(futures::future::join_all(waits)) {
+                    result.unwrap();
+                }
+                Some(context_switches(0)? - before)
+            })
+            .join()
+            .unwrap()
+    });
+    if let Some(switched) = switched {
+        assert!(
+            switched <= 2,
+            "{switched} context switches to resolve 100 waits on one context"
+        );
+    }
 }
 
 /// A driver newer than the bindings the crate was built with can return a

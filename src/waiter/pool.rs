@@ -418,6 +418,7 @@ impl Pool {
 
     /// A lane thread: take a lane, serve it until empty, take the next.
     fn run_lane_thread(pool: Arc<Self>) {
+        crate::own_threads::enter();
         let mut finished = None;
         // Sized now, when the thread starts, not in the middle of a burst:
         // a large allocation makes the allocator consolidate every small
@@ -720,6 +721,7 @@ impl Pool {
     /// idle, it wakes that thread each round, which takes a lane back and
     /// blocks on it rather than have it polled.
     fn run_poller(pool: Arc<Self>) {
+        crate::own_threads::enter();
         let mut backoff = POLL_BACKOFF_MIN;
         let mut idle_rounds = 0;
         let mut scratch = Vec::with_capacity(BATCH);

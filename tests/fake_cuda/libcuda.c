@@ -96,6 +96,7 @@ struct ctx {
     stream_t *streams; /* created and per-thread streams */
     int live_events;
     int created_events;
+    int switches; /* cuCtxSetCurrent calls that made it current */
 };
 
 typedef struct {
@@ -292,6 +293,7 @@ int cuCtxSetCurrent(void *context) {
     ctx_t *c = context;
     pthread_mutex_lock(&lock);
     int status = c->retains == 0 ? CONTEXT_IS_DESTROYED : faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
+    if (status == SUCCESS) c->switches++;
     pthread_mutex_unlock(&lock);
     if (status == SUCCESS) current = c;
     return status;
@@ -558,6 +560,15 @@ int fakeCudaEventsCreated(int device) {
     int created = contexts[device].created_events;
     pthread_mutex_unlock(&lock);
     return created;
+}
+
+/* How many times cuCtxSetCurrent made device's context current. */
+int fakeCudaContextSwitches(int device) {
+    if (device < 0 || device >= DEVICES) return -1;
+    pthread_mutex_lock(&lock);
+    int switches = contexts[device].switches;
+    pthread_mutex_unlock(&lock);
+    return switches;
 }
 
 int fakeCudaPrimaryRetains(int device) {

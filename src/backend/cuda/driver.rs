@@ -338,9 +338,17 @@ impl From<DriverError> for ServerError {
 /// takes any error a cudarc `Drop` stored in the context (cudarc's drops store
 /// failures there instead of panicking), which belongs to the user's next
 /// cudarc call, and would come back from here mislabelled as this crate's.
+///
+/// On the crate's own threads (the waiter's and the drop queue's, see
+/// [`own_threads`](crate::own_threads)) nothing is restored: the context
+/// stays bound, so a waiter thread querying a batch of fences of one context
+/// switches contexts once, not twice per query. No executor runs there, and
+/// user code that does (a value the drop queue drops) finds some context
+/// current, as it would after any CUDA call; cudarc binds its own first.
 #[must_use = "the context is current only while the guard lives"]
 struct Bound {
-    /// What was current before, to restore; `None` when it already was `ctx`.
+    /// What was current before, to restore; `None` when it already was `ctx`,
+    /// or on the crate's own threads.
     previous: Option<sys::CUcontext>,
     api: &'static Api,
 }
@@ -364,7 +372,7 @@ fn bind(ctx: &CudaContext) -> Result<Bound, ServerError> {
     // as long as the borrow lasts.
     check("cuCtxSetCurrent", unsafe { (api.ctx_set_current)(target) })?;
     Ok(Bound {
-        previous: Some(previous),
+        previous: (!crate::own_threads::is_own()).then_some(previous),
         api,
     })
 }
