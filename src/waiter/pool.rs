@@ -185,9 +185,11 @@ struct Resolved {
     more: bool,
 }
 
-/// What must be spawned once the scheduler's lock is let go.
+/// What must be done once the scheduler's lock is let go.
 enum Spawn {
     Nothing,
+    /// Wake an idle lane thread (counted in `Sched::notified` already).
+    IdleThread,
     LaneThread(usize),
     Poller,
 }
@@ -284,7 +286,9 @@ impl Pool {
     /// This keeps threads at one per busy stream even when lanes drain and
     /// refill faster than threads wake.
     fn wake_or_spawn_server(&self, sched: &mut Sched) -> Spawn {
-        if self.wake_idle(sched) || sched.lane_threads >= self.lanes.load(Ordering::SeqCst) {
+        if sched.wake_idle() {
+            Spawn::IdleThread
+        } else if sched.lane_threads >= self.lanes.load(Ordering::SeqCst) {
             Spawn::Nothing
         } else if sched.lane_threads < self.config.max_threads {
             sched.add_lane_thread()
@@ -295,20 +299,16 @@ impl Pool {
         }
     }
 
-    /// Wake an idle lane thread not woken yet, if there is one.
-    fn wake_idle(&self, sched: &mut Sched) -> bool {
-        if sched.idle > sched.notified {
-            sched.notified += 1;
-            self.work.notify_one();
-            true
-        } else {
-            false
-        }
-    }
-
+    /// Act on what the scheduler decided, once its lock is let go: a woken
+    /// thread then finds the lock free, rather than wake only to wait for
+    /// it.
     fn spawn(pool: &Arc<Self>, spawn: Spawn) {
         let (name, run): (String, fn(Arc<Self>)) = match spawn {
             Spawn::Nothing => return,
+            Spawn::IdleThread => {
+                pool.work.notify_one();
+                return;
+            }
             Spawn::LaneThread(index) => (
                 format!("{}-{index}", pool.config.thread_name),
                 Self::run_lane_thread,
@@ -687,8 +687,10 @@ impl Pool {
     /// `max_threads`; there is only ever one poller, and it lingers a few
     /// milliseconds for more before it exits.
     fn wake_or_spawn_disposer(&self, sched: &mut Sched) -> Spawn {
-        if sched.poller || self.wake_idle(sched) {
+        if sched.poller {
             Spawn::Nothing
+        } else if sched.wake_idle() {
+            Spawn::IdleThread
         } else {
             sched.add_poller()
         }
@@ -729,7 +731,7 @@ impl Pool {
         // emptied, is forgotten when its round finds it no longer ours.
         let mut lanes: Vec<LaneKey> = Vec::new();
         loop {
-            let (adopted, withdrawn) = {
+            let (adopted, withdrawn, wake) = {
                 let mut sched = pool.sched();
                 let withdrawn = std::mem::take(&mut sched.withdrawn);
                 let adopted: Vec<LaneKey> = sched.queued.drain(..).collect();
@@ -740,11 +742,12 @@ impl Pool {
                     return;
                 }
                 idle_rounds = if idle { idle_rounds + 1 } else { 0 };
-                if !lanes.is_empty() || !adopted.is_empty() {
-                    pool.wake_idle(&mut sched);
-                }
-                (adopted, withdrawn)
+                let wake = (!lanes.is_empty() || !adopted.is_empty()) && sched.wake_idle();
+                (adopted, withdrawn, wake)
             };
+            if wake {
+                pool.work.notify_one();
+            }
             // Dropped here, outside the lock.
             let mut progressed = !withdrawn.is_empty();
             drop(withdrawn);
@@ -860,6 +863,20 @@ impl Sched {
     /// A lane thread is about to sleep, waiting for a lane.
     fn go_idle(&mut self) {
         self.idle += 1;
+    }
+
+    /// Count a wake-up for an idle lane thread not woken yet, if there is
+    /// one; the caller then notifies `Pool::work` once it has let go of
+    /// this lock. A thread that wakes on its own before the notification
+    /// (a timeout) still looks at `queued` under this lock, so the work it
+    /// was woken for is found either way.
+    fn wake_idle(&mut self) -> bool {
+        if self.idle > self.notified {
+            self.notified += 1;
+            true
+        } else {
+            false
+        }
     }
 
     /// A lane thread woke (notified, spuriously, or timed out).
