@@ -9,7 +9,7 @@
 //! (a waiter thread has no current context) may wait. Your threads get
 //! their previous context back after each call; the crate's own threads
 //! (the waiter's, the drop queue's) keep the last one bound, which spares a
-//! waiter thread two context switches per query in a burst.
+//! waiter thread two `cuCtxSetCurrent` calls per query in a burst.
 //!
 //! From cudarc, a fence is one call:
 //!
