@@ -55,8 +55,8 @@ PY
 }
 
 plant "binding takes cudarc's stored errors" src/backend/cuda/driver.rs \
-    'fn bind(ctx: &CudaContext) -> Result<Bound, ServerError> {' \
-    'fn bind(ctx: &CudaContext) -> Result<Bound, ServerError> {
+    'fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {' \
+    'fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     ctx.bind_to_thread().map_err(|err| driver_error("cuCtxSetCurrent", err))?;' \
     cuda_binding
 
@@ -93,6 +93,11 @@ plant "CUDA fence events are destroyed, not pooled" src/backend/cuda/driver.rs \
 plant "CUDA_ERROR_CONTAINED (226, by number) is not sticky" src/backend/cuda/driver.rs \
     'const STICKY_SINCE_12_8: &[i32] = &[226, 721];' \
     'const STICKY_SINCE_12_8: &[i32] = &[721];' \
+    cuda_binding
+
+plant "the crate's own threads trust a torn-down context's binding" src/backend/cuda/driver.rs \
+    'if previous == target && (!own || left_bound_by(ctx)) {' \
+    'if previous == target {' \
     cuda_binding
 
 echo "== every plant caught ($caught)"

@@ -13,8 +13,10 @@
 #![allow(unsafe_code)]
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::ffi::{c_int, CStr};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use device_events::cuda::cudarc::driver::result::{self, DriverError};
@@ -110,7 +112,10 @@ fn contexts_threads_and_devices() {
         1 => eprintln!(
             "one device: the two-device checks need a second GPU (the fake driver has two)"
         ),
-        _ => one_waiter_serves_two_devices(&ctx),
+        _ => {
+            one_waiter_serves_two_devices(&ctx);
+            a_context_made_again_is_bound_afresh_on_the_waiters_threads();
+        }
     }
 }
 
@@ -383,6 +388,59 @@ fn the_waiters_threads_keep_the_context_bound(ctx: &Arc<CudaContext>) {
             "{switched} context switches to resolve 100 waits on one context"
         );
     }
+}
+
+/// A waiter thread leaves the context it last used bound. When that context
+/// is torn down and the device's context made again (with the same handle,
+/// in the fake driver), the thread binds the new one rather than trust its
+/// stale binding, which the fake driver refuses with
+/// `CUDA_ERROR_CONTEXT_IS_DESTROYED`. Device 1, as this test holds device
+/// 0's context throughout.
+fn a_context_made_again_is_bound_afresh_on_the_waiters_threads() {
+    let waiter = Waiter::builder().max_threads(1).build();
+    // Each round on a fresh thread: cudarc binds the thread that makes a
+    // context and never unbinds it, so only the waiter's one thread carries
+    // a binding from the first context to the second.
+    let round = || {
+        std::thread::scope(|scope| {
+            scope
+                .spawn(|| {
+                    let ctx = cuda::context(1).unwrap();
+                    let stream = ctx.new_stream().unwrap();
+                    let sleep = SleepKernel::new(&ctx).unwrap();
+                    // Long enough that the first poll hands the wait off.
+                    sleep.launch(&stream, Duration::from_millis(5)).unwrap();
+                    let result = futures::executor::block_on(waiter.wait(cuda::fence(&stream)));
+                    (Arc::downgrade(&ctx), ctx.cu_ctx() as usize, result)
+                })
+                .join()
+                .unwrap()
+        })
+    };
+    let (first, first_handle, result) = round();
+    result.unwrap();
+    torn_down(&first);
+    let (_, handle, result) = round();
+    if let Err(err) = result {
+        panic!("a waiter thread kept a torn-down context's binding: {err}");
+    }
+    if primary_retains(1).is_some() {
+        assert_eq!(
+            handle, first_handle,
+            "the fake reuses the primary context's handle"
+        );
+    }
+}
+
+/// Wait until the context behind `ctx` is gone (the waiter's thread may
+/// still be dropping the last event that holds it) and, in the fake driver,
+/// torn down.
+fn torn_down(ctx: &Weak<CudaContext>) {
+    common::eventually(
+        Duration::from_secs(10),
+        "device 1's context released",
+        || ctx.strong_count() == 0 && primary_retains(1).is_none_or(|retains| retains == 0),
+    );
 }
 
 /// A driver newer than the bindings the crate was built with can return a

@@ -11,7 +11,16 @@
  *   are then refused (cuDevicePrimaryCtxRelease: "the primary context is
  *   destroyed when its usage count reaches zero").
  * - The current context is per host thread (cuCtxSetCurrent: "binds the
- *   specified CUDA context to the calling CPU thread"). Every call on a
+ *   specified CUDA context to the calling CPU thread"). A context torn down
+ *   stays current on the threads that had it, and every call there fails
+ *   with CUDA_ERROR_CONTEXT_IS_DESTROYED until cuCtxSetCurrent binds again,
+ *   even once the device's primary context is retained anew under the same
+ *   handle (cuCtxDestroy: "If the context is current to other threads, then
+ *   the context will remain current to those threads, and attempting to
+ *   access the context from those threads will result in the error
+ *   CUDA_ERROR_CONTEXT_IS_DESTROYED"; the primary-context docs do not say
+ *   what a re-retain does for those threads, so the fake takes the strict
+ *   reading). Every call on a
  *   stream, event, module or kernel is refused with
  *   CUDA_ERROR_INVALID_CONTEXT unless that handle's own context is current:
  *   stricter than the driver, which checks this for some calls only, so a
@@ -117,6 +126,8 @@ static ctx_t contexts[DEVICES] = {
     {.device = 1, .fault_at = INT64_MAX},
 };
 static __thread ctx_t *current;
+/* The generation of `current` when this thread bound it. */
+static __thread int bound_generation;
 /* Test hook: the status the next cuEventQuery returns (0: none injected). */
 static int next_query_status;
 
@@ -150,6 +161,7 @@ static int is_context(const void *handle) {
 /* A handle of context `c` (made in `generation`) may be used now. */
 static int usable(const ctx_t *c, int generation) {
     if (current == NULL || current != c) return INVALID_CONTEXT;
+    if (bound_generation != c->generation) return CONTEXT_IS_DESTROYED;
     if (c->retains == 0 || c->generation != generation) return CONTEXT_IS_DESTROYED;
     if (faulted(c)) return ILLEGAL_ADDRESS;
     return SUCCESS;
@@ -293,9 +305,12 @@ int cuCtxSetCurrent(void *context) {
     ctx_t *c = context;
     pthread_mutex_lock(&lock);
     int status = c->retains == 0 ? CONTEXT_IS_DESTROYED : faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
-    if (status == SUCCESS) c->switches++;
+    if (status == SUCCESS) {
+        c->switches++;
+        current = c;
+        bound_generation = c->generation;
+    }
     pthread_mutex_unlock(&lock);
-    if (status == SUCCESS) current = c;
     return status;
 }
 

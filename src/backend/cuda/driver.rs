@@ -24,6 +24,7 @@
 // a `// SAFETY:` comment (the crate root denies `unsafe_code` elsewhere).
 #![allow(unsafe_code)]
 
+use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr;
@@ -353,8 +354,16 @@ struct Bound {
     api: &'static Api,
 }
 
-/// Make `ctx` current on this thread until the returned guard drops.
-fn bind(ctx: &CudaContext) -> Result<Bound, ServerError> {
+thread_local! {
+    /// On the crate's own threads: the context this thread left bound.
+    /// Weak, so it holds the allocation (no other context can take its
+    /// address while it is kept here) and not the context.
+    static LEFT_BOUND: RefCell<Weak<CudaContext>> = const { RefCell::new(Weak::new()) };
+}
+
+/// Make `ctx` current on this thread until the returned guard drops (on the
+/// crate's own threads, until another is bound).
+fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     let api = api()?;
     let mut previous = ptr::null_mut();
     // SAFETY: `previous` is a valid place for the handle.
@@ -362,7 +371,15 @@ fn bind(ctx: &CudaContext) -> Result<Bound, ServerError> {
         (api.ctx_get_current)(&mut previous)
     })?;
     let target = ctx.cu_ctx();
-    if previous == target {
+    let own = crate::own_threads::is_own();
+    // A handle equal to the target is the target still bound, except on
+    // the crate's own threads after the context it left there was torn
+    // down: a context made later (a device's primary context retained
+    // anew, say) can have the same handle, and the thread's binding is
+    // stale (the driver answers CUDA_ERROR_CONTEXT_IS_DESTROYED there). So
+    // there it counts only if this very context object bound it, alive all
+    // along since (its `Arc` holds the context's retain).
+    if previous == target && (!own || left_bound_by(ctx)) {
         return Ok(Bound {
             previous: None,
             api,
@@ -371,10 +388,26 @@ fn bind(ctx: &CudaContext) -> Result<Bound, ServerError> {
     // SAFETY: `target` is live: `ctx` holds its primary-context retain for
     // as long as the borrow lasts.
     check("cuCtxSetCurrent", unsafe { (api.ctx_set_current)(target) })?;
+    if own {
+        // During the thread's exit nothing is remembered: the next bind
+        // (if any) switches again.
+        let _ = LEFT_BOUND.try_with(|left| *left.borrow_mut() = Arc::downgrade(ctx));
+        return Ok(Bound {
+            previous: None,
+            api,
+        });
+    }
     Ok(Bound {
-        previous: (!crate::own_threads::is_own()).then_some(previous),
+        previous: Some(previous),
         api,
     })
+}
+
+/// Whether `ctx` is the context object this (own) thread left bound.
+fn left_bound_by(ctx: &Arc<CudaContext>) -> bool {
+    LEFT_BOUND
+        .try_with(|left| ptr::eq(left.borrow().as_ptr(), Arc::as_ptr(ctx)))
+        .unwrap_or(false)
 }
 
 impl Drop for Bound {
