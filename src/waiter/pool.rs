@@ -185,13 +185,14 @@ struct Resolved {
     more: bool,
 }
 
-/// What must be done once the scheduler's lock is let go.
-enum Spawn {
+/// What the scheduler decided, done by [`Pool::act`] once its lock is let
+/// go.
+enum Action {
     Nothing,
     /// Wake an idle lane thread (counted in `Sched::notified` already).
-    IdleThread,
-    LaneThread(usize),
-    Poller,
+    WakeIdleThread,
+    SpawnLaneThread(usize),
+    SpawnPoller,
 }
 
 impl Pool {
@@ -272,9 +273,9 @@ impl Pool {
             return;
         }
         sched.queued.push_back(key);
-        let spawn = pool.wake_or_spawn_server(&mut sched);
+        let action = pool.wake_or_spawn_server(&mut sched);
         drop(sched);
-        Self::spawn(pool, spawn);
+        Self::act(pool, action);
     }
 
     /// A lane was queued: wake an idle thread, or decide what to spawn.
@@ -285,35 +286,35 @@ impl Pool {
     /// queued lane before it sleeps (it looks at `queued` under this lock).
     /// This keeps threads at one per busy stream even when lanes drain and
     /// refill faster than threads wake.
-    fn wake_or_spawn_server(&self, sched: &mut Sched) -> Spawn {
+    fn wake_or_spawn_server(&self, sched: &mut Sched) -> Action {
         if sched.wake_idle() {
-            Spawn::IdleThread
+            Action::WakeIdleThread
         } else if sched.lane_threads >= self.lanes.load(Ordering::SeqCst) {
-            Spawn::Nothing
+            Action::Nothing
         } else if sched.lane_threads < self.config.max_threads {
             sched.add_lane_thread()
         } else if !sched.poller {
             sched.add_poller()
         } else {
-            Spawn::Nothing
+            Action::Nothing
         }
     }
 
     /// Act on what the scheduler decided, once its lock is let go: a woken
     /// thread then finds the lock free, rather than wake only to wait for
     /// it.
-    fn spawn(pool: &Arc<Self>, spawn: Spawn) {
-        let (name, run): (String, fn(Arc<Self>)) = match spawn {
-            Spawn::Nothing => return,
-            Spawn::IdleThread => {
+    fn act(pool: &Arc<Self>, action: Action) {
+        let (name, run): (String, fn(Arc<Self>)) = match action {
+            Action::Nothing => return,
+            Action::WakeIdleThread => {
                 pool.work.notify_one();
                 return;
             }
-            Spawn::LaneThread(index) => (
+            Action::SpawnLaneThread(index) => (
                 format!("{}-{index}", pool.config.thread_name),
                 Self::run_lane_thread,
             ),
-            Spawn::Poller => (
+            Action::SpawnPoller => (
                 format!("{}-poller", pool.config.thread_name),
                 Self::run_poller,
             ),
@@ -330,7 +331,7 @@ impl Pool {
             )))
         });
         if let Err(err) = spawned {
-            Self::spawn_failed(pool, matches!(spawn, Spawn::Poller), &err);
+            Self::spawn_failed(pool, matches!(action, Action::SpawnPoller), &err);
         }
     }
 
@@ -345,9 +346,9 @@ impl Pool {
         } else {
             sched.lane_thread_left();
             if !sched.poller {
-                let spawn = sched.add_poller();
+                let action = sched.add_poller();
                 drop(sched);
-                return Self::spawn(pool, spawn);
+                return Self::act(pool, action);
             }
         }
         if sched.lane_threads > 0 || sched.poller {
@@ -675,9 +676,9 @@ impl Pool {
             return;
         }
         sched.withdrawn.push(wait);
-        let spawn = pool.wake_or_spawn_disposer(&mut sched);
+        let action = pool.wake_or_spawn_disposer(&mut sched);
         drop(sched);
-        Self::spawn(pool, spawn);
+        Self::act(pool, action);
     }
 
     /// Withdrawn waits are there to drop: leave them to the poller if it
@@ -686,11 +687,11 @@ impl Pool {
     /// would find no thread idle each time and start one per drop, up to
     /// `max_threads`; there is only ever one poller, and it lingers a few
     /// milliseconds for more before it exits.
-    fn wake_or_spawn_disposer(&self, sched: &mut Sched) -> Spawn {
+    fn wake_or_spawn_disposer(&self, sched: &mut Sched) -> Action {
         if sched.poller {
-            Spawn::Nothing
+            Action::Nothing
         } else if sched.wake_idle() {
-            Spawn::IdleThread
+            Action::WakeIdleThread
         } else {
             sched.add_poller()
         }
@@ -897,18 +898,18 @@ impl Sched {
     }
 
     /// Count in a lane thread the caller is about to spawn.
-    fn add_lane_thread(&mut self) -> Spawn {
+    fn add_lane_thread(&mut self) -> Action {
         self.lane_threads += 1;
         self.next_thread += 1;
         self.note_threads();
-        Spawn::LaneThread(self.next_thread)
+        Action::SpawnLaneThread(self.next_thread)
     }
 
     /// Count in the poller the caller is about to spawn.
-    fn add_poller(&mut self) -> Spawn {
+    fn add_poller(&mut self) -> Action {
         self.poller = true;
         self.note_threads();
-        Spawn::Poller
+        Action::SpawnPoller
     }
 
     fn note_threads(&mut self) {
