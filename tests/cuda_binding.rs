@@ -93,14 +93,23 @@ fn current() -> Option<sys::CUcontext> {
 
 #[test]
 fn contexts_threads_and_devices() {
-    let ctx = match cuda::context(0) {
-        Ok(ctx) => ctx,
+    // Probed on a thread of its own: cudarc binds the thread that makes a
+    // context, and this one must not keep a binding to a context torn down
+    // (the first step below tears device 0's down).
+    let probe = std::thread::spawn(|| cuda::context(0).map(drop))
+        .join()
+        .unwrap();
+    match probe {
+        Ok(()) => {}
         Err(err) if required() => panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}"),
         Err(err) => {
             eprintln!("skipping the CUDA binding checks: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
             return;
         }
-    };
+    }
+    // First, while nothing else holds device 0's context.
+    a_context_made_again_is_bound_afresh_on_the_waiters_threads(0);
+    let ctx = cuda::context(0).unwrap();
     cudarc_stored_errors_stay_with_cudarc(&ctx);
     the_calling_threads_context_is_left_as_found(&ctx);
     a_per_thread_stream_handle_stays_on_its_thread(&ctx);
@@ -112,10 +121,7 @@ fn contexts_threads_and_devices() {
         1 => eprintln!(
             "one device: the two-device checks need a second GPU (the fake driver has two)"
         ),
-        _ => {
-            one_waiter_serves_two_devices(&ctx);
-            a_context_made_again_is_bound_afresh_on_the_waiters_threads();
-        }
+        _ => one_waiter_serves_two_devices(&ctx),
     }
 }
 
@@ -394,9 +400,9 @@ fn the_waiters_threads_keep_the_context_bound(ctx: &Arc<CudaContext>) {
 /// is torn down and the device's context made again (with the same handle,
 /// in the fake driver), the thread binds the new one rather than trust its
 /// stale binding, which the fake driver refuses with
-/// `CUDA_ERROR_CONTEXT_IS_DESTROYED`. Device 1, as this test holds device
-/// 0's context throughout.
-fn a_context_made_again_is_bound_afresh_on_the_waiters_threads() {
+/// `CUDA_ERROR_CONTEXT_IS_DESTROYED`. Run before anything else holds
+/// `device`'s context, so that dropping it tears it down.
+fn a_context_made_again_is_bound_afresh_on_the_waiters_threads(device: usize) {
     let waiter = Waiter::builder().max_threads(1).build();
     // Each round on a fresh thread: cudarc binds the thread that makes a
     // context and never unbinds it, so only the waiter's one thread carries
@@ -405,7 +411,7 @@ fn a_context_made_again_is_bound_afresh_on_the_waiters_threads() {
         std::thread::scope(|scope| {
             scope
                 .spawn(|| {
-                    let ctx = cuda::context(1).unwrap();
+                    let ctx = cuda::context(device).unwrap();
                     let stream = ctx.new_stream().unwrap();
                     let sleep = SleepKernel::new(&ctx).unwrap();
                     // Long enough that the first poll hands the wait off.
@@ -419,12 +425,12 @@ fn a_context_made_again_is_bound_afresh_on_the_waiters_threads() {
     };
     let (first, first_handle, result) = round();
     result.unwrap();
-    torn_down(&first);
+    torn_down(&first, device);
     let (_, handle, result) = round();
     if let Err(err) = result {
         panic!("a waiter thread kept a torn-down context's binding: {err}");
     }
-    if primary_retains(1).is_some() {
+    if primary_retains(device as c_int).is_some() {
         assert_eq!(
             handle, first_handle,
             "the fake reuses the primary context's handle"
@@ -435,12 +441,11 @@ fn a_context_made_again_is_bound_afresh_on_the_waiters_threads() {
 /// Wait until the context behind `ctx` is gone (the waiter's thread may
 /// still be dropping the last event that holds it) and, in the fake driver,
 /// torn down.
-fn torn_down(ctx: &Weak<CudaContext>) {
-    common::eventually(
-        Duration::from_secs(10),
-        "device 1's context released",
-        || ctx.strong_count() == 0 && primary_retains(1).is_none_or(|retains| retains == 0),
-    );
+fn torn_down(ctx: &Weak<CudaContext>, device: usize) {
+    common::eventually(Duration::from_secs(10), "the context released", || {
+        ctx.strong_count() == 0
+            && primary_retains(device as c_int).is_none_or(|retains| retains == 0)
+    });
 }
 
 /// A driver newer than the bindings the crate was built with can return a
