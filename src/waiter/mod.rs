@@ -164,11 +164,11 @@ impl Waiter {
         self.pool.pending()
     }
 
-    /// Resolve every pending wait with
-    /// [`ServerError::WaiterGone`], refuse new
-    /// ones the same way, and let the threads exit. Waits a thread is blocked
-    /// on resolve at once too (the thread lets go of them, and exits, when the
-    /// device reaches them). Safe to call more than once; never blocks.
+    /// Resolve every pending wait with [`ServerError::WaiterGone`], refuse
+    /// new ones the same way, and let the threads exit. Waits a thread is
+    /// blocked on resolve at once too (the thread lets go of them, and exits,
+    /// when the device reaches them). Safe to call more than once; never
+    /// blocks.
     ///
     /// Does nothing (but log a warning) on [`Waiter::global()`], which is
     /// never shut down.

@@ -34,10 +34,9 @@ pub struct HostStream {
     worker: Option<JoinHandle<()>>,
 }
 
-/// A copyable handle to a [`HostStream`], taken by
-/// [`EventFence::new`] and the [`Host`]
-/// calls. It does not keep the stream alive: calls through the handle of a
-/// dropped stream return an invalid-handle error.
+/// A copyable handle to a [`HostStream`], taken by [`EventFence::new`] and
+/// the [`Host`] calls. It does not keep the stream alive: calls through the
+/// handle of a dropped stream return an invalid-handle error.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HostStreamHandle {
     id: u64,
