@@ -84,6 +84,15 @@ pub enum ServerError {
         /// Why it cannot be used.
         reason: String,
     },
+    /// The waiter was made before this process forked: its threads stayed
+    /// in the parent. A child makes a waiter of its own (and
+    /// [`Waiter::global()`](crate::Waiter::global) is made afresh in each
+    /// child).
+    #[error(
+        "the waiter was made before this process forked, and its threads stayed in the parent: \
+         make a new Waiter in the child (Waiter::global() is made afresh there)"
+    )]
+    WaiterForked,
     /// A backend call made on a waiter thread panicked; the waiter keeps
     /// serving other waits.
     #[error("a waiter thread panicked: {message}")]

@@ -111,6 +111,7 @@ pub mod drop_queue;
 mod profiler;
 
 mod fault_log;
+mod fork;
 mod loom;
 mod own_threads;
 

@@ -20,7 +20,7 @@ use std::sync as imp;
 use loom::sync as imp;
 
 pub(crate) use imp::atomic::AtomicUsize;
-pub(crate) use imp::{Arc, MutexGuard};
+pub(crate) use imp::Arc;
 
 #[cfg(not(device_events_loom))]
 pub(crate) use std::thread;
@@ -45,7 +45,10 @@ impl<T> Mutex<T> {
     }
 
     pub(crate) fn lock(&self) -> MutexGuard<'_, T> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        MutexGuard {
+            mutex: self,
+            inner: self.0.lock().unwrap_or_else(PoisonError::into_inner),
+        }
     }
 
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
@@ -66,8 +69,36 @@ impl<T> fmt::Debug for Mutex<T> {
     }
 }
 
+/// A held [`Mutex`]: the lock's own guard, and the mutex it came from (so
+/// that a timed wait under loom can let go of the lock and take it again).
+pub(crate) struct MutexGuard<'a, T> {
+    #[cfg_attr(not(device_events_loom), allow(dead_code))]
+    mutex: &'a Mutex<T>,
+    inner: imp::MutexGuard<'a, T>,
+}
+
+impl<T> std::ops::Deref for MutexGuard<'_, T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        &self.inner
+    }
+}
+
+impl<T> std::ops::DerefMut for MutexGuard<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.inner
+    }
+}
+
 /// A condition variable for [`Mutex`], whose waits ignore poisoning.
-pub(crate) struct Condvar(imp::Condvar);
+pub(crate) struct Condvar {
+    inner: imp::Condvar,
+    /// Notifications sent so far: how a timed wait under loom tells a
+    /// wake-up from a timeout (see [`Condvar::wait_timeout`]).
+    #[cfg(device_events_loom)]
+    notifications: imp::atomic::AtomicUsize,
+}
 
 impl Default for Condvar {
     fn default() -> Self {
@@ -79,38 +110,83 @@ impl Condvar {
     /// A new condition variable; `const` outside loom.
     #[cfg(not(device_events_loom))]
     pub(crate) const fn new() -> Self {
-        Self(imp::Condvar::new())
+        Self {
+            inner: imp::Condvar::new(),
+        }
     }
 
     /// A new condition variable.
     #[cfg(device_events_loom)]
     pub(crate) fn new() -> Self {
-        Self(imp::Condvar::new())
+        Self {
+            inner: imp::Condvar::new(),
+            notifications: imp::atomic::AtomicUsize::new(0),
+        }
     }
 
     pub(crate) fn wait<'a, T>(&self, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
-        self.0.wait(guard).unwrap_or_else(PoisonError::into_inner)
+        let MutexGuard { mutex, inner } = guard;
+        MutexGuard {
+            mutex,
+            inner: self
+                .inner
+                .wait(inner)
+                .unwrap_or_else(PoisonError::into_inner),
+        }
     }
 
     /// Wait at most `timeout`; also whether it timed out.
+    #[cfg(not(device_events_loom))]
     pub(crate) fn wait_timeout<'a, T>(
         &self,
         guard: MutexGuard<'a, T>,
         timeout: Duration,
     ) -> (MutexGuard<'a, T>, bool) {
-        let (guard, result) = self
-            .0
-            .wait_timeout(guard, timeout)
+        let MutexGuard { mutex, inner } = guard;
+        let (inner, result) = self
+            .inner
+            .wait_timeout(inner, timeout)
             .unwrap_or_else(PoisonError::into_inner);
-        (guard, result.timed_out())
+        (MutexGuard { mutex, inner }, result.timed_out())
+    }
+
+    /// Wait at most `timeout`; also whether it timed out.
+    ///
+    /// loom 0.7's own timed wait never times out, so a model could never see
+    /// an idle thread leave. Here the timeout is a choice the schedule makes:
+    /// the wait lets go of the lock, yields, and takes the lock again; if a
+    /// notification came meanwhile it was woken, otherwise its time ran out.
+    /// So loom explores a notification before the timeout, after it (the
+    /// thread has gone: the notification is lost, as it is on a real
+    /// condition variable), and every step of the other threads in between.
+    #[cfg(device_events_loom)]
+    pub(crate) fn wait_timeout<'a, T>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        timeout: Duration,
+    ) -> (MutexGuard<'a, T>, bool) {
+        let _ = timeout;
+        let seen = self.notifications.load(imp::atomic::Ordering::SeqCst);
+        let mutex = guard.mutex;
+        drop(guard);
+        loom::thread::yield_now();
+        let guard = mutex.lock();
+        let timed_out = self.notifications.load(imp::atomic::Ordering::SeqCst) == seen;
+        (guard, timed_out)
     }
 
     pub(crate) fn notify_one(&self) {
-        self.0.notify_one();
+        #[cfg(device_events_loom)]
+        self.notifications
+            .fetch_add(1, imp::atomic::Ordering::SeqCst);
+        self.inner.notify_one();
     }
 
     pub(crate) fn notify_all(&self) {
-        self.0.notify_all();
+        #[cfg(device_events_loom)]
+        self.notifications
+            .fetch_add(1, imp::atomic::Ordering::SeqCst);
+        self.inner.notify_all();
     }
 }
 

@@ -2,10 +2,10 @@
 //! once on the first poll, hand the wait to the pool if not reached, then
 //! read the result from its slot.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::task::{Context, Poll};
 use std::time::Instant;
 
+use super::contain;
 use super::pool::{Pool, Wait};
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
@@ -52,11 +52,11 @@ enum FirstPoll {
 }
 
 /// A wait handed to the pool: where its result goes, and where in the pool
-/// it sits (to take it out if the future is dropped).
+/// it was placed (to take it out if the future is dropped).
 struct Handed {
     slot: Arc<Slot>,
     lane: LaneKey,
-    sequence: u64,
+    placed: u64,
 }
 
 impl<W: Waitable> Handoff<W> {
@@ -78,6 +78,11 @@ impl<W: Waitable> Handoff<W> {
             },
             State::Waiting(handed) => match handed.slot.poll(cx) {
                 Poll::Ready(result) => Poll::Ready(result),
+                // Handed off before the process forked: the thread that
+                // would resolve it is in the parent.
+                Poll::Pending if self.pool.get().is_forked() => {
+                    Poll::Ready(Err(ServerError::WaiterForked))
+                }
                 Poll::Pending => {
                     self.state = State::Waiting(handed);
                     Poll::Pending
@@ -102,29 +107,22 @@ impl<W: Waitable> Handoff<W> {
             // was due, so a fence reached meanwhile is caught.
             let may_spin = started.is_some_and(|started| first || started.elapsed() < budget);
             first = false;
-            match catch_unwind(AssertUnwindSafe(|| waitable.query())) {
-                Ok(Ok(true)) => return FirstPoll::Resolved(Ok(())),
-                Ok(Err(err)) => return FirstPoll::Resolved(Err(err)),
-                Err(payload) => {
-                    return FirstPoll::Resolved(Err(ServerError::WaiterPanicked {
-                        message: ServerError::panic_message(payload.as_ref()),
-                    }))
-                }
-                Ok(Ok(false)) if may_spin => std::hint::spin_loop(),
-                Ok(Ok(false)) => break,
+            match contain::backend(|| waitable.query()) {
+                Ok(true) => return FirstPoll::Resolved(Ok(())),
+                Err(err) => return FirstPoll::Resolved(Err(err)),
+                Ok(false) if may_spin => std::hint::spin_loop(),
+                Ok(false) => break,
             }
         }
-        let slot = Arc::new(Slot::new(cx.waker().clone()));
-        let wait = Wait {
-            waitable: Box::new(waitable),
-            slot: slot.clone(),
+        // The lane hashes the backend's stream handle: its code too.
+        let lane = match contain::backend(|| Ok(waitable.lane())) {
+            Ok(lane) => lane,
+            Err(err) => return FirstPoll::Resolved(Err(err)),
         };
+        let slot = Arc::new(Slot::new(cx.waker().clone()));
+        let wait = Wait::new(Box::new(waitable), slot.clone(), lane);
         match Pool::submit(pool, wait) {
-            Ok((lane, sequence)) => FirstPoll::HandedOff(Handed {
-                slot,
-                lane,
-                sequence,
-            }),
+            Ok((lane, placed)) => FirstPoll::HandedOff(Handed { slot, lane, placed }),
             Err(err) => FirstPoll::Resolved(Err(err)),
         }
     }
@@ -151,7 +149,7 @@ impl<W: Waitable> Drop for Handoff<W> {
     fn drop(&mut self) {
         if let State::Waiting(handed) = &self.state {
             handed.slot.cancel();
-            Pool::withdraw(self.pool.get(), handed.lane, handed.sequence, &handed.slot);
+            Pool::withdraw(self.pool.get(), handed.lane, handed.placed, &handed.slot);
         }
     }
 }

@@ -162,14 +162,15 @@ fn submit_on(
     waker: &Waker,
 ) -> Arc<Slot> {
     let slot = Arc::new(Slot::new(waker.clone()));
-    let wait = Wait {
-        waitable: Box::new(MockFence {
+    let wait = Wait::new(
+        Box::new(MockFence {
             reached: reached.clone(),
             sequence,
             lane,
         }),
-        slot: slot.clone(),
-    };
+        slot.clone(),
+        LaneKey::for_models(lane),
+    );
     assert!(Pool::submit(pool, wait).is_ok());
     slot
 }

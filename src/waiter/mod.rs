@@ -52,6 +52,7 @@
 //! works under tokio (multi- and current-thread), `futures::executor`, and
 //! any other runtime.
 
+mod contain;
 mod deadline;
 mod future;
 mod handoff;
@@ -72,7 +73,7 @@ use handoff::PoolRef;
 use pool::{Config, Pool};
 pub(crate) use waitable::{LaneKey, Waitable};
 
-use crate::loom::Arc;
+use crate::loom::{Arc, RwLock};
 use crate::{EventApi, EventFence, ServerError};
 
 /// Default [`WaiterBuilder::max_threads`].
@@ -116,12 +117,41 @@ impl Waiter {
     /// [`shutdown`](Self::shutdown) on it (or on a clone of it) does nothing
     /// but log a warning, since every other `fence.await` in the process
     /// depends on it.
+    ///
+    /// A forked child gets one of its own, made on first use there: the
+    /// parent's threads are not in the child.
     pub fn global() -> &'static Waiter {
         static GLOBAL: OnceLock<Waiter> = OnceLock::new();
-        GLOBAL.get_or_init(|| Waiter {
+        let global = GLOBAL.get_or_init(Waiter::new_global);
+        if global.pool.is_forked() {
+            return Self::forked_global();
+        }
+        global
+    }
+
+    /// The global waiter of a forked child: one per fork generation, made
+    /// on first use and kept for the life of the process (a fork's worth of
+    /// memory, once).
+    #[cold]
+    fn forked_global() -> &'static Waiter {
+        static FORKED: RwLock<Option<&'static Waiter>> = RwLock::new(None);
+        if let Some(waiter) = *FORKED.read() {
+            if !waiter.pool.is_forked() {
+                return waiter;
+            }
+        }
+        let mut forked = FORKED.write();
+        match *forked {
+            Some(waiter) if !waiter.pool.is_forked() => waiter,
+            _ => forked.insert(Box::leak(Box::new(Waiter::new_global()))),
+        }
+    }
+
+    fn new_global() -> Waiter {
+        Waiter {
             global: true,
             ..Waiter::builder().build()
-        })
+        }
     }
 
     /// Settings for a waiter of your own.

@@ -4,10 +4,13 @@
 //! per wait (hand-off and completion), and a lock keeps it small enough for
 //! loom to check every interleaving. Owners: the future owns the waker it
 //! stores and the result once taken; the waiter owns the entry until it calls
-//! [`Slot::complete`]; `cancelled` is set only by the future's drop.
+//! [`Slot::complete`]; `cancelled` is set only by the future's drop;
+//! `moved_to` is set under the wait's shard lock by whoever puts the wait
+//! back in its lane somewhere else than where it was first placed.
 
 use std::task::{Context, Poll, Waker};
 
+use super::contain;
 use crate::loom::Mutex;
 use crate::ServerError;
 
@@ -19,6 +22,11 @@ struct SlotState {
     result: Option<Result<(), ServerError>>,
     waker: Option<Waker>,
     cancelled: bool,
+    /// Where in its lane the wait sits, when that is no longer the place
+    /// its submit returned: it was taken out and its place was taken by
+    /// another wait meanwhile (two streams whose keys collide). `None`
+    /// otherwise, which is always.
+    moved_to: Option<u64>,
 }
 
 impl Slot {
@@ -28,11 +36,14 @@ impl Slot {
                 result: None,
                 waker: Some(waker),
                 cancelled: false,
+                moved_to: None,
             }),
         }
     }
 
-    /// Leave `result` for the future and wake it; a no-op once cancelled.
+    /// Leave `result` for the future and wake it; a no-op once cancelled or
+    /// completed (the first result stands). A waker that panics costs only
+    /// its own wake-up: the panic is logged and goes no further.
     pub(crate) fn complete(&self, result: Result<(), ServerError>) {
         let waker = {
             let mut state = self.state.lock();
@@ -44,7 +55,7 @@ impl Slot {
         };
         // Woken outside the lock: a waker may run the task inline.
         if let Some(waker) = waker {
-            waker.wake();
+            contain::wake(waker);
         }
     }
 
@@ -74,5 +85,94 @@ impl Slot {
 
     pub(crate) fn is_cancelled(&self) -> bool {
         self.state.lock().cancelled
+    }
+
+    /// The wait was put back in its lane at `place`, not where its submit
+    /// placed it. Called under the wait's shard lock.
+    pub(crate) fn moved_to(&self, place: u64) {
+        self.state.lock().moved_to = Some(place);
+    }
+
+    /// Where the wait sits in its lane, given where its submit placed it.
+    /// Read under the wait's shard lock.
+    pub(crate) fn place(&self, placed: u64) -> u64 {
+        self.state.lock().moved_to.unwrap_or(placed)
+    }
+}
+
+#[cfg(all(test, not(device_events_loom)))]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc as StdArc;
+    use std::task::{Context, Poll, Wake, Waker};
+
+    use super::Slot;
+    use crate::ServerError;
+
+    struct Counting(AtomicUsize);
+
+    impl Wake for Counting {
+        fn wake(self: StdArc<Self>) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    fn counting() -> (Waker, StdArc<Counting>) {
+        let counter = StdArc::new(Counting(AtomicUsize::new(0)));
+        (Waker::from(counter.clone()), counter)
+    }
+
+    #[test]
+    fn the_first_result_stands() {
+        let (waker, wakes) = counting();
+        let slot = Slot::new(waker.clone());
+        slot.complete(Ok(()));
+        slot.complete(Err(ServerError::WaiterGone));
+        assert_eq!(wakes.0.load(Ordering::SeqCst), 1, "woken once");
+        let mut cx = Context::from_waker(&waker);
+        assert_eq!(slot.poll(&mut cx), Poll::Ready(Ok(())));
+    }
+
+    #[test]
+    fn a_cancelled_slot_is_never_completed_or_woken() {
+        let (waker, wakes) = counting();
+        let slot = Slot::new(waker.clone());
+        assert!(!slot.is_cancelled());
+        slot.cancel();
+        assert!(slot.is_cancelled());
+        slot.complete(Ok(()));
+        assert_eq!(
+            wakes.0.load(Ordering::SeqCst),
+            0,
+            "a cancelled wait wakes nobody"
+        );
+        let mut cx = Context::from_waker(&waker);
+        assert!(slot.poll(&mut cx).is_pending(), "nor keeps a result");
+    }
+
+    #[test]
+    fn a_panicking_waker_costs_only_its_wake() {
+        struct Panicking;
+        impl Wake for Panicking {
+            fn wake(self: StdArc<Self>) {
+                panic!("a waker that panics");
+            }
+        }
+        let slot = Slot::new(Waker::from(StdArc::new(Panicking)));
+        slot.complete(Ok(())); // does not unwind
+        let (waker, _) = counting();
+        assert_eq!(
+            slot.poll(&mut Context::from_waker(&waker)),
+            Poll::Ready(Ok(()))
+        );
+    }
+
+    #[test]
+    fn a_moved_wait_is_found_where_it_went() {
+        let (waker, _) = counting();
+        let slot = Slot::new(waker);
+        assert_eq!(slot.place(7), 7);
+        slot.moved_to(9);
+        assert_eq!(slot.place(7), 9);
     }
 }
