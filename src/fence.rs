@@ -114,9 +114,18 @@ impl<A: EventApi> EventFence<A> {
     /// synchronize both), or the driver's error from the wait, e.g. a faulted
     /// stream.
     pub fn wait_sync(self) -> Result<(), ServerError> {
-        match self.event? {
-            Some(event) => event.wait_sync(),
-            None => Ok(()),
+        self.block()
+    }
+
+    /// [`wait_sync`](Self::wait_sync) without giving up the fence, for a
+    /// waiter thread: it drops the fence (releasing its event, an outside
+    /// backend's call) apart from the wait, so a panic in the release does
+    /// not pass for a failed wait.
+    pub(crate) fn block(&self) -> Result<(), ServerError> {
+        match &self.event {
+            Ok(Some(event)) => event.wait_sync(),
+            Ok(None) => Ok(()),
+            Err(err) => Err(err.clone()),
         }
     }
 

@@ -22,6 +22,12 @@ pub(crate) fn generation() -> u64 {
     GENERATION.load(Ordering::Relaxed)
 }
 
+/// The current generation, for comparing with one taken by
+/// [`generation`] (which started the watch).
+pub(crate) fn current() -> u64 {
+    GENERATION.load(Ordering::Relaxed)
+}
+
 #[cfg(unix)]
 fn watch() {
     static WATCH: std::sync::Once = std::sync::Once::new();

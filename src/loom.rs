@@ -153,19 +153,25 @@ impl Condvar {
     /// Wait at most `timeout`; also whether it timed out.
     ///
     /// loom 0.7's own timed wait never times out, so a model could never see
-    /// an idle thread leave. Here the timeout is a choice the schedule makes:
-    /// the wait lets go of the lock, yields, and takes the lock again; if a
-    /// notification came meanwhile it was woken, otherwise its time ran out.
-    /// So loom explores a notification before the timeout, after it (the
-    /// thread has gone: the notification is lost, as it is on a real
-    /// condition variable), and every step of the other threads in between.
+    /// an idle thread leave. Here a zero timeout (`keep_alive(0)`) is a
+    /// choice the schedule makes: the wait lets go of the lock, yields, and
+    /// takes the lock again; if a notification came meanwhile it was woken,
+    /// otherwise its time ran out. So loom explores a notification before
+    /// the timeout, after it (the thread has gone: the notification is lost,
+    /// as it is on a real condition variable), and every step of the other
+    /// threads in between. Any other timeout never runs out, as in loom
+    /// itself: the thread sleeps until notified, so a model with a long
+    /// keep-alive deadlocks on a lost wake-up instead of hiding it behind a
+    /// timeout.
     #[cfg(device_events_loom)]
     pub(crate) fn wait_timeout<'a, T>(
         &self,
         guard: MutexGuard<'a, T>,
         timeout: Duration,
     ) -> (MutexGuard<'a, T>, bool) {
-        let _ = timeout;
+        if !timeout.is_zero() {
+            return (self.wait(guard), false);
+        }
         let seen = self.notifications.load(imp::atomic::Ordering::SeqCst);
         let mutex = guard.mutex;
         drop(guard);

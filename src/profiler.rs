@@ -313,7 +313,7 @@ impl<A: EventApi> Waitable for PairWait<A> {
         }
     }
 
-    fn block(self: Box<Self>) -> Result<(), ServerError> {
+    fn block(&self) -> Result<(), ServerError> {
         match self.pair.upgrade() {
             Some(pair) => pair.wait_both(),
             None => Ok(()),

@@ -319,3 +319,46 @@ fn a_burst_of_dropped_futures_starts_at_most_one_extra_thread() {
         waiter.peak_threads()
     );
 }
+
+/// Two fences of one stream with the same sequence (as two streams whose
+/// lane keys collide would have) share a lane: the second is placed after
+/// the first. When a thread takes it out and puts it back, it goes back to
+/// that place, so a dropped future still finds and withdraws it: its event
+/// is destroyed at once, not when the stream reaches it.
+#[test]
+fn a_wait_placed_after_a_collision_is_withdrawn_from_where_it_was_put_back() {
+    let waiter = Waiter::builder().max_threads(1).build();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "same-sequence",
+            same_sequence: true,
+            ..Plan::default()
+        },
+    );
+    let first_gate = Gate::hold(&stream);
+    let mut first = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    let second_gate = Gate::hold(&stream);
+    let mut second = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    let mut third = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    for future in [&mut first, &mut second, &mut third] {
+        assert!(future.now_or_never().is_none(), "held by the gates");
+    }
+    // The lane's thread blocks on the first; once it is reached, it takes
+    // the second and third out to query them, puts them back (the second
+    // gate holds them), and blocks on the second.
+    first_gate.open();
+    assert_eq!(first.wait_sync_timeout(LIMIT), Some(Ok(())));
+    eventually(LIMIT, "the lane's thread blocks on the second", || {
+        faulty::synchronizing(stream.handle()) == 1
+    });
+    assert_eq!(faulty::destroyed(stream.handle()), 1, "the first's event");
+    drop(third);
+    eventually(LIMIT, "the withdrawn third's event is destroyed", || {
+        faulty::destroyed(stream.handle()) == 2
+    });
+    assert_eq!(waiter.pending(), 1, "only the second, still blocked on");
+    second_gate.open();
+    assert_eq!(second.wait_sync_timeout(LIMIT), Some(Ok(())));
+}

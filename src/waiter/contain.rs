@@ -29,10 +29,12 @@ pub(super) fn backend<T>(call: impl FnOnce() -> Result<T, ServerError>) -> Resul
 /// already in its slot, and the waiter goes on to the next.
 pub(super) fn wake(waker: Waker) {
     if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
-        log::error!(
-            "a task's waker panicked when the waiter woke it (the waiter goes on): {}",
-            message_of(payload)
-        );
+        let message = message_of(payload);
+        log(|| {
+            log::error!(
+                "a task's waker panicked when the waiter woke it (the waiter goes on): {message}"
+            );
+        });
     }
 }
 
@@ -41,10 +43,23 @@ pub(super) fn wake(waker: Waker) {
 /// further.
 pub(super) fn drop<T>(value: T) {
     if let Err(payload) = catch_unwind(AssertUnwindSafe(move || std::mem::drop(value))) {
-        log::error!(
-            "dropping a wait's fence panicked on a waiter thread (the waiter goes on): {}",
-            message_of(payload)
-        );
+        let message = message_of(payload);
+        log(|| {
+            log::error!(
+                "dropping a wait's fence panicked on a waiter thread (the waiter goes on): \
+                 {message}"
+            );
+        });
+    }
+}
+
+/// Log through the application's logger, which is not ours either: a
+/// logger that panics loses the line, nothing else.
+pub(super) fn log(line: impl FnOnce()) {
+    if let Err(payload) = catch_unwind(AssertUnwindSafe(line)) {
+        if let Err(again) = catch_unwind(AssertUnwindSafe(move || std::mem::drop(payload))) {
+            std::mem::forget(again);
+        }
     }
 }
 

@@ -9,6 +9,7 @@ use super::contain;
 use super::pool::{Pool, Wait};
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
+use super::Waiter;
 use crate::loom::Arc;
 use crate::ServerError;
 
@@ -17,19 +18,20 @@ pub(crate) struct Handoff<W: Waitable> {
     pool: PoolRef,
 }
 
-/// The pool a future's wait goes to: the global waiter's is borrowed for the
-/// life of the process, so a future of `fence.await` does not touch the
-/// pool's shared reference count (a cache line every executor thread would
-/// bounce); another waiter's is shared.
+/// The pool a future's wait goes to: the global waiter's is looked up when
+/// needed (it lives for the life of the process, and a forked child has its
+/// own), so a future of `fence.await` does not touch the pool's shared
+/// reference count (a cache line every executor thread would bounce);
+/// another waiter's is shared.
 pub(crate) enum PoolRef {
-    Global(&'static Arc<Pool>),
+    Global,
     Owned(Arc<Pool>),
 }
 
 impl PoolRef {
     fn get(&self) -> &Arc<Pool> {
         match self {
-            Self::Global(pool) => pool,
+            Self::Global => Waiter::global().pool(),
             Self::Owned(pool) => pool,
         }
     }
@@ -51,12 +53,23 @@ enum FirstPoll {
     HandedOff(Handed),
 }
 
-/// A wait handed to the pool: where its result goes, and where in the pool
-/// it was placed (to take it out if the future is dropped).
+/// A wait handed to the pool: where its result goes, where in the pool it
+/// was placed (to take it out if the future is dropped), and the process
+/// generation it was handed off in ([`crate::fork`]).
 struct Handed {
     slot: Arc<Slot>,
     lane: LaneKey,
     placed: u64,
+    generation: u64,
+}
+
+impl Handed {
+    /// Whether it was handed off before this process forked: the thread that
+    /// would resolve it is in the parent, and a lock on it may have been
+    /// held there at the fork, so nothing of it is touched in the child.
+    fn is_forked(&self) -> bool {
+        self.generation != crate::fork::current()
+    }
 }
 
 impl<W: Waitable> Handoff<W> {
@@ -76,13 +89,11 @@ impl<W: Waitable> Handoff<W> {
                 }
                 FirstPoll::Resolved(result) => Poll::Ready(result),
             },
+            State::Waiting(handed) if handed.is_forked() => {
+                Poll::Ready(Err(ServerError::WaiterForked))
+            }
             State::Waiting(handed) => match handed.slot.poll(cx) {
                 Poll::Ready(result) => Poll::Ready(result),
-                // Handed off before the process forked: the thread that
-                // would resolve it is in the parent.
-                Poll::Pending if self.pool.get().is_forked() => {
-                    Poll::Ready(Err(ServerError::WaiterForked))
-                }
                 Poll::Pending => {
                     self.state = State::Waiting(handed);
                     Poll::Pending
@@ -122,7 +133,12 @@ impl<W: Waitable> Handoff<W> {
         let slot = Arc::new(Slot::new(cx.waker().clone()));
         let wait = Wait::new(Box::new(waitable), slot.clone(), lane);
         match Pool::submit(pool, wait) {
-            Ok((lane, placed)) => FirstPoll::HandedOff(Handed { slot, lane, placed }),
+            Ok((lane, placed)) => FirstPoll::HandedOff(Handed {
+                slot,
+                lane,
+                placed,
+                generation: pool.generation(),
+            }),
             Err(err) => FirstPoll::Resolved(Err(err)),
         }
     }
@@ -148,6 +164,9 @@ impl<W: Waitable> Drop for Handoff<W> {
     /// thread, which drops it.
     fn drop(&mut self) {
         if let State::Waiting(handed) = &self.state {
+            if handed.is_forked() {
+                return;
+            }
             handed.slot.cancel();
             Pool::withdraw(self.pool.get(), handed.lane, handed.placed, &handed.slot);
         }

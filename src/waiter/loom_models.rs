@@ -109,7 +109,7 @@ struct MockFence {
 
 impl Waitable for MockFence {
     fn lane(&self) -> LaneKey {
-        LaneKey::for_models(self.lane)
+        LaneKey::for_tests(self.lane)
     }
 
     fn sequence(&self) -> u64 {
@@ -120,7 +120,7 @@ impl Waitable for MockFence {
         Ok(*self.reached.reached.lock())
     }
 
-    fn block(self: Box<Self>) -> Result<(), ServerError> {
+    fn block(&self) -> Result<(), ServerError> {
         let mut reached = self.reached.reached.lock();
         while !*reached {
             reached = self.reached.changed.wait(reached);
@@ -141,9 +141,16 @@ fn pool() -> Arc<Pool> {
 }
 
 fn pool_with(max_threads: usize) -> Arc<Pool> {
+    pool_keeping(max_threads, Duration::ZERO)
+}
+
+/// A pool whose idle threads stay `keep_alive`: zero makes every idle wait
+/// a choice between a wake-up and a timeout; any other value makes idle
+/// threads sleep until notified (see `crate::loom::Condvar::wait_timeout`).
+fn pool_keeping(max_threads: usize, keep_alive: Duration) -> Arc<Pool> {
     Arc::new(Pool::new(Config {
         max_threads,
-        keep_alive: Duration::ZERO,
+        keep_alive,
         thread_name: "loom-waiter".to_owned(),
         spin_budget: Duration::ZERO,
         resolvers: 1,
@@ -169,7 +176,7 @@ fn submit_on(
             lane,
         }),
         slot.clone(),
-        LaneKey::for_models(lane),
+        LaneKey::for_tests(lane),
     );
     assert!(Pool::submit(pool, wait).is_ok());
     slot
@@ -477,5 +484,146 @@ fn loom_a_withdraw_racing_shutdown_drops_the_fence_once() {
         }
         assert_eq!(device.fences_dropped.load(Ordering::SeqCst), 1);
         assert_eq!(pool.pending(), 0);
+    });
+}
+
+#[test]
+fn loom_an_idle_thread_timing_out_races_a_submit() {
+    loom::model(|| {
+        // The lane thread serves lane 0 and goes idle with keep_alive(0):
+        // it times out and leaves, or is woken for lane 1, whose wait comes
+        // from another task meanwhile; or it is still between lanes and
+        // finds lane 1 queued. Whichever, the wait resolves. (A thread that
+        // leaves on a timeout without looking at the queues first strands
+        // lane 1: this model deadlocks.)
+        let pool = pool();
+        let device = Arc::new(Device::default());
+        device.finish();
+        let task = Task::new();
+        let first = submit_on(&pool, &device, 0, 1, &task.waker);
+        assert!(task.poll_until_ready(&first).is_ok());
+        let other = {
+            let (pool, device) = (pool.clone(), device.clone());
+            thread::spawn(move || {
+                let task = Task::new();
+                let slot = submit_on(&pool, &device, 1, 1, &task.waker);
+                task.poll_until_ready(&slot)
+            })
+        };
+        assert!(other.join().unwrap().is_ok());
+        assert!(pool.peak_threads() <= 2, "{}", pool.peak_threads());
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_a_lane_taken_back_from_the_poller_mid_batch_is_made_again() {
+    loom::model(|| {
+        // One lane thread, blocked on lane 0; lane 1 goes to the poller. The
+        // poller may have lane 1's wait out to query it when the lane thread,
+        // done with lane 0, takes lane 1 back, finds it empty and removes
+        // it: the poller's settle then makes the lane afresh and queues it.
+        // The wait resolves either way. (A settle that makes the lane but
+        // does not queue it strands the wait: this model deadlocks.)
+        let pool = pool();
+        let slow = Arc::new(Device::default());
+        let fast = Arc::new(Device::default());
+        let task = Task::new();
+        let slow_slot = submit_on(&pool, &slow, 0, 1, &task.waker);
+        let fast_slot = submit_on(&pool, &fast, 1, 1, &task.waker);
+        slow.finish();
+        fast.finish();
+        assert!(task.poll_until_ready(&slow_slot).is_ok());
+        assert!(task.poll_until_ready(&fast_slot).is_ok());
+        while pool.pending() != 0 {
+            thread::yield_now();
+        }
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_shutdown_races_a_submit_from_another_task() {
+    loom::model(|| {
+        // A task hands off a wait while another thread shuts the pool down:
+        // the submit is refused, or the wait resolves (reached, or failed by
+        // shutdown). Never left pending. (A submit that skips a shard shut
+        // meanwhile puts its wait where nobody serves it: this model
+        // deadlocks.)
+        let pool = pool();
+        let device = Arc::new(Device::default());
+        let stopper = {
+            let pool = pool.clone();
+            thread::spawn(move || pool.shutdown())
+        };
+        let task = Task::new();
+        let slot = Arc::new(Slot::new(task.waker.clone()));
+        let wait = Wait::new(
+            Box::new(MockFence {
+                reached: device.clone(),
+                sequence: 1,
+                lane: 0,
+            }),
+            slot.clone(),
+            LaneKey::for_tests(0),
+        );
+        let submitted = Pool::submit(&pool, wait);
+        device.finish();
+        match submitted {
+            Ok(_) => {
+                let result = task.poll_until_ready(&slot);
+                assert!(matches!(result, Ok(()) | Err(ServerError::WaiterGone)));
+            }
+            Err(err) => assert_eq!(err, ServerError::WaiterGone),
+        }
+        stopper.join().unwrap();
+        assert_eq!(pool.pending(), 0);
+    });
+}
+
+#[test]
+fn loom_two_idle_lane_threads_are_woken_for_new_lanes() {
+    loom::model(|| {
+        // Two lane threads serve two lanes, then sleep (a long keep-alive:
+        // they never time out, so only a notification wakes them). Two new
+        // waits, one per lane: each finds a thread woken for it, or one
+        // still between lanes. (A wake-up decided but never sent leaves a
+        // thread asleep and its lane unserved: this model deadlocks.)
+        let pool = pool_keeping(2, Duration::from_secs(3600));
+        let device = Arc::new(Device::default());
+        device.finish();
+        let task = Task::new();
+        let first = submit_on(&pool, &device, 0, 1, &task.waker);
+        let second = submit_on(&pool, &device, 1, 1, &task.waker);
+        assert!(task.poll_until_ready(&first).is_ok());
+        assert!(task.poll_until_ready(&second).is_ok());
+        let third = submit_on(&pool, &device, 0, 2, &task.waker);
+        let fourth = submit_on(&pool, &device, 1, 2, &task.waker);
+        assert!(task.poll_until_ready(&third).is_ok());
+        assert!(task.poll_until_ready(&fourth).is_ok());
+        assert!(pool.peak_threads() <= 2, "{}", pool.peak_threads());
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller() {
+    loom::model(|| {
+        // The lane thread a wait needs cannot be started: its counts are
+        // undone and the poller serves the lane. (A failed spawn that leaves
+        // the lane queued for the thread that never came strands it: this
+        // model deadlocks.)
+        let pool = pool();
+        pool.plants.refused_spawns.store(1, Ordering::SeqCst);
+        let device = Arc::new(Device::default());
+        let task = Task::new();
+        let slot = submit(&pool, &device, 1, &task.waker);
+        let finisher = finish_on_a_thread(&device);
+        assert!(task.poll_until_ready(&slot).is_ok());
+        finisher.join().unwrap();
+        while pool.pending() != 0 {
+            thread::yield_now();
+        }
+        pool.shutdown();
     });
 }

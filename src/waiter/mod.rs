@@ -55,6 +55,8 @@
 mod contain;
 mod deadline;
 mod future;
+#[cfg(all(test, not(device_events_loom)))]
+mod guard_tests;
 mod handoff;
 #[cfg(all(test, device_events_loom))]
 mod loom_models;
@@ -172,11 +174,15 @@ impl Waiter {
     pub(crate) fn handoff<W: Waitable>(&self, waitable: W) -> Handoff<W> {
         let pool = if self.global {
             // The global waiter and its clones share the static one's pool.
-            PoolRef::Global(&Waiter::global().pool)
+            PoolRef::Global
         } else {
             PoolRef::Owned(self.pool.clone())
         };
         Handoff::new(waitable, pool)
+    }
+
+    pub(crate) fn pool(&self) -> &Arc<Pool> {
+        &self.pool
     }
 
     /// Threads alive now: lane threads, plus the poller if it runs.

@@ -306,7 +306,12 @@ impl Pool {
     /// Whether this is a forked child of the process that made the pool:
     /// its threads, and whoever held its locks at the fork, are not here.
     pub(crate) fn is_forked(&self) -> bool {
-        self.fork_generation != crate::fork::generation()
+        self.fork_generation != crate::fork::current()
+    }
+
+    /// The process generation the pool was made in.
+    pub(crate) fn generation(&self) -> u64 {
+        self.fork_generation
     }
 
     /// Hand a wait to the pool. Returns its lane and the place it went:
@@ -385,10 +390,18 @@ impl Pool {
     /// wake.
     fn queue_lane(&self, key: LaneKey) -> Action {
         let mut sched = self.sched();
+        let action = self.place_queued(&mut sched, key);
+        sched.check_invariants();
+        action
+    }
+
+    /// Queue `key`'s lane in `sched` and decide who serves it: the one place
+    /// the scheduler's invariant (see [`Pool::queue_lane`]) is kept.
+    fn place_queued(&self, sched: &mut Sched, key: LaneKey) -> Action {
         if sched.shutdown {
             return Action::Nothing;
         }
-        let action = if sched.wake_idle() {
+        if sched.wake_idle() {
             sched.for_threads.push_back(key);
             Action::WakeIdleThread
         } else if sched.lane_threads >= self.lanes.load(Ordering::SeqCst) {
@@ -404,9 +417,7 @@ impl Pool {
             } else {
                 sched.add_poller()
             }
-        };
-        sched.check_invariants();
-        action
+        }
     }
 
     /// Act on what the scheduler decided, once its lock is let go: a woken
@@ -450,10 +461,11 @@ impl Pool {
     /// Undo the counters of a thread that could not start, and keep serving
     /// with the threads that exist: the lanes queued for lane threads go to
     /// the poller (which a free lane thread takes them from first), started
-    /// if it is not running. With no thread at all, fail the queued waits
-    /// rather than leave them pending forever.
+    /// if it is not running. Lanes left for a poller that could not start
+    /// are failed, rather than left to a lane thread that may never run out
+    /// of work; with no thread at all, every queued lane is.
     fn spawn_failed(pool: &Arc<Self>, owner: Owner, err: &std::io::Error) {
-        log::error!("a waiter thread could not be started: {err}");
+        contain::log(|| log::error!("a waiter thread could not be started: {err}"));
         let mut sched = pool.sched();
         if owner == Owner::Poller {
             sched.poller_left();
@@ -467,17 +479,20 @@ impl Pool {
                 return Self::act(pool, action);
             }
         }
-        if sched.lane_threads > 0 || sched.poller {
+        if sched.poller {
             sched.check_invariants();
             return;
         }
-        let mut keys: Vec<LaneKey> = sched.for_threads.drain(..).collect();
-        keys.extend(sched.for_poller.drain(..));
-        // No thread will drop them: dropped here, as the last resort.
+        let mut keys: Vec<LaneKey> = sched.for_poller.drain(..).collect();
+        if sched.lane_threads == 0 {
+            keys.extend(sched.for_threads.drain(..));
+        }
+        // No poller will drop them: dropped here, as the last resort.
         let withdrawn = std::mem::take(&mut sched.withdrawn);
+        sched.check_invariants();
         drop(sched);
         withdrawn.into_iter().for_each(contain::drop);
-        let reason = format!("no waiter thread could be started: {err}");
+        let reason = format!("no waiter thread could be started to serve it: {err}");
         for key in keys {
             for wait in pool.remove_queued_lane(key) {
                 wait.slot.complete(Err(ServerError::ThreadSpawn {
@@ -625,8 +640,8 @@ impl Pool {
                 continue;
             }
             if sched.shutdown || timed_out {
-                sched.lane_thread_left();
                 sched.check_invariants();
+                sched.lane_thread_left();
                 return None;
             }
             sched.go_idle();
@@ -646,9 +661,10 @@ impl Pool {
             return false;
         };
         pool.planted_escape();
-        let Wait { waitable, slot, .. } = wait;
-        let result = contain::backend(|| waitable.block());
-        pool.resolve_blocked(key, &slot, result);
+        let result = contain::backend(|| wait.waitable.block());
+        pool.resolve_blocked(key, &wait.slot, result);
+        // Its future is woken first; then its fence (its event) goes.
+        contain::drop(wait);
         Self::resolve_reached(pool, key, owner, batch).more
     }
 
@@ -695,8 +711,9 @@ impl Pool {
             let more = !rest.is_empty();
             resolved += reached;
             limit = BATCH;
-            Self::settle(pool, key, rest, reached);
+            let action = Self::settle(pool, key, rest, reached);
             batch.pending = false;
+            Self::act(pool, action);
             // Woken outside the lock, oldest first; then each wait (and its
             // event) is dropped here, on this thread.
             let mut failed = failed.into_iter().peekable();
@@ -765,7 +782,8 @@ impl Pool {
     /// taken from, and count `resolved` ones as done, in one lock. If the
     /// lane was emptied and removed meanwhile (a thread took it over from
     /// the poller and found it empty), it is made and queued afresh, so
-    /// someone serves it.
+    /// someone serves it: the caller acts on the returned decision once it
+    /// has noted the batch settled.
     ///
     /// A wait whose future was dropped while it was out of its lane (so
     /// `withdraw` did not find it) is dropped here instead of put back. This
@@ -773,7 +791,7 @@ impl Pool {
     /// marks the slot cancelled before it takes the shard lock to withdraw,
     /// so under this lock a wait is either seen cancelled or withdrawn later
     /// (at its place, which is where it goes back).
-    fn settle(pool: &Arc<Self>, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
+    fn settle(pool: &Arc<Self>, key: LaneKey, rest: Vec<Wait>, resolved: usize) -> Action {
         let mut shard = pool.shard(key);
         let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
@@ -799,7 +817,7 @@ impl Pool {
             wait.slot.complete(Err(ServerError::WaiterGone));
             contain::drop(wait);
         }
-        Self::act(pool, action);
+        action
     }
 
     /// The future of the wait placed at `placed` in lane `key` was dropped:
@@ -873,8 +891,8 @@ impl Pool {
                 let idle = guard.lanes.is_empty() && adopted.is_empty() && withdrawn.is_empty();
                 // `+ 1 >`, not `>=`: under loom the linger is 0 rounds.
                 if idle && (idle_rounds + 1 > POLLER_LINGER_ROUNDS || sched.shutdown) {
-                    sched.poller_left();
                     sched.check_invariants();
+                    sched.poller_left();
                     guard.counted = false;
                     return;
                 }
@@ -885,9 +903,7 @@ impl Pool {
             if wake {
                 guard.pool.work.notify_one();
             }
-            // Dropped here, outside the lock.
-            let mut progressed = !withdrawn.is_empty();
-            withdrawn.into_iter().for_each(contain::drop);
+            // Claimed first, so that its guard knows them.
             for key in adopted {
                 // A lane this poller still lists may have been taken back,
                 // emptied, made afresh and queued again: listed once.
@@ -895,6 +911,9 @@ impl Pool {
                     guard.lanes.push(key);
                 }
             }
+            // Dropped here, outside the lock.
+            let mut progressed = !withdrawn.is_empty();
+            withdrawn.into_iter().for_each(contain::drop);
             let ServerGuard {
                 pool, lanes, batch, ..
             } = &mut guard;
@@ -964,7 +983,11 @@ impl Pool {
         sched.lane_threads + usize::from(sched.poller)
     }
 
+    /// The most threads alive at once; none in a forked child.
     pub(crate) fn peak_threads(&self) -> usize {
+        if self.is_forked() {
+            return 0;
+        }
         self.sched().peak_threads
     }
 
@@ -994,13 +1017,23 @@ impl Pool {
                 contain::drop(wait);
             }
         }
-        // Uncounted first, so that queuing its lanes does not count on it.
-        {
+        // Uncounted first, so that queuing its lanes does not count on it;
+        // and the lanes queued for threads are placed again, as one of them
+        // may have counted on this thread taking it.
+        let actions: Vec<Action> = {
             let mut sched = pool.sched();
             match owner {
                 Owner::Poller => sched.poller_left(),
                 _ => sched.lane_thread_left(),
             }
+            let queued = std::mem::take(&mut sched.for_threads);
+            queued
+                .into_iter()
+                .map(|key| pool.place_queued(&mut sched, key))
+                .collect()
+        };
+        for action in actions {
+            Self::act(pool, action);
         }
         let mut blocked = Vec::new();
         for &key in lanes {
@@ -1098,10 +1131,12 @@ impl Drop for ServerGuard {
         if !self.counted {
             return;
         }
-        log::error!(
-            "a waiter thread ({:?}) is unwinding; its lanes and waits go back to the pool",
-            self.owner
-        );
+        contain::log(|| {
+            log::error!(
+                "a waiter thread ({:?}) is unwinding; its lanes and waits go back to the pool",
+                self.owner
+            );
+        });
         Pool::recover(&self.pool, self.owner, &self.lanes, &mut self.batch);
     }
 }

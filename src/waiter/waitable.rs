@@ -15,10 +15,10 @@ pub(crate) struct LaneKey {
     stream_hash: u64,
 }
 
-#[cfg(all(test, device_events_loom))]
+#[cfg(test)]
 impl LaneKey {
-    /// A lane for the loom models, which have no backend.
-    pub(crate) fn for_models(stream: u64) -> Self {
+    /// A lane for the loom models and unit tests, which have no backend.
+    pub(crate) fn for_tests(stream: u64) -> Self {
         Self {
             backend: TypeId::of::<()>(),
             stream_hash: stream,
@@ -35,8 +35,9 @@ pub(crate) trait Waitable: Send + 'static {
     fn sequence(&self) -> u64;
     /// Reached, not yet, or a fault; never blocks.
     fn query(&self) -> Result<bool, ServerError>;
-    /// Block the calling thread until reached (sleeping in the driver).
-    fn block(self: Box<Self>) -> Result<(), ServerError>;
+    /// Block the calling thread until reached (sleeping in the driver). The
+    /// caller drops the waitable afterwards, apart from the wait.
+    fn block(&self) -> Result<(), ServerError>;
 }
 
 impl LaneKey {
@@ -71,7 +72,7 @@ impl<A: EventApi> Waitable for EventFence<A> {
         self.is_complete()
     }
 
-    fn block(self: Box<Self>) -> Result<(), ServerError> {
-        self.wait_sync()
+    fn block(&self) -> Result<(), ServerError> {
+        EventFence::block(self)
     }
 }

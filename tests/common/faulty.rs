@@ -28,6 +28,12 @@ pub struct Plan {
     /// for this stream (then ask the host backend): a fence that passes
     /// between two queries, at an exact point.
     pub unreached_queries: usize,
+    /// Panic inside the destroy of events created for this stream (after
+    /// destroying them): an outside backend's event release that panics.
+    pub panic_in_destroy: bool,
+    /// Give every fence recorded on this stream the same sequence: two
+    /// fences that collide in their stream's lane.
+    pub same_sequence: bool,
 }
 
 static PLANS: Mutex<Option<HashMap<HostStreamHandle, Plan>>> = Mutex::new(None);
@@ -201,7 +207,14 @@ impl EventApi for Faulty {
             .entry(event.stream)
             .or_default()
             .push(thread.name().unwrap_or("?").to_owned());
-        Host::event_destroy(event.inner)
+        let plan = plan_of(event.stream);
+        let destroyed = Host::event_destroy(event.inner);
+        assert!(
+            !plan.panic_in_destroy,
+            "injected panic in destroy ({})",
+            plan.label
+        );
+        destroyed
     }
 
     fn stream_wait_event(stream: HostStreamHandle, event: &FaultyEvent) -> Result<(), ServerError> {
@@ -221,6 +234,13 @@ impl EventApi for Faulty {
         let result = Host::stream_synchronize(stream);
         add(&STREAM_SYNCHRONIZING, stream, -1);
         result
+    }
+
+    fn stream_sequence(stream: HostStreamHandle) -> u64 {
+        if plan_of(stream).same_sequence {
+            return 1;
+        }
+        Host::stream_sequence(stream)
     }
 
     fn event_elapsed(start: &FaultyEvent, end: &FaultyEvent) -> Result<Duration, ServerError> {

@@ -1,0 +1,202 @@
+//! The waiter threads' guards, seen working: a panic planted where no call
+//! is contained (a thread holding waits out of their lane) unwinds the
+//! thread, and its guard must fail what it held, uncount it, and queue its
+//! lanes for another server. Also a refused spawn, planted the same way.
+//! Each test fails (hangs until its limit) without the guard.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::task::{Context, Poll, Wake, Waker};
+use std::thread::Thread;
+use std::time::{Duration, Instant};
+
+use super::pool::{Config, Pool, Wait};
+use super::slot::Slot;
+use super::waitable::{LaneKey, Waitable};
+use crate::ServerError;
+
+const LIMIT: Duration = Duration::from_secs(20);
+
+/// A "device" whose work ends when the test says, counting the threads
+/// blocked on it.
+#[derive(Default)]
+struct Device {
+    reached: Mutex<bool>,
+    changed: Condvar,
+    blocked: AtomicUsize,
+}
+
+impl Device {
+    fn reached() -> Arc<Self> {
+        let device = Arc::new(Self::default());
+        device.finish();
+        device
+    }
+
+    fn finish(&self) {
+        *self.reached.lock().unwrap() = true;
+        self.changed.notify_all();
+    }
+}
+
+struct MockFence {
+    device: Arc<Device>,
+    lane: u64,
+    sequence: u64,
+}
+
+impl Waitable for MockFence {
+    fn lane(&self) -> LaneKey {
+        LaneKey::for_tests(self.lane)
+    }
+
+    fn sequence(&self) -> u64 {
+        self.sequence
+    }
+
+    fn query(&self) -> Result<bool, ServerError> {
+        Ok(*self.device.reached.lock().unwrap())
+    }
+
+    fn block(&self) -> Result<(), ServerError> {
+        self.device.blocked.fetch_add(1, Ordering::SeqCst);
+        let mut reached = self.device.reached.lock().unwrap();
+        while !*reached {
+            reached = self.device.changed.wait(reached).unwrap();
+        }
+        Ok(())
+    }
+}
+
+fn pool(max_threads: usize) -> Arc<Pool> {
+    Arc::new(Pool::new(Config {
+        max_threads,
+        keep_alive: Duration::from_millis(20),
+        thread_name: "guard-test".to_owned(),
+        spin_budget: Duration::ZERO,
+        resolvers: 1,
+    }))
+}
+
+struct Unpark(Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
+    }
+}
+
+/// Hand a wait on `device` to `pool`; its slot.
+fn submit(pool: &Arc<Pool>, device: &Arc<Device>, lane: u64, sequence: u64) -> Arc<Slot> {
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let slot = Arc::new(Slot::new(waker));
+    let fence = MockFence {
+        device: device.clone(),
+        lane,
+        sequence,
+    };
+    let wait = Wait::new(Box::new(fence), slot.clone(), LaneKey::for_tests(lane));
+    Pool::submit(pool, wait).expect("submitted");
+    slot
+}
+
+/// The slot's result, sleeping until it is woken; a test failure (not a
+/// hang) if none comes within `LIMIT`.
+fn result_of(slot: &Slot) -> Result<(), ServerError> {
+    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        if let Poll::Ready(result) = slot.poll(&mut Context::from_waker(&waker)) {
+            return result;
+        }
+        let left = deadline.checked_duration_since(Instant::now());
+        let left = left.expect("the wait resolved within the limit");
+        std::thread::park_timeout(left);
+    }
+}
+
+fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = Instant::now() + LIMIT;
+    while !condition() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+fn is_panicked(result: &Result<(), ServerError>) -> bool {
+    matches!(result, Err(ServerError::WaiterPanicked { .. }))
+}
+
+#[test]
+fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
+    let pool = pool(4);
+    let device = Arc::new(Device::default());
+    pool.plants.escapes.store(1, Ordering::SeqCst);
+    // The lane thread takes the first out to block on, and unwinds there.
+    let first = submit(&pool, &device, 0, 1);
+    let second = submit(&pool, &device, 0, 2);
+    assert!(is_panicked(&result_of(&first)), "the held wait fails");
+    // Its lane went back to the pool: another thread blocks on the second.
+    eventually("another thread blocks on the lane", || {
+        device.blocked.load(Ordering::SeqCst) == 1
+    });
+    device.finish();
+    assert_eq!(result_of(&second), Ok(()));
+    assert_eq!(result_of(&submit(&pool, &device, 0, 3)), Ok(()));
+    assert_eq!(result_of(&submit(&pool, &device, 1, 1)), Ok(()));
+    eventually("no thread counted and no wait pending", || {
+        pool.threads() == 0 && pool.pending() == 0
+    });
+}
+
+#[test]
+fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
+    // One lane thread, blocked on lane 0: lane 1 goes to the poller.
+    let pool = pool(1);
+    let held = Arc::new(Device::default());
+    let blocked = submit(&pool, &held, 0, 1);
+    eventually("the lane thread blocks", || {
+        held.blocked.load(Ordering::SeqCst) == 1
+    });
+    pool.plants.escapes.store(1, Ordering::SeqCst);
+    let reached = Device::reached();
+    // The poller takes it out to query it, and unwinds there.
+    assert!(is_panicked(&result_of(&submit(&pool, &reached, 1, 1))));
+    // A poller is started again for the next: not left for dead.
+    assert_eq!(result_of(&submit(&pool, &reached, 1, 2)), Ok(()));
+    held.finish();
+    assert_eq!(result_of(&blocked), Ok(()));
+    eventually("no thread counted and no wait pending", || {
+        pool.threads() == 0 && pool.pending() == 0
+    });
+}
+
+#[test]
+fn a_refused_lane_thread_leaves_its_lane_to_the_poller() {
+    let pool = pool(4);
+    pool.plants.refused_spawns.store(1, Ordering::SeqCst);
+    let device = Arc::new(Device::default());
+    let slot = submit(&pool, &device, 0, 1);
+    device.finish();
+    assert_eq!(result_of(&slot), Ok(()));
+    eventually("no thread counted and no wait pending", || {
+        pool.threads() == 0 && pool.pending() == 0
+    });
+}
+
+#[test]
+fn with_no_thread_at_all_the_waits_fail_instead_of_hanging() {
+    let pool = pool(4);
+    pool.plants.refused_spawns.store(2, Ordering::SeqCst);
+    let device = Arc::new(Device::default());
+    let slot = submit(&pool, &device, 0, 1);
+    assert!(matches!(
+        result_of(&slot),
+        Err(ServerError::ThreadSpawn { .. })
+    ));
+    assert_eq!(pool.pending(), 0);
+    assert_eq!(pool.threads(), 0);
+    // The next wait starts a thread again.
+    let device = Device::reached();
+    assert_eq!(result_of(&submit(&pool, &device, 0, 2)), Ok(()));
+}

@@ -1,0 +1,108 @@
+//! A wait in a forked child: the child has only the thread that forked, so a
+//! waiter made in the parent has no threads there. A wait on it fails at
+//! once, with an error that names the fork; `Waiter::global()` is made
+//! afresh in the child and serves it. Nothing hangs.
+//!
+//! One test in its own binary: a fork copies whatever locks other threads
+//! held at that moment, and here no other test's threads run.
+#![cfg(unix)]
+// fork, alarm, _exit and waitpid: the FFI edge of this test.
+#![allow(unsafe_code)]
+
+mod common;
+
+use std::io::Write;
+use std::time::Duration;
+
+use common::Gate;
+use device_events::host::{Host, HostStream};
+use device_events::{EventFence, ServerError, Waiter};
+use futures::FutureExt;
+
+/// What the child checks; `Err` says what went wrong.
+fn in_the_child(waiter: &Waiter) -> Result<(), String> {
+    // Streams made in the child have their workers here.
+    let stream = HostStream::new().map_err(|err| err.to_string())?;
+    // A wait on the parent's waiter: refused at once, naming the fork.
+    let gate = Gate::hold(&stream);
+    let refused = waiter
+        .wait(EventFence::<Host>::new(stream.handle()))
+        .now_or_never();
+    match refused {
+        Some(Err(ServerError::WaiterForked)) => {}
+        other => return Err(format!("the parent's waiter answered {other:?}")),
+    }
+    if !ServerError::WaiterForked.to_string().contains("forked") {
+        return Err("the error does not name the fork".to_owned());
+    }
+    if waiter.threads() != 0 || waiter.pending() != 0 {
+        return Err("the parent's counts show in the child".to_owned());
+    }
+    // `fence.await` goes to a global waiter of the child's own.
+    let mut global = EventFence::<Host>::new(stream.handle()).wait();
+    if (&mut global).now_or_never().is_some() {
+        return Err("the global wait was not handed off".to_owned());
+    }
+    gate.open();
+    match global.wait_sync_timeout(Duration::from_secs(10)) {
+        Some(Ok(())) => {}
+        other => return Err(format!("the child's global waiter answered {other:?}")),
+    }
+    if Waiter::global().threads() == 0 {
+        return Err("the child's global waiter has no thread".to_owned());
+    }
+    Ok(())
+}
+
+#[test]
+fn a_wait_in_a_forked_child_fails_at_once_or_resolves_never_hangs() {
+    // The parent's waiter, and the global one, with threads and counts.
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    for target in [&waiter, Waiter::global()] {
+        let gate = Gate::hold(&stream);
+        let mut future = target.wait(EventFence::<Host>::new(stream.handle()));
+        assert!((&mut future).now_or_never().is_none(), "handed off");
+        gate.open();
+        futures::executor::block_on(future).unwrap();
+    }
+    assert!(waiter.threads() > 0 && Waiter::global().threads() > 0);
+
+    // SAFETY: the child runs only this test's code, in the one thread fork
+    // copies, and leaves with `_exit` (no atexit handlers, no unwinding
+    // into the harness); an alarm ends it if anything there hangs.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: alarm only schedules a signal for this process.
+        unsafe { libc::alarm(20) };
+        let outcome = std::panic::catch_unwind(|| in_the_child(&waiter))
+            .unwrap_or_else(|_| Err("the child panicked".to_owned()));
+        let code = match outcome {
+            Ok(()) => 0,
+            Err(why) => {
+                // Straight to fd 2: the harness's capture stays in the child.
+                let _ = writeln!(std::io::stderr(), "forked child: {why}");
+                1
+            }
+        };
+        // SAFETY: ends the child at once, as a forked child should.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child this test forked; `status` outlives it.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(waited, pid);
+    assert!(
+        !libc::WIFSIGNALED(status),
+        "the child was killed by signal {} (SIGALRM: a wait hung)",
+        libc::WTERMSIG(status)
+    );
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        0,
+        "the child's checks failed (its stderr says why)"
+    );
+    // The parent's waiter goes on.
+    futures::executor::block_on(waiter.wait(EventFence::<Host>::new(stream.handle()))).unwrap();
+}
