@@ -179,6 +179,36 @@ fn a_spin_budget_catches_a_fence_that_passes_while_spinning() {
     assert_eq!(waiter.peak_threads(), 0, "no hand-off within the budget");
 }
 
+/// With a budget, a first poll asks again and again until it is spent: a
+/// fence that passes after several "not yet" answers is ready at once. Only a
+/// first poll preempted past its whole budget may hand off instead, and
+/// then it must have spent it.
+#[test]
+fn a_spin_budget_asks_again_until_it_is_spent() {
+    let waiter = Waiter::builder().spin_budget(MAX_SPIN_BUDGET).build();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "passes-after-three-queries",
+            unreached_queries: 3,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    stream.synchronize().unwrap(); // the worker passed the fence's marker
+    let started = std::time::Instant::now();
+    let first = waiter.wait(fence).now_or_never();
+    let spent = started.elapsed();
+    match first {
+        Some(result) => result.unwrap(),
+        None => assert!(
+            spent >= MAX_SPIN_BUDGET,
+            "handed off after {spent:?}, inside its budget of {MAX_SPIN_BUDGET:?}"
+        ),
+    }
+}
+
 #[test]
 fn without_a_spin_budget_the_first_poll_asks_once_and_hands_off() {
     let waiter = Waiter::builder().build();

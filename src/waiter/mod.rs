@@ -22,9 +22,9 @@
 //!    in the driver: `cuEventSynchronize` on a `BLOCKING_SYNC` event),
 //!    resolves it, then queries the later waits in batches and resolves every
 //!    one reached, and blocks on the next. 10,000 pending awaits on 16 streams
-//!    need 16 threads. Resolving (a query and a task wake-up per wait) is CPU
-//!    work, so at most one lane thread per core resolves at once; the others
-//!    wait for a permit, asleep.
+//!    need 16 threads. Querying a batch is CPU work, so at most one lane
+//!    thread per core queries at once; the others wait for a permit, asleep.
+//!    The wakes come after, with no permit held (see 7).
 //! 4. **Bounded threads.** Lane threads start on demand, up to
 //!    [`max_threads`](WaiterBuilder::max_threads) (default
 //!    [`DEFAULT_MAX_THREADS`], at most [`MAX_THREADS_LIMIT`]), and leave after
@@ -47,6 +47,23 @@
 //!    with [`ServerError::WaiterPanicked`] and the thread goes on.
 //!    [`Waiter::shutdown`] resolves every pending wait, the blocked ones too,
 //!    with [`ServerError::WaiterGone`].
+//! 7. **Code the waiter calls but does not own.** A task's
+//!    [`Waker`](std::task::Waker), a fence's drop (its event's release, an
+//!    outside [`EventApi`]'s code) and the application's logger can panic.
+//!    Each call is made under `catch_unwind` and with no lock or resolve
+//!    permit held. A panicking wake costs only that wake: the task's result
+//!    is already in place (a later poll finds it), the panic is logged once,
+//!    and the thread finishes its batch and goes on; a panicking release
+//!    costs only that release. A waiter thread that unwinds all the same (a
+//!    bug in the waiter) fails the waits it held with
+//!    [`ServerError::WaiterPanicked`], uncounts itself and queues its lanes
+//!    for another thread on the way out: no future is left pending and no
+//!    count outlives its thread.
+//! 8. **Fork.** A forked child has only the thread that forked. A waiter made
+//!    before the fork refuses waits there with [`ServerError::WaiterForked`]
+//!    (as do futures it had taken, when polled in the child), and reads no
+//!    state the parent's threads may have held; [`Waiter::global()`] is made
+//!    afresh in the child and serves it.
 //!
 //! It depends on no executor: std [`Waker`](std::task::Waker)s only, so it
 //! works under tokio (multi- and current-thread), `futures::executor`, and

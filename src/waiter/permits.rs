@@ -1,13 +1,16 @@
-//! [`Permits`]: how many lane threads may resolve waits at once.
+//! [`Permits`]: how many lane threads may query their batches at once.
 //!
 //! A lane thread sleeps in the driver while it blocks, which costs nothing;
-//! resolving what it finds reached afterwards (a query and a task wake-up per
-//! wait) is CPU work. When many streams finish together (a burst of thousands
-//! of awaits on 64 streams), 64 lane threads resolving at once on a machine
-//! with a few cores crowd out the executor's own threads, which must run the
-//! woken tasks, and contend on its task queue: measured on 2 cores, all
+//! querying the batch it takes afterwards is CPU work. When many streams
+//! finish together (a burst of thousands of awaits on 64 streams), 64 lane
+//! threads at once on a machine with a few cores crowd out the executor's
+//! own threads, which must run the woken tasks: measured on 2 cores, all
 //! resolved took 147 ms that way against 80 ms with two at a time. So at most
-//! one resolving thread per core: the rest wait for a permit, asleep.
+//! one querying thread per core: the rest wait for a permit, asleep.
+//!
+//! The permit covers the queries only, never the wakes that follow: a waker
+//! may run its task inline, and a task that then blocks would hold a permit
+//! every other lane needs.
 
 use crate::loom::{Condvar, Mutex};
 
