@@ -11,7 +11,8 @@
 #
 # Not in CI: it builds and tests a few hundred mutants (see scripts/README.md
 # for how long that takes). Installs cargo-mutants if it is missing. Results
-# go to target/mutants/mutants.out/ (missed.txt, caught.txt, timeout.txt).
+# go to target/mutants/mutants.out/ (missed.txt, caught.txt, timeout.txt),
+# or under $MUTANTS_OUT.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -33,7 +34,7 @@ for file in "${files[@]}"; do args+=(--file "$file"); done
 exec cargo mutants "${args[@]}" \
     --exclude src/waiter/loom_models.rs \
     --exclude src/waiter/guard_tests.rs \
-    --output target/mutants \
+    --output "${MUTANTS_OUT:-target/mutants}" \
     --timeout 120 \
     --jobs 1 \
     -- --lib --test await_faults --test await_panics --test await_runtimes \

@@ -22,8 +22,10 @@ use crate::{EventApi, EventFence, ServerError};
 /// # Errors
 ///
 /// The fence's error (see [`EventFence::wait_sync`]), a fault of the stream,
-/// [`ServerError::WaiterPanicked`] if a backend call panicked, or
-/// [`ServerError::WaiterGone`] if the waiter was shut down first.
+/// [`ServerError::WaiterPanicked`] if a backend call panicked,
+/// [`ServerError::WaiterGone`] if the waiter was shut down first, or
+/// [`ServerError::WaiterForked`] if the waiter was made (or the wait handed
+/// to it) before this process forked.
 ///
 /// # Cancel safety
 ///
