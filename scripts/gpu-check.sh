@@ -5,7 +5,7 @@
 #
 #   bash device-bin/gpu-check.sh [device-bin] [--quick|--large]
 #
-# Timeouts keep one call inside the device tool's 600 s command limit (tests
+# Timeouts keep one call inside the GPU machine's 600 s command limit (tests
 # 120 s each, examples 60 s, benchmark 360 s); a hang fails its step and the
 # rest still runs, and every log is already under $OUT when the limit hits.
 # Results (JSON, SVG plots, logs) go to $OUT when set, else ./gpu-results.

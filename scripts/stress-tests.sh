@@ -7,7 +7,7 @@
 #   STRESS_LOAD=1 bash scripts/stress-tests.sh 3   # 1 busy loop per core
 #
 # The busy loops (STRESS_LOAD per core, default 4; one per core did not
-# reproduce issue 9's failure in 5 runs, four did in the first) are started
+# reproduce a known load-only failure in 5 runs, four did in the first) are started
 # and stopped by this script. The suite is built first, without load, so each run measures
 # the tests, not the compiler; each run is `cargo test --no-fail-fast`, the
 # README's test command, doctests included. Exit status: 0 when every run
