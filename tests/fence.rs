@@ -261,3 +261,66 @@ fn live_events_count_pooled_events_in_use_and_not_idle_ones() {
     }
     assert!(live.created() <= 3, "created {} events", live.created());
 }
+
+/// A backend outside the crate that gives no `stream_sequence` of its own:
+/// the host backend's calls, and the trait's defaults for the rest.
+struct Plain;
+
+impl EventApi for Plain {
+    const BACKEND: &'static str = "Plain";
+    type Stream = <Host as EventApi>::Stream;
+    type Event = <Host as EventApi>::Event;
+
+    fn event_create(
+        stream: Self::Stream,
+        flags: device_events::EventFlags,
+    ) -> Result<Self::Event, device_events::ServerError> {
+        Host::event_create(stream, flags)
+    }
+    fn event_record(
+        event: &Self::Event,
+        stream: Self::Stream,
+    ) -> Result<(), device_events::ServerError> {
+        Host::event_record(event, stream)
+    }
+    fn event_query(event: &Self::Event) -> Result<bool, device_events::ServerError> {
+        Host::event_query(event)
+    }
+    fn event_synchronize(event: &Self::Event) -> Result<(), device_events::ServerError> {
+        Host::event_synchronize(event)
+    }
+    fn event_destroy(event: Self::Event) -> Result<(), device_events::ServerError> {
+        Host::event_destroy(event)
+    }
+    fn stream_wait_event(
+        stream: Self::Stream,
+        event: &Self::Event,
+    ) -> Result<(), device_events::ServerError> {
+        Host::stream_wait_event(stream, event)
+    }
+    fn stream_synchronize(stream: Self::Stream) -> Result<(), device_events::ServerError> {
+        Host::stream_synchronize(stream)
+    }
+    fn event_elapsed(
+        start: &Self::Event,
+        end: &Self::Event,
+    ) -> Result<std::time::Duration, device_events::ServerError> {
+        Host::event_elapsed(start, end)
+    }
+}
+
+/// Without a `stream_sequence` of the backend's own, fences still order by
+/// record: the default takes a process-wide counter, so later fences have
+/// larger sequences, on one stream and across streams.
+#[test]
+fn a_backend_without_stream_sequences_still_orders_its_fences() {
+    let (a, b) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    let first = EventFence::<Plain>::new(a.handle());
+    let second = EventFence::<Plain>::new(b.handle());
+    let third = EventFence::<Plain>::new(a.handle());
+    assert!(first.sequence() < second.sequence(), "{first:?} {second:?}");
+    assert!(second.sequence() < third.sequence());
+    for fence in [first, second, third] {
+        fence.wait_sync().unwrap();
+    }
+}

@@ -16,11 +16,23 @@ use std::time::Duration;
 
 use common::Gate;
 use device_events::host::{Host, HostStream};
-use device_events::{EventFence, ServerError, Waiter};
+use device_events::{EventFence, FenceFuture, ServerError, Waiter};
 use futures::FutureExt;
 
-/// What the child checks; `Err` says what went wrong.
-fn in_the_child(waiter: &Waiter) -> Result<(), String> {
+/// What the child checks; `Err` says what went wrong. `handed` was handed
+/// to `waiter` before the fork.
+fn in_the_child(waiter: &Waiter, mut handed: FenceFuture<Host>) -> Result<(), String> {
+    // Its thread is in the parent: it fails when polled, and its drop
+    // touches nothing of the parent's.
+    match (&mut handed).now_or_never() {
+        Some(Err(ServerError::WaiterForked)) => {}
+        other => {
+            return Err(format!(
+                "a wait handed off before the fork answered {other:?}"
+            ))
+        }
+    }
+    drop(handed);
     // Streams made in the child have their workers here.
     let stream = HostStream::new().map_err(|err| err.to_string())?;
     // A wait on the parent's waiter: refused at once, naming the fork.
@@ -67,6 +79,10 @@ fn a_wait_in_a_forked_child_fails_at_once_or_resolves_never_hangs() {
         futures::executor::block_on(future).unwrap();
     }
     assert!(waiter.threads() > 0 && Waiter::global().threads() > 0);
+    // A wait a waiter thread holds across the fork.
+    let held = Gate::hold(&stream);
+    let mut handed = waiter.wait(EventFence::<Host>::new(stream.handle()));
+    assert!((&mut handed).now_or_never().is_none(), "handed off");
 
     // SAFETY: the child runs only this test's code, in the one thread fork
     // copies, and leaves with `_exit` (no atexit handlers, no unwinding
@@ -76,7 +92,7 @@ fn a_wait_in_a_forked_child_fails_at_once_or_resolves_never_hangs() {
     if pid == 0 {
         // SAFETY: alarm only schedules a signal for this process.
         unsafe { libc::alarm(20) };
-        let outcome = std::panic::catch_unwind(|| in_the_child(&waiter))
+        let outcome = std::panic::catch_unwind(|| in_the_child(&waiter, handed))
             .unwrap_or_else(|_| Err("the child panicked".to_owned()));
         let code = match outcome {
             Ok(()) => 0,
@@ -103,6 +119,8 @@ fn a_wait_in_a_forked_child_fails_at_once_or_resolves_never_hangs() {
         0,
         "the child's checks failed (its stderr says why)"
     );
-    // The parent's waiter goes on.
+    // The parent's waiter goes on, with the wait it held.
+    held.open();
+    futures::executor::block_on(handed).unwrap();
     futures::executor::block_on(waiter.wait(EventFence::<Host>::new(stream.handle()))).unwrap();
 }
