@@ -4,69 +4,19 @@
 //! lanes for another server. Also a refused spawn, planted the same way.
 //! Each test fails (hangs until its limit) without the guard.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::thread::Thread;
 use std::time::{Duration, Instant};
 
+use super::mock_device::{Device, MockFence};
 use super::pool::{Config, Pool, Wait};
 use super::slot::Slot;
-use super::waitable::{LaneKey, Waitable};
+use super::waitable::LaneKey;
 use crate::ServerError;
 
 const LIMIT: Duration = Duration::from_secs(20);
-
-/// A "device" whose work ends when the test says, counting the threads
-/// blocked on it.
-#[derive(Default)]
-struct Device {
-    reached: Mutex<bool>,
-    changed: Condvar,
-    blocked: AtomicUsize,
-}
-
-impl Device {
-    fn reached() -> Arc<Self> {
-        let device = Arc::new(Self::default());
-        device.finish();
-        device
-    }
-
-    fn finish(&self) {
-        *self.reached.lock().unwrap() = true;
-        self.changed.notify_all();
-    }
-}
-
-struct MockFence {
-    device: Arc<Device>,
-    lane: u64,
-    sequence: u64,
-}
-
-impl Waitable for MockFence {
-    fn lane(&self) -> LaneKey {
-        LaneKey::for_tests(self.lane)
-    }
-
-    fn sequence(&self) -> u64 {
-        self.sequence
-    }
-
-    fn query(&self) -> Result<bool, ServerError> {
-        Ok(*self.device.reached.lock().unwrap())
-    }
-
-    fn block(&self) -> Result<(), ServerError> {
-        self.device.blocked.fetch_add(1, Ordering::SeqCst);
-        let mut reached = self.device.reached.lock().unwrap();
-        while !*reached {
-            reached = self.device.changed.wait(reached).unwrap();
-        }
-        Ok(())
-    }
-}
 
 fn pool(max_threads: usize) -> Arc<Pool> {
     Arc::new(Pool::new(Config {

@@ -8,10 +8,11 @@ use std::time::Duration;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 
 use super::handoff::{Handoff, PoolRef};
+use super::mock_device::{Device, MockFence};
 use super::permits::Permits;
 use super::pool::{Config, Pool, Wait};
 use super::slot::Slot;
-use super::waitable::{LaneKey, Waitable};
+use super::waitable::LaneKey;
 use crate::loom::{thread, Arc, Condvar, Mutex};
 use crate::ServerError;
 
@@ -76,64 +77,10 @@ impl Task {
     }
 }
 
-/// The "device": a flag its work sets when done, and a count of the fences
-/// on it that have been dropped (their events destroyed).
-#[derive(Default)]
-struct Device {
-    reached: Mutex<bool>,
-    changed: Condvar,
-    fences_dropped: AtomicUsize,
-    /// The threads the fences were dropped on.
-    dropped_on: Mutex<Vec<thread::ThreadId>>,
-}
-
-impl Device {
-    fn finish(&self) {
-        *self.reached.lock() = true;
-        self.changed.notify_all();
-    }
-}
-
 /// The device's work ends on a thread of its own, racing the model.
 fn finish_on_a_thread(device: &Arc<Device>) -> thread::JoinHandle<()> {
     let device = device.clone();
     thread::spawn(move || device.finish())
-}
-
-/// A fence on the model's device.
-struct MockFence {
-    reached: Arc<Device>,
-    sequence: u64,
-    lane: u64,
-}
-
-impl Waitable for MockFence {
-    fn lane(&self) -> LaneKey {
-        LaneKey::for_tests(self.lane)
-    }
-
-    fn sequence(&self) -> u64 {
-        self.sequence
-    }
-
-    fn query(&self) -> Result<bool, ServerError> {
-        Ok(*self.reached.reached.lock())
-    }
-
-    fn block(&self) -> Result<(), ServerError> {
-        let mut reached = self.reached.reached.lock();
-        while !*reached {
-            reached = self.reached.changed.wait(reached);
-        }
-        Ok(())
-    }
-}
-
-impl Drop for MockFence {
-    fn drop(&mut self) {
-        self.reached.dropped_on.lock().push(thread::current().id());
-        self.reached.fences_dropped.fetch_add(1, Ordering::SeqCst);
-    }
 }
 
 fn pool() -> Arc<Pool> {
@@ -171,7 +118,7 @@ fn submit_on(
     let slot = Arc::new(Slot::new(waker.clone()));
     let wait = Wait::new(
         Box::new(MockFence {
-            reached: reached.clone(),
+            device: reached.clone(),
             sequence,
             lane,
         }),
@@ -326,7 +273,7 @@ fn loom_a_dropped_future_withdraws_its_wait_or_leaves_it_to_the_thread() {
         let (waker, wakes) = counting_waker();
         let mut handoff = Handoff::new(
             MockFence {
-                reached: reached.clone(),
+                device: reached.clone(),
                 sequence: 1,
                 lane: 0,
             },
@@ -465,7 +412,7 @@ fn loom_a_withdraw_racing_shutdown_drops_the_fence_once() {
         let (waker, _) = counting_waker();
         let mut handoff = Handoff::new(
             MockFence {
-                reached: device.clone(),
+                device: device.clone(),
                 sequence: 1,
                 lane: 0,
             },
@@ -560,7 +507,7 @@ fn loom_shutdown_races_a_submit_from_another_task() {
         let slot = Arc::new(Slot::new(task.waker.clone()));
         let wait = Wait::new(
             Box::new(MockFence {
-                reached: device.clone(),
+                device: device.clone(),
                 sequence: 1,
                 lane: 0,
             }),

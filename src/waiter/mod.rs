@@ -77,6 +77,8 @@ mod guard_tests;
 mod handoff;
 #[cfg(all(test, device_events_loom))]
 mod loom_models;
+#[cfg(test)]
+mod mock_device;
 mod permits;
 mod pool;
 mod slot;
