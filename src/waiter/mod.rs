@@ -60,10 +60,12 @@
 //!    for another thread on the way out: no future is left pending and no
 //!    count outlives its thread.
 //! 8. **Fork.** A forked child has only the thread that forked. A waiter made
-//!    before the fork refuses waits there with [`ServerError::WaiterForked`]
-//!    (as do futures it had taken, when polled in the child), and reads no
-//!    state the parent's threads may have held; [`Waiter::global()`] is made
-//!    afresh in the child and serves it.
+//!    before the fork refuses waits there with [`ServerError::WaiterForked`],
+//!    and reads no state the parent's threads may have held;
+//!    [`Waiter::global()`] is made afresh in the child and serves it. A
+//!    future handed off before the fork is not woken in the child (the
+//!    thread that would wake it stayed in the parent): polled there, it
+//!    resolves at once with [`ServerError::WaiterForked`].
 //!
 //! It depends on no executor: std [`Waker`](std::task::Waker)s only, so it
 //! works under tokio (multi- and current-thread), `futures::executor`, and
