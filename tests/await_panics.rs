@@ -134,6 +134,7 @@ fn a_panicking_waker_on_the_poller_costs_only_its_wake() {
     assert_served(&waiter, &HostStream::new().unwrap());
     held_gate.open();
     assert_eq!(blocked.wait_sync_timeout(LIMIT), Some(Ok(())));
+    assert_eq!(waiter.peak_threads(), 2, "the lane thread and the poller");
     assert_back_to_zero(&waiter);
 }
 

@@ -50,20 +50,69 @@ fn in_the_child(waiter: &Waiter, mut handed: FenceFuture<Host>) -> Result<(), St
     if waiter.threads() != 0 || waiter.pending() != 0 {
         return Err("the parent's counts show in the child".to_owned());
     }
+    drop(gate);
     // `fence.await` goes to a global waiter of the child's own.
+    global_await_resolves()?;
+    if Waiter::global().threads() == 0 {
+        return Err("the child's global waiter has no thread".to_owned());
+    }
+    // And in a fork of the child, whose global waiter is the child's.
+    match in_a_fork(global_await_resolves) {
+        0 => Ok(()),
+        code => Err(format!("the grandchild failed ({code})")),
+    }
+}
+
+/// A `fence.await`, handed off, resolves: through a global waiter of this
+/// process's own.
+fn global_await_resolves() -> Result<(), String> {
+    let stream = HostStream::new().map_err(|err| err.to_string())?;
+    let gate = Gate::hold(&stream);
     let mut global = EventFence::<Host>::new(stream.handle()).wait();
     if (&mut global).now_or_never().is_some() {
         return Err("the global wait was not handed off".to_owned());
     }
     gate.open();
     match global.wait_sync_timeout(Duration::from_secs(10)) {
-        Some(Ok(())) => {}
-        other => return Err(format!("the child's global waiter answered {other:?}")),
+        Some(Ok(())) => Ok(()),
+        other => Err(format!("the global waiter answered {other:?}")),
     }
-    if Waiter::global().threads() == 0 {
-        return Err("the child's global waiter has no thread".to_owned());
+}
+
+/// Run `check` in a forked child and return its exit status: 0 when it
+/// passed, 1 when it failed (it says why on stderr), 128 + the signal when
+/// it was killed (SIGALRM after 20 s: something hung).
+fn in_a_fork(check: impl FnOnce() -> Result<(), String>) -> i32 {
+    // SAFETY: the child runs only `check`, in the one thread fork copies,
+    // and leaves with `_exit` (no atexit handlers, no unwinding into the
+    // harness); an alarm ends it if anything there hangs.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork failed");
+    if pid == 0 {
+        // SAFETY: alarm only schedules a signal for this process.
+        unsafe { libc::alarm(20) };
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(check))
+            .unwrap_or_else(|_| Err("the child panicked".to_owned()));
+        let code = match outcome {
+            Ok(()) => 0,
+            Err(why) => {
+                // Straight to fd 2: the harness's capture stays in the child.
+                let _ = writeln!(std::io::stderr(), "forked child: {why}");
+                1
+            }
+        };
+        // SAFETY: ends the child at once, as a forked child should.
+        unsafe { libc::_exit(code) };
     }
-    Ok(())
+    let mut status = 0;
+    // SAFETY: waits for the child forked here; `status` outlives the call.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(waited, pid);
+    if libc::WIFSIGNALED(status) {
+        128 + libc::WTERMSIG(status)
+    } else {
+        libc::WEXITSTATUS(status)
+    }
 }
 
 #[test]
@@ -84,43 +133,15 @@ fn a_wait_in_a_forked_child_fails_at_once_or_resolves_never_hangs() {
     let mut handed = waiter.wait(EventFence::<Host>::new(stream.handle()));
     assert!((&mut handed).now_or_never().is_none(), "handed off");
 
-    // SAFETY: the child runs only this test's code, in the one thread fork
-    // copies, and leaves with `_exit` (no atexit handlers, no unwinding
-    // into the harness); an alarm ends it if anything there hangs.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        // SAFETY: alarm only schedules a signal for this process.
-        unsafe { libc::alarm(20) };
-        let outcome = std::panic::catch_unwind(|| in_the_child(&waiter, handed))
-            .unwrap_or_else(|_| Err("the child panicked".to_owned()));
-        let code = match outcome {
-            Ok(()) => 0,
-            Err(why) => {
-                // Straight to fd 2: the harness's capture stays in the child.
-                let _ = writeln!(std::io::stderr(), "forked child: {why}");
-                1
-            }
-        };
-        // SAFETY: ends the child at once, as a forked child should.
-        unsafe { libc::_exit(code) };
-    }
-    let mut status = 0;
-    // SAFETY: waits for the child this test forked; `status` outlives it.
-    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
-    assert_eq!(waited, pid);
-    assert!(
-        !libc::WIFSIGNALED(status),
-        "the child was killed by signal {} (SIGALRM: a wait hung)",
-        libc::WTERMSIG(status)
-    );
+    // The child takes the future from here; the parent keeps its own.
+    let handed = std::cell::Cell::new(Some(handed));
+    let status = in_a_fork(|| in_the_child(&waiter, handed.take().expect("once")));
     assert_eq!(
-        libc::WEXITSTATUS(status),
-        0,
-        "the child's checks failed (its stderr says why)"
+        status, 0,
+        "the child's checks failed (1: its stderr says why; 142: SIGALRM, a wait hung)"
     );
     // The parent's waiter goes on, with the wait it held.
     held.open();
-    futures::executor::block_on(handed).unwrap();
+    futures::executor::block_on(handed.take().expect("the parent's")).unwrap();
     futures::executor::block_on(waiter.wait(EventFence::<Host>::new(stream.handle()))).unwrap();
 }
