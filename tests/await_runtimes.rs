@@ -363,3 +363,36 @@ fn wait_sync_timeout_gives_up_on_a_held_stream_and_can_wait_again() {
     let mut ready = waiter.wait(stream.fence());
     assert_eq!(ready.wait_sync_timeout(Duration::ZERO), Some(Ok(())));
 }
+
+/// A waiter's `Debug` shows its counts and the settings it was built with.
+#[test]
+fn a_waiters_debug_shows_its_counts_and_settings() {
+    let waiter = Waiter::builder()
+        .max_threads(3)
+        .keep_alive(Duration::from_millis(1234))
+        .thread_name("debug-shown")
+        .build();
+    let shown = format!("{waiter:?}");
+    for part in [
+        "Waiter {",
+        "threads: 0",
+        "pending: 0",
+        "max_threads: 3",
+        "keep_alive: 1.234s",
+        "\"debug-shown\"",
+    ] {
+        assert!(shown.contains(part), "{part:?} not in {shown}");
+    }
+}
+
+/// A timeout too long to add to the clock (`Duration::MAX`) waits as long
+/// as it takes, and returns the result.
+#[test]
+fn a_deadline_beyond_the_clock_waits_until_reached() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let mut future = EventFence::<Host>::new(stream.handle()).wait();
+    assert!((&mut future).now_or_never().is_none(), "handed off");
+    gate.open();
+    assert_eq!(future.wait_sync_timeout(Duration::MAX), Some(Ok(())));
+}
