@@ -12,7 +12,9 @@
 # Not in CI: it builds and tests a few hundred mutants (see scripts/README.md
 # for how long that takes). Installs cargo-mutants if it is missing. Results
 # go to target/mutants/mutants.out/ (missed.txt, caught.txt, timeout.txt),
-# or under $MUTANTS_OUT.
+# or under $MUTANTS_OUT. MUTANTS_TIMEOUT (seconds a mutant's tests may run,
+# default 60: a test that hangs on a mutant is a kill that costs this much)
+# and MUTANTS_JOBS (default 1) tune it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
@@ -34,9 +36,10 @@ for file in "${files[@]}"; do args+=(--file "$file"); done
 exec cargo mutants "${args[@]}" \
     --exclude src/waiter/loom_models.rs \
     --exclude src/waiter/guard_tests.rs \
+    --exclude src/waiter/mock_device.rs \
     --output "${MUTANTS_OUT:-target/mutants}" \
-    --timeout 120 \
-    --jobs 1 \
+    --timeout "${MUTANTS_TIMEOUT:-60}" \
+    --jobs "${MUTANTS_JOBS:-1}" \
     -- --lib --test await_faults --test await_panics --test await_runtimes \
     --test await_load --test fence --test fallbacks --test properties --test event \
     --test fork --test profiler
