@@ -463,7 +463,7 @@ impl Pool {
     /// the poller (which a free lane thread takes them from first), started
     /// if it is not running. Lanes left for a poller that could not start
     /// are failed, rather than left to a lane thread that may never run out
-    /// of work; with no thread at all, every queued lane is.
+    /// of work.
     fn spawn_failed(pool: &Arc<Self>, owner: Owner, err: &std::io::Error) {
         contain::log(|| log::error!("a waiter thread could not be started: {err}"));
         let mut sched = pool.sched();
@@ -483,10 +483,10 @@ impl Pool {
             sched.check_invariants();
             return;
         }
-        let mut keys: Vec<LaneKey> = sched.for_poller.drain(..).collect();
-        if sched.lane_threads == 0 {
-            keys.extend(sched.for_threads.drain(..));
-        }
+        // Lanes queued for threads have one coming (with no lane thread at
+        // all there are none: the invariant), so only the poller's are
+        // failed.
+        let keys: Vec<LaneKey> = sched.for_poller.drain(..).collect();
         // No poller will drop them: dropped here, as the last resort.
         let withdrawn = std::mem::take(&mut sched.withdrawn);
         sched.check_invariants();
@@ -1216,6 +1216,7 @@ impl Sched {
 
     /// Count in the poller the caller is about to spawn.
     fn add_poller(&mut self) -> Action {
+        debug_assert!(!self.poller, "there is one poller at most");
         self.poller = true;
         self.note_threads();
         Action::SpawnPoller
