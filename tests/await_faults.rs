@@ -366,3 +366,37 @@ fn a_wait_placed_after_a_collision_is_withdrawn_from_where_it_was_put_back() {
     second_gate.open();
     assert_eq!(second.wait_sync_timeout(LIMIT), Some(Ok(())));
 }
+
+/// A lane beyond `max_threads` is polled only while every lane thread is
+/// busy: a lane thread that runs out of work takes it back from the poller
+/// and blocks on it (sleeping in the driver) instead.
+#[test]
+fn a_lane_thread_out_of_work_takes_a_polled_lane_back_and_blocks_on_it() {
+    let waiter = Waiter::builder().max_threads(1).build();
+    let held = HostStream::new().unwrap();
+    let polled = HostStream::new().unwrap();
+    let held_gate = Gate::hold(&held);
+    let polled_gate = Gate::hold(&polled);
+    let mut first = waiter.wait(EventFence::<Faulty>::new(held.handle()));
+    assert!((&mut first).now_or_never().is_none());
+    eventually(LIMIT, "the lane thread blocks on the first stream", || {
+        faulty::synchronizing(held.handle()) == 1
+    });
+    // The only lane thread is busy: the second stream is polled.
+    let mut second = waiter.wait(EventFence::<Faulty>::new(polled.handle()));
+    assert!((&mut second).now_or_never().is_none());
+    assert_eq!(
+        faulty::synchronizing(polled.handle()),
+        0,
+        "polled, not blocked on"
+    );
+    held_gate.open();
+    assert_eq!(first.wait_sync_timeout(LIMIT), Some(Ok(())));
+    eventually(
+        LIMIT,
+        "the freed lane thread blocks on the polled stream",
+        || faulty::synchronizing(polled.handle()) == 1,
+    );
+    polled_gate.open();
+    assert_eq!(second.wait_sync_timeout(LIMIT), Some(Ok(())));
+}
