@@ -400,3 +400,36 @@ fn a_lane_thread_out_of_work_takes_a_polled_lane_back_and_blocks_on_it() {
     polled_gate.open();
     assert_eq!(second.wait_sync_timeout(LIMIT), Some(Ok(())));
 }
+
+/// A dropped future withdraws its own wait only. While a thread holds the
+/// first wait of a stream out of its lane (blocked on it), a colliding wait
+/// (same sequence) takes its place; dropping the first future must leave the
+/// second in place, to resolve.
+#[test]
+fn a_dropped_future_withdraws_only_its_own_wait_where_another_took_its_place() {
+    let waiter = Waiter::builder().max_threads(1).build();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "place-taken",
+            same_sequence: true,
+            ..Plan::default()
+        },
+    );
+    let gate = Gate::hold(&stream);
+    let mut first = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    assert!((&mut first).now_or_never().is_none());
+    eventually(LIMIT, "the lane thread blocks on the first", || {
+        faulty::synchronizing(stream.handle()) == 1
+    });
+    // Out of its lane: the second takes the place it was given.
+    let mut second = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    assert!((&mut second).now_or_never().is_none());
+    drop(first);
+    gate.open();
+    assert_eq!(second.wait_sync_timeout(LIMIT), Some(Ok(())));
+    eventually(LIMIT, "both events destroyed", || {
+        faulty::destroyed(stream.handle()) == 2
+    });
+}
