@@ -57,16 +57,24 @@ fn assert_served(waiter: &Waiter, stream: &HostStream) {
     assert_eq!(future.wait_sync_timeout(LIMIT), Some(Ok(())));
 }
 
-fn assert_back_to_zero(waiter: &Waiter) {
+/// The waiter's threads all left, with no wait pending, and none of them
+/// by unwinding (its guard would have logged it): every panic was contained
+/// where it happened. `name` is the waiter's unique thread name.
+fn assert_back_to_zero(waiter: &Waiter, name: &str) {
     eventually(LIMIT, "no thread and no wait left", || {
         waiter.threads() == 0 && waiter.pending() == 0
     });
+    let unwound = logs::errors_containing(&format!("waiter thread \"{name}-"));
+    assert!(unwound.is_empty(), "{unwound:?}");
 }
 
 #[test]
 fn a_panicking_waker_on_a_lane_thread_costs_only_its_wake() {
     logs::capture();
-    let waiter = Waiter::builder().keep_alive(KEEP_ALIVE).build();
+    let waiter = Waiter::builder()
+        .keep_alive(KEEP_ALIVE)
+        .thread_name("lane-waker-test")
+        .build();
     let stream = HostStream::new().unwrap();
     let gate = Gate::hold(&stream);
     let (waker, panicking) = panicking_waker("lane-thread-waker");
@@ -92,7 +100,7 @@ fn a_panicking_waker_on_a_lane_thread_costs_only_its_wake() {
     // The lane's thread lives on: the same stream, and another, are served.
     assert_served(&waiter, &stream);
     assert_served(&waiter, &HostStream::new().unwrap());
-    assert_back_to_zero(&waiter);
+    assert_back_to_zero(&waiter, "lane-waker-test");
     assert_eq!(
         logs::errors_containing("lane-thread-waker").len(),
         3,
@@ -104,9 +112,11 @@ fn a_panicking_waker_on_a_lane_thread_costs_only_its_wake() {
 fn a_panicking_waker_on_the_poller_costs_only_its_wake() {
     // One lane thread, held on one stream: every other stream's wait goes to
     // the poller.
+    logs::capture();
     let waiter = Waiter::builder()
         .max_threads(1)
         .keep_alive(KEEP_ALIVE)
+        .thread_name("poller-waker-test")
         .build();
     let held = HostStream::new().unwrap();
     let held_gate = Gate::hold(&held);
@@ -135,13 +145,16 @@ fn a_panicking_waker_on_the_poller_costs_only_its_wake() {
     held_gate.open();
     assert_eq!(blocked.wait_sync_timeout(LIMIT), Some(Ok(())));
     assert_eq!(waiter.peak_threads(), 2, "the lane thread and the poller");
-    assert_back_to_zero(&waiter);
+    assert_back_to_zero(&waiter, "poller-waker-test");
 }
 
 #[test]
 fn a_backend_whose_event_release_panics_costs_only_that_release() {
     logs::capture();
-    let waiter = Waiter::builder().keep_alive(KEEP_ALIVE).build();
+    let waiter = Waiter::builder()
+        .keep_alive(KEEP_ALIVE)
+        .thread_name("release-test")
+        .build();
     let stream = HostStream::new().unwrap();
     // Every event of this stream panics when destroyed, so each of its
     // fences must be dropped by a waiter thread: handed off while held.
@@ -184,5 +197,5 @@ fn a_backend_whose_event_release_panics_costs_only_that_release() {
     gate.open();
     assert_eq!(later.wait_sync_timeout(LIMIT), Some(Ok(())));
     assert_served(&waiter, &HostStream::new().unwrap());
-    assert_back_to_zero(&waiter);
+    assert_back_to_zero(&waiter, "release-test");
 }

@@ -1133,7 +1133,9 @@ impl Drop for ServerGuard {
         }
         contain::log(|| {
             log::error!(
-                "a waiter thread ({:?}) is unwinding; its lanes and waits go back to the pool",
+                "waiter thread {:?} ({:?}) unwound (a bug in the waiter); its lanes and waits go \
+                 back to the pool",
+                std::thread::current().name().unwrap_or("?"),
                 self.owner
             );
         });
