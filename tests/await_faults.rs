@@ -433,3 +433,42 @@ fn a_dropped_future_withdraws_only_its_own_wait_where_another_took_its_place() {
         faulty::destroyed(stream.handle()) == 2
     });
 }
+
+/// Each lane thread has a name of its own: `{thread_name}-{n}`.
+#[test]
+fn lane_threads_are_numbered_apart() {
+    let waiter = Waiter::builder().thread_name("numbered").build();
+    let streams = [HostStream::new().unwrap(), HostStream::new().unwrap()];
+    let gates: Vec<Gate> = streams.iter().map(Gate::hold).collect();
+    let mut waits: Vec<_> = streams
+        .iter()
+        .map(|stream| waiter.wait(EventFence::<Faulty>::new(stream.handle())))
+        .collect();
+    for wait in &mut waits {
+        assert!(wait.now_or_never().is_none(), "held by its gate");
+    }
+    // Each held stream has a lane thread of its own, blocked on it.
+    for stream in &streams {
+        eventually(LIMIT, "a thread blocks on each stream", || {
+            faulty::synchronizing(stream.handle()) == 1
+        });
+    }
+    gates.into_iter().for_each(Gate::open);
+    for wait in &mut waits {
+        assert_eq!(wait.wait_sync_timeout(LIMIT), Some(Ok(())));
+    }
+    let names: Vec<Vec<String>> = streams
+        .iter()
+        .map(|stream| {
+            eventually(LIMIT, "the event destroyed", || {
+                faulty::destroyed(stream.handle()) == 1
+            });
+            faulty::destroyed_on(stream.handle())
+        })
+        .collect();
+    assert!(names
+        .iter()
+        .flatten()
+        .all(|name| name.starts_with("numbered-")));
+    assert_ne!(names[0], names[1], "two threads, two names");
+}
