@@ -375,6 +375,16 @@ fn a_lane_thread_out_of_work_takes_a_polled_lane_back_and_blocks_on_it() {
     let waiter = Waiter::builder().max_threads(1).build();
     let held = HostStream::new().unwrap();
     let polled = HostStream::new().unwrap();
+    // Counts the polled stream's queries: the first poll's, then the
+    // poller's (both told "not yet").
+    inject(
+        polled.handle(),
+        Plan {
+            label: "taken-back",
+            unreached_queries: 2,
+            ..Plan::default()
+        },
+    );
     let held_gate = Gate::hold(&held);
     let polled_gate = Gate::hold(&polled);
     let mut first = waiter.wait(EventFence::<Faulty>::new(held.handle()));
@@ -385,6 +395,9 @@ fn a_lane_thread_out_of_work_takes_a_polled_lane_back_and_blocks_on_it() {
     // The only lane thread is busy: the second stream is polled.
     let mut second = waiter.wait(EventFence::<Faulty>::new(polled.handle()));
     assert!((&mut second).now_or_never().is_none());
+    eventually(LIMIT, "the poller has the second stream's lane", || {
+        faulty::queries(polled.handle()) >= 2
+    });
     assert_eq!(
         faulty::synchronizing(polled.handle()),
         0,

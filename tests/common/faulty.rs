@@ -122,6 +122,12 @@ pub fn destroyed_on(stream: HostStreamHandle) -> Vec<String> {
     read(&DESTROYED_ON, stream)
 }
 
+/// How many queries of events created for `stream` have been made, counted
+/// only while its plan has `unreached_queries`.
+pub fn queries(stream: HostStreamHandle) -> usize {
+    read(&QUERIES, stream)
+}
+
 /// How many threads are inside `event_synchronize` on events of `stream`
 /// right now.
 pub fn synchronizing(stream: HostStreamHandle) -> usize {
