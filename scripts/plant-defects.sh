@@ -191,4 +191,9 @@ plant_loom "a refused lane thread leaves its lane queued for threads" src/waiter
     '            sched.for_threads.extend(lanes);' \
     loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller
 
+plant_loom "a settle miscounts a wait found cancelled" src/waiter/pool.rs \
+    'shard.waits_finished(resolved + cancelled.len());' \
+    'shard.waits_finished(resolved - cancelled.len());' \
+    loom_a_future_dropped_while_the_poller_has_its_wait_out
+
 echo "== every plant caught ($caught)"

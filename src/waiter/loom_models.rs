@@ -574,3 +574,40 @@ fn loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller() {
         pool.shutdown();
     });
 }
+
+#[test]
+fn loom_a_future_dropped_while_the_poller_has_its_wait_out() {
+    loom::model(|| {
+        // One lane thread, blocked on lane 0: lane 1's wait goes to the
+        // poller, which takes it out of its lane to query it. Its future is
+        // dropped meanwhile: the wait is withdrawn from the lane, or found
+        // cancelled when the poller puts it back. Either way its fence is
+        // dropped once, and it is counted finished once. (A settle that
+        // miscounts a cancelled wait fails here.)
+        let pool = pool();
+        let slow = Arc::new(Device::default());
+        let never = Arc::new(Device::default());
+        let task = Task::new();
+        let blocked = submit_on(&pool, &slow, 0, 1, &task.waker);
+        let mut handoff = Handoff::new(
+            MockFence {
+                device: never.clone(),
+                sequence: 1,
+                lane: 1,
+            },
+            PoolRef::Owned(pool.clone()),
+        );
+        assert!(handoff
+            .poll(&mut Context::from_waker(&task.waker))
+            .is_pending());
+        drop(handoff);
+        while never.fences_dropped.load(Ordering::SeqCst) == 0 || pool.pending() != 1 {
+            thread::yield_now();
+        }
+        assert_eq!(never.fences_dropped.load(Ordering::SeqCst), 1);
+        slow.finish();
+        assert!(task.poll_until_ready(&blocked).is_ok());
+        assert_eq!(pool.pending(), 0);
+        pool.shutdown();
+    });
+}
