@@ -129,6 +129,26 @@ fn submit_on(
     slot
 }
 
+/// A future for a fence at sequence 1 of `lane` on `device`, polled once
+/// with `waker`: handed off to `pool` (its device has not finished).
+fn handed_off(
+    pool: &Arc<Pool>,
+    device: &Arc<Device>,
+    lane: u64,
+    waker: &Waker,
+) -> Handoff<MockFence> {
+    let mut handoff = Handoff::new(
+        MockFence {
+            device: device.clone(),
+            sequence: 1,
+            lane,
+        },
+        PoolRef::Owned(pool.clone()),
+    );
+    assert!(handoff.poll(&mut Context::from_waker(waker)).is_pending());
+    handoff
+}
+
 #[test]
 fn loom_slot_completion_is_never_lost() {
     loom::model(|| {
@@ -271,15 +291,7 @@ fn loom_a_dropped_future_withdraws_its_wait_or_leaves_it_to_the_thread() {
         let pool = pool();
         let reached = Arc::new(Device::default());
         let (waker, wakes) = counting_waker();
-        let mut handoff = Handoff::new(
-            MockFence {
-                device: reached.clone(),
-                sequence: 1,
-                lane: 0,
-            },
-            PoolRef::Owned(pool.clone()),
-        );
-        assert!(handoff.poll(&mut Context::from_waker(&waker)).is_pending());
+        let handoff = handed_off(&pool, &reached, 0, &waker);
         let device = finish_on_a_thread(&reached);
         drop(handoff);
         device.join().unwrap();
@@ -410,15 +422,7 @@ fn loom_a_withdraw_racing_shutdown_drops_the_fence_once() {
         let pool = pool();
         let device = Arc::new(Device::default());
         let (waker, _) = counting_waker();
-        let mut handoff = Handoff::new(
-            MockFence {
-                device: device.clone(),
-                sequence: 1,
-                lane: 0,
-            },
-            PoolRef::Owned(pool.clone()),
-        );
-        assert!(handoff.poll(&mut Context::from_waker(&waker)).is_pending());
+        let handoff = handed_off(&pool, &device, 0, &waker);
         let stopper = {
             let pool = pool.clone();
             thread::spawn(move || pool.shutdown())
@@ -589,17 +593,7 @@ fn loom_a_future_dropped_while_the_poller_has_its_wait_out() {
         let never = Arc::new(Device::default());
         let task = Task::new();
         let blocked = submit_on(&pool, &slow, 0, 1, &task.waker);
-        let mut handoff = Handoff::new(
-            MockFence {
-                device: never.clone(),
-                sequence: 1,
-                lane: 1,
-            },
-            PoolRef::Owned(pool.clone()),
-        );
-        assert!(handoff
-            .poll(&mut Context::from_waker(&task.waker))
-            .is_pending());
+        let handoff = handed_off(&pool, &never, 1, &task.waker);
         drop(handoff);
         while never.fences_dropped.load(Ordering::SeqCst) == 0 || pool.pending() != 1 {
             thread::yield_now();
