@@ -37,7 +37,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use device_events::host::HostStream;
+use device_events::host::{HostContext, HostStream};
 use device_events::{AnyFence, ServerError, Waiter};
 use serde_json::{json, Value};
 
@@ -81,14 +81,16 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// Host streams, whatever the machine has.
+    /// Host streams, whatever the machine has; each on a context of its
+    /// own, as if each were a device of its own, so a fault injected on one
+    /// leaves the others serving.
     ///
     /// # Errors
     ///
     /// A stream's thread could not start.
     pub fn host(streams: usize, wait_by: WaitBy) -> Result<Self, ServerError> {
         let streams = (0..streams)
-            .map(|_| HostStream::new())
+            .map(|_| HostContext::new().new_stream())
             .collect::<Result<_, _>>()?;
         Ok(Self::with(Streams::Host(streams), wait_by))
     }

@@ -93,6 +93,18 @@ pub enum ServerError {
          make a new Waiter in the child (Waiter::global() is made afresh there)"
     )]
     WaiterForked,
+    /// A measurement's stop was reached before its start (they were on
+    /// different streams, and the stop's stream got there first): there is
+    /// no device time from start to stop. CUDA's `cuEventElapsedTime` gives
+    /// a negative time here; a `Duration` cannot be negative, and a zero
+    /// would pass for a real one.
+    #[error("{backend}: the stop was reached {by:?} before the start")]
+    StopBeforeStart {
+        /// The backend whose events were timed.
+        backend: &'static str,
+        /// How much earlier the stop was reached.
+        by: std::time::Duration,
+    },
     /// A backend call made on a waiter thread panicked; the waiter keeps
     /// serving other waits.
     #[error("a waiter thread panicked: {message}")]

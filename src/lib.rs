@@ -114,6 +114,7 @@ mod fault_log;
 mod fork;
 mod loom;
 mod own_threads;
+mod panics;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};

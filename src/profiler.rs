@@ -160,19 +160,47 @@ impl<A: EventApi> Default for EventProfiler<A> {
 
 impl<A: EventApi> EventPool<A> {
     /// A pooled event (or a new one) recorded on `stream`.
+    ///
+    /// A pooled event the driver refuses is replaced only when a new event
+    /// is accepted where it was not (it belongs to another context); when
+    /// the stream refuses new events too (faulted, or gone), it goes back to
+    /// the pool, so refused starts neither destroy healthy events nor make
+    /// new ones.
     fn record(&self, stream: A::Stream) -> Result<Event<A>, ServerError> {
         let pooled = self.events.lock().pop();
-        if let Some(event) = pooled {
-            match event.record(stream) {
+        let refused = match pooled {
+            Some(event) => match event.record(stream) {
                 Ok(()) => return Ok(event),
-                // Another context's event, say: replace it with a new one.
-                Err(err) => log::debug!("a pooled {} event was refused: {err}", A::BACKEND),
+                Err(err) => Some((event, err)),
+            },
+            None => None,
+        };
+        let fresh = match Event::new(stream, EventFlags::TIMING) {
+            Ok(fresh) => fresh,
+            Err(err) => {
+                if let Some((event, _)) = refused {
+                    self.give_back(event);
+                }
+                return Err(err);
+            }
+        };
+        self.created.fetch_add(1, Ordering::Relaxed);
+        match fresh.record(stream) {
+            Ok(()) => {
+                if let Some((_, err)) = refused {
+                    // Another context's event, say: it is destroyed here.
+                    log::debug!("a pooled {} event was refused: {err}", A::BACKEND);
+                }
+                Ok(fresh)
+            }
+            Err(err) => {
+                if let Some((event, _)) = refused {
+                    self.give_back(event);
+                }
+                self.give_back(fresh);
+                Err(err)
             }
         }
-        let event = Event::new(stream, EventFlags::TIMING)?;
-        self.created.fetch_add(1, Ordering::Relaxed);
-        event.record(stream)?;
-        Ok(event)
     }
 
     fn give_back(&self, event: Event<A>) {

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::faulty::{self, inject, Faulty, Plan};
-use common::{eventually, Gate, Progress};
+use common::{eventually, faultable_stream, Gate, Progress};
 use device_events::host::{Host, HostStream};
 use device_events::{EventFence, ServerError, Waiter};
 use futures::FutureExt;
@@ -196,7 +196,7 @@ fn a_panic_in_the_first_polls_query_resolves_with_an_error() {
 #[test]
 fn a_faulted_stream_resolves_every_pending_await_with_the_fault() {
     let waiter = Waiter::builder().build();
-    let stream = HostStream::new().unwrap();
+    let stream = faultable_stream();
     let gate = Gate::hold(&stream);
     stream.launch(|| panic!("illegal address")).unwrap();
     let waits: Vec<_> = (0..50)

@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use common::faulty::{inject, Faulty, Plan};
-use common::{logs, Gate, Progress};
+use common::{faultable_stream, logs, Gate, Progress};
 use device_events::drop_queue::{DropQueue, Rejected};
 use device_events::host::{Host, HostStream};
 use device_events::EventFence;
@@ -108,7 +108,7 @@ fn a_full_queue_hands_the_value_back() {
 #[test]
 fn a_failed_fence_leaks_its_value_with_an_error_logged() {
     logs::capture();
-    let stream = HostStream::new().unwrap();
+    let stream = faultable_stream();
     let gate = Gate::hold(&stream);
     stream
         .launch(|| panic!("illegal address during the copy"))

@@ -5,7 +5,7 @@ mod common;
 use std::time::Duration;
 
 use common::faulty::{self, inject, Faulty, Plan};
-use common::{eventually, logs, Gate, Progress};
+use common::{eventually, faultable_stream, logs, Gate, Progress};
 use device_events::host::HostStream;
 use device_events::{EventFence, ServerError};
 
@@ -188,7 +188,7 @@ fn a_fence_resolved_at_creation_needs_no_device_wait() {
 #[test]
 fn a_refused_device_wait_reports_the_fenced_streams_fault() {
     logs::capture();
-    let producer = HostStream::new().unwrap();
+    let producer = faultable_stream();
     let consumer = HostStream::new().unwrap();
     inject(
         consumer.handle(),
@@ -239,7 +239,7 @@ fn wait_async_onto_a_dropped_stream_is_an_error_without_a_host_wait() {
 #[test]
 fn fences_on_a_faulted_stream_warn_once() {
     logs::capture();
-    let stream = HostStream::new().unwrap();
+    let stream = faultable_stream();
     stream.launch(|| panic!("warn-once-fault")).unwrap();
     let _ = stream.synchronize();
     for _ in 0..5 {

@@ -4,7 +4,7 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{Gate, Progress};
+use common::{faultable_stream, Gate, Progress};
 use device_events::host::{Host, HostStream};
 use device_events::{EventApi, EventFence};
 
@@ -124,7 +124,7 @@ fn sequence_numbers_grow_in_record_order_and_name_the_stream() {
 
 #[test]
 fn a_faulted_stream_fails_pending_and_later_fences() {
-    let stream = HostStream::new().unwrap();
+    let stream = faultable_stream();
     let gate = Gate::hold(&stream);
     stream.launch(|| panic!("illegal address")).unwrap();
     let pending = EventFence::<Host>::new(stream.handle());
@@ -148,8 +148,9 @@ fn a_faulted_stream_fails_pending_and_later_fences() {
 
 #[test]
 fn a_stream_waiting_on_a_faulted_stream_faults_too() {
-    let producer = HostStream::new().unwrap();
-    let consumer = HostStream::new().unwrap();
+    // Each on a context of its own: the consumer faults by waiting.
+    let producer = faultable_stream();
+    let consumer = faultable_stream();
     let gate = Gate::hold(&producer);
     producer.launch(|| panic!("bad kernel")).unwrap();
     EventFence::<Host>::new(producer.handle())

@@ -1,11 +1,13 @@
-//! `HostStream`: in-order work, faults, drop, and dangling handles.
+//! `HostStream` and `HostContext`: in-order work, faults of a whole context,
+//! drop, and dangling handles, each as CUDA has them.
 
 mod common;
 
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
-use common::{Gate, Progress};
-use device_events::host::{Host, HostStream};
+use common::{eventually, faultable_stream, Gate, Progress};
+use device_events::host::{Host, HostContext, HostStream};
 use device_events::{EventApi, EventFlags, ServerError};
 
 #[test]
@@ -35,14 +37,20 @@ fn synchronize_waits_for_work_queued_before_it_only() {
 }
 
 #[test]
-fn a_panic_faults_the_stream_for_good() {
-    let stream = HostStream::new().unwrap();
-    let gate = Gate::hold(&stream);
-    stream.launch(|| panic!("out of bounds")).unwrap();
+fn a_panic_faults_every_stream_of_its_context_for_good() {
+    let context = HostContext::new();
+    let (faulting, sibling) = (context.new_stream().unwrap(), context.new_stream().unwrap());
+    let elsewhere = HostContext::new().new_stream().unwrap();
+    let event = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
+    let gate = Gate::hold(&faulting);
+    let sibling_gate = Gate::hold(&sibling);
+    Host::event_record(&event, sibling.handle()).unwrap(); // pending behind the gate
     let progress = Progress::default();
-    progress.step_on(&stream); // queued behind the panic: never runs
+    progress.step_on(&sibling); // queued on the sibling: never runs
+    faulting.launch(|| panic!("out of bounds")).unwrap();
+    progress.step_on(&faulting); // queued behind the panic: never runs
     gate.open();
-    let err = Host::stream_synchronize(stream.handle()).unwrap_err();
+    let err = Host::stream_synchronize(faulting.handle()).unwrap_err();
     assert!(
         matches!(
             err,
@@ -53,35 +61,131 @@ fn a_panic_faults_the_stream_for_good() {
         ),
         "{err}"
     );
-    assert!(stream.is_faulted());
+    assert!(faulting.is_faulted() && sibling.is_faulted() && context.is_faulted());
+    // The sibling's pending record failed, and its own calls fail.
+    assert!(Host::event_synchronize(&event).unwrap_err().is_faulted());
+    sibling_gate.open();
+    assert!(sibling.synchronize().unwrap_err().is_faulted());
     assert_eq!(progress.get(), 0);
 
-    // Sticky: every later call fails the same way.
-    assert!(stream.launch(|| {}).unwrap_err().is_faulted());
-    let event = Host::event_create(stream.handle(), EventFlags::FENCE).unwrap();
-    assert!(Host::event_record(&event, stream.handle())
-        .unwrap_err()
-        .is_faulted());
-    assert!(Host::stream_wait_event(stream.handle(), &event)
-        .unwrap_err()
-        .is_faulted());
-    assert!(Host::stream_synchronize(stream.handle())
-        .unwrap_err()
-        .is_faulted());
+    // Sticky, on every stream of the context: every later call fails the
+    // same way, new events and new streams included.
+    for stream in [&faulting, &sibling] {
+        assert!(stream.launch(|| {}).unwrap_err().is_faulted());
+        assert!(Host::event_create(stream.handle(), EventFlags::FENCE)
+            .unwrap_err()
+            .is_faulted());
+        assert!(Host::event_record(&event, stream.handle())
+            .unwrap_err()
+            .is_faulted());
+        assert!(Host::stream_wait_event(stream.handle(), &event)
+            .unwrap_err()
+            .is_faulted());
+        assert!(Host::stream_synchronize(stream.handle())
+            .unwrap_err()
+            .is_faulted());
+    }
+    assert!(context.new_stream().unwrap_err().is_faulted());
+
+    // Another context carries on.
+    assert!(!elsewhere.is_faulted());
+    progress.step_on(&elsewhere);
+    elsewhere.synchronize().unwrap();
+    assert_eq!(progress.get(), 1);
 }
 
 #[test]
-fn dropping_a_stream_finishes_its_queued_work() {
+fn streams_made_with_new_share_the_primary_context() {
+    let (a, b) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    assert_eq!(a.context(), b.context());
+    assert_eq!(a.context(), HostContext::primary());
+    let own = HostContext::new();
+    assert_ne!(own.new_stream().unwrap().context(), a.context());
+    assert_eq!(own.new_stream().unwrap().context(), own);
+}
+
+#[test]
+fn an_event_is_recorded_on_its_own_contexts_streams_only_but_waited_on_from_any() {
+    let (home, away) = (faultable_stream(), faultable_stream());
+    let event = Host::event_create(home.handle(), EventFlags::FENCE).unwrap();
+    let err = Host::event_record(&event, away.handle()).unwrap_err();
+    assert_eq!(err.code(), Some(400), "{err}");
+    let gate = Gate::hold(&home);
+    let produced = Progress::default();
+    produced.step_on(&home);
+    Host::event_record(&event, home.handle()).unwrap();
+    Host::stream_wait_event(away.handle(), &event).unwrap();
+    let seen = Arc::new(Mutex::new(None));
+    let (seen_by_work, produced_by_work) = (seen.clone(), produced.clone());
+    away.launch(move || *seen_by_work.lock().unwrap() = Some(produced_by_work.get()))
+        .unwrap();
+    gate.open();
+    away.synchronize().unwrap();
+    assert_eq!(
+        *seen.lock().unwrap(),
+        Some(1),
+        "the wait held the work back"
+    );
+}
+
+/// `cuStreamDestroy` returns at once and queued work still runs: code that
+/// frees what the work reads as soon as the stream is dropped is wrong on a
+/// GPU, and must look wrong here too.
+#[test]
+fn dropping_a_stream_returns_at_once_and_its_queued_work_still_runs() {
     let progress = Progress::default();
     let stream = HostStream::new().unwrap();
-    let gate = Gate::hold(&stream);
+    let (release, released) = std::sync::mpsc::channel::<()>();
+    let (finished, done) = std::sync::mpsc::channel::<bool>();
+    stream
+        .launch(move || {
+            // Held until the test has dropped the stream: a drop that waited
+            // for this work would time this out instead.
+            let _ = finished.send(released.recv_timeout(Duration::from_secs(30)).is_ok());
+        })
+        .unwrap();
     for _ in 0..100 {
         progress.step_on(&stream);
     }
-    let opener = std::thread::spawn(move || gate.open());
+    let handle = stream.handle();
     drop(stream);
-    assert_eq!(progress.get(), 100);
-    opener.join().unwrap();
+    release.send(()).unwrap();
+    assert!(
+        done.recv().unwrap(),
+        "the drop waited for the stream's queued work"
+    );
+    eventually(Duration::from_secs(20), "the queued work ran", || {
+        progress.get() == 100
+    });
+    assert_eq!(
+        Host::stream_synchronize(handle).unwrap_err().code(),
+        Some(400)
+    );
+}
+
+/// A payload whose own drop panics.
+struct PanickyPayload;
+
+impl Drop for PanickyPayload {
+    fn drop(&mut self) {
+        panic!("the payload's drop panicked too");
+    }
+}
+
+#[test]
+fn a_panic_whose_payload_panics_when_dropped_still_faults_the_stream() {
+    let stream = faultable_stream();
+    let sibling = stream.context().new_stream().unwrap();
+    stream
+        .launch(|| std::panic::panic_any(PanickyPayload))
+        .unwrap();
+    let handle = stream.handle();
+    let synchronized = std::thread::spawn(move || Host::stream_synchronize(handle));
+    eventually(Duration::from_secs(20), "the synchronize returns", || {
+        synchronized.is_finished()
+    });
+    assert!(synchronized.join().unwrap().unwrap_err().is_faulted());
+    assert!(sibling.is_faulted());
 }
 
 #[test]

@@ -5,9 +5,9 @@ mod common;
 use std::time::Duration;
 
 use common::faulty::{self, Faulty};
-use common::{eventually, Gate};
+use common::{eventually, faultable_stream, Gate};
 use device_events::host::{Host, HostStream};
-use device_events::{EventProfiler, Waiter};
+use device_events::{EventProfiler, ServerError, Waiter};
 use futures::FutureExt;
 
 const WORK: Duration = Duration::from_millis(20);
@@ -41,8 +41,9 @@ fn measures_by_await_through_the_waiter() {
 }
 
 /// A start on a busy stream and a stop on an idle one: the stop is reached
-/// first, but the time between them exists only once the start is reached too
-/// (the driver says `CUDA_ERROR_NOT_READY` until then).
+/// first, and the profile says so (`StopBeforeStart`, not a zero that would
+/// pass for a real time), but only once the start is reached too (the driver
+/// says `CUDA_ERROR_NOT_READY` until then).
 #[test]
 fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_synchronously() {
     let busy = HostStream::new().unwrap();
@@ -64,7 +65,10 @@ fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_synchronously() {
     gate.open();
     let elapsed = result.recv().unwrap();
     waiting.join().unwrap();
-    assert!(elapsed.is_ok(), "{elapsed:?}");
+    assert!(
+        matches!(elapsed, Err(ServerError::StopBeforeStart { .. })),
+        "{elapsed:?}"
+    );
 }
 
 #[test]
@@ -83,7 +87,16 @@ fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_by_await() {
     );
     gate.open();
     let elapsed = futures::executor::block_on(future);
-    assert!(elapsed.is_ok(), "{elapsed:?}");
+    assert!(
+        matches!(
+            elapsed,
+            Err(ServerError::StopBeforeStart {
+                backend: "Host",
+                ..
+            })
+        ),
+        "{elapsed:?}"
+    );
 }
 
 #[test]
@@ -147,7 +160,7 @@ fn the_pool_is_bounded() {
 #[test]
 fn a_faulted_stream_fails_the_measurement_and_nothing_leaks() {
     // Counted on this test's own streams: other tests' events do not count.
-    let stream = HostStream::new().unwrap();
+    let stream = faultable_stream();
     let other = HostStream::new().unwrap();
     let live = [stream.live_events(), other.live_events()];
     {
@@ -164,8 +177,41 @@ fn a_faulted_stream_fails_the_measurement_and_nothing_leaks() {
         let err = profiler.stop(start, stream.handle()).unwrap_err();
         assert!(err.is_faulted(), "{err}");
     } // the profiler and its pool are gone
-    drop((stream, other)); // joins the workers, which held the markers
-    assert_eq!(live.each_ref().map(|live| live.count()), [0, 0]);
+      // The fault drops its markers' references just after it fails the waits.
+    eventually(Duration::from_secs(20), "every event released", || {
+        live.each_ref().map(|live| live.count()) == [0, 0]
+    });
+}
+
+/// A start the driver refuses (a faulted stream) leaves the pool as it was:
+/// its healthy events are neither destroyed nor replaced.
+#[test]
+fn a_refused_start_keeps_the_pooled_events() {
+    let stream = faultable_stream();
+    let profiler = EventProfiler::<Host>::new();
+    let start = profiler.start(stream.handle()).unwrap();
+    profiler
+        .stop(start, stream.handle())
+        .unwrap()
+        .wait_sync()
+        .unwrap();
+    let (pooled, created) = (profiler.pooled(), profiler.created());
+    assert_eq!((pooled, created), (2, 2));
+    stream.launch(|| panic!("fault before profiling")).unwrap();
+    assert!(stream.synchronize().unwrap_err().is_faulted());
+    for _ in 0..10 {
+        assert!(profiler.start(stream.handle()).unwrap_err().is_faulted());
+    }
+    assert_eq!((profiler.pooled(), profiler.created()), (pooled, created));
+    // A stream of another context refuses them: there they are replaced.
+    let healthy = HostStream::new().unwrap();
+    let start = profiler.start(healthy.handle()).unwrap();
+    profiler
+        .stop(start, healthy.handle())
+        .unwrap()
+        .wait_sync()
+        .unwrap();
+    assert_eq!(profiler.created(), created + 2);
 }
 
 #[test]

@@ -98,7 +98,7 @@ fn a_million_awaits_under_faults_leave_nothing_behind() {
         .unwrap();
     let outcomes = Arc::new(Outcomes::default());
     let mut rng = Rng(0x5eed_1234_abcd_0001);
-    let mut streams: Vec<HostStream> = (0..STREAMS).map(|_| HostStream::new().unwrap()).collect();
+    let mut streams: Vec<HostStream> = (0..STREAMS).map(|_| common::faultable_stream()).collect();
     // The event counts of every stream the soak made, replaced ones too.
     let mut live: Vec<LiveEvents> = streams.iter().map(HostStream::live_events).collect();
     let mut resident_start = 0;
@@ -116,7 +116,7 @@ fn a_million_awaits_under_faults_leave_nothing_behind() {
                 }
                 // Drop the stream while waits on it are pending.
                 3..=5 => {
-                    streams[s] = HostStream::new().unwrap();
+                    streams[s] = common::faultable_stream();
                     live.push(streams[s].live_events());
                 }
                 // Occasionally slower work.
@@ -128,7 +128,7 @@ fn a_million_awaits_under_faults_leave_nothing_behind() {
                 }
             }
             if streams[s].is_faulted() {
-                streams[s] = HostStream::new().unwrap();
+                streams[s] = common::faultable_stream();
                 live.push(streams[s].live_events());
             }
             let fence = EventFence::<Host>::new(streams[s].handle());

@@ -3,33 +3,24 @@
 //! fence, and so its event: an outside backend's release). A panic there
 //! costs only the one wait it concerns; the waiter thread that made the call
 //! finishes its batch and goes on, with its lane and its counts intact.
-//!
-//! A panic's payload is user data too, and its drop may panic in turn: it is
-//! dropped under `catch_unwind` as well, and a second payload is forgotten
-//! (leaked) rather than risk a third.
+//! Payloads are dropped as [`crate::panics`] drops them.
 
-use std::any::Any;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::task::Waker;
 
+use crate::panics::{self, message_of};
 use crate::ServerError;
 
 /// Run a backend call; a panic becomes [`ServerError::WaiterPanicked`],
 /// which resolves the wait it was for.
 pub(super) fn backend<T>(call: impl FnOnce() -> Result<T, ServerError>) -> Result<T, ServerError> {
-    catch_unwind(AssertUnwindSafe(call)).unwrap_or_else(|payload| {
-        Err(ServerError::WaiterPanicked {
-            message: message_of(payload),
-        })
-    })
+    panics::catch(call).unwrap_or_else(|message| Err(ServerError::WaiterPanicked { message }))
 }
 
 /// Wake a task. A waker that panics (a user's own executor, a test harness)
 /// has its panic logged, once, and goes no further: the task's result is
 /// already in its slot, and the waiter goes on to the next.
 pub(super) fn wake(waker: Waker) {
-    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| waker.wake())) {
-        let message = message_of(payload);
+    if let Err(message) = panics::catch(|| waker.wake()) {
         log(|| {
             log::error!(
                 "a task's waker panicked when the waiter woke it (the waiter goes on): {message}"
@@ -42,8 +33,7 @@ pub(super) fn wake(waker: Waker) {
 /// (an outside backend's event release) is logged, once, and goes no
 /// further.
 pub(super) fn drop<T>(value: T) {
-    if let Err(payload) = catch_unwind(AssertUnwindSafe(move || std::mem::drop(value))) {
-        let message = message_of(payload);
+    if let Err(message) = panics::drop_caught(value) {
         log(|| {
             log::error!(
                 "dropping a wait's fence panicked on a waiter thread (the waiter goes on): \
@@ -56,19 +46,7 @@ pub(super) fn drop<T>(value: T) {
 /// Log through the application's logger, which is not ours either: a
 /// logger that panics loses the line, nothing else.
 pub(super) fn log(line: impl FnOnce()) {
-    if let Err(payload) = catch_unwind(AssertUnwindSafe(line)) {
-        if let Err(again) = catch_unwind(AssertUnwindSafe(move || std::mem::drop(payload))) {
-            std::mem::forget(again);
-        }
+    if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(line)) {
+        message_of(payload);
     }
-}
-
-/// The message of a panic's `payload`, which is dropped here, under
-/// `catch_unwind` too.
-fn message_of(payload: Box<dyn Any + Send>) -> String {
-    let message = ServerError::panic_message(payload.as_ref());
-    if let Err(again) = catch_unwind(AssertUnwindSafe(move || std::mem::drop(payload))) {
-        std::mem::forget(again);
-    }
-    message
 }

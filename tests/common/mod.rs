@@ -9,7 +9,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 
-use device_events::host::HostStream;
+use device_events::host::{HostContext, HostStream};
+
+/// A stream on a context of its own, for a test that faults it: a fault
+/// poisons its whole context (as on CUDA), and the primary context that
+/// `HostStream::new` uses is shared by every test in the binary.
+pub fn faultable_stream() -> HostStream {
+    HostContext::new()
+        .new_stream()
+        .expect("a stream on a new context")
+}
 
 /// Holds a stream's worker inside launched work until opened (or dropped),
 /// so a test controls exactly when the "device" makes progress.

@@ -218,8 +218,17 @@ impl EventApi for Cuda {
     }
 
     fn event_elapsed(start: &CudaEvent, end: &CudaEvent) -> Result<Duration, ServerError> {
-        let ms = end.elapsed_ms(start)?;
-        Ok(Duration::from_secs_f64(f64::from(ms.max(0.0)) / 1000.0))
+        let ms = f64::from(end.elapsed_ms(start)?);
+        // The driver's time is signed: negative when the stop was reached
+        // before the start (they were recorded on different streams).
+        let time = Duration::from_secs_f64(ms.abs() / 1000.0);
+        if ms < 0.0 {
+            return Err(ServerError::StopBeforeStart {
+                backend: driver::BACKEND,
+                by: time,
+            });
+        }
+        Ok(time)
     }
 
     /// From the stream's context's pool of idle fence events.

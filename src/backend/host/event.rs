@@ -88,14 +88,17 @@ pub(super) struct FencePool {
     idle: Mutex<Vec<HostEvent>>,
     /// The stream's counts, whose idle gauge this pool keeps.
     live: LiveEvents,
+    /// The stream's context, which its events belong to.
+    context: u64,
 }
 
 impl FencePool {
-    /// An empty pool for the stream counted in `live`.
-    pub(super) fn new(live: LiveEvents) -> Self {
+    /// An empty pool for the stream counted in `live`, on `context`.
+    pub(super) fn new(live: LiveEvents, context: u64) -> Self {
         Self {
             idle: Mutex::new(Vec::with_capacity(FENCE_POOL_CAPACITY)),
             live,
+            context,
         }
     }
 
@@ -107,7 +110,7 @@ impl FencePool {
             return event;
         }
         drop(idle);
-        HostEvent::create(false, &self.live, Some(Arc::downgrade(self)))
+        HostEvent::create(false, &self.live, self.context, Some(Arc::downgrade(self)))
     }
 }
 
@@ -121,10 +124,16 @@ impl Drop for FencePool {
 /// The host backend's raw event: shared by its owner and the stream markers
 /// that will signal it.
 ///
-/// Each record starts a new *generation*; the event is reached for a waiter
-/// once the generation that was latest when the waiter asked has been passed.
-/// That is the driver's rule: a query, synchronize or stream wait refers to the
-/// most recent record at the time of the call.
+/// Each record starts a new *generation*, and a waiter waits for the
+/// generation that was latest when it asked, that one only. That is the
+/// driver's rule (`cuEventRecord`, CUDA driver API): "Other APIs such as
+/// `cuStreamWaitEvent()` use the most recently captured state at the time of
+/// the API call, and are not affected by later calls to `cuEventRecord()`."
+/// So a later record (on another, idle stream, say) reaching first does not
+/// release a wait on an earlier one, and a fault that loses a later record
+/// does not fail a wait on an earlier one; a query looks at the latest
+/// record only ("Any subsequent calls which examine the status of hEvent
+/// will only examine the completion of this most recent call").
 #[derive(Clone)]
 pub struct HostEvent {
     pub(super) inner: Arc<EventInner>,
@@ -136,6 +145,8 @@ pub(super) struct EventInner {
     timing: bool,
     /// The creating stream's counts.
     live: LiveEvents,
+    /// The creating stream's context: the only one it may be recorded on.
+    context: u64,
     /// The fence-event pool it goes back to, for fence events.
     pool: Option<Weak<FencePool>>,
 }
@@ -144,12 +155,14 @@ pub(super) struct EventInner {
 struct EventState {
     /// The generation of the latest record; 0 when never recorded.
     recorded: u64,
-    /// The highest generation a stream has passed.
-    reached: u64,
+    /// Generations whose marker is queued on a stream and not yet passed:
+    /// one per stream the event is recorded on at once, so a handful.
+    pending: Vec<u64>,
     /// When the latest record was reached, for timing events.
     reached_at: Option<Instant>,
-    /// The highest generation lost to a stream fault, with the fault.
-    fault: Option<(u64, String)>,
+    /// Generations whose marker a fault dropped, with the fault. Bounded:
+    /// a faulted context takes no more records.
+    faulted: Vec<(u64, String)>,
     /// Threads waiting on `changed`: without any, a signal skips the
     /// notification (a futex wake, a system call, on every record).
     waiting: usize,
@@ -158,23 +171,38 @@ struct EventState {
 impl EventState {
     /// `Some(result)` once generation `target` is settled.
     fn settled(&self, target: u64) -> Option<Result<(), String>> {
-        if self.reached >= target {
-            return Some(Ok(()));
+        if self.pending.contains(&target) {
+            return None;
         }
-        match &self.fault {
-            Some((generation, message)) if *generation >= target => Some(Err(message.clone())),
-            _ => None,
+        match self
+            .faulted
+            .iter()
+            .find(|(generation, _)| *generation == target)
+        {
+            Some((_, message)) => Some(Err(message.clone())),
+            None => Some(Ok(())),
         }
+    }
+
+    /// `generation`'s marker has left its stream's queue (passed or dropped).
+    fn settle(&mut self, generation: u64) {
+        self.pending.retain(|pending| *pending != generation);
     }
 }
 
 impl HostEvent {
-    /// A new event, counted in `live` (its stream's counts) until freed.
-    pub(super) fn new(timing: bool, live: &LiveEvents) -> Self {
-        Self::create(timing, live, None)
+    /// A new event of `context`, counted in `live` (its stream's counts)
+    /// until freed.
+    pub(super) fn new(timing: bool, live: &LiveEvents, context: u64) -> Self {
+        Self::create(timing, live, context, None)
     }
 
-    fn create(timing: bool, live: &LiveEvents, pool: Option<Weak<FencePool>>) -> Self {
+    fn create(
+        timing: bool,
+        live: &LiveEvents,
+        context: u64,
+        pool: Option<Weak<FencePool>>,
+    ) -> Self {
         live.allocated();
         Self {
             inner: Arc::new(EventInner {
@@ -182,6 +210,7 @@ impl HostEvent {
                 changed: Condvar::new(),
                 timing,
                 live: live.clone(),
+                context,
                 pool,
             }),
         }
@@ -204,12 +233,19 @@ impl HostEvent {
         }
     }
 
+    /// The context the event belongs to.
+    pub(super) fn context(&self) -> u64 {
+        self.inner.context
+    }
+
     /// Start a new generation; the caller queues a marker for it.
     pub(super) fn next_generation(&self) -> u64 {
         let mut state = self.inner.lock();
         state.recorded += 1;
+        let generation = state.recorded;
+        state.pending.push(generation);
         state.reached_at = None;
-        state.recorded
+        generation
     }
 
     /// Record a new generation that is reached at once (its stream is
@@ -218,7 +254,6 @@ impl HostEvent {
     pub(super) fn record_reached(&self) {
         let mut state = self.inner.lock();
         state.recorded += 1;
-        state.reached = state.recorded;
         state.reached_at = self.inner.timing.then(Instant::now);
         let waiting = state.waiting > 0;
         drop(state);
@@ -235,7 +270,7 @@ impl HostEvent {
     /// A stream passed the marker of `generation`.
     pub(super) fn signal(&self, generation: u64) {
         let mut state = self.inner.lock();
-        state.reached = state.reached.max(generation);
+        state.settle(generation);
         if generation == state.recorded && self.inner.timing {
             state.reached_at = Some(Instant::now());
         }
@@ -249,9 +284,8 @@ impl HostEvent {
     /// The stream holding the marker of `generation` faulted.
     pub(super) fn fail(&self, generation: u64, message: &str) {
         let mut state = self.inner.lock();
-        if state.fault.as_ref().is_none_or(|(g, _)| *g < generation) {
-            state.fault = Some((generation, message.to_owned()));
-        }
+        state.settle(generation);
+        state.faulted.push((generation, message.to_owned()));
         let waiting = state.waiting > 0;
         drop(state);
         if waiting {
@@ -259,7 +293,7 @@ impl HostEvent {
         }
     }
 
-    /// Whether `generation` has been passed; a fault is an error.
+    /// Whether the latest record has been passed; a fault is an error.
     pub(super) fn query(&self, call: &'static str) -> Result<bool, ServerError> {
         let state = self.inner.lock();
         match state.settled(state.recorded) {
@@ -313,7 +347,11 @@ impl HostEvent {
     pub(super) fn elapsed(start: &Self, end: &Self) -> Result<Duration, ServerError> {
         const CALL: &str = "event_elapsed";
         let (start, end) = (start.reached_at(CALL)?, end.reached_at(CALL)?);
-        Ok(end.saturating_duration_since(start))
+        end.checked_duration_since(start)
+            .ok_or_else(|| ServerError::StopBeforeStart {
+                backend: super::BACKEND,
+                by: start - end,
+            })
     }
 }
 
@@ -334,7 +372,67 @@ impl fmt::Debug for HostEvent {
         let state = self.inner.lock();
         f.debug_struct("HostEvent")
             .field("recorded", &state.recorded)
-            .field("reached", &state.reached)
+            .field("pending", &state.pending)
             .finish()
+    }
+}
+
+#[cfg(all(test, not(device_events_loom)))]
+mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+
+    fn event() -> HostEvent {
+        HostEvent::new(false, &LiveEvents::default(), 0)
+    }
+
+    #[test]
+    fn a_later_record_reached_first_does_not_release_a_wait_on_an_earlier_one() {
+        let event = event();
+        let first = event.next_generation(); // queued on a busy stream
+        event.record_reached(); // recorded again on an idle stream
+        assert!(event.query("event_query").unwrap(), "the latest is reached");
+        let signalled = Arc::new(AtomicBool::new(false));
+        let waiter = {
+            let (event, signalled) = (event.clone(), signalled.clone());
+            std::thread::spawn(move || {
+                event.wait_for(first, "event_synchronize").unwrap();
+                signalled.load(Ordering::SeqCst)
+            })
+        };
+        signalled.store(true, Ordering::SeqCst);
+        event.signal(first);
+        assert!(
+            waiter.join().unwrap(),
+            "the wait returned before its record was passed"
+        );
+    }
+
+    #[test]
+    fn a_fault_fails_the_record_it_lost_only() {
+        let event = event();
+        let first = event.next_generation();
+        let second = event.next_generation();
+        event.fail(second, "illegal address");
+        assert!(event.query("event_query").unwrap_err().is_faulted());
+        assert!(event.inner.lock().settled(first).is_none(), "still pending");
+        event.signal(first);
+        assert_eq!(event.inner.lock().settled(first), Some(Ok(())));
+        assert!(event.wait_for(first, "event_synchronize").is_ok());
+        assert!(event
+            .wait_for(second, "event_synchronize")
+            .unwrap_err()
+            .is_faulted());
+    }
+
+    #[test]
+    fn a_never_recorded_event_is_complete() {
+        let event = event();
+        assert!(event.query("event_query").unwrap());
+        assert!(event
+            .wait_for(event.latest_generation(), "event_synchronize")
+            .is_ok());
     }
 }

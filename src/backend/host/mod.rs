@@ -3,7 +3,11 @@
 //! It implements [`EventApi`] with the same semantics as the CUDA backend, so
 //! every behaviour of fences and the waiter can be tested, benchmarked and
 //! demonstrated on a machine without a GPU, and GPU-shaped pipelines can run
-//! on a CPU.
+//! on a CPU. Where CUDA's behaviour matters, the rule is taken from the
+//! driver docs and cited beside the code that models it: a wait is for the
+//! record current at the call ([`HostEvent`]); a fault poisons every stream
+//! of its context ([`HostContext`]); dropping a stream returns at once and
+//! its queued work still runs ([`HostStream`]).
 //!
 //! ```
 //! use device_events::host::{Host, HostStream};
@@ -18,11 +22,13 @@
 //! # Ok::<(), device_events::ServerError>(())
 //! ```
 
+mod context;
 mod event;
 mod stream;
 
 use std::time::Duration;
 
+pub use context::HostContext;
 pub use event::{HostEvent, LiveEvents};
 pub use stream::{HostStream, HostStreamHandle};
 
@@ -40,8 +46,7 @@ impl EventApi for Host {
     type Event = HostEvent;
 
     fn event_create(stream: HostStreamHandle, flags: EventFlags) -> Result<HostEvent, ServerError> {
-        let stream = stream.resolve("event_create")?;
-        Ok(HostEvent::new(flags.timing, stream.live_events()))
+        stream.resolve("event_create")?.create_event(flags.timing)
     }
 
     fn event_record(event: &HostEvent, stream: HostStreamHandle) -> Result<(), ServerError> {
@@ -78,7 +83,7 @@ impl EventApi for Host {
 
     /// From the stream's pool of up to 64 idle fence events.
     fn fence_event_acquire(stream: HostStreamHandle) -> Result<HostEvent, ServerError> {
-        Ok(stream.resolve("event_create")?.take_fence_event())
+        stream.resolve("event_create")?.take_fence_event()
     }
 
     fn fence_event_release(event: HostEvent) -> Result<(), ServerError> {
@@ -96,7 +101,7 @@ impl EventApi for Host {
 
     fn fence_event_record(stream: HostStreamHandle) -> Result<(HostEvent, u64), ServerError> {
         let stream = stream.resolve("event_create")?;
-        let event = stream.take_fence_event();
+        let event = stream.take_fence_event()?;
         match stream.record(&event) {
             Ok(()) => Ok((event, stream.next_sequence())),
             Err(err) => {

@@ -2,17 +2,17 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::thread::{self, JoinHandle};
+use std::thread;
 
+use super::context::{ContextShared, HostContext};
 use super::error;
 use super::event::{FencePool, HostEvent, LiveEvents};
 use super::Host;
 use crate::backend::registry::Registry;
 use crate::loom::{Condvar, Mutex, MutexGuard};
-use crate::{EventFence, ServerError};
+use crate::{panics, EventFence, ServerError};
 
 /// Every live host stream, so a copied handle can never dangle.
 static STREAMS: Registry<StreamShared> = Registry::new();
@@ -21,17 +21,25 @@ static STREAMS: Registry<StreamShared> = Registry::new();
 /// the stream's own worker thread, the way kernels run on a GPU stream.
 ///
 /// Events recorded on it are markers in its queue, reached when the worker
-/// passes them; a device-side wait is a queued wait on the worker. A panic in
-/// launched work faults the stream for good, as an illegal address faults a
-/// CUDA context: every later launch, record, wait or synchronize on it returns
-/// [`ServerError::Faulted`], and pending waits resolve with that error.
+/// passes them; a device-side wait is a queued wait on the worker. A stream
+/// belongs to a [`HostContext`] ([`new`](Self::new): the primary one), and a
+/// panic in launched work faults that whole context for good, as an illegal
+/// address faults a CUDA context: every later launch, record, wait or
+/// synchronize on any of its streams returns [`ServerError::Faulted`], and
+/// pending waits resolve with that error.
 ///
-/// Dropping the stream finishes its queued work and joins its thread. A
-/// [`HostStreamHandle`] that outlives it gives an error when used.
+/// Dropping the stream returns at once, as `cuStreamDestroy` does ("in case
+/// the device is still doing work in the stream hStream when
+/// cuStreamDestroy() is called, the function will return immediately and
+/// the resources associated with hStream will be released automatically
+/// once the device has completed all work in hStream"): work queued on it
+/// still runs, on its worker, which then exits. So a buffer that queued
+/// work reads must outlive that work, not the stream: synchronize the
+/// stream (or wait a fence recorded after the work) before freeing it. A
+/// [`HostStreamHandle`] that outlives the stream gives an error when used.
 pub struct HostStream {
     shared: Arc<StreamShared>,
     handle: HostStreamHandle,
-    worker: Option<JoinHandle<()>>,
 }
 
 /// A copyable handle to a [`HostStream`], taken by [`EventFence::new`] and
@@ -44,6 +52,8 @@ pub struct HostStreamHandle {
 
 pub(super) struct StreamShared {
     state: Mutex<StreamState>,
+    /// The context whose fault is this stream's.
+    context: Arc<ContextShared>,
     /// The worker waits here for work.
     work_queued: Condvar,
     /// Synchronizing threads wait here for the worker's progress.
@@ -63,8 +73,6 @@ struct StreamState {
     queued: u64,
     /// Operations finished (run, or dropped by a fault).
     finished: u64,
-    /// Set by the first panic; never cleared.
-    fault: Option<String>,
     /// Set when the owner drops the stream: no new work.
     closing: bool,
     /// The worker waits on `work_queued`: only then does a push wake it (a
@@ -81,24 +89,36 @@ enum Op {
 }
 
 impl HostStream {
-    /// Start a stream and its worker thread.
+    /// Start a stream and its worker thread on the
+    /// [primary](HostContext::primary) context.
     ///
     /// # Errors
     ///
-    /// The operating system refused to start the thread.
+    /// [`ServerError::Faulted`] once work on a primary-context stream has
+    /// panicked; [`ServerError::ThreadSpawn`] when the operating system
+    /// refused to start the thread.
     pub fn new() -> Result<Self, ServerError> {
+        Self::on(&HostContext::primary())
+    }
+
+    /// Start a stream and its worker thread on `context`
+    /// ([`HostContext::new_stream`]).
+    pub(super) fn on(context: &HostContext) -> Result<Self, ServerError> {
+        let context = context.shared().clone();
         let live_events = LiveEvents::default();
         let shared = Arc::new(StreamShared {
             state: Mutex::new(StreamState::default()),
+            fence_pool: Arc::new(FencePool::new(live_events.clone(), context.id())),
+            context,
             work_queued: Condvar::new(),
             progressed: Condvar::new(),
-            fence_pool: Arc::new(FencePool::new(live_events.clone())),
             live_events,
             sequence: AtomicU64::new(0),
         });
+        shared.context.join(&shared)?;
         let (id, ()) = STREAMS.register(&shared, || ());
         let worker_shared = shared.clone();
-        let worker = thread::Builder::new()
+        thread::Builder::new()
             .name(format!("host-stream-{id}"))
             .spawn(move || worker_shared.run())
             .map_err(|err| {
@@ -111,7 +131,6 @@ impl HostStream {
         Ok(Self {
             shared,
             handle: HostStreamHandle { id },
-            worker: Some(worker),
         })
     }
 
@@ -119,7 +138,7 @@ impl HostStream {
     ///
     /// # Errors
     ///
-    /// The stream is faulted: an earlier launch panicked.
+    /// The stream's context is faulted: an earlier launch panicked.
     pub fn launch<F>(&self, work: F) -> Result<(), ServerError>
     where
         F: FnOnce() + Send + 'static,
@@ -149,7 +168,7 @@ impl HostStream {
     ///
     /// # Errors
     ///
-    /// The stream is faulted: a launch panicked.
+    /// The stream's context is faulted: a launch panicked.
     pub fn synchronize(&self) -> Result<(), ServerError> {
         self.shared.synchronize()
     }
@@ -160,8 +179,8 @@ impl HostStream {
     }
 
     /// A counter of the events created for this stream that are alive; see
-    /// [`LiveEvents::count`]. It stays readable after the stream is dropped,
-    /// and then counts nothing the stream's worker held: the drop joins it.
+    /// [`LiveEvents::count`]. It stays readable after the stream is dropped;
+    /// markers still queued then count until the worker passes them.
     ///
     /// For leak checks that other streams cannot disturb:
     ///
@@ -172,8 +191,7 @@ impl HostStream {
     /// let live = stream.live_events();
     /// let fence = stream.fence();
     /// assert_eq!(live.count(), 1);
-    /// fence.wait_sync()?; // consumes the fence, destroying its event ...
-    /// drop(stream); // ... and the worker, joined, let go of its marker
+    /// fence.wait_sync()?; // consumes the fence, destroying its event
     /// assert_eq!(live.count(), 0);
     /// # Ok::<(), device_events::ServerError>(())
     /// ```
@@ -181,23 +199,24 @@ impl HostStream {
         self.shared.live_events.clone()
     }
 
-    /// Whether a launch on this stream has panicked.
+    /// Whether work launched on a stream of this stream's context has
+    /// panicked.
     pub fn is_faulted(&self) -> bool {
-        self.shared.lock().fault.is_some()
+        self.shared.context.fault().is_some()
+    }
+
+    /// The context this stream belongs to.
+    pub fn context(&self) -> HostContext {
+        HostContext::from_shared(self.shared.context.clone())
     }
 }
 
 impl Drop for HostStream {
+    /// Returns at once; the worker runs what is queued, then exits.
     fn drop(&mut self) {
         STREAMS.remove(self.handle.id);
         self.shared.lock().closing = true;
         self.shared.work_queued.notify_all();
-        if let Some(worker) = self.worker.take() {
-            // Work that drops its own stream must not join itself.
-            if worker.thread().id() != thread::current().id() && worker.join().is_err() {
-                log::error!("a host stream's worker thread panicked outside launched work");
-            }
-        }
     }
 }
 
@@ -212,18 +231,22 @@ impl HostStreamHandle {
 }
 
 impl StreamShared {
-    pub(super) fn live_events(&self) -> &LiveEvents {
-        &self.live_events
-    }
-
     /// The next number in this stream's order of recorded points.
     pub(super) fn next_sequence(&self) -> u64 {
         self.sequence.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// A fence event from this stream's pool, or a new one.
-    pub(super) fn take_fence_event(&self) -> HostEvent {
-        self.fence_pool.take()
+    /// A new event of this stream's context; refused once it is faulted.
+    pub(super) fn create_event(&self, timing: bool) -> Result<HostEvent, ServerError> {
+        self.context.check("event_create")?;
+        Ok(HostEvent::new(timing, &self.live_events, self.context.id()))
+    }
+
+    /// A fence event from this stream's pool, or a new one; refused once the
+    /// context is faulted.
+    pub(super) fn take_fence_event(&self) -> Result<HostEvent, ServerError> {
+        self.context.check("event_create")?;
+        Ok(self.fence_pool.take())
     }
 
     fn lock(&self) -> MutexGuard<'_, StreamState> {
@@ -233,7 +256,7 @@ impl StreamShared {
     /// Queue `op` unless the stream is faulted or closing.
     fn push(&self, call: &'static str, op: Op) -> Result<(), ServerError> {
         let mut state = self.lock();
-        state.accepting(call)?;
+        self.accepting(&state, call)?;
         state.queue.push_back(op);
         state.queued += 1;
         let wake = state.worker_waiting;
@@ -248,8 +271,15 @@ impl StreamShared {
     pub(super) fn record(&self, event: &HostEvent) -> Result<(), ServerError> {
         // Lock order: stream, then event. Taking the generation under the
         // stream lock keeps generations in queue order on this stream.
+        if event.context() != self.context.id() {
+            return Err(error::call(
+                "event_record",
+                error::INVALID_HANDLE,
+                "the event and the stream are from different contexts",
+            ));
+        }
         let mut state = self.lock();
-        state.accepting("event_record")?;
+        self.accepting(&state, "event_record")?;
         if state.queue.is_empty() && state.finished == state.queued {
             // Idle: everything queued before this record has run, so the
             // event is reached now, as the worker would signal it: no marker,
@@ -273,7 +303,7 @@ impl StreamShared {
         let generation = event.latest_generation();
         if generation == 0 {
             // Never recorded: complete, by the driver's rule.
-            return self.lock().accepting("stream_wait_event");
+            return self.accepting(&self.lock(), "stream_wait_event");
         }
         self.push("stream_wait_event", Op::Wait(event.clone(), generation))
     }
@@ -284,9 +314,7 @@ impl StreamShared {
         let mut state = self.lock();
         let target = state.queued;
         loop {
-            if let Some(message) = &state.fault {
-                return Err(error::faulted(CALL, message.clone()));
-            }
+            self.context.check(CALL)?;
             if state.finished >= target {
                 return Ok(());
             }
@@ -296,12 +324,65 @@ impl StreamShared {
         }
     }
 
-    /// The worker: run operations in order until closed and drained.
+    /// Refuse a call on a faulted context or a closing stream.
+    fn accepting(&self, state: &StreamState, call: &'static str) -> Result<(), ServerError> {
+        self.context.check(call)?;
+        if state.closing {
+            return Err(error::call(
+                call,
+                error::INVALID_HANDLE,
+                "the stream is being dropped",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The context is faulted: drop what is queued, failing its markers,
+    /// and wake whoever synchronizes. Called for every stream of the context
+    /// ([`ContextShared::poison`]), and by a worker that finds work queued
+    /// after the fault.
+    pub(super) fn fault_with(&self, message: &str) {
+        let (dropped, synchronizing) = {
+            let mut state = self.lock();
+            let dropped: Vec<Op> = state.queue.drain(..).collect();
+            for op in &dropped {
+                if let Op::Signal(event, generation) = op {
+                    event.fail(*generation, message);
+                }
+            }
+            state.finished += dropped.len() as u64;
+            (dropped, state.synchronizing > 0)
+        };
+        if synchronizing {
+            self.progressed.notify_all();
+        }
+        // User closures are dropped outside the lock (their drops may do
+        // anything, including touching this stream), each on its own: one
+        // that panics costs only itself.
+        for op in dropped {
+            if let Err(message) = panics::drop_caught(op) {
+                log::error!("dropping work a fault discarded panicked: {message}");
+            }
+        }
+    }
+
+    /// The worker: run operations in order until closed and drained. It
+    /// outlives the [`HostStream`] when work is still queued at its drop.
     fn run(&self) {
         loop {
             let op = {
                 let mut state = self.lock();
                 loop {
+                    if let Some(message) = self.context.fault() {
+                        if !state.queue.is_empty() {
+                            // Queued before the fault reached this stream:
+                            // it never runs.
+                            drop(state);
+                            self.fault_with(message);
+                            state = self.lock();
+                            continue;
+                        }
+                    }
                     if let Some(op) = state.queue.pop_front() {
                         break op;
                     }
@@ -314,9 +395,7 @@ impl StreamShared {
                 }
             };
             let fault = match op {
-                Op::Work(work) => catch_unwind(AssertUnwindSafe(work))
-                    .err()
-                    .map(|payload| ServerError::panic_message(payload.as_ref())),
+                Op::Work(work) => panics::catch(work).err(),
                 Op::Signal(event, generation) => {
                     event.signal(generation);
                     None
@@ -326,52 +405,18 @@ impl StreamShared {
                     .err()
                     .map(|err| format!("a stream this one waited on failed: {err}")),
             };
-            let (dropped, synchronizing) = {
+            if let Some(message) = fault {
+                self.context.poison(message);
+            }
+            let synchronizing = {
                 let mut state = self.lock();
                 state.finished += 1;
-                let dropped = match fault {
-                    Some(message) => state.fault_with(message),
-                    None => Vec::new(),
-                };
-                (dropped, state.synchronizing > 0)
+                state.synchronizing > 0
             };
             if synchronizing {
                 self.progressed.notify_all();
             }
-            // User closures are dropped outside the lock: their drops may do
-            // anything, including touching this stream.
-            drop(dropped);
         }
-    }
-}
-
-impl StreamState {
-    fn accepting(&self, call: &'static str) -> Result<(), ServerError> {
-        if let Some(message) = &self.fault {
-            return Err(error::faulted(call, message.clone()));
-        }
-        if self.closing {
-            return Err(error::call(
-                call,
-                error::INVALID_HANDLE,
-                "the stream is being dropped",
-            ));
-        }
-        Ok(())
-    }
-
-    /// Fault the stream: fail every queued marker and hand back the queued
-    /// operations, which will never run.
-    fn fault_with(&mut self, message: String) -> Vec<Op> {
-        let dropped: Vec<Op> = self.queue.drain(..).collect();
-        for op in &dropped {
-            if let Op::Signal(event, generation) = op {
-                event.fail(*generation, &message);
-            }
-        }
-        self.finished += dropped.len() as u64;
-        self.fault = Some(message);
-        dropped
     }
 }
 

@@ -1,0 +1,176 @@
+//! [`HostContext`]: the fault domain of host streams, as a CUDA context is
+//! of its streams.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
+
+use super::error;
+use super::stream::{HostStream, StreamShared};
+use crate::loom::Mutex;
+use crate::ServerError;
+
+/// A group of host streams that a fault poisons as a whole, the way a fault
+/// poisons a CUDA context.
+///
+/// The CUDA driver's rule for a fault such as an illegal address
+/// (`CUDA_ERROR_ILLEGAL_ADDRESS`, driver API error codes): "This leaves the
+/// process in an inconsistent state and any further CUDA work will return
+/// the same error. To continue using CUDA, the process must be terminated
+/// and relaunched." Every stream of the context fails, not only the one
+/// whose kernel faulted. So here: once work launched on any stream of a
+/// context panics, every stream of that context is faulted for good. Its
+/// queued work never runs, its pending records fail their waiters, and
+/// every later launch, record, event creation, wait or synchronize on it,
+/// and every new stream on the context, returns [`ServerError::Faulted`].
+/// Other contexts carry on.
+///
+/// [`HostStream::new`] puts streams on the process's one
+/// [`primary`](Self::primary) context, as CUDA code usually shares a
+/// device's primary context. A fault there poisons every stream made by
+/// `HostStream::new` for the rest of the process, so a test or demo that
+/// faults a stream on purpose gives it a context of its own:
+///
+/// ```
+/// use device_events::host::HostContext;
+///
+/// let context = HostContext::new();
+/// let (a, b) = (context.new_stream()?, context.new_stream()?);
+/// a.launch(|| panic!("illegal address"))?;
+/// assert!(a.synchronize().unwrap_err().is_faulted());
+/// assert!(b.synchronize().unwrap_err().is_faulted(), "the whole context");
+/// assert!(context.new_stream().unwrap_err().is_faulted());
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+///
+/// An event belongs to the context of the stream it was created for, and
+/// is recorded only on that context's streams (`cuEventRecord`: "hEvent
+/// and hStream must be from the same context otherwise
+/// CUDA_ERROR_INVALID_HANDLE is returned"); a stream may wait on an event of
+/// any context (`cuStreamWaitEvent`: "hEvent may be from a different context
+/// or device than hStream").
+///
+/// A cheap handle: clones name the same context.
+#[derive(Clone)]
+pub struct HostContext {
+    shared: Arc<ContextShared>,
+}
+
+pub(super) struct ContextShared {
+    id: u64,
+    /// The first fault's message; set once, never cleared.
+    fault: OnceLock<String>,
+    /// The context's streams, to fault them all.
+    streams: Mutex<Vec<Weak<StreamShared>>>,
+}
+
+/// Context numbers, for telling an event's context from a stream's.
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+impl HostContext {
+    /// A new context, with no streams and no fault.
+    #[allow(clippy::new_without_default)] // a new context is not a default one: see `primary`
+    pub fn new() -> Self {
+        Self {
+            shared: Arc::new(ContextShared {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                fault: OnceLock::new(),
+                streams: Mutex::new(Vec::new()),
+            }),
+        }
+    }
+
+    /// The process's default context, where [`HostStream::new`] puts its
+    /// streams.
+    pub fn primary() -> Self {
+        static PRIMARY: OnceLock<HostContext> = OnceLock::new();
+        PRIMARY.get_or_init(Self::new).clone()
+    }
+
+    /// Start a stream on this context.
+    ///
+    /// # Errors
+    ///
+    /// [`ServerError::Faulted`] once the context is faulted;
+    /// [`ServerError::ThreadSpawn`] when the operating system refused to
+    /// start the stream's thread.
+    pub fn new_stream(&self) -> Result<HostStream, ServerError> {
+        HostStream::on(self)
+    }
+
+    /// Whether work on one of this context's streams has panicked.
+    pub fn is_faulted(&self) -> bool {
+        self.shared.fault().is_some()
+    }
+
+    pub(super) fn shared(&self) -> &Arc<ContextShared> {
+        &self.shared
+    }
+
+    pub(super) fn from_shared(shared: Arc<ContextShared>) -> Self {
+        Self { shared }
+    }
+}
+
+impl ContextShared {
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// The fault that poisoned this context, if any.
+    pub(super) fn fault(&self) -> Option<&String> {
+        self.fault.get()
+    }
+
+    /// An error for `call` when the context is faulted.
+    pub(super) fn check(&self, call: &'static str) -> Result<(), ServerError> {
+        match self.fault() {
+            Some(message) => Err(error::faulted(call, message.clone())),
+            None => Ok(()),
+        }
+    }
+
+    /// Count `stream` among the context's streams, unless the context is
+    /// faulted (checked under the same lock that [`poison`](Self::poison)
+    /// takes, so no stream joins a context that is being poisoned unseen).
+    pub(super) fn join(&self, stream: &Arc<StreamShared>) -> Result<(), ServerError> {
+        let mut streams = self.streams.lock();
+        self.check("stream_create")?;
+        streams.retain(|stream| stream.strong_count() > 0);
+        streams.push(Arc::downgrade(stream));
+        Ok(())
+    }
+
+    /// A fault on one of the context's streams: fault them all. The first
+    /// fault's message is the context's, whichever stream reports it.
+    pub(super) fn poison(&self, message: String) {
+        let streams: Vec<Arc<StreamShared>> = {
+            let streams = self.streams.lock();
+            // Set under the lock, so every stream that joined is in the list.
+            let _ = self.fault.set(message);
+            streams.iter().filter_map(Weak::upgrade).collect()
+        };
+        let message = self.fault().cloned().unwrap_or_default();
+        for stream in streams {
+            stream.fault_with(&message);
+        }
+    }
+}
+
+/// The same context: clones of one [`HostContext`].
+impl PartialEq for HostContext {
+    fn eq(&self, other: &Self) -> bool {
+        self.shared.id == other.shared.id
+    }
+}
+
+impl Eq for HostContext {}
+
+impl fmt::Debug for HostContext {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HostContext")
+            .field("id", &self.shared.id)
+            .field("faulted", &self.is_faulted())
+            .finish()
+    }
+}

@@ -1,0 +1,64 @@
+//! Panics in code the crate calls but does not own (launched work, a task's
+//! waker, a value's drop, a user's fence), caught where the call is made.
+//!
+//! A panic's payload is user data too, and its drop may panic in turn: it is
+//! dropped under `catch_unwind` as well, and a second payload is forgotten
+//! (leaked) rather than risk a third.
+
+use std::any::Any;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use crate::ServerError;
+
+/// Run `call`; a panic comes back as its message, with its payload already
+/// dropped (under `catch_unwind`).
+pub(crate) fn catch<T>(call: impl FnOnce() -> T) -> Result<T, String> {
+    catch_unwind(AssertUnwindSafe(call)).map_err(message_of)
+}
+
+/// Drop `value`; a panic in its drop comes back as its message.
+pub(crate) fn drop_caught<T>(value: T) -> Result<(), String> {
+    catch(move || drop(value))
+}
+
+/// The message of a panic's `payload`, which is dropped here, under
+/// `catch_unwind` too.
+pub(crate) fn message_of(payload: Box<dyn Any + Send>) -> String {
+    let message = ServerError::panic_message(payload.as_ref());
+    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+        std::mem::forget(again);
+    }
+    message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A payload whose own drop panics.
+    struct Bomb;
+
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("the payload's drop");
+        }
+    }
+
+    #[test]
+    fn a_payload_whose_drop_panics_goes_no_further() {
+        let caught = catch(|| std::panic::panic_any(Bomb));
+        assert_eq!(caught, Err("a panic with a non-string payload".to_owned()));
+    }
+
+    #[test]
+    fn a_drop_that_panics_is_its_message() {
+        struct Loud;
+        impl Drop for Loud {
+            fn drop(&mut self) {
+                panic!("loud");
+            }
+        }
+        assert_eq!(drop_caught(Loud), Err("loud".to_owned()));
+        assert_eq!(catch(|| 7), Ok(7));
+    }
+}
