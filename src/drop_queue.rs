@@ -7,17 +7,17 @@
 //! freed it. Instead the buffer goes into the queue with a fence recorded
 //! after the copy, and the queue's own thread drops it once the fence passes.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::future::Future;
-use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::ops::Deref;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll, Waker};
 use std::thread::JoinHandle;
 
 use crate::loom::{Condvar, Mutex, MutexGuard};
-use crate::{EventApi, EventFence, ServerError};
+use crate::{panics, EventApi, EventFence, ServerError};
 
 /// Something that can be waited for: the contract a [`DropQueue`] needs.
 /// [`EventFence`] implements it.
@@ -79,11 +79,17 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///   pushed before it, even one on another stream. Where streams run at
 ///   different paces, give each its own queue: a slow stream then holds back
 ///   (and fills) only its own.
-/// - [`push`](Self::push) never blocks on the device.
-/// - Memory is bounded: at most `capacity` values wait at once; a push beyond
-///   that is refused and hands the fence and value back
-///   ([`Rejected::Full`]), for the caller to wait itself or retry after
-///   [`flush`](Self::flush).
+/// - Memory is bounded: at most `capacity` values wait at once.
+///   [`push_blocking`](Self::push_blocking) waits for room and
+///   [`push_async`](Self::push_async) awaits it, so a caller never holds a
+///   refused value; [`push`](Self::push) never blocks, and hands a refused
+///   fence and value back ([`Rejected`]) for the caller to keep alive.
+/// - **No value is ever dropped before its fence**, on any path: a refused
+///   push hands it back (and [`Rejected::wait_then_drop`] keeps the promise
+///   for the caller), [`shutdown_now`](Self::shutdown_now) hands back what
+///   has not passed in a [`HandedBack`] whose drop waits for each fence, and
+///   a [`push_async`](Self::push_async) future dropped before it resolved
+///   queues its value all the same.
 /// - A fence whose wait fails is not given up at once: an [`EventFence`]
 ///   then synchronizes its stream, and if the stream is idle its value is
 ///   dropped as usual (the driver may merely have refused the wait while a
@@ -99,25 +105,32 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///   [`shutdown_async`](Self::shutdown_async) (and
 ///   [`flush_async`](Self::flush_async) for [`flush`](Self::flush)), which
 ///   block no thread.
+/// - A value's drop may use its own queue: `push_blocking` there queues
+///   past the capacity (only the queue's thread makes room), and a flush or
+///   shutdown there returns at once rather than wait for itself; the last
+///   handle to the queue dropped there lets the thread finish on its own.
 /// - There is no `Default`: starting the queue's thread can fail, and
 ///   `Default` could not return that error. Use
 ///   `DropQueue::new(DEFAULT_DROP_QUEUE_CAPACITY)`.
 ///
 /// ```
 /// use device_events::drop_queue::DropQueue;
-/// use device_events::host::{Host, HostStream};
-/// use device_events::EventFence;
+/// use device_events::host::HostStream;
 ///
 /// let stream = HostStream::new()?;
 /// let queue = DropQueue::new(16)?;
 /// let staging = vec![0u8; 1 << 20]; // say, a pinned host buffer
 /// stream.launch(|| { /* a device copy reads the buffer */ })?;
-/// // Returns at once; the buffer is dropped once the copy is done.
-/// queue.push(EventFence::<Host>::new(stream.handle()), staging).ok();
+/// // Returns once there is room (at once, here); the buffer is dropped on
+/// // the queue's thread once the copy is done.
+/// queue.push_blocking(stream.fence(), staging)?;
 /// queue.flush();
 /// assert_eq!(queue.stats().dropped, 1);
-/// # Ok::<(), device_events::ServerError>(())
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+///
+/// In async code, `queue.push_async(fence, staging).await?` waits for room
+/// without blocking a thread.
 pub struct DropQueue<F: Fence, T: Send + 'static> {
     shared: Arc<Shared<F, T>>,
     thread: Option<JoinHandle<()>>,
@@ -125,7 +138,8 @@ pub struct DropQueue<F: Fence, T: Send + 'static> {
 
 struct Shared<F, T> {
     state: Mutex<State<F, T>>,
-    /// The queue's thread waits here for entries; flushes wait for progress.
+    /// The queue's thread waits here for entries; flushes and blocking
+    /// pushes wait here for progress.
     changed: Condvar,
 }
 
@@ -134,12 +148,70 @@ struct State<F, T> {
     capacity: usize,
     in_flight: bool,
     closing: bool,
-    /// Set by the queue's thread as it exits.
+    /// Set by the queue's thread, under this lock, when it has decided to
+    /// exit (closing, nothing queued): from then on nobody else will drop a
+    /// queued value.
     exited: bool,
     stats: DropQueueStats,
     /// Tasks awaiting progress ([`DropQueue::flush_async`],
-    /// [`DropQueue::shutdown_async`]): woken after each value and on exit.
-    wakers: Vec<Waker>,
+    /// [`DropQueue::shutdown_async`], [`DropQueue::push_async`]): woken after
+    /// each value and on exit.
+    wakers: Wakers,
+}
+
+/// The wakers of pending futures, one per future: a future dropped before
+/// it resolved takes its waker out again, so none is kept for a task that
+/// no longer waits, and a poll finds its own entry without a scan.
+#[derive(Default)]
+struct Wakers {
+    next: u64,
+    by_future: HashMap<u64, Waker>,
+}
+
+impl Wakers {
+    /// A number for a new future.
+    fn id(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+
+    fn register(&mut self, id: u64, waker: &Waker) {
+        match self.by_future.get_mut(&id) {
+            Some(known) if known.will_wake(waker) => {}
+            Some(known) => known.clone_from(waker),
+            None => {
+                self.by_future.insert(id, waker.clone());
+            }
+        }
+    }
+
+    fn remove(&mut self, id: u64) {
+        self.by_future.remove(&id);
+    }
+
+    /// All of them, to wake outside the lock (each woken future registers
+    /// again if it still waits).
+    fn take(&mut self) -> Vec<Waker> {
+        self.by_future.drain().map(|(_, waker)| waker).collect()
+    }
+}
+
+/// Wake `wakers`; a waker that panics (a user's executor) costs only its
+/// own wake.
+fn wake_all(wakers: Vec<Waker>) {
+    for waker in wakers {
+        if let Err(message) = panics::catch(|| waker.wake()) {
+            log_contained(|| {
+                log::error!("a task's waker panicked when the drop queue woke it: {message}")
+            });
+        }
+    }
+}
+
+/// Log through the application's logger, which may panic too: that loses
+/// the line, nothing else.
+fn log_contained(line: impl FnOnce()) {
+    let _ = panics::catch(line);
 }
 
 /// What a [`DropQueue`] has done.
@@ -151,16 +223,28 @@ pub struct DropQueueStats {
     pub dropped: u64,
     /// Values leaked because their fence failed.
     pub leaked: u64,
+    /// Values handed back unpassed by [`DropQueue::shutdown_now`].
+    pub handed_back: u64,
     /// Values waiting now (queued or being waited on).
     pub pending: usize,
     /// Of those, the ones the queue's thread has not taken up yet.
     pub queued: usize,
 }
 
-/// Why a push was refused; the fence and value come back.
+/// Why a push was refused; the fence and value come back, and the value
+/// must be kept alive until the fence passes.
 ///
-/// An error (`Display` and [`std::error::Error`]), so `queue.push(..)?`
-/// works; [`into_inner`](Self::into_inner) takes the fence and value back.
+/// Dropping it drops the value **at once**, while the device may still read
+/// it: wait for the fence first, with [`wait_then_drop`](Self::wait_then_drop),
+/// or take both back with [`into_inner`](Self::into_inner). To never hold a
+/// refused value, push with [`DropQueue::push_blocking`] or
+/// [`DropQueue::push_async`], which wait for room.
+///
+/// It is an error (`Display` and [`std::error::Error`]); propagating it with
+/// `?` drops the value wherever the error ends, so do that only with values
+/// no device work reads.
+#[must_use = "dropping a Rejected drops its value now, while the device may still read it: \
+              call wait_then_drop() or into_inner()"]
 pub enum Rejected<F, T> {
     /// `capacity` values are already waiting.
     Full(F, T),
@@ -174,6 +258,20 @@ impl<F, T> Rejected<F, T> {
         match self {
             Self::Full(fence, value) | Self::Closed(fence, value) => (fence, value),
         }
+    }
+}
+
+impl<F: Fence, T> Rejected<F, T> {
+    /// Block until the fence has passed, then drop the value, as the queue
+    /// would have.
+    ///
+    /// # Errors
+    ///
+    /// The fence failed: the value is leaked, not dropped (see
+    /// [`DropQueue`]), and the error logged.
+    pub fn wait_then_drop(self) -> Result<(), ServerError> {
+        let (fence, value) = self.into_inner();
+        settle(fence, value)
     }
 }
 
@@ -211,7 +309,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
                 closing: false,
                 exited: false,
                 stats: DropQueueStats::default(),
-                wakers: Vec::new(),
+                wakers: Wakers::default(),
             }),
             changed: Condvar::new(),
         });
@@ -230,26 +328,81 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     }
 
     /// Keep `value` alive until `fence` passes, then drop it on the queue's
-    /// thread. Never blocks on the device.
+    /// thread. Never blocks.
     ///
     /// # Errors
     ///
     /// [`Rejected::Full`] when `capacity` values are waiting, and
     /// [`Rejected::Closed`] while shutting down; both hand back the fence and
-    /// the value.
+    /// the value, which the caller must keep alive until the fence passes
+    /// ([`Rejected::wait_then_drop`]).
     pub fn push(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
-        let mut state = self.shared.lock();
+        let state = self.shared.lock();
         if state.closing {
             return Err(Rejected::Closed(fence, value));
         }
         if state.pending() >= state.capacity {
             return Err(Rejected::Full(fence, value));
         }
-        state.queue.push_back((fence, value));
-        state.stats.pushed += 1;
-        drop(state);
-        self.shared.changed.notify_all();
+        self.shared.enqueue(state, fence, value);
         Ok(())
+    }
+
+    /// Keep `value` alive until `fence` passes, then drop it on the queue's
+    /// thread; when `capacity` values are waiting, block until one has
+    /// been dropped. In async code, use [`push_async`](Self::push_async).
+    ///
+    /// On the queue's own thread (in a value's drop) it does not wait: the
+    /// value is queued past the capacity, since only that thread makes room.
+    ///
+    /// # Errors
+    ///
+    /// [`Rejected::Closed`] while shutting down, with the fence and value,
+    /// which the caller must keep alive until the fence passes
+    /// ([`Rejected::wait_then_drop`]).
+    pub fn push_blocking(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
+        let mut state = self.shared.lock();
+        let own_thread = self.on_own_thread();
+        loop {
+            if state.closing {
+                return Err(Rejected::Closed(fence, value));
+            }
+            if state.pending() < state.capacity || own_thread {
+                self.shared.enqueue(state, fence, value);
+                return Ok(());
+            }
+            state = self.shared.changed.wait(state);
+        }
+    }
+
+    /// A future of [`push_blocking`](Self::push_blocking): resolves once the
+    /// value is queued, waiting for room without blocking a thread (the
+    /// queue's thread wakes it).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolved does not drop the value
+    /// early: it is queued all the same (past the capacity), or, once the
+    /// queue's thread has exited, its fence is waited for on the dropping
+    /// thread before it is dropped.
+    ///
+    /// # Errors
+    ///
+    /// As for [`push_blocking`](Self::push_blocking).
+    pub fn push_async(&self, fence: F, value: T) -> PushFuture<F, T> {
+        let id = self.shared.lock().wakers.id();
+        PushFuture {
+            shared: self.shared.clone(),
+            entry: Some((fence, value)),
+            id,
+        }
+    }
+
+    /// Whether the caller is the queue's own thread: in a value's drop.
+    fn on_own_thread(&self) -> bool {
+        self.thread
+            .as_ref()
+            .is_some_and(|thread| thread.thread().id() == std::thread::current().id())
     }
 
     /// The most values that may wait at once.
@@ -258,12 +411,25 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     }
 
     /// Block until every value pushed before this call has been dropped (or
-    /// leaked, if its fence failed). In async code, use
+    /// leaked, if its fence failed, or handed back by
+    /// [`shutdown_now`](Self::shutdown_now)). In async code, use
     /// [`flush_async`](Self::flush_async).
+    ///
+    /// On the queue's own thread (in a value's drop) it returns at once: the
+    /// queue cannot wait for itself.
     pub fn flush(&self) {
+        if self.on_own_thread() {
+            log_contained(|| {
+                log::warn!(
+                    "DropQueue::flush called by a value's drop on the queue's own thread \
+                     returns at once: the queue cannot wait for itself"
+                );
+            });
+            return;
+        }
         let mut state = self.shared.lock();
         let target = state.stats.pushed;
-        while state.stats.dropped + state.stats.leaked < target {
+        while !state.handled(target) {
             state = self.shared.changed.wait(state);
         }
     }
@@ -282,16 +448,23 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// Dropping it changes nothing: the values are dropped all the same.
     #[doc(alias = "flush")]
     pub fn flush_async(&self) -> Progress<F, T> {
-        let target = self.shared.lock().stats.pushed;
+        let mut state = self.shared.lock();
+        let target = state.stats.pushed;
+        let id = state.wakers.id();
+        drop(state);
         Progress {
             shared: self.shared.clone(),
             until: Until::Handled(target),
+            id,
         }
     }
 
     /// Wait for every fence, drop every value, and join the thread. Blocks
     /// until the slowest fence passes; in async code, use
     /// [`shutdown_async`](Self::shutdown_async).
+    ///
+    /// On the queue's own thread (in a value's drop) it closes the queue and
+    /// returns at once: the thread drops the rest, then exits.
     pub fn shutdown(mut self) -> DropQueueStats {
         self.close_and_join();
         self.stats()
@@ -307,12 +480,17 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// pushes; its thread still drops every value, and exits on its own.
     #[doc(alias = "shutdown")]
     pub fn shutdown_async(mut self) -> impl Future<Output = DropQueueStats> + Send + 'static {
-        self.shared.lock().closing = true;
+        let id = {
+            let mut state = self.shared.lock();
+            state.closing = true;
+            state.wakers.id()
+        };
         self.shared.changed.notify_all();
         let thread = self.thread.take();
         let progress = Progress {
             shared: self.shared.clone(),
             until: Until::Exited,
+            id,
         };
         async move {
             let stats = progress.await;
@@ -328,31 +506,58 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
 
     /// Stop without waiting on the device: values whose fence has already
     /// passed are dropped; the rest are handed back with their fences, in
-    /// push order, for the caller to keep alive. The value being waited on
+    /// push order, for the caller to keep alive until their fences pass
+    /// ([`HandedBack`]: its drop waits for them). The value being waited on
     /// when this is called is waited for.
-    pub fn shutdown_now(mut self) -> Vec<(F, T)> {
+    ///
+    /// A fence whose [`is_passed`](Fence::is_passed) fails or panics is
+    /// handed back, not dropped.
+    pub fn shutdown_now(mut self) -> HandedBack<F, T> {
         let waiting: Vec<(F, T)> = {
             let mut state = self.shared.lock();
             state.closing = true;
             state.queue.drain(..).collect()
         };
-        let mut handed_back = Vec::new();
+        let mut entries = Vec::new();
+        let mut dropped = 0;
         for (fence, value) in waiting {
-            match fence.is_passed() {
-                Ok(true) => drop_value(value),
-                _ => handed_back.push((fence, value)),
+            match panics::catch(|| fence.is_passed()) {
+                Ok(Ok(true)) => {
+                    drop_value(value);
+                    dropped += 1;
+                }
+                Ok(_) => entries.push((fence, value)),
+                Err(message) => {
+                    log_contained(|| {
+                        log::error!(
+                            "a fence's is_passed panicked in DropQueue::shutdown_now; its value \
+                             is handed back: {message}"
+                        );
+                    });
+                    entries.push((fence, value));
+                }
             }
         }
+        let wakers = {
+            let mut state = self.shared.lock();
+            state.stats.dropped += dropped;
+            state.stats.handed_back += entries.len() as u64;
+            state.wakers.take()
+        };
+        self.shared.changed.notify_all();
+        wake_all(wakers);
         self.close_and_join();
-        handed_back
+        HandedBack { entries }
     }
 
     fn close_and_join(&mut self) {
         self.shared.lock().closing = true;
         self.shared.changed.notify_all();
         if let Some(thread) = self.thread.take() {
-            if thread.join().is_err() {
-                log::error!("the drop queue's thread panicked");
+            // The last handle dropped by a value on the queue's own thread:
+            // that thread finishes on its own.
+            if thread.thread().id() != std::thread::current().id() && thread.join().is_err() {
+                log_contained(|| log::error!("the drop queue's thread panicked"));
             }
         }
     }
@@ -371,6 +576,28 @@ impl<F, T> Shared<F, T> {
 }
 
 impl<F: Fence, T: Send + 'static> Shared<F, T> {
+    /// Queue an entry (the caller checked room and closing) and wake the
+    /// queue's thread.
+    fn enqueue(&self, mut state: MutexGuard<'_, State<F, T>>, fence: F, value: T) {
+        state.queue.push_back((fence, value));
+        state.stats.pushed += 1;
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// Take in a value whose push was abandoned (its future dropped): queued
+    /// past the capacity, even while closing, as long as the queue's thread
+    /// will still see it; once that thread has exited, waited for here.
+    fn adopt(&self, fence: F, value: T) {
+        let state = self.lock();
+        if state.exited {
+            drop(state);
+            let _ = settle(fence, value);
+        } else {
+            self.enqueue(state, fence, value);
+        }
+    }
+
     /// The queue's thread: wait for each fence in push order, then drop its
     /// value (or leak it if the fence failed).
     fn run(&self) {
@@ -386,49 +613,37 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
                         break entry;
                     }
                     if state.closing {
+                        state.exited = true;
                         return;
                     }
                     state = self.changed.wait(state);
                 }
             };
-            let passed =
-                catch_unwind(AssertUnwindSafe(|| fence.wait())).unwrap_or_else(|payload| {
-                    Err(ServerError::WaiterPanicked {
-                        message: ServerError::panic_message(payload.as_ref()),
-                    })
-                });
-            let leaked = match passed {
-                Ok(()) => {
-                    drop_value(value);
-                    false
+            let dropped = settle(fence, value).is_ok();
+            let wakers = {
+                let mut state = self.lock();
+                state.in_flight = false;
+                if dropped {
+                    state.stats.dropped += 1;
+                } else {
+                    state.stats.leaked += 1;
                 }
-                Err(err) => {
-                    log::error!("a drop queue's fence failed, leaking its value rather than freeing memory the device may still read: {err}");
-                    std::mem::forget(value);
-                    true
-                }
+                state.wakers.take()
             };
-            let mut state = self.lock();
-            state.in_flight = false;
-            if leaked {
-                state.stats.leaked += 1;
-            } else {
-                state.stats.dropped += 1;
-            }
-            let wakers = std::mem::take(&mut state.wakers);
-            drop(state);
             self.changed.notify_all();
-            wakers.into_iter().for_each(Waker::wake);
+            wake_all(wakers);
         }
     }
 
     /// The thread's last act: say it exits, and wake who awaits that.
     fn exit(&self) {
-        let mut state = self.lock();
-        state.exited = true;
-        let wakers = std::mem::take(&mut state.wakers);
-        drop(state);
-        wakers.into_iter().for_each(Waker::wake);
+        let wakers = {
+            let mut state = self.lock();
+            state.exited = true;
+            state.wakers.take()
+        };
+        self.changed.notify_all();
+        wake_all(wakers);
     }
 }
 
@@ -441,10 +656,34 @@ impl<F: Fence, T: Send + 'static> Drop for ExitGuard<'_, F, T> {
     }
 }
 
+/// Wait for `fence`, then drop `value`; if the fence fails (or its wait
+/// panics), leak the value instead, with an error logged. `Err` is the
+/// fence's failure: the value was leaked.
+fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError> {
+    let passed = panics::catch(|| fence.wait())
+        .unwrap_or_else(|message| Err(ServerError::WaiterPanicked { message }));
+    match passed {
+        Ok(()) => {
+            drop_value(value);
+            Ok(())
+        }
+        Err(err) => {
+            log_contained(|| {
+                log::error!(
+                    "a drop queue's fence failed, leaking its value rather than freeing memory \
+                     the device may still read: {err}"
+                );
+            });
+            std::mem::forget(value);
+            Err(err)
+        }
+    }
+}
+
 /// What a [`Progress`] future waits for.
 #[derive(Debug, Clone, Copy)]
 enum Until {
-    /// This many values dropped or leaked.
+    /// This many values dropped, leaked or handed back.
     Handled(u64),
     /// The queue's thread exited (after handling everything).
     Exited,
@@ -452,10 +691,14 @@ enum Until {
 
 /// The future of [`DropQueue::flush_async`]: resolves with the queue's stats
 /// once the values pushed before it was made have been handled.
+///
+/// Dropping it before it resolves takes its waker back out of the queue.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct Progress<F, T> {
     shared: Arc<Shared<F, T>>,
     until: Until,
+    /// Its entry among the queue's wakers.
+    id: u64,
 }
 
 impl<F, T> Future for Progress<F, T> {
@@ -464,16 +707,156 @@ impl<F, T> Future for Progress<F, T> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<DropQueueStats> {
         let mut state = self.shared.lock();
         let done = match self.until {
-            Until::Handled(target) => state.stats.dropped + state.stats.leaked >= target,
+            Until::Handled(target) => state.handled(target),
             Until::Exited => state.exited,
         };
         if done {
+            state.wakers.remove(self.id);
             return Poll::Ready(state.stats());
         }
-        if !state.wakers.iter().any(|waker| waker.will_wake(cx.waker())) {
-            state.wakers.push(cx.waker().clone());
-        }
+        state.wakers.register(self.id, cx.waker());
         Poll::Pending
+    }
+}
+
+impl<F, T> Drop for Progress<F, T> {
+    fn drop(&mut self) {
+        self.shared.lock().wakers.remove(self.id);
+    }
+}
+
+/// The future of [`DropQueue::push_async`]: resolves once the value is
+/// queued (or refused because the queue is closing).
+///
+/// # Cancel safety
+///
+/// Dropping it before it resolved queues the value all the same, past the
+/// capacity (or, once the queue's thread has exited, waits for its fence on
+/// the dropping thread, then drops it): the value is never dropped before its
+/// fence.
+#[must_use = "futures do nothing unless you .await or poll them; dropping this one queues \
+              its value all the same"]
+pub struct PushFuture<F: Fence, T: Send + 'static> {
+    shared: Arc<Shared<F, T>>,
+    /// The fence and value, until queued or handed back.
+    entry: Option<(F, T)>,
+    /// Its entry among the queue's wakers.
+    id: u64,
+}
+
+impl<F: Fence, T: Send + 'static> Future for PushFuture<F, T> {
+    type Output = Result<(), Rejected<F, T>>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let Some((fence, value)) = this.entry.take() else {
+            // Resolved already: the value was queued or handed back.
+            return Poll::Ready(Ok(()));
+        };
+        let mut state = this.shared.lock();
+        if state.closing {
+            state.wakers.remove(this.id);
+            return Poll::Ready(Err(Rejected::Closed(fence, value)));
+        }
+        if state.pending() < state.capacity {
+            state.wakers.remove(this.id);
+            this.shared.enqueue(state, fence, value);
+            return Poll::Ready(Ok(()));
+        }
+        state.wakers.register(this.id, cx.waker());
+        this.entry = Some((fence, value));
+        Poll::Pending
+    }
+}
+
+// The entry is moved in and out, never pinned in place.
+impl<F: Fence, T: Send + 'static> Unpin for PushFuture<F, T> {}
+
+impl<F: Fence, T: Send + 'static> Drop for PushFuture<F, T> {
+    fn drop(&mut self) {
+        self.shared.lock().wakers.remove(self.id);
+        if let Some((fence, value)) = self.entry.take() {
+            self.shared.adopt(fence, value);
+        }
+    }
+}
+
+impl<F: Fence, T: Send + 'static> fmt::Debug for PushFuture<F, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PushFuture")
+            .field("queued", &self.entry.is_none())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The values [`DropQueue::shutdown_now`] handed back, with their fences, in
+/// push order: none has passed yet.
+///
+/// Read them as a slice; take them over with [`into_vec`](Self::into_vec) or
+/// by iterating (then keeping each value alive until its fence passes is
+/// the caller's job); or let [`wait_then_drop`](Self::wait_then_drop), or
+/// the drop, wait for each fence on this thread and drop its value (a value
+/// whose fence fails is leaked, as in the queue).
+#[must_use = "dropping the handed-back values blocks until each fence has passed; \
+              keep them alive, or call wait_then_drop() where blocking is fine"]
+pub struct HandedBack<F: Fence, T> {
+    entries: Vec<(F, T)>,
+}
+
+impl<F: Fence, T> HandedBack<F, T> {
+    /// The fences and values, for the caller to keep alive.
+    pub fn into_vec(mut self) -> Vec<(F, T)> {
+        std::mem::take(&mut self.entries)
+    }
+
+    /// Block until each fence has passed, dropping its value as it does.
+    ///
+    /// # Errors
+    ///
+    /// The first fence that failed; every failed fence's value is leaked.
+    pub fn wait_then_drop(mut self) -> Result<(), ServerError> {
+        let mut first = Ok(());
+        for (fence, value) in std::mem::take(&mut self.entries) {
+            if let Err(err) = settle(fence, value) {
+                if first.is_ok() {
+                    first = Err(err);
+                }
+            }
+        }
+        first
+    }
+}
+
+impl<F: Fence, T> Deref for HandedBack<F, T> {
+    type Target = [(F, T)];
+
+    fn deref(&self) -> &[(F, T)] {
+        &self.entries
+    }
+}
+
+impl<F: Fence, T> IntoIterator for HandedBack<F, T> {
+    type Item = (F, T);
+    type IntoIter = std::vec::IntoIter<(F, T)>;
+
+    fn into_iter(self) -> Self::IntoIter {
+        self.into_vec().into_iter()
+    }
+}
+
+impl<F: Fence, T> Drop for HandedBack<F, T> {
+    fn drop(&mut self) {
+        for (fence, value) in self.entries.drain(..) {
+            let _ = settle(fence, value);
+        }
+    }
+}
+
+impl<F: Fence, T> fmt::Debug for HandedBack<F, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("HandedBack")
+            .field("len", &self.entries.len())
+            .finish()
     }
 }
 
@@ -490,6 +873,13 @@ impl<F, T> State<F, T> {
         self.queue.len() + usize::from(self.in_flight)
     }
 
+    /// Whether the first `target` values pushed are all dropped, leaked or
+    /// handed back, or none will ever be (the thread has exited).
+    fn handled(&self, target: u64) -> bool {
+        let stats = &self.stats;
+        stats.dropped + stats.leaked + stats.handed_back >= target || self.exited
+    }
+
     /// What the queue has done so far, and what waits now.
     fn stats(&self) -> DropQueueStats {
         DropQueueStats {
@@ -500,14 +890,11 @@ impl<F, T> State<F, T> {
     }
 }
 
-/// Drop a value whose fence passed; a panic in its `Drop` is logged, and the
-/// queue goes on.
+/// Drop a value whose fence passed; a panic in its `Drop` (or in its
+/// payload's) is logged, and the queue goes on.
 fn drop_value<T>(value: T) {
-    if let Err(payload) = catch_unwind(AssertUnwindSafe(|| drop(value))) {
-        log::error!(
-            "a value's drop panicked in the drop queue: {}",
-            ServerError::panic_message(payload.as_ref())
-        );
+    if let Err(message) = panics::drop_caught(value) {
+        log_contained(|| log::error!("a value's drop panicked in the drop queue: {message}"));
     }
 }
 

@@ -3,14 +3,17 @@
 
 mod common;
 
+use std::future::Future;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::faulty::{inject, Faulty, Plan};
 use common::{faultable_stream, logs, Gate, Progress};
-use device_events::drop_queue::{DropQueue, Rejected};
+use device_events::drop_queue::{DropQueue, Fence, Rejected};
 use device_events::host::{Host, HostStream};
 use device_events::EventFence;
+use futures::FutureExt;
 
 /// A value that checks, when dropped, that the work it stood for is done,
 /// and that it is dropped off the test's thread.
@@ -354,4 +357,287 @@ fn flush_and_shutdown_can_be_awaited() {
     let stats = runtime.block_on(shutdown);
     assert_eq!((stats.pushed, stats.dropped, stats.pending), (2, 2, 0));
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+/// `push_blocking` waits for room instead of handing the value back: the
+/// caller never holds a refused value it could drop too early.
+#[test]
+fn push_blocking_waits_for_room_and_drops_nothing_early() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Arc::new(Counters::default());
+    let queue = Arc::new(DropQueue::new(2).unwrap());
+    let pusher = {
+        let (queue, counters, progress) = (queue.clone(), counters.clone(), progress.clone());
+        let stream_handle = stream.handle();
+        let test_thread = std::thread::current().id();
+        std::thread::spawn(move || {
+            for _ in 0..20 {
+                let mut staging = counters.staging(1, &progress);
+                staging.test_thread = test_thread;
+                queue
+                    .push_blocking(EventFence::<Host>::new(stream_handle), staging)
+                    .unwrap_or_else(|_| panic!("refused while open"));
+            }
+        })
+    };
+    progress.step_on(&stream);
+    common::eventually(Duration::from_secs(20), "two values queued", || {
+        queue.stats().pushed == 2
+    });
+    // Nothing can leave the queue while the stream is held, so the pusher
+    // is still waiting for room.
+    assert!(!pusher.is_finished(), "a push went past the capacity");
+    assert_eq!(queue.stats().pending, 2);
+    gate.open();
+    pusher.join().unwrap();
+    queue.flush();
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 20);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+/// `push_async` waits for room without blocking a thread, and a push future
+/// dropped before it resolved queues its value all the same.
+#[test]
+fn push_async_waits_for_room_and_a_dropped_push_still_keeps_its_value() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    let queue = DropQueue::new(1).unwrap();
+    progress.step_on(&stream);
+    let first = queue.push_async(stream.fence(), counters.staging(1, &progress));
+    assert!(futures::executor::block_on(first).is_ok());
+    let mut second = queue.push_async(stream.fence(), counters.staging(1, &progress));
+    assert!((&mut second).now_or_never().is_none(), "no room yet");
+    let abandoned = queue.push_async(stream.fence(), counters.staging(1, &progress));
+    drop(abandoned); // queued past the capacity, not dropped
+    assert_eq!(queue.stats().pushed, 2);
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 0);
+    gate.open();
+    assert!(futures::executor::block_on(second).is_ok());
+    queue.flush();
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 3);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+    let closed = queue.shutdown_async();
+    futures::executor::block_on(closed);
+}
+
+#[test]
+fn a_rejected_value_is_dropped_only_after_its_fence() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    let queue = DropQueue::new(1).unwrap();
+    progress.step_on(&stream);
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    let rejected = queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .unwrap_err();
+    assert!(matches!(rejected, Rejected::Full(..)));
+    // The caller keeps the promise on a thread of its own.
+    let caller = std::thread::spawn(move || rejected.wait_then_drop());
+    gate.open();
+    caller.join().unwrap().unwrap();
+    queue.flush();
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+/// What `shutdown_now` hands back keeps its values alive: dropping it waits
+/// for each fence, rather than freeing what the device may still read.
+#[test]
+fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    let queue = DropQueue::new(4).unwrap();
+    progress.step_on(&stream);
+    let mut staging = counters.staging(1, &progress);
+    staging.test_thread = std::thread::current().id();
+    assert!(queue.push(stream.fence(), staging).is_ok());
+    let mut flushed = queue.flush_async();
+    assert!((&mut flushed).now_or_never().is_none());
+    let handed_back = queue.shutdown_now();
+    assert_eq!(handed_back.len(), 1);
+    // A flush made before shutdown_now learns that the value left the queue.
+    let stats = futures::executor::block_on(flushed);
+    assert_eq!((stats.handed_back, stats.dropped, stats.leaked), (1, 0, 0));
+    let dropper = std::thread::spawn(move || drop(handed_back));
+    gate.open();
+    dropper.join().unwrap();
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 1);
+    // `early` counts a drop on the test thread too; the dropper is another.
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+/// A user `Fence` whose `is_passed` panics (after counting the call).
+struct PanickyQuery(EventFence<Host>, Arc<AtomicUsize>);
+
+impl Fence for PanickyQuery {
+    fn wait(self) -> Result<(), device_events::ServerError> {
+        self.0.wait_sync()
+    }
+
+    fn is_passed(&self) -> Result<bool, device_events::ServerError> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        panic!("is_passed panicked");
+    }
+}
+
+#[test]
+fn a_panic_in_is_passed_during_shutdown_now_hands_the_value_back() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    let queries = Arc::new(AtomicUsize::new(0));
+    let queue = DropQueue::new(4).unwrap();
+    progress.step_on(&stream);
+    for _ in 0..3 {
+        let fence = PanickyQuery(stream.fence(), queries.clone());
+        assert!(queue.push(fence, counters.staging(1, &progress)).is_ok());
+    }
+    // The queue's thread takes the first up; shutdown_now checks the other
+    // two, then waits for the first, so the gate opens once both are checked.
+    common::eventually(Duration::from_secs(20), "the thread took one", || {
+        queue.stats().queued == 2
+    });
+    let shutting = std::thread::spawn(move || queue.shutdown_now().into_vec());
+    common::eventually(Duration::from_secs(20), "both checked", || {
+        queries.load(Ordering::SeqCst) == 2
+    });
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 0, "dropped early");
+    gate.open();
+    let handed_back = shutting.join().expect("shutdown_now unwound");
+    assert_eq!(handed_back.len(), 2);
+    // Kept alive by the caller, then dropped off the test thread.
+    std::thread::spawn(move || {
+        for (fence, value) in handed_back {
+            fence.wait().unwrap();
+            drop(value);
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 3);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+/// A waker that counts its clones: its `Arc`'s strong count.
+struct CountedWaker;
+
+impl std::task::Wake for CountedWaker {
+    fn wake(self: Arc<Self>) {}
+}
+
+#[test]
+fn dropped_flush_futures_leave_no_wakers_behind() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let queue = DropQueue::new(4).unwrap();
+    assert!(queue.push(stream.fence(), 1u32).is_ok());
+    let wakers: Vec<Arc<CountedWaker>> = (0..1000).map(|_| Arc::new(CountedWaker)).collect();
+    for counted in &wakers {
+        let waker = std::task::Waker::from(counted.clone());
+        let mut flushed = Box::pin(queue.flush_async());
+        let polled = flushed
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(&waker));
+        assert!(polled.is_pending());
+        drop(flushed);
+    }
+    let kept = wakers.iter().filter(|w| Arc::strong_count(w) > 1).count();
+    assert_eq!(kept, 0, "wakers kept for futures that were dropped");
+    gate.open();
+    queue.flush();
+}
+
+/// Where a value finds its own queue.
+type QueueSlot = Arc<std::sync::Mutex<Option<Arc<DropQueue<EventFence<Host>, UsesItsQueue>>>>>;
+
+/// A value whose drop uses its own queue, on the queue's own thread.
+struct UsesItsQueue {
+    queue: QueueSlot,
+    flushed: Arc<AtomicUsize>,
+    panicked: Arc<AtomicUsize>,
+}
+
+impl Drop for UsesItsQueue {
+    fn drop(&mut self) {
+        let queue = self.queue.lock().unwrap().take();
+        let (flushed, panicked) = (self.flushed.clone(), self.panicked.clone());
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            if let Some(queue) = queue {
+                queue.flush(); // would wait for itself
+                flushed.fetch_add(1, Ordering::SeqCst);
+                drop(queue); // the last handle: would join itself
+            }
+        }));
+        if outcome.is_err() {
+            panicked.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+}
+
+#[test]
+fn a_value_whose_drop_flushes_or_drops_its_own_queue_neither_hangs_nor_panics() {
+    let stream = HostStream::new().unwrap();
+    let holder = Arc::new(std::sync::Mutex::new(None));
+    let (flushed, panicked) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let queue = Arc::new(DropQueue::new(4).unwrap());
+    *holder.lock().unwrap() = Some(queue.clone());
+    let value = UsesItsQueue {
+        queue: holder.clone(),
+        flushed: flushed.clone(),
+        panicked: panicked.clone(),
+    };
+    assert!(queue.push(stream.fence(), value).is_ok());
+    drop(queue); // the value now holds the last handle
+    common::eventually(Duration::from_secs(20), "the value's drop finished", || {
+        flushed.load(Ordering::SeqCst) == 1
+    });
+    assert_eq!(panicked.load(Ordering::SeqCst), 0, "a self-join panicked");
+}
+
+/// A panic payload whose own drop panics.
+struct PanickyPayload;
+
+impl Drop for PanickyPayload {
+    fn drop(&mut self) {
+        panic!("the payload's drop panicked too");
+    }
+}
+
+/// A value whose drop panics with that payload.
+struct PanicsWithPanickyPayload;
+
+impl Drop for PanicsWithPanickyPayload {
+    fn drop(&mut self) {
+        std::panic::panic_any(PanickyPayload);
+    }
+}
+
+#[test]
+fn a_drop_panicking_with_a_payload_that_panics_does_not_stop_the_queue() {
+    let stream = HostStream::new().unwrap();
+    let queue = Arc::new(DropQueue::new(4).unwrap());
+    assert!(queue
+        .push(stream.fence(), Some(PanicsWithPanickyPayload))
+        .is_ok());
+    assert!(queue.push(stream.fence(), None).is_ok());
+    let flushing = {
+        let queue = queue.clone();
+        std::thread::spawn(move || queue.flush())
+    };
+    common::eventually(Duration::from_secs(20), "the flush returns", || {
+        flushing.is_finished()
+    });
+    let stats = queue.stats();
+    assert_eq!((stats.dropped, stats.pending), (2, 0));
 }
