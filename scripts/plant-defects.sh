@@ -134,6 +134,41 @@ plant "a wait put back at its sequence, not where it was placed (and not told)" 
         wait.placed = place;' \
     await_faults
 
+# The host backend: as strict as CUDA where a test's meaning depends on it.
+
+plant "a record reached at once releases waits on earlier records" src/backend/host/event.rs \
+    '        state.recorded += 1;
+        state.reached_at = self.inner.timing.then(Instant::now);' \
+    '        state.recorded += 1;
+        state.pending.clear();
+        state.reached_at = self.inner.timing.then(Instant::now);' \
+    lib event
+
+plant "a fault poisons its own stream only, not the context" src/backend/host/context.rs \
+    'match self.fault() {' \
+    'match None::<&String> {' \
+    host_stream
+
+# The drop queue: no value dropped before its fence, no flush that hangs.
+
+plant "a push future dropped before it resolved drops its value" src/drop_queue.rs \
+    'self.shared.adopt(fence, value);' \
+    'drop((fence, value));' \
+    drop_queue
+
+plant "a dropped flush future leaves its waker" src/drop_queue.rs \
+    'impl<F, T> Drop for Progress<F, T> {
+    fn drop(&mut self) {
+        self.shared.lock().wakers.remove(self.id);' \
+    'impl<F, T> Drop for Progress<F, T> {
+    fn drop(&mut self) {' \
+    drop_queue
+
+plant "shutdown_now does not count what it hands back" src/drop_queue.rs \
+    'state.stats.handed_back += entries.len() as u64;' \
+    '' \
+    drop_queue
+
 # plant_loom NAME FILE OLD NEW MODEL: the same, against one loom model of
 # the waiter (its own target dir: the loom build has other flags).
 plant_loom() {

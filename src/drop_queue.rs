@@ -123,13 +123,15 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 /// stream.launch(|| { /* a device copy reads the buffer */ })?;
 /// // Returns once there is room (at once, here); the buffer is dropped on
 /// // the queue's thread once the copy is done.
-/// queue.push_blocking(stream.fence(), staging)?;
+/// if let Err(closed) = queue.push_blocking(stream.fence(), staging) {
+///     closed.wait_then_drop()?; // shutting down: wait for the copy here
+/// }
 /// queue.flush();
 /// assert_eq!(queue.stats().dropped, 1);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 ///
-/// In async code, `queue.push_async(fence, staging).await?` waits for room
+/// In async code, `queue.push_async(fence, staging).await` waits for room
 /// without blocking a thread.
 pub struct DropQueue<F: Fence, T: Send + 'static> {
     shared: Arc<Shared<F, T>>,
@@ -144,9 +146,14 @@ struct Shared<F, T> {
 }
 
 struct State<F, T> {
-    queue: VecDeque<(F, T)>,
+    /// Entries with their push numbers (1, 2, ...), in push order.
+    queue: VecDeque<(u64, F, T)>,
     capacity: usize,
-    in_flight: bool,
+    /// The push number of the entry the queue's thread is waiting on.
+    in_flight: Option<u64>,
+    /// The lowest push number among the entries [`DropQueue::shutdown_now`]
+    /// has taken out and not yet dropped or handed back.
+    checking: Option<u64>,
     closing: bool,
     /// Set by the queue's thread, under this lock, when it has decided to
     /// exit (closing, nothing queued): from then on nobody else will drop a
@@ -175,18 +182,21 @@ impl Wakers {
         self.next
     }
 
-    fn register(&mut self, id: u64, waker: &Waker) {
-        match self.by_future.get_mut(&id) {
-            Some(known) if known.will_wake(waker) => {}
-            Some(known) => known.clone_from(waker),
-            None => {
-                self.by_future.insert(id, waker.clone());
-            }
+    /// Keep `waker` for future `id`; the waker it replaces comes back, to
+    /// be dropped outside the lock (a waker's drop is an executor's code).
+    #[must_use]
+    fn register(&mut self, id: u64, waker: &Waker) -> Option<Waker> {
+        match self.by_future.get(&id) {
+            Some(known) if known.will_wake(waker) => None,
+            _ => self.by_future.insert(id, waker.clone()),
         }
     }
 
-    fn remove(&mut self, id: u64) {
-        self.by_future.remove(&id);
+    /// Forget future `id`'s waker; it comes back, to be dropped outside the
+    /// lock.
+    #[must_use]
+    fn remove(&mut self, id: u64) -> Option<Waker> {
+        self.by_future.remove(&id)
     }
 
     /// All of them, to wake outside the lock (each woken future registers
@@ -201,17 +211,11 @@ impl Wakers {
 fn wake_all(wakers: Vec<Waker>) {
     for waker in wakers {
         if let Err(message) = panics::catch(|| waker.wake()) {
-            log_contained(|| {
+            panics::log(|| {
                 log::error!("a task's waker panicked when the drop queue woke it: {message}")
             });
         }
     }
-}
-
-/// Log through the application's logger, which may panic too: that loses
-/// the line, nothing else.
-fn log_contained(line: impl FnOnce()) {
-    let _ = panics::catch(line);
 }
 
 /// What a [`DropQueue`] has done.
@@ -305,7 +309,8 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
             state: Mutex::new(State {
                 queue: VecDeque::new(),
                 capacity,
-                in_flight: false,
+                in_flight: None,
+                checking: None,
                 closing: false,
                 exited: false,
                 stats: DropQueueStats::default(),
@@ -353,7 +358,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// been dropped. In async code, use [`push_async`](Self::push_async).
     ///
     /// On the queue's own thread (in a value's drop) it does not wait: the
-    /// value is queued past the capacity, since only that thread makes room.
+    /// value is queued past the capacity (and even while the queue is
+    /// closing), since only that thread makes room, and it drains the queue
+    /// before it exits.
     ///
     /// # Errors
     ///
@@ -362,9 +369,11 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// ([`Rejected::wait_then_drop`]).
     pub fn push_blocking(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
         let mut state = self.shared.lock();
+        // On its own thread, in a value's drop, the thread has not exited
+        // and will see the entry, closing or not.
         let own_thread = self.on_own_thread();
         loop {
-            if state.closing {
+            if state.closing && !own_thread {
                 return Err(Rejected::Closed(fence, value));
             }
             if state.pending() < state.capacity || own_thread {
@@ -419,7 +428,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// queue cannot wait for itself.
     pub fn flush(&self) {
         if self.on_own_thread() {
-            log_contained(|| {
+            panics::log(|| {
                 log::warn!(
                     "DropQueue::flush called by a value's drop on the queue's own thread \
                      returns at once: the queue cannot wait for itself"
@@ -513,14 +522,15 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// A fence whose [`is_passed`](Fence::is_passed) fails or panics is
     /// handed back, not dropped.
     pub fn shutdown_now(mut self) -> HandedBack<F, T> {
-        let waiting: Vec<(F, T)> = {
+        let waiting: Vec<(u64, F, T)> = {
             let mut state = self.shared.lock();
             state.closing = true;
+            state.checking = state.queue.front().map(|(number, ..)| *number);
             state.queue.drain(..).collect()
         };
         let mut entries = Vec::new();
         let mut dropped = 0;
-        for (fence, value) in waiting {
+        for (_, fence, value) in waiting {
             match panics::catch(|| fence.is_passed()) {
                 Ok(Ok(true)) => {
                     drop_value(value);
@@ -528,7 +538,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
                 }
                 Ok(_) => entries.push((fence, value)),
                 Err(message) => {
-                    log_contained(|| {
+                    panics::log(|| {
                         log::error!(
                             "a fence's is_passed panicked in DropQueue::shutdown_now; its value \
                              is handed back: {message}"
@@ -542,6 +552,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
             let mut state = self.shared.lock();
             state.stats.dropped += dropped;
             state.stats.handed_back += entries.len() as u64;
+            state.checking = None;
             state.wakers.take()
         };
         self.shared.changed.notify_all();
@@ -557,7 +568,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
             // The last handle dropped by a value on the queue's own thread:
             // that thread finishes on its own.
             if thread.thread().id() != std::thread::current().id() && thread.join().is_err() {
-                log_contained(|| log::error!("the drop queue's thread panicked"));
+                panics::log(|| log::error!("the drop queue's thread panicked"));
             }
         }
     }
@@ -579,8 +590,9 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
     /// Queue an entry (the caller checked room and closing) and wake the
     /// queue's thread.
     fn enqueue(&self, mut state: MutexGuard<'_, State<F, T>>, fence: F, value: T) {
-        state.queue.push_back((fence, value));
         state.stats.pushed += 1;
+        let number = state.stats.pushed;
+        state.queue.push_back((number, fence, value));
         drop(state);
         self.changed.notify_all();
     }
@@ -589,10 +601,17 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
     /// past the capacity, even while closing, as long as the queue's thread
     /// will still see it; once that thread has exited, waited for here.
     fn adopt(&self, fence: F, value: T) {
-        let state = self.lock();
+        let mut state = self.lock();
         if state.exited {
+            state.stats.pushed += 1;
             drop(state);
-            let _ = settle(fence, value);
+            let dropped = settle(fence, value).is_ok();
+            let mut state = self.lock();
+            if dropped {
+                state.stats.dropped += 1;
+            } else {
+                state.stats.leaked += 1;
+            }
         } else {
             self.enqueue(state, fence, value);
         }
@@ -608,9 +627,9 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
             let (fence, value) = {
                 let mut state = self.lock();
                 loop {
-                    if let Some(entry) = state.queue.pop_front() {
-                        state.in_flight = true;
-                        break entry;
+                    if let Some((number, fence, value)) = state.queue.pop_front() {
+                        state.in_flight = Some(number);
+                        break (fence, value);
                     }
                     if state.closing {
                         state.exited = true;
@@ -622,7 +641,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
             let dropped = settle(fence, value).is_ok();
             let wakers = {
                 let mut state = self.lock();
-                state.in_flight = false;
+                state.in_flight = None;
                 if dropped {
                     state.stats.dropped += 1;
                 } else {
@@ -668,7 +687,7 @@ fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError> {
             Ok(())
         }
         Err(err) => {
-            log_contained(|| {
+            panics::log(|| {
                 log::error!(
                     "a drop queue's fence failed, leaking its value rather than freeing memory \
                      the device may still read: {err}"
@@ -710,18 +729,21 @@ impl<F, T> Future for Progress<F, T> {
             Until::Handled(target) => state.handled(target),
             Until::Exited => state.exited,
         };
-        if done {
-            state.wakers.remove(self.id);
-            return Poll::Ready(state.stats());
-        }
-        state.wakers.register(self.id, cx.waker());
-        Poll::Pending
+        let (result, replaced) = if done {
+            (Poll::Ready(state.stats()), state.wakers.remove(self.id))
+        } else {
+            (Poll::Pending, state.wakers.register(self.id, cx.waker()))
+        };
+        drop(state);
+        drop(replaced);
+        result
     }
 }
 
 impl<F, T> Drop for Progress<F, T> {
     fn drop(&mut self) {
-        self.shared.lock().wakers.remove(self.id);
+        let removed = self.shared.lock().wakers.remove(self.id);
+        drop(removed);
     }
 }
 
@@ -749,23 +771,33 @@ impl<F: Fence, T: Send + 'static> Future for PushFuture<F, T> {
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let this = self.get_mut();
-        let Some((fence, value)) = this.entry.take() else {
+        if this.entry.is_none() {
             // Resolved already: the value was queued or handed back.
             return Poll::Ready(Ok(()));
-        };
+        }
         let mut state = this.shared.lock();
-        if state.closing {
-            state.wakers.remove(this.id);
-            return Poll::Ready(Err(Rejected::Closed(fence, value)));
+        // The entry stays in the future until it is queued or handed back:
+        // a panic in the waker's clone or drop (an executor's code) leaves
+        // it to the future's drop, which queues it.
+        if !state.closing && state.pending() >= state.capacity {
+            let replaced = state.wakers.register(this.id, cx.waker());
+            drop(state);
+            drop(replaced);
+            return Poll::Pending;
         }
-        if state.pending() < state.capacity {
-            state.wakers.remove(this.id);
+        let removed = state.wakers.remove(this.id);
+        let Some((fence, value)) = this.entry.take() else {
+            unreachable!("checked above, and only this future takes it")
+        };
+        let result = if state.closing {
+            drop(state);
+            Err(Rejected::Closed(fence, value))
+        } else {
             this.shared.enqueue(state, fence, value);
-            return Poll::Ready(Ok(()));
-        }
-        state.wakers.register(this.id, cx.waker());
-        this.entry = Some((fence, value));
-        Poll::Pending
+            Ok(())
+        };
+        drop(removed);
+        Poll::Ready(result)
     }
 }
 
@@ -774,10 +806,12 @@ impl<F: Fence, T: Send + 'static> Unpin for PushFuture<F, T> {}
 
 impl<F: Fence, T: Send + 'static> Drop for PushFuture<F, T> {
     fn drop(&mut self) {
-        self.shared.lock().wakers.remove(self.id);
+        // The value first: nothing that can panic comes before it is safe.
         if let Some((fence, value)) = self.entry.take() {
             self.shared.adopt(fence, value);
         }
+        let removed = self.shared.lock().wakers.remove(self.id);
+        drop(removed);
     }
 }
 
@@ -870,14 +904,21 @@ impl<F, T> fmt::Debug for Progress<F, T> {
 
 impl<F, T> State<F, T> {
     fn pending(&self) -> usize {
-        self.queue.len() + usize::from(self.in_flight)
+        self.queue.len() + usize::from(self.in_flight.is_some())
     }
 
     /// Whether the first `target` values pushed are all dropped, leaked or
-    /// handed back, or none will ever be (the thread has exited).
+    /// handed back: none of them is queued, waited on, or being checked by
+    /// `shutdown_now` (by push number, since `shutdown_now` hands back later
+    /// values while an earlier one is still waited on). Also once the
+    /// thread has exited with nothing being checked: nothing more will be
+    /// handled then.
     fn handled(&self, target: u64) -> bool {
-        let stats = &self.stats;
-        stats.dropped + stats.leaked + stats.handed_back >= target || self.exited
+        let after = |number: Option<u64>| number.is_none_or(|number| number > target);
+        let settled = after(self.in_flight)
+            && after(self.queue.front().map(|(number, ..)| *number))
+            && after(self.checking);
+        settled || (self.exited && self.checking.is_none())
     }
 
     /// What the queue has done so far, and what waits now.
@@ -894,7 +935,7 @@ impl<F, T> State<F, T> {
 /// payload's) is logged, and the queue goes on.
 fn drop_value<T>(value: T) {
     if let Err(message) = panics::drop_caught(value) {
-        log_contained(|| log::error!("a value's drop panicked in the drop queue: {message}"));
+        panics::log(|| log::error!("a value's drop panicked in the drop queue: {message}"));
     }
 }
 

@@ -61,9 +61,11 @@
 //! | `profiler`, `drop_queue`, `any_fence` | [`EventProfiler`], [`drop_queue::DropQueue`], [`AnyFence`]: built on fences and the waiter | one another |
 //!
 //! `loom` (the waiter's locks and threads, swapped for loom's in its models),
-//! `fault_log` (warn once per faulted stream) and `own_threads` (which
+//! `fault_log` (warn once per faulted stream), `own_threads` (which
 //! threads the crate started: the waiter and the drop queue mark theirs,
-//! the CUDA backend leaves a context bound on them) serve the layers above.
+//! the CUDA backend leaves a context bound on them) and `panics` (panics in
+//! code the crate calls but does not own, caught with their payloads) serve
+//! the layers above.
 //!
 //! # Backends
 //!

@@ -21,6 +21,12 @@ pub(crate) fn drop_caught<T>(value: T) -> Result<(), String> {
     catch(move || drop(value))
 }
 
+/// Log through the application's logger, which is not ours either: a
+/// logger that panics loses the line, nothing else.
+pub(crate) fn log(line: impl FnOnce()) {
+    let _ = catch(line);
+}
+
 /// The message of a panic's `payload`, which is dropped here, under
 /// `catch_unwind` too.
 pub(crate) fn message_of(payload: Box<dyn Any + Send>) -> String {

@@ -229,7 +229,7 @@ fn a_dropped_streams_pending_awaits_resolve() {
         assert!(wait.now_or_never().is_none());
     }
     let opener = std::thread::spawn(move || gate.open());
-    drop(stream); // finishes its queued work, then joins its thread
+    drop(stream); // returns at once; its worker still runs the queued work
     opener.join().unwrap();
     for result in futures::executor::block_on(futures::future::join_all(waits)) {
         result.unwrap();

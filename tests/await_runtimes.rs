@@ -287,6 +287,7 @@ fn a_thread_name_with_a_nul_byte_is_an_error_never_a_panic() {
         gate.open();
     }
     assert_eq!((waiter.threads(), waiter.pending()), (0, 0));
+    stream.synchronize().unwrap(); // the worker passed (and let go of) the markers
     drop(stream);
     assert_eq!(live.count(), 0, "every event destroyed");
 }

@@ -641,3 +641,56 @@ fn a_drop_panicking_with_a_payload_that_panics_does_not_stop_the_queue() {
     let stats = queue.stats();
     assert_eq!((stats.dropped, stats.pending), (2, 0));
 }
+
+/// A waker that records that it was woken.
+#[derive(Default)]
+struct FlagWaker(std::sync::atomic::AtomicBool);
+
+impl std::task::Wake for FlagWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// `shutdown_now` hands back a later value while an earlier one is still
+/// waited on: a flush made for the earlier one must still wait for it.
+#[test]
+fn a_flush_waits_for_its_values_even_when_later_ones_are_handed_back() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    let queue = DropQueue::new(4).unwrap();
+    progress.step_on(&stream);
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    common::eventually(Duration::from_secs(20), "the thread took it", || {
+        queue.stats().queued == 0
+    });
+    let mut flushed = Box::pin(queue.flush_async());
+    let flag = Arc::new(FlagWaker::default());
+    let waker = std::task::Waker::from(flag.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(flushed.as_mut().poll(&mut cx).is_pending());
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    let shutting = std::thread::spawn(move || queue.shutdown_now().into_vec());
+    // shutdown_now wakes the flush once it has handed the later value back.
+    common::eventually(Duration::from_secs(20), "the flush was woken", || {
+        flag.0.load(Ordering::SeqCst)
+    });
+    assert!(
+        flushed.as_mut().poll(&mut cx).is_pending(),
+        "resolved while its value still waited on its fence"
+    );
+    gate.open();
+    let handed_back = shutting.join().unwrap();
+    let stats = futures::executor::block_on(flushed);
+    assert_eq!((stats.dropped, stats.handed_back), (1, 1));
+    std::thread::spawn(move || drop(handed_back))
+        .join()
+        .unwrap();
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}

@@ -42,6 +42,9 @@ fn a_panic_faults_every_stream_of_its_context_for_good() {
     let (faulting, sibling) = (context.new_stream().unwrap(), context.new_stream().unwrap());
     let elsewhere = HostContext::new().new_stream().unwrap();
     let event = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
+    let passed = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
+    Host::event_record(&passed, sibling.handle()).unwrap();
+    Host::event_synchronize(&passed).unwrap(); // passed before the fault
     let gate = Gate::hold(&faulting);
     let sibling_gate = Gate::hold(&sibling);
     Host::event_record(&event, sibling.handle()).unwrap(); // pending behind the gate
@@ -62,8 +65,11 @@ fn a_panic_faults_every_stream_of_its_context_for_good() {
         "{err}"
     );
     assert!(faulting.is_faulted() && sibling.is_faulted() && context.is_faulted());
-    // The sibling's pending record failed, and its own calls fail.
+    // The sibling's pending record failed, and its own calls fail; a record
+    // passed before the fault reports it too (sticky).
     assert!(Host::event_synchronize(&event).unwrap_err().is_faulted());
+    assert!(Host::event_query(&passed).unwrap_err().is_faulted());
+    assert!(Host::event_synchronize(&passed).unwrap_err().is_faulted());
     sibling_gate.open();
     assert!(sibling.synchronize().unwrap_err().is_faulted());
     assert_eq!(progress.get(), 0);

@@ -7,7 +7,7 @@
 
 use std::task::Waker;
 
-use crate::panics::{self, message_of};
+use crate::panics;
 use crate::ServerError;
 
 /// Run a backend call; a panic becomes [`ServerError::WaiterPanicked`],
@@ -43,10 +43,7 @@ pub(super) fn drop<T>(value: T) {
     }
 }
 
-/// Log through the application's logger, which is not ours either: a
-/// logger that panics loses the line, nothing else.
+/// Log through the application's logger ([`panics::log`]).
 pub(super) fn log(line: impl FnOnce()) {
-    if let Err(payload) = std::panic::catch_unwind(std::panic::AssertUnwindSafe(line)) {
-        message_of(payload);
-    }
+    panics::log(line);
 }

@@ -221,7 +221,14 @@ impl EventApi for Cuda {
         let ms = f64::from(end.elapsed_ms(start)?);
         // The driver's time is signed: negative when the stop was reached
         // before the start (they were recorded on different streams).
-        let time = Duration::from_secs_f64(ms.abs() / 1000.0);
+        let time =
+            Duration::try_from_secs_f64(ms.abs() / 1000.0).map_err(|_| ServerError::Call {
+                backend: driver::BACKEND,
+                call: "cuEventElapsedTime",
+                code: 999,
+                name: "CUDA_ERROR_UNKNOWN".to_owned(),
+                message: format!("the driver returned a time of {ms} ms"),
+            })?;
         if ms < 0.0 {
             return Err(ServerError::StopBeforeStart {
                 backend: driver::BACKEND,

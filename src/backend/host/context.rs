@@ -23,7 +23,10 @@ use crate::ServerError;
 /// queued work never runs, its pending records fail their waiters, and
 /// every later launch, record, event creation, wait or synchronize on it,
 /// and every new stream on the context, returns [`ServerError::Faulted`].
-/// Other contexts carry on.
+/// Other contexts carry on, except a stream of another context that waits
+/// on a record the fault lost: it is faulted too (the driver docs do not
+/// say; the stricter reading keeps work that depends on lost work from
+/// running).
 ///
 /// [`HostStream::new`] puts streams on the process's one
 /// [`primary`](Self::primary) context, as CUDA code usually shares a

@@ -5,6 +5,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
+use super::context::ContextShared;
 use super::error;
 use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::ServerError;
@@ -89,12 +90,12 @@ pub(super) struct FencePool {
     /// The stream's counts, whose idle gauge this pool keeps.
     live: LiveEvents,
     /// The stream's context, which its events belong to.
-    context: u64,
+    context: Arc<ContextShared>,
 }
 
 impl FencePool {
     /// An empty pool for the stream counted in `live`, on `context`.
-    pub(super) fn new(live: LiveEvents, context: u64) -> Self {
+    pub(super) fn new(live: LiveEvents, context: Arc<ContextShared>) -> Self {
         Self {
             idle: Mutex::new(Vec::with_capacity(FENCE_POOL_CAPACITY)),
             live,
@@ -110,7 +111,20 @@ impl FencePool {
             return event;
         }
         drop(idle);
-        HostEvent::create(false, &self.live, self.context, Some(Arc::downgrade(self)))
+        HostEvent::create(false, &self.live, &self.context, Some(Arc::downgrade(self)))
+    }
+}
+
+impl FencePool {
+    /// Free the idle events now (their stream is dropped); events given
+    /// back later still come here while queued work runs.
+    pub(super) fn clear(&self) {
+        let mut idle = self.idle.lock();
+        let freed = std::mem::take(&mut *idle);
+        // The gauge before the frees: a count read meanwhile is too high,
+        // never too low.
+        self.live.set_idle(0);
+        drop(freed);
     }
 }
 
@@ -145,8 +159,9 @@ pub(super) struct EventInner {
     timing: bool,
     /// The creating stream's counts.
     live: LiveEvents,
-    /// The creating stream's context: the only one it may be recorded on.
-    context: u64,
+    /// The creating stream's context: the only one it may be recorded on,
+    /// and whose fault it reports.
+    context: Arc<ContextShared>,
     /// The fence-event pool it goes back to, for fence events.
     pool: Option<Weak<FencePool>>,
 }
@@ -193,14 +208,14 @@ impl EventState {
 impl HostEvent {
     /// A new event of `context`, counted in `live` (its stream's counts)
     /// until freed.
-    pub(super) fn new(timing: bool, live: &LiveEvents, context: u64) -> Self {
+    pub(super) fn new(timing: bool, live: &LiveEvents, context: &Arc<ContextShared>) -> Self {
         Self::create(timing, live, context, None)
     }
 
     fn create(
         timing: bool,
         live: &LiveEvents,
-        context: u64,
+        context: &Arc<ContextShared>,
         pool: Option<Weak<FencePool>>,
     ) -> Self {
         live.allocated();
@@ -210,7 +225,7 @@ impl HostEvent {
                 changed: Condvar::new(),
                 timing,
                 live: live.clone(),
-                context,
+                context: context.clone(),
                 pool,
             }),
         }
@@ -235,7 +250,7 @@ impl HostEvent {
 
     /// The context the event belongs to.
     pub(super) fn context(&self) -> u64 {
-        self.inner.context
+        self.inner.context.id()
     }
 
     /// Start a new generation; the caller queues a marker for it.
@@ -293,8 +308,12 @@ impl HostEvent {
         }
     }
 
-    /// Whether the latest record has been passed; a fault is an error.
+    /// Whether the latest record has been passed; a fault is an error: a
+    /// fault of the record, or of the event's context (sticky: after a
+    /// fault "any further CUDA work will return the same error", so a
+    /// record passed before it reports the fault too).
     pub(super) fn query(&self, call: &'static str) -> Result<bool, ServerError> {
+        self.inner.context.check(call)?;
         let state = self.inner.lock();
         match state.settled(state.recorded) {
             Some(Ok(())) => Ok(true),
@@ -303,8 +322,23 @@ impl HostEvent {
         }
     }
 
-    /// Block until `generation` is passed or lost to a fault.
+    /// Block until `generation` is passed or lost to a fault; once the
+    /// event's context is faulted, its error (as [`query`](Self::query)).
     pub(super) fn wait_for(&self, generation: u64, call: &'static str) -> Result<(), ServerError> {
+        self.inner.context.check(call)?;
+        self.wait_record(generation, call)?;
+        self.inner.context.check(call)
+    }
+
+    /// Block until `generation` is passed or lost to a fault, whatever
+    /// became of the context since: what a stream of another context waits
+    /// for (`cuStreamWaitEvent` captures the record; the docs do not say
+    /// that a later fault of the event's context reaches the waiting one).
+    pub(super) fn wait_record(
+        &self,
+        generation: u64,
+        call: &'static str,
+    ) -> Result<(), ServerError> {
         let mut state = self.inner.lock();
         loop {
             match state.settled(generation) {
@@ -320,6 +354,7 @@ impl HostEvent {
 
     /// When the latest record was reached.
     pub(super) fn reached_at(&self, call: &'static str) -> Result<Instant, ServerError> {
+        self.inner.context.check(call)?;
         if !self.inner.timing {
             return Err(error::call(
                 call,
@@ -385,7 +420,8 @@ mod tests {
     use super::*;
 
     fn event() -> HostEvent {
-        HostEvent::new(false, &LiveEvents::default(), 0)
+        let context = super::super::HostContext::new();
+        HostEvent::new(false, &LiveEvents::default(), context.shared())
     }
 
     #[test]

@@ -108,7 +108,7 @@ impl HostStream {
         let live_events = LiveEvents::default();
         let shared = Arc::new(StreamShared {
             state: Mutex::new(StreamState::default()),
-            fence_pool: Arc::new(FencePool::new(live_events.clone(), context.id())),
+            fence_pool: Arc::new(FencePool::new(live_events.clone(), context.clone())),
             context,
             work_queued: Condvar::new(),
             progressed: Condvar::new(),
@@ -212,9 +212,12 @@ impl HostStream {
 }
 
 impl Drop for HostStream {
-    /// Returns at once; the worker runs what is queued, then exits.
+    /// Returns at once; the worker runs what is queued, then exits. The
+    /// idle fence events are freed here, so the stream's
+    /// [`live_events`](Self::live_events) are exact once this returns.
     fn drop(&mut self) {
         STREAMS.remove(self.handle.id);
+        self.shared.fence_pool.clear();
         self.shared.lock().closing = true;
         self.shared.work_queued.notify_all();
     }
@@ -239,7 +242,7 @@ impl StreamShared {
     /// A new event of this stream's context; refused once it is faulted.
     pub(super) fn create_event(&self, timing: bool) -> Result<HostEvent, ServerError> {
         self.context.check("event_create")?;
-        Ok(HostEvent::new(timing, &self.live_events, self.context.id()))
+        Ok(HostEvent::new(timing, &self.live_events, &self.context))
     }
 
     /// A fence event from this stream's pool, or a new one; refused once the
@@ -361,7 +364,7 @@ impl StreamShared {
         // that panics costs only itself.
         for op in dropped {
             if let Err(message) = panics::drop_caught(op) {
-                log::error!("dropping work a fault discarded panicked: {message}");
+                panics::log(|| log::error!("dropping work a fault discarded panicked: {message}"));
             }
         }
     }
@@ -401,7 +404,7 @@ impl StreamShared {
                     None
                 }
                 Op::Wait(event, generation) => event
-                    .wait_for(generation, "stream_wait_event")
+                    .wait_record(generation, "stream_wait_event")
                     .err()
                     .map(|err| format!("a stream this one waited on failed: {err}")),
             };
