@@ -13,8 +13,9 @@ use std::future::Future;
 use std::ops::Deref;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::OnceLock;
 use std::task::{Context, Poll, Waker};
-use std::thread::JoinHandle;
+use std::thread::{JoinHandle, ThreadId};
 
 use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::{panics, EventApi, EventFence, ServerError};
@@ -105,10 +106,12 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///   [`shutdown_async`](Self::shutdown_async) (and
 ///   [`flush_async`](Self::flush_async) for [`flush`](Self::flush)), which
 ///   block no thread.
-/// - A value's drop may use its own queue: `push_blocking` there queues
-///   past the capacity (only the queue's thread makes room), and a flush or
-///   shutdown there returns at once rather than wait for itself; the last
-///   handle to the queue dropped there lets the thread finish on its own.
+/// - A value's drop may use its own queue: `push_blocking` and `push_async`
+///   there queue past the capacity, even while closing (only the queue's
+///   thread makes room, and it drains the queue before it exits), and a
+///   flush or shutdown there, blocking or awaited, returns at once rather
+///   than wait for itself; the last handle to the queue dropped there lets
+///   the thread finish on its own.
 /// - There is no `Default`: starting the queue's thread can fail, and
 ///   `Default` could not return that error. Use
 ///   `DropQueue::new(DEFAULT_DROP_QUEUE_CAPACITY)`.
@@ -143,6 +146,9 @@ struct Shared<F, T> {
     /// The queue's thread waits here for entries; flushes and blocking
     /// pushes wait here for progress.
     changed: Condvar,
+    /// The queue's thread, set once it is started (before any value can
+    /// reach it): a value's drop runs there, and must not wait for it.
+    thread: OnceLock<ThreadId>,
 }
 
 struct State<F, T> {
@@ -317,6 +323,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
                 wakers: Wakers::default(),
             }),
             changed: Condvar::new(),
+            thread: OnceLock::new(),
         });
         let worker = shared.clone();
         let thread = std::thread::Builder::new()
@@ -326,6 +333,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
                 component: "DropQueue",
                 reason: err.to_string(),
             })?;
+        let _ = shared.thread.set(thread.thread().id());
         Ok(Self {
             shared,
             thread: Some(thread),
@@ -409,9 +417,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
 
     /// Whether the caller is the queue's own thread: in a value's drop.
     fn on_own_thread(&self) -> bool {
-        self.thread
-            .as_ref()
-            .is_some_and(|thread| thread.thread().id() == std::thread::current().id())
+        self.shared.on_own_thread()
     }
 
     /// The most values that may wait at once.
@@ -489,12 +495,8 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// pushes; its thread still drops every value, and exits on its own.
     #[doc(alias = "shutdown")]
     pub fn shutdown_async(mut self) -> impl Future<Output = DropQueueStats> + Send + 'static {
-        let id = {
-            let mut state = self.shared.lock();
-            state.closing = true;
-            state.wakers.id()
-        };
-        self.shared.changed.notify_all();
+        self.shared.close();
+        let id = self.shared.lock().wakers.id();
         let thread = self.thread.take();
         let progress = Progress {
             shared: self.shared.clone(),
@@ -503,8 +505,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         };
         async move {
             let stats = progress.await;
-            // The thread has said it exits: joining it takes no time.
-            if let Some(thread) = thread {
+            // The thread has said it exits: joining it takes no time (and on
+            // the thread itself, in a value's drop, is skipped).
+            if let Some(thread) = thread.filter(|thread| thread.thread().id() != current_thread()) {
                 if thread.join().is_err() {
                     log::error!("the drop queue's thread panicked");
                 }
@@ -522,9 +525,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// A fence whose [`is_passed`](Fence::is_passed) fails or panics is
     /// handed back, not dropped.
     pub fn shutdown_now(mut self) -> HandedBack<F, T> {
+        self.shared.close();
         let waiting: Vec<(u64, F, T)> = {
             let mut state = self.shared.lock();
-            state.closing = true;
             state.checking = state.queue.front().map(|(number, ..)| *number);
             state.queue.drain(..).collect()
         };
@@ -562,12 +565,11 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     }
 
     fn close_and_join(&mut self) {
-        self.shared.lock().closing = true;
-        self.shared.changed.notify_all();
+        self.shared.close();
         if let Some(thread) = self.thread.take() {
             // The last handle dropped by a value on the queue's own thread:
             // that thread finishes on its own.
-            if thread.thread().id() != std::thread::current().id() && thread.join().is_err() {
+            if thread.thread().id() != current_thread() && thread.join().is_err() {
                 panics::log(|| log::error!("the drop queue's thread panicked"));
             }
         }
@@ -584,6 +586,27 @@ impl<F, T> Shared<F, T> {
     fn lock(&self) -> MutexGuard<'_, State<F, T>> {
         self.state.lock()
     }
+
+    /// Whether the caller is the queue's own thread: in a value's drop.
+    fn on_own_thread(&self) -> bool {
+        self.thread.get() == Some(&current_thread())
+    }
+
+    /// Refuse new pushes; wake the queue's thread, blocked pushers and
+    /// pending push futures, so they learn it now.
+    fn close(&self) {
+        let wakers = {
+            let mut state = self.lock();
+            state.closing = true;
+            state.wakers.take()
+        };
+        self.changed.notify_all();
+        wake_all(wakers);
+    }
+}
+
+fn current_thread() -> ThreadId {
+    std::thread::current().id()
 }
 
 impl<F: Fence, T: Send + 'static> Shared<F, T> {
@@ -724,6 +747,10 @@ impl<F, T> Future for Progress<F, T> {
     type Output = DropQueueStats;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<DropQueueStats> {
+        if self.shared.on_own_thread() {
+            // Awaited in a value's drop: the queue cannot wait for itself.
+            return Poll::Ready(self.shared.lock().stats());
+        }
         let mut state = self.shared.lock();
         let done = match self.until {
             Until::Handled(target) => state.handled(target),
@@ -775,11 +802,14 @@ impl<F: Fence, T: Send + 'static> Future for PushFuture<F, T> {
             // Resolved already: the value was queued or handed back.
             return Poll::Ready(Ok(()));
         }
+        let own_thread = this.shared.on_own_thread();
         let mut state = this.shared.lock();
         // The entry stays in the future until it is queued or handed back:
         // a panic in the waker's clone or drop (an executor's code) leaves
-        // it to the future's drop, which queues it.
-        if !state.closing && state.pending() >= state.capacity {
+        // it to the future's drop, which queues it. On the queue's own
+        // thread it is queued at once, as `push_blocking` queues it.
+        let closed = state.closing && !own_thread;
+        if !closed && state.pending() >= state.capacity && !own_thread {
             let replaced = state.wakers.register(this.id, cx.waker());
             drop(state);
             drop(replaced);
@@ -789,7 +819,7 @@ impl<F: Fence, T: Send + 'static> Future for PushFuture<F, T> {
         let Some((fence, value)) = this.entry.take() else {
             unreachable!("checked above, and only this future takes it")
         };
-        let result = if state.closing {
+        let result = if closed {
             drop(state);
             Err(Rejected::Closed(fence, value))
         } else {

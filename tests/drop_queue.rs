@@ -4,8 +4,10 @@
 mod common;
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use common::faulty::{inject, Faulty, Plan};
@@ -575,6 +577,7 @@ impl Drop for UsesItsQueue {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
             if let Some(queue) = queue {
                 queue.flush(); // would wait for itself
+                futures::executor::block_on(queue.flush_async()); // likewise
                 flushed.fetch_add(1, Ordering::SeqCst);
                 drop(queue); // the last handle: would join itself
             }
@@ -692,5 +695,36 @@ fn a_flush_waits_for_its_values_even_when_later_ones_are_handed_back() {
     std::thread::spawn(move || drop(handed_back))
         .join()
         .unwrap();
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+/// Closing the queue wakes a push future waiting for room: it learns at
+/// once that the queue refuses it, not when a value is next dropped.
+#[test]
+fn closing_wakes_a_push_waiting_for_room() {
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    let queue = DropQueue::new(1).unwrap();
+    progress.step_on(&stream);
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    let mut push = queue.push_async(stream.fence(), counters.staging(1, &progress));
+    let flag = Arc::new(FlagWaker::default());
+    let waker = std::task::Waker::from(flag.clone());
+    let mut cx = std::task::Context::from_waker(&waker);
+    assert!(Pin::new(&mut push).poll(&mut cx).is_pending());
+    let shutdown = queue.shutdown_async(); // closes now, resolves later
+    assert!(flag.0.load(Ordering::SeqCst), "the push was not woken");
+    let Poll::Ready(Err(Rejected::Closed(fence, value))) = Pin::new(&mut push).poll(&mut cx) else {
+        panic!("a closed queue took the push");
+    };
+    let keeper = std::thread::spawn(move || Rejected::Closed(fence, value).wait_then_drop());
+    gate.open();
+    keeper.join().unwrap().unwrap();
+    futures::executor::block_on(shutdown);
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }

@@ -1,5 +1,6 @@
 //! [`HostEvent`]: a marker that host streams pass when they reach it.
 
+use std::collections::BTreeSet;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -171,8 +172,9 @@ struct EventState {
     /// The generation of the latest record; 0 when never recorded.
     recorded: u64,
     /// Generations whose marker is queued on a stream and not yet passed:
-    /// one per stream the event is recorded on at once, so a handful.
-    pending: Vec<u64>,
+    /// usually one or two, but an event recorded over and over on a busy
+    /// stream has one per record, so a set, not a list to scan.
+    pending: BTreeSet<u64>,
     /// When the latest record was reached, for timing events.
     reached_at: Option<Instant>,
     /// Generations whose marker a fault dropped, with the fault. Bounded:
@@ -201,7 +203,7 @@ impl EventState {
 
     /// `generation`'s marker has left its stream's queue (passed or dropped).
     fn settle(&mut self, generation: u64) {
-        self.pending.retain(|pending| *pending != generation);
+        self.pending.remove(&generation);
     }
 }
 
@@ -258,7 +260,7 @@ impl HostEvent {
         let mut state = self.inner.lock();
         state.recorded += 1;
         let generation = state.recorded;
-        state.pending.push(generation);
+        state.pending.insert(generation);
         state.reached_at = None;
         generation
     }
