@@ -299,13 +299,24 @@ fn a_profile_started_on_a_busy_stream_and_stopped_on_an_idle_one_waits_for_both(
         sleep.launch(&busy.stream().unwrap(), LONG).unwrap();
         let start = profiler.start(busy).unwrap();
         let profile = profiler.stop(start, idle).unwrap();
-        // cuEventElapsedTime is CUDA_ERROR_NOT_READY until both are complete.
+        // cuEventElapsedTime is CUDA_ERROR_NOT_READY until both are complete;
+        // once they are, its time is negative (the stop was reached first),
+        // which the profile reports as StopBeforeStart, not as a zero.
         let elapsed = if by_await {
             futures::executor::block_on(waiter.wait(profile))
         } else {
             profile.wait_sync()
         };
-        assert!(elapsed.is_ok(), "by await: {by_await}: {elapsed:?}");
+        assert!(
+            matches!(
+                elapsed,
+                Err(device_events::ServerError::StopBeforeStart {
+                    backend: "Cuda",
+                    ..
+                })
+            ),
+            "by await: {by_await}: {elapsed:?}"
+        );
     }
 }
 
