@@ -370,6 +370,7 @@ fn push_blocking_waits_for_room_and_drops_nothing_early() {
     let progress = Progress::default();
     let counters = Arc::new(Counters::default());
     let queue = Arc::new(DropQueue::new(2).unwrap());
+    progress.step_on(&stream); // before any fence the pusher records
     let pusher = {
         let (queue, counters, progress) = (queue.clone(), counters.clone(), progress.clone());
         let stream_handle = stream.handle();
@@ -384,7 +385,6 @@ fn push_blocking_waits_for_room_and_drops_nothing_early() {
             }
         })
     };
-    progress.step_on(&stream);
     common::eventually(Duration::from_secs(20), "two values queued", || {
         queue.stats().pushed == 2
     });
@@ -450,30 +450,58 @@ fn a_rejected_value_is_dropped_only_after_its_fence() {
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }
 
+/// A fence that counts the calls of `is_passed` (and is never passed).
+struct CountedQuery(EventFence<Host>, Arc<AtomicUsize>);
+
+impl Fence for CountedQuery {
+    fn wait(self) -> Result<(), device_events::ServerError> {
+        self.0.wait_sync()
+    }
+
+    fn is_passed(&self) -> Result<bool, device_events::ServerError> {
+        self.1.fetch_add(1, Ordering::SeqCst);
+        Ok(false)
+    }
+}
+
 /// What `shutdown_now` hands back keeps its values alive: dropping it waits
-/// for each fence, rather than freeing what the device may still read.
+/// for each fence, rather than freeing what the device may still read. And
+/// a flush made before `shutdown_now` learns that its values left.
 #[test]
 fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
-    let stream = HostStream::new().unwrap();
-    let gate = Gate::hold(&stream);
+    let (blocking, stream) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    let (blocking_gate, gate) = (Gate::hold(&blocking), Gate::hold(&stream));
     let progress = Progress::default();
     let counters = Counters::default();
+    let queries = Arc::new(AtomicUsize::new(0));
     let queue = DropQueue::new(4).unwrap();
     progress.step_on(&stream);
+    // The queue's thread waits on the first value, so the second stays
+    // queued for shutdown_now to hand back.
+    let first = CountedQuery(blocking.fence(), queries.clone());
+    assert!(queue.push(first, counters.staging(0, &progress)).is_ok());
+    common::eventually(Duration::from_secs(20), "the thread took the first", || {
+        queue.stats().queued == 0
+    });
     let mut staging = counters.staging(1, &progress);
     staging.test_thread = std::thread::current().id();
-    assert!(queue.push(stream.fence(), staging).is_ok());
+    let second = CountedQuery(stream.fence(), queries.clone());
+    assert!(queue.push(second, staging).is_ok());
     let mut flushed = queue.flush_async();
     assert!((&mut flushed).now_or_never().is_none());
-    let handed_back = queue.shutdown_now();
+    let shutting = std::thread::spawn(move || queue.shutdown_now());
+    common::eventually(Duration::from_secs(20), "shutdown_now checked", || {
+        queries.load(Ordering::SeqCst) == 1
+    });
+    blocking_gate.open(); // shutdown_now waits for the first value
+    let handed_back = shutting.join().unwrap();
     assert_eq!(handed_back.len(), 1);
-    // A flush made before shutdown_now learns that the value left the queue.
     let stats = futures::executor::block_on(flushed);
-    assert_eq!((stats.handed_back, stats.dropped, stats.leaked), (1, 0, 0));
+    assert_eq!((stats.handed_back, stats.dropped, stats.leaked), (1, 1, 0));
     let dropper = std::thread::spawn(move || drop(handed_back));
     gate.open();
     dropper.join().unwrap();
-    assert_eq!(counters.dropped.load(Ordering::SeqCst), 1);
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
     // `early` counts a drop on the test thread too; the dropper is another.
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }

@@ -100,6 +100,12 @@ fn a_device_wait_is_not_released_by_a_later_record_reached_first() {
     consumer
         .launch(move || *seen_by_work.lock().unwrap() = Some(produced_by_work.get()))
         .unwrap();
+    // Give a wrongly released consumer the time to run before the producer
+    // does (a correct one cannot run until the gate opens).
+    let deadline = std::time::Instant::now() + Duration::from_millis(200);
+    while seen.lock().unwrap().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(1));
+    }
     gate.open();
     consumer.synchronize().unwrap();
     assert_eq!(

@@ -416,9 +416,6 @@ impl fmt::Debug for HostEvent {
 
 #[cfg(all(test, not(device_events_loom)))]
 mod tests {
-    use std::sync::atomic::{AtomicBool, Ordering};
-    use std::sync::Arc;
-
     use super::*;
 
     fn event() -> HostEvent {
@@ -432,20 +429,25 @@ mod tests {
         let first = event.next_generation(); // queued on a busy stream
         event.record_reached(); // recorded again on an idle stream
         assert!(event.query("event_query").unwrap(), "the latest is reached");
-        let signalled = Arc::new(AtomicBool::new(false));
         let waiter = {
-            let (event, signalled) = (event.clone(), signalled.clone());
-            std::thread::spawn(move || {
-                event.wait_for(first, "event_synchronize").unwrap();
-                signalled.load(Ordering::SeqCst)
-            })
+            let event = event.clone();
+            std::thread::spawn(move || event.wait_for(first, "event_synchronize"))
         };
-        signalled.store(true, Ordering::SeqCst);
-        event.signal(first);
+        // Until the waiter blocks, or returns (the defect).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while event.inner.lock().waiting == 0 && !waiter.is_finished() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiter neither blocked nor returned"
+            );
+            std::thread::yield_now();
+        }
         assert!(
-            waiter.join().unwrap(),
+            !waiter.is_finished(),
             "the wait returned before its record was passed"
         );
+        event.signal(first);
+        waiter.join().unwrap().unwrap();
     }
 
     #[test]
