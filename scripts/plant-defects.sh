@@ -159,9 +159,10 @@ plant "a push future dropped before it resolved drops its value" src/drop_queue.
 plant "a dropped flush future leaves its waker" src/drop_queue.rs \
     'impl<F, T> Drop for Progress<F, T> {
     fn drop(&mut self) {
-        self.shared.lock().wakers.remove(self.id);' \
+        let removed = self.shared.lock().wakers.remove(self.id);' \
     'impl<F, T> Drop for Progress<F, T> {
-    fn drop(&mut self) {' \
+    fn drop(&mut self) {
+        let removed = None::<Waker>;' \
     drop_queue
 
 plant "shutdown_now does not count what it hands back" src/drop_queue.rs \

@@ -88,8 +88,10 @@ fn no_value_is_dropped_before_its_fence_and_none_is_lost() {
 #[test]
 fn a_full_queue_hands_the_value_back() {
     let stream = HostStream::new().unwrap();
-    let gate = Gate::hold(&stream);
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
     let queue = DropQueue::new(2).unwrap();
+    let gate = Gate::hold(&stream);
     for value in 0..2 {
         assert!(queue
             .push(EventFence::<Host>::new(stream.handle()), value)
@@ -114,13 +116,15 @@ fn a_full_queue_hands_the_value_back() {
 fn a_failed_fence_leaks_its_value_with_an_error_logged() {
     logs::capture();
     let stream = faultable_stream();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(8).unwrap();
     let gate = Gate::hold(&stream);
     stream
         .launch(|| panic!("illegal address during the copy"))
         .unwrap();
     let counters = Counters::default();
     let progress = Progress::default();
-    let queue = DropQueue::new(8).unwrap();
     assert!(queue
         .push(
             EventFence::<Host>::new(stream.handle()),
@@ -155,11 +159,13 @@ fn a_refused_fence_wait_drops_its_value_once_the_stream_is_idle() {
             ..Plan::default()
         },
     );
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(8).unwrap();
     let gate = Gate::hold(&stream);
     let progress = Progress::default();
     progress.step_on(&stream); // the copy that still reads the value
     let counters = Counters::default();
-    let queue = DropQueue::new(8).unwrap();
     assert!(queue
         .push(
             EventFence::<Faulty>::new(stream.handle()),
@@ -236,9 +242,11 @@ fn shutdown_now_drops_what_passed_and_hands_back_the_rest() {
     let done = HostStream::new().unwrap();
     let first = HostStream::new().unwrap();
     let held = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(8).unwrap();
     let first_gate = Gate::hold(&first);
     let held_gate = Gate::hold(&held);
-    let queue = DropQueue::new(8).unwrap();
     // The queue's thread waits on "first" (held by its gate) ...
     let item = |name| Item { name, opens: None };
     assert!(queue
@@ -297,8 +305,10 @@ fn a_refused_push_is_an_error_that_question_mark_carries() {
         Ok(())
     }
     let stream = HostStream::new().unwrap();
-    let gate = Gate::hold(&stream);
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
     let queue = DropQueue::new(1).unwrap();
+    let gate = Gate::hold(&stream);
     assert_eq!(queue.capacity(), 1);
     let err = push_twice(&queue, &stream).unwrap_err();
     assert!(err.to_string().contains("full"), "{err}");
@@ -366,10 +376,12 @@ fn flush_and_shutdown_can_be_awaited() {
 #[test]
 fn push_blocking_waits_for_room_and_drops_nothing_early() {
     let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = Arc::new(DropQueue::new(2).unwrap());
     let gate = Gate::hold(&stream);
     let progress = Progress::default();
     let counters = Arc::new(Counters::default());
-    let queue = Arc::new(DropQueue::new(2).unwrap());
     progress.step_on(&stream); // before any fence the pusher records
     let pusher = {
         let (queue, counters, progress) = (queue.clone(), counters.clone(), progress.clone());
@@ -404,10 +416,12 @@ fn push_blocking_waits_for_room_and_drops_nothing_early() {
 #[test]
 fn push_async_waits_for_room_and_a_dropped_push_still_keeps_its_value() {
     let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(1).unwrap();
     let gate = Gate::hold(&stream);
     let progress = Progress::default();
     let counters = Counters::default();
-    let queue = DropQueue::new(1).unwrap();
     progress.step_on(&stream);
     let first = queue.push_async(stream.fence(), counters.staging(1, &progress));
     assert!(futures::executor::block_on(first).is_ok());
@@ -429,10 +443,12 @@ fn push_async_waits_for_room_and_a_dropped_push_still_keeps_its_value() {
 #[test]
 fn a_rejected_value_is_dropped_only_after_its_fence() {
     let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(1).unwrap();
     let gate = Gate::hold(&stream);
     let progress = Progress::default();
     let counters = Counters::default();
-    let queue = DropQueue::new(1).unwrap();
     progress.step_on(&stream);
     assert!(queue
         .push(stream.fence(), counters.staging(1, &progress))
@@ -470,11 +486,13 @@ impl Fence for CountedQuery {
 #[test]
 fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
     let (blocking, stream) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(4).unwrap();
     let (blocking_gate, gate) = (Gate::hold(&blocking), Gate::hold(&stream));
     let progress = Progress::default();
     let counters = Counters::default();
     let queries = Arc::new(AtomicUsize::new(0));
-    let queue = DropQueue::new(4).unwrap();
     progress.step_on(&stream);
     // The queue's thread waits on the first value, so the second stays
     // queued for shutdown_now to hand back.
@@ -495,12 +513,15 @@ fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
     });
     blocking_gate.open(); // shutdown_now waits for the first value
     let handed_back = shutting.join().unwrap();
-    assert_eq!(handed_back.len(), 1);
+    let kept = handed_back.len();
     let stats = futures::executor::block_on(flushed);
-    assert_eq!((stats.handed_back, stats.dropped, stats.leaked), (1, 1, 0));
+    // Dropped on another thread, while this one opens the gate (asserting
+    // first would leave the drop waiting on a gate no one opens).
     let dropper = std::thread::spawn(move || drop(handed_back));
     gate.open();
     dropper.join().unwrap();
+    assert_eq!(kept, 1);
+    assert_eq!((stats.handed_back, stats.dropped, stats.leaked), (1, 1, 0));
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
     // `early` counts a drop on the test thread too; the dropper is another.
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
@@ -523,11 +544,13 @@ impl Fence for PanickyQuery {
 #[test]
 fn a_panic_in_is_passed_during_shutdown_now_hands_the_value_back() {
     let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(4).unwrap();
     let gate = Gate::hold(&stream);
     let progress = Progress::default();
     let counters = Counters::default();
     let queries = Arc::new(AtomicUsize::new(0));
-    let queue = DropQueue::new(4).unwrap();
     progress.step_on(&stream);
     for _ in 0..3 {
         let fence = PanickyQuery(stream.fence(), queries.clone());
@@ -569,8 +592,10 @@ impl std::task::Wake for CountedWaker {
 #[test]
 fn dropped_flush_futures_leave_no_wakers_behind() {
     let stream = HostStream::new().unwrap();
-    let gate = Gate::hold(&stream);
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
     let queue = DropQueue::new(4).unwrap();
+    let gate = Gate::hold(&stream);
     assert!(queue.push(stream.fence(), 1u32).is_ok());
     let wakers: Vec<Arc<CountedWaker>> = (0..1000).map(|_| Arc::new(CountedWaker)).collect();
     for counted in &wakers {
@@ -688,10 +713,12 @@ impl std::task::Wake for FlagWaker {
 #[test]
 fn a_flush_waits_for_its_values_even_when_later_ones_are_handed_back() {
     let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(4).unwrap();
     let gate = Gate::hold(&stream);
     let progress = Progress::default();
     let counters = Counters::default();
-    let queue = DropQueue::new(4).unwrap();
     progress.step_on(&stream);
     assert!(queue
         .push(stream.fence(), counters.staging(1, &progress))
@@ -731,10 +758,12 @@ fn a_flush_waits_for_its_values_even_when_later_ones_are_handed_back() {
 #[test]
 fn closing_wakes_a_push_waiting_for_room() {
     let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(1).unwrap();
     let gate = Gate::hold(&stream);
     let progress = Progress::default();
     let counters = Counters::default();
-    let queue = DropQueue::new(1).unwrap();
     progress.step_on(&stream);
     assert!(queue
         .push(stream.fence(), counters.staging(1, &progress))
