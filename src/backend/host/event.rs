@@ -1,6 +1,6 @@
 //! [`HostEvent`]: a marker that host streams pass when they reach it.
 
-use std::collections::BTreeSet;
+use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
@@ -171,10 +171,13 @@ pub(super) struct EventInner {
 struct EventState {
     /// The generation of the latest record; 0 when never recorded.
     recorded: u64,
-    /// Generations whose marker is queued on a stream and not yet passed:
-    /// usually one or two, but an event recorded over and over on a busy
-    /// stream has one per record, so a set, not a list to scan.
-    pending: BTreeSet<u64>,
+    /// Generations whose marker is queued on a stream and not yet passed,
+    /// in ascending order (each record takes the next): usually one or two,
+    /// but an event recorded over and over on a busy stream has one per
+    /// record, so it is searched, not scanned, and the oldest (the one a
+    /// stream passes first) leaves from the front. A pooled event keeps
+    /// the buffer, so a record allocates nothing.
+    pending: VecDeque<u64>,
     /// When the latest record was reached, for timing events.
     reached_at: Option<Instant>,
     /// Generations whose marker a fault dropped, with the fault. Bounded:
@@ -188,7 +191,7 @@ struct EventState {
 impl EventState {
     /// `Some(result)` once generation `target` is settled.
     fn settled(&self, target: u64) -> Option<Result<(), String>> {
-        if self.pending.contains(&target) {
+        if self.pending.binary_search(&target).is_ok() {
             return None;
         }
         match self
@@ -203,7 +206,9 @@ impl EventState {
 
     /// `generation`'s marker has left its stream's queue (passed or dropped).
     fn settle(&mut self, generation: u64) {
-        self.pending.remove(&generation);
+        if let Ok(index) = self.pending.binary_search(&generation) {
+            self.pending.remove(index);
+        }
     }
 }
 
@@ -260,7 +265,7 @@ impl HostEvent {
         let mut state = self.inner.lock();
         state.recorded += 1;
         let generation = state.recorded;
-        state.pending.insert(generation);
+        state.pending.push_back(generation);
         state.reached_at = None;
         generation
     }
