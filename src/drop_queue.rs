@@ -551,15 +551,11 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
                 }
             }
         }
-        let wakers = {
-            let mut state = self.shared.lock();
+        self.shared.update_and_wake(|state| {
             state.stats.dropped += dropped;
             state.stats.handed_back += entries.len() as u64;
             state.checking = None;
-            state.wakers.take()
-        };
-        self.shared.changed.notify_all();
-        wake_all(wakers);
+        });
         self.close_and_join();
         HandedBack { entries }
     }
@@ -595,9 +591,16 @@ impl<F, T> Shared<F, T> {
     /// Refuse new pushes; wake the queue's thread, blocked pushers and
     /// pending push futures, so they learn it now.
     fn close(&self) {
+        self.update_and_wake(|state| state.closing = true);
+    }
+
+    /// Change the state, then tell everyone who waits on it: blocked
+    /// flushes and pushers (the condvar) and pending futures (their
+    /// wakers, woken outside the lock).
+    fn update_and_wake(&self, change: impl FnOnce(&mut State<F, T>)) {
         let wakers = {
             let mut state = self.lock();
-            state.closing = true;
+            change(&mut state);
             state.wakers.take()
         };
         self.changed.notify_all();
@@ -629,12 +632,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
             state.stats.pushed += 1;
             drop(state);
             let dropped = settle(fence, value).is_ok();
-            let mut state = self.lock();
-            if dropped {
-                state.stats.dropped += 1;
-            } else {
-                state.stats.leaked += 1;
-            }
+            self.lock().count_settled(dropped);
         } else {
             self.enqueue(state, fence, value);
         }
@@ -662,30 +660,16 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
                 }
             };
             let dropped = settle(fence, value).is_ok();
-            let wakers = {
-                let mut state = self.lock();
+            self.update_and_wake(|state| {
                 state.in_flight = None;
-                if dropped {
-                    state.stats.dropped += 1;
-                } else {
-                    state.stats.leaked += 1;
-                }
-                state.wakers.take()
-            };
-            self.changed.notify_all();
-            wake_all(wakers);
+                state.count_settled(dropped);
+            });
         }
     }
 
     /// The thread's last act: say it exits, and wake who awaits that.
     fn exit(&self) {
-        let wakers = {
-            let mut state = self.lock();
-            state.exited = true;
-            state.wakers.take()
-        };
-        self.changed.notify_all();
-        wake_all(wakers);
+        self.update_and_wake(|state| state.exited = true);
     }
 }
 
@@ -935,6 +919,15 @@ impl<F, T> fmt::Debug for Progress<F, T> {
 impl<F, T> State<F, T> {
     fn pending(&self) -> usize {
         self.queue.len() + usize::from(self.in_flight.is_some())
+    }
+
+    /// Count a value [`settle`]d: dropped, or leaked when its fence failed.
+    fn count_settled(&mut self, dropped: bool) {
+        if dropped {
+            self.stats.dropped += 1;
+        } else {
+            self.stats.leaked += 1;
+        }
     }
 
     /// Whether the first `target` values pushed are all dropped, leaked or
