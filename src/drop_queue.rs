@@ -553,7 +553,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
         self.shared.update_and_wake(|state| {
             state.stats.dropped += dropped;
-            state.stats.handed_back += entries.len() as u64;
+            if !crate::plant::planted("shutdown-now-uncounted") {
+                state.stats.handed_back += entries.len() as u64;
+            }
             state.checking = None;
         });
         self.close_and_join();
@@ -753,6 +755,9 @@ impl<F, T> Future for Progress<F, T> {
 
 impl<F, T> Drop for Progress<F, T> {
     fn drop(&mut self) {
+        if crate::plant::planted("dropped-flush-future-leaves-waker") {
+            return;
+        }
         let removed = self.shared.lock().wakers.remove(self.id);
         drop(removed);
     }
@@ -822,7 +827,11 @@ impl<F: Fence, T: Send + 'static> Drop for PushFuture<F, T> {
     fn drop(&mut self) {
         // The value first: nothing that can panic comes before it is safe.
         if let Some((fence, value)) = self.entry.take() {
-            self.shared.adopt(fence, value);
+            if crate::plant::planted("dropped-push-future-drops-value") {
+                drop((fence, value));
+            } else {
+                self.shared.adopt(fence, value);
+            }
         }
         let removed = self.shared.lock().wakers.remove(self.id);
         drop(removed);

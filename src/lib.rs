@@ -117,6 +117,7 @@ mod fork;
 mod loom;
 mod own_threads;
 mod panics;
+mod plant;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};

@@ -331,7 +331,7 @@ impl Pool {
         }
         let key = wait.lane;
         let mut shard = pool.shard(key);
-        if shard.shut {
+        if shard.shut && !crate::plant::planted("submit-enters-drained-shard") {
             drop(shard);
             drop(wait);
             return Err(ServerError::WaiterGone);
@@ -362,10 +362,15 @@ impl Pool {
             Lane::default()
         });
         let mut place = wait.placed;
+        if crate::plant::planted("wait-put-back-at-its-sequence") {
+            place = wait.waitable.sequence();
+        }
         while lane.waits.contains_key(&place) {
             place = place.wrapping_add(1);
         }
-        if place != wait.placed {
+        if crate::plant::planted("wait-put-back-at-its-sequence") {
+            wait.placed = place;
+        } else if place != wait.placed {
             wait.placed = place;
             wait.slot.moved_to(place);
         }
@@ -427,7 +432,9 @@ impl Pool {
         let (name, owner) = match action {
             Action::Nothing => return,
             Action::WakeIdleThread => {
-                pool.work.notify_one();
+                if !crate::plant::planted("idle-thread-wake-never-sent") {
+                    pool.work.notify_one();
+                }
                 return;
             }
             Action::SpawnLaneThread(index) => (
@@ -472,7 +479,11 @@ impl Pool {
         } else {
             sched.lane_thread_left();
             let lanes = std::mem::take(&mut sched.for_threads);
-            sched.for_poller.extend(lanes);
+            if crate::plant::planted("refused-lane-left-for-threads") {
+                sched.for_threads.extend(lanes);
+            } else {
+                sched.for_poller.extend(lanes);
+            }
             if !sched.poller && !sched.shutdown {
                 let action = sched.add_poller();
                 drop(sched);
@@ -649,6 +660,10 @@ impl Pool {
             sched = guard;
             sched.woke();
             timed_out = timeout;
+            if timed_out && crate::plant::planted("idle-thread-leaves-without-looking") {
+                sched.lane_thread_left();
+                return None;
+            }
             looked_at_poller = false;
         }
     }
@@ -795,7 +810,11 @@ impl Pool {
         let mut shard = pool.shard(key);
         let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
-        shard.waits_finished(resolved + cancelled.len());
+        if crate::plant::planted("settle-miscounts-cancelled") {
+            shard.waits_finished(resolved - cancelled.len());
+        } else {
+            shard.waits_finished(resolved + cancelled.len());
+        }
         let mut gone = Vec::new();
         let mut action = Action::Nothing;
         if shard.shut {
@@ -806,7 +825,7 @@ impl Pool {
             for wait in rest {
                 new_lane |= pool.insert(&mut shard, wait).1;
             }
-            if new_lane {
+            if new_lane && !crate::plant::planted("lane-made-in-settle-not-queued") {
                 action = pool.queue_lane(key);
             }
         }
@@ -1139,7 +1158,9 @@ impl Drop for ServerGuard {
                 self.owner
             );
         });
-        Pool::recover(&self.pool, self.owner, &self.lanes, &mut self.batch);
+        if !crate::plant::planted("unwinding-thread-not-given-back") {
+            Pool::recover(&self.pool, self.owner, &self.lanes, &mut self.batch);
+        }
     }
 }
 

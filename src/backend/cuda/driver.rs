@@ -160,6 +160,12 @@ const STICKY_SINCE_12_8: &[i32] = &[226, 721];
 
 /// Whether `code` leaves the context (and process) unusable for good.
 pub(super) fn is_sticky(code: i32) -> bool {
+    if crate::plant::planted("cuda-illegal-address-not-sticky")
+        && code == sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS as i32
+        || crate::plant::planted("cuda-contained-not-sticky") && code == 226
+    {
+        return false;
+    }
     STICKY.iter().any(|sticky| *sticky as i32 == code) || STICKY_SINCE_12_8.contains(&code)
 }
 
@@ -364,6 +370,10 @@ thread_local! {
 /// Make `ctx` current on this thread until the returned guard drops (on the
 /// crate's own threads, until another is bound).
 fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
+    if crate::plant::planted("cuda-bind-takes-stored-errors") {
+        ctx.bind_to_thread()
+            .map_err(|err| driver_error("cuCtxSetCurrent", err))?;
+    }
     let api = api()?;
     let mut previous = ptr::null_mut();
     // SAFETY: `previous` is a valid place for the handle.
@@ -379,7 +389,11 @@ fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     // stale (the driver answers CUDA_ERROR_CONTEXT_IS_DESTROYED there). So
     // there it counts only if this very context object bound it, alive all
     // along since (its `Arc` holds the context's retain).
-    if previous == target && (!own || left_bound_by(ctx)) {
+    if previous == target
+        && (!own
+            || left_bound_by(ctx)
+            || crate::plant::planted("cuda-own-thread-trusts-stale-binding"))
+    {
         return Ok(Bound {
             previous: None,
             api,
@@ -412,7 +426,10 @@ fn left_bound_by(ctx: &Arc<CudaContext>) -> bool {
 
 impl Drop for Bound {
     fn drop(&mut self) {
-        let Some(previous) = self.previous else {
+        let Some(previous) = self
+            .previous
+            .filter(|_| !crate::plant::planted("cuda-previous-context-not-restored"))
+        else {
             return;
         };
         // SAFETY: `previous` was current on this thread when the guard was
@@ -646,7 +663,8 @@ impl CudaEvent {
             // destroys it rather than lock the others (a burst of releases
             // beyond the pool's capacity would lock every shard each time).
             let mut idle = pool.shards[shard].lock();
-            if idle.len() < SHARD_CAPACITY {
+            if idle.len() < SHARD_CAPACITY && !crate::plant::planted("cuda-fence-events-not-pooled")
+            {
                 let raw = std::mem::replace(&mut self.raw, ptr::null_mut());
                 idle.push(IdleEvent(raw));
                 return Ok(());
