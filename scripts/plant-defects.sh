@@ -123,5 +123,10 @@ plant_loom refused-lane-left-for-threads "a refused lane thread leaves its lane 
     loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller
 plant_loom settle-miscounts-cancelled "a settle miscounts a wait found cancelled" \
     loom_a_future_dropped_while_the_poller_has_its_wait_out
+# Counting defects the invariant checks catch where the lock is let go.
+plant_loom settle-forgets-cancelled "a settle does not count a wait found cancelled as finished" \
+    loom_a_future_dropped_while_the_poller_has_its_wait_out
+plant_loom woke-keeps-idle-count "a woken lane thread is still counted idle" \
+    loom_an_idle_thread_timing_out_races_a_submit
 
 echo "== every plant caught ($caught)"

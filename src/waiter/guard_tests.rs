@@ -11,21 +11,22 @@ use std::thread::Thread;
 use std::time::{Duration, Instant};
 
 use super::mock_device::{Device, MockFence};
-use super::pool::{Config, Pool, Wait};
+use super::pool::{Config, Pool};
+use super::shard::Wait;
 use super::slot::Slot;
 use super::waitable::LaneKey;
 use crate::ServerError;
 
 const LIMIT: Duration = Duration::from_secs(20);
 
-fn pool(max_threads: usize) -> Arc<Pool> {
-    Arc::new(Pool::new(Config {
+fn pool(max_threads: usize) -> Pool {
+    Pool::new(Config {
         max_threads,
         keep_alive: Duration::from_millis(20),
         thread_name: "guard-test".to_owned(),
         spin_budget: Duration::ZERO,
         resolvers: 1,
-    }))
+    })
 }
 
 struct Unpark(Thread);
@@ -37,7 +38,7 @@ impl Wake for Unpark {
 }
 
 /// Hand a wait on `device` to `pool`; its slot.
-fn submit(pool: &Arc<Pool>, device: &Arc<Device>, lane: u64, sequence: u64) -> Arc<Slot> {
+fn submit(pool: &Pool, device: &Arc<Device>, lane: u64, sequence: u64) -> Arc<Slot> {
     let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
     let slot = Arc::new(Slot::new(waker));
     let fence = MockFence {
@@ -46,7 +47,7 @@ fn submit(pool: &Arc<Pool>, device: &Arc<Device>, lane: u64, sequence: u64) -> A
         sequence,
     };
     let wait = Wait::new(Box::new(fence), slot.clone(), LaneKey::for_tests(lane));
-    Pool::submit(pool, wait).expect("submitted");
+    pool.submit(wait).expect("submitted");
     slot
 }
 

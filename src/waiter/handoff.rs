@@ -6,7 +6,8 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use super::contain;
-use super::pool::{Pool, Wait};
+use super::pool::Pool;
+use super::shard::Wait;
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
 use super::Waiter;
@@ -25,11 +26,11 @@ pub(crate) struct Handoff<W: Waitable> {
 /// another waiter's is shared.
 pub(crate) enum PoolRef {
     Global,
-    Owned(Arc<Pool>),
+    Owned(Pool),
 }
 
 impl PoolRef {
-    fn get(&self) -> &Arc<Pool> {
+    fn get(&self) -> &Pool {
         match self {
             Self::Global => Waiter::global().pool(),
             Self::Owned(pool) => pool,
@@ -132,7 +133,7 @@ impl<W: Waitable> Handoff<W> {
         };
         let slot = Arc::new(Slot::new(cx.waker().clone()));
         let wait = Wait::new(Box::new(waitable), slot.clone(), lane);
-        match Pool::submit(pool, wait) {
+        match pool.submit(wait) {
             Ok((lane, placed)) => FirstPoll::HandedOff(Handed {
                 slot,
                 lane,
@@ -168,7 +169,9 @@ impl<W: Waitable> Drop for Handoff<W> {
                 return;
             }
             handed.slot.cancel();
-            Pool::withdraw(self.pool.get(), handed.lane, handed.placed, &handed.slot);
+            self.pool
+                .get()
+                .withdraw(handed.lane, handed.placed, &handed.slot);
         }
     }
 }

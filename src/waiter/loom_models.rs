@@ -10,7 +10,8 @@ use loom::sync::atomic::{AtomicUsize, Ordering};
 use super::handoff::{Handoff, PoolRef};
 use super::mock_device::{Device, MockFence};
 use super::permits::Permits;
-use super::pool::{Config, Pool, Wait};
+use super::pool::{Config, Pool};
+use super::shard::Wait;
 use super::slot::Slot;
 use super::waitable::LaneKey;
 use crate::loom::{thread, Arc, Condvar, Mutex};
@@ -83,33 +84,33 @@ fn finish_on_a_thread(device: &Arc<Device>) -> thread::JoinHandle<()> {
     thread::spawn(move || device.finish())
 }
 
-fn pool() -> Arc<Pool> {
+fn pool() -> Pool {
     pool_with(1)
 }
 
-fn pool_with(max_threads: usize) -> Arc<Pool> {
+fn pool_with(max_threads: usize) -> Pool {
     pool_keeping(max_threads, Duration::ZERO)
 }
 
 /// A pool whose idle threads stay `keep_alive`: zero makes every idle wait
 /// a choice between a wake-up and a timeout; any other value makes idle
 /// threads sleep until notified (see `crate::loom::Condvar::wait_timeout`).
-fn pool_keeping(max_threads: usize, keep_alive: Duration) -> Arc<Pool> {
-    Arc::new(Pool::new(Config {
+fn pool_keeping(max_threads: usize, keep_alive: Duration) -> Pool {
+    Pool::new(Config {
         max_threads,
         keep_alive,
         thread_name: "loom-waiter".to_owned(),
         spin_budget: Duration::ZERO,
         resolvers: 1,
-    }))
+    })
 }
 
-fn submit(pool: &Arc<Pool>, reached: &Arc<Device>, sequence: u64, waker: &Waker) -> Arc<Slot> {
+fn submit(pool: &Pool, reached: &Arc<Device>, sequence: u64, waker: &Waker) -> Arc<Slot> {
     submit_on(pool, reached, 0, sequence, waker)
 }
 
 fn submit_on(
-    pool: &Arc<Pool>,
+    pool: &Pool,
     reached: &Arc<Device>,
     lane: u64,
     sequence: u64,
@@ -125,18 +126,13 @@ fn submit_on(
         slot.clone(),
         LaneKey::for_tests(lane),
     );
-    assert!(Pool::submit(pool, wait).is_ok());
+    assert!(pool.submit(wait).is_ok());
     slot
 }
 
 /// A future for a fence at sequence 1 of `lane` on `device`, polled once
 /// with `waker`: handed off to `pool` (its device has not finished).
-fn handed_off(
-    pool: &Arc<Pool>,
-    device: &Arc<Device>,
-    lane: u64,
-    waker: &Waker,
-) -> Handoff<MockFence> {
+fn handed_off(pool: &Pool, device: &Arc<Device>, lane: u64, waker: &Waker) -> Handoff<MockFence> {
     let mut handoff = Handoff::new(
         MockFence {
             device: device.clone(),
@@ -518,7 +514,7 @@ fn loom_shutdown_races_a_submit_from_another_task() {
             slot.clone(),
             LaneKey::for_tests(0),
         );
-        let submitted = Pool::submit(&pool, wait);
+        let submitted = pool.submit(wait);
         device.finish();
         match submitted {
             Ok(_) => {

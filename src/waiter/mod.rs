@@ -3,8 +3,8 @@
 //!
 //! # The lane algorithm
 //!
-//! This is the one description of it; the README, the crate docs and
-//! `pool.rs` point here.
+//! This is the one description of it; the README, the crate docs and the
+//! code (`pool.rs`, `sched.rs`, `shard.rs`, `servers.rs`) point here.
 //!
 //! 1. **First poll.** A future asks the device once (a query). A fence
 //!    already reached, or resolved when it was made, is ready at once: no
@@ -33,7 +33,7 @@
 //!    fewer lane threads than lanes. When more lanes are busy than that, one
 //!    extra *poller* thread serves the rest: each round it asks each lane's
 //!    oldest wait, resolves what is reached, and backs off (doubling from
-//!    `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` in `pool.rs`, 50 µs to 1 ms)
+//!    `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` in `servers.rs`, 50 µs to 1 ms)
 //!    when nothing moved. So a fast stream never waits behind a slow one, and
 //!    a waiter never has more than `max_threads + 1` threads. A lane thread
 //!    that runs out of work takes a lane back from the poller.
@@ -71,6 +71,7 @@
 //! works under tokio (multi- and current-thread), `futures::executor`, and
 //! any other runtime.
 
+mod checked;
 mod contain;
 mod deadline;
 mod future;
@@ -83,6 +84,9 @@ mod loom_models;
 mod mock_device;
 mod permits;
 mod pool;
+mod sched;
+mod servers;
+mod shard;
 mod slot;
 mod waitable;
 
@@ -96,7 +100,7 @@ use handoff::PoolRef;
 use pool::{Config, Pool};
 pub(crate) use waitable::{LaneKey, Waitable};
 
-use crate::loom::{Arc, RwLock};
+use crate::loom::RwLock;
 use crate::{EventApi, EventFence, ServerError};
 
 /// Default [`WaiterBuilder::max_threads`].
@@ -129,7 +133,7 @@ pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 /// ```
 #[derive(Clone)]
 pub struct Waiter {
-    pool: Arc<Pool>,
+    pool: Pool,
     /// The global waiter (or a clone of it), which is never shut down.
     global: bool,
 }
@@ -202,7 +206,7 @@ impl Waiter {
         Handoff::new(waitable, pool)
     }
 
-    pub(crate) fn pool(&self) -> &Arc<Pool> {
+    pub(crate) fn pool(&self) -> &Pool {
         &self.pool
     }
 
@@ -373,7 +377,7 @@ impl WaiterBuilder {
             log::error!("{invalid}");
         }
         Waiter {
-            pool: Arc::new(Pool::new(self.config)),
+            pool: Pool::new(self.config),
             global: false,
         }
     }

@@ -4,9 +4,10 @@
 //! querying the batch it takes afterwards is CPU work. When many streams
 //! finish together (a burst of thousands of awaits on 64 streams), 64 lane
 //! threads at once on a machine with a few cores crowd out the executor's
-//! own threads, which must run the woken tasks: measured on 2 cores, all
-//! resolved took 147 ms that way against 80 ms with two at a time. So at most
-//! one querying thread per core: the rest wait for a permit, asleep.
+//! own threads, which must run the woken tasks: such a burst resolved
+//! sooner with one querying thread per core than with one per lane
+//! (`cargo bench --bench waiters`, the burst scenarios). So at most one
+//! querying thread per core: the rest wait for a permit, asleep.
 //!
 //! The permit covers the queries only, never the wakes that follow: a waker
 //! may run its task inline, and a task that then blocks would hold a permit

@@ -1,0 +1,70 @@
+//! [`Checked`]: a lock guard that checks its state's invariants as the lock
+//! is let go, in debug and loom builds, so that a state left broken fails
+//! at the critical section that broke it rather than as a hang later.
+
+use std::ops::{Deref, DerefMut};
+use std::time::Duration;
+
+use crate::loom::{Condvar, Mutex, MutexGuard};
+
+/// State whose invariants one look can check.
+pub(super) trait Invariants {
+    /// Panic if an invariant does not hold.
+    fn check_invariants(&self);
+}
+
+/// Whether guards check on release: in debug and loom builds.
+const CHECKING: bool = cfg!(any(debug_assertions, device_events_loom));
+
+/// A guard of a [`Mutex`] around state with [`Invariants`], checked each
+/// time the lock is let go (dropped, or given up to wait on a condition).
+pub(super) struct Checked<'a, T: Invariants> {
+    /// `None` only while it waits, and in its drop.
+    guard: Option<MutexGuard<'a, T>>,
+}
+
+impl<'a, T: Invariants> Checked<'a, T> {
+    /// Lock `mutex`.
+    pub(super) fn lock(mutex: &'a Mutex<T>) -> Self {
+        Self {
+            guard: Some(mutex.lock()),
+        }
+    }
+
+    /// Let go of the lock (checked) and wait on `condvar` at most `timeout`;
+    /// then hold it again. Also whether the wait timed out.
+    pub(super) fn wait_timeout(mut self, condvar: &Condvar, timeout: Duration) -> (Self, bool) {
+        let guard = self.guard.take().expect("a checked guard holds its lock");
+        if CHECKING {
+            guard.check_invariants();
+        }
+        let (guard, timed_out) = condvar.wait_timeout(guard, timeout);
+        (Self { guard: Some(guard) }, timed_out)
+    }
+}
+
+impl<T: Invariants> Deref for Checked<'_, T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        self.guard.as_ref().expect("a checked guard holds its lock")
+    }
+}
+
+impl<T: Invariants> DerefMut for Checked<'_, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.guard.as_mut().expect("a checked guard holds its lock")
+    }
+}
+
+impl<T: Invariants> Drop for Checked<'_, T> {
+    fn drop(&mut self) {
+        if let Some(guard) = self.guard.take() {
+            // Not while unwinding: a second panic would abort, and the first
+            // already says what went wrong.
+            if CHECKING && !std::thread::panicking() {
+                guard.check_invariants();
+            }
+        }
+    }
+}

@@ -1,0 +1,227 @@
+//! [`Shard`]: a share of the waiter's lanes behind one lock, and the
+//! [`Wait`]s in them. Work on streams in different shards never touches the
+//! same lock.
+
+use std::collections::BTreeMap;
+
+use super::checked::Invariants;
+use super::slot::Slot;
+use super::waitable::{LaneKey, Waitable};
+use crate::loom::Arc;
+
+/// How many shards the lanes are spread over: a power of two. Two under
+/// loom, whose models use lanes 0 and 1, one in each.
+pub(super) const SHARDS: usize = if cfg!(device_events_loom) { 2 } else { 16 };
+
+/// One shard's lanes. Invariants, each kept under the shard's lock (and
+/// checked as it is let go, in debug and loom builds):
+///
+/// - **pending**: `pending` counts this shard's waits handed to the pool
+///   and not yet resolved, withdrawn or failed: those in lanes, those a lane
+///   thread is blocked on, and those a server has taken out to query
+///   (`out`). [`Shard::wait_added`] adds one, [`Shard::waits_finished`]
+///   takes finished ones off.
+/// - **lanes**: a lane is created by the wait that finds none
+///   ([`Shard::insert`]) and queued for a server in the same critical
+///   section (a lane is never made and left unqueued), and removed only by
+///   its server when it is empty, by a failed spawn, or by shutdown. The
+///   pool counts lanes over all shards as they are made and removed.
+/// - **shut**: set by shutdown when it drains the shard; no lane is made in
+///   it after.
+#[derive(Default)]
+pub(super) struct Shard {
+    /// Ordered, so iteration (and a loom model) is deterministic.
+    pub(super) lanes: BTreeMap<LaneKey, Lane>,
+    pending: usize,
+    /// Waits taken out of their lanes to query and not settled yet.
+    out: usize,
+    pub(super) shut: bool,
+}
+
+#[derive(Default)]
+pub(super) struct Lane {
+    pub(super) waits: BTreeMap<u64, Wait>,
+    pub(super) owner: Owner,
+    /// The slot of the wait this lane's thread is blocked on, so shutdown
+    /// can resolve it without waiting for the block to end.
+    pub(super) blocked_on: Option<Arc<Slot>>,
+}
+
+/// Who serves a lane. A lane is created `Queued`; a thread or the poller
+/// claims it; it is never handed from one server to another except when a
+/// lane thread takes one back from the poller, or a server unwinds and its
+/// guard queues it again.
+#[derive(Default, Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Owner {
+    /// Waiting for a server: its key is in one of the scheduler's queues, or
+    /// was just taken out by a thread or the poller on its way to claim it.
+    /// Someone will serve it either way, so a wait that finds it adds
+    /// nothing.
+    #[default]
+    Queued,
+    /// Served by the lane thread with this number (each has its own, so a
+    /// thread's guard never takes a lane another thread serves).
+    Thread(usize),
+    /// Served by the poller (there is at most one).
+    Poller,
+}
+
+/// One pending wait: what to wait on, where its result goes, and where it
+/// sits in its lane.
+pub(crate) struct Wait {
+    pub(crate) waitable: Box<dyn Waitable>,
+    pub(crate) slot: Arc<Slot>,
+    pub(super) lane: LaneKey,
+    /// Its key in its lane: its sequence, or the next free place after it
+    /// when that was taken (two streams whose keys collide). A thread that
+    /// takes it out and puts it back puts it here, where its future's
+    /// withdraw looks for it.
+    placed: u64,
+}
+
+impl Wait {
+    /// A wait for `waitable` in lane `lane`, first placed at its sequence.
+    pub(crate) fn new(waitable: Box<dyn Waitable>, slot: Arc<Slot>, lane: LaneKey) -> Self {
+        let placed = waitable.sequence();
+        Self {
+            waitable,
+            slot,
+            lane,
+            placed,
+        }
+    }
+}
+
+impl Shard {
+    /// A wait was handed to this shard.
+    pub(super) fn wait_added(&mut self) {
+        self.pending += 1;
+    }
+
+    /// `count` of this shard's waits left the pool: resolved, withdrawn, or
+    /// failed.
+    pub(super) fn waits_finished(&mut self, count: usize) {
+        assert!(
+            count <= self.pending,
+            "a shard's pending count underflowed ({count} finished of {})",
+            self.pending
+        );
+        self.pending -= count;
+    }
+
+    /// Waits handed to this shard and not finished.
+    pub(super) fn pending(&self) -> usize {
+        self.pending
+    }
+
+    /// Put `wait` in its lane at its place or, if that is taken, the next
+    /// free one (sequences are unique per stream, but two streams may share
+    /// a lane whose keys collide: no wait may overwrite another). A wait
+    /// that had to move is told so in its slot, where its withdraw looks.
+    /// Returns where it went, and whether it made a new lane, which the
+    /// caller must count and queue before it lets go of the shard.
+    pub(super) fn insert(&mut self, mut wait: Wait) -> (u64, bool) {
+        let mut new_lane = false;
+        let lane = self.lanes.entry(wait.lane).or_insert_with(|| {
+            new_lane = true;
+            Lane::default()
+        });
+        let mut place = wait.placed;
+        if crate::plant::planted("wait-put-back-at-its-sequence") {
+            place = wait.waitable.sequence();
+        }
+        while lane.waits.contains_key(&place) {
+            place = place.wrapping_add(1);
+        }
+        if crate::plant::planted("wait-put-back-at-its-sequence") {
+            wait.placed = place;
+        } else if place != wait.placed {
+            wait.placed = place;
+            wait.slot.moved_to(place);
+        }
+        lane.waits.insert(place, wait);
+        (place, new_lane)
+    }
+
+    /// The lane `key` if `owner` serves it.
+    pub(super) fn lane_of(&mut self, key: LaneKey, owner: Owner) -> Option<&mut Lane> {
+        self.lanes.get_mut(&key).filter(|lane| lane.owner == owner)
+    }
+
+    /// Lane thread `owner`, serving `key`, takes its oldest wait to block on
+    /// (noted in `blocked_on`). `None` when the lane is empty or no longer
+    /// this thread's.
+    pub(super) fn take_oldest(&mut self, key: LaneKey, owner: Owner) -> Option<Wait> {
+        let lane = self.lane_of(key, owner)?;
+        let (_, wait) = lane.waits.pop_first()?;
+        lane.blocked_on = Some(wait.slot.clone());
+        Some(wait)
+    }
+
+    /// Move up to `limit` waits of `lane` into `batch`, oldest first, and
+    /// count them out (until [`Shard::batch_settled`]).
+    pub(super) fn take_batch(&mut self, key: LaneKey, limit: usize, batch: &mut Vec<Wait>) {
+        debug_assert!(batch.is_empty(), "the caller's buffer is cleared");
+        let Some(lane) = self.lanes.get_mut(&key) else {
+            return;
+        };
+        // One at a time from the front, not `split_off`: that allocates a
+        // new tree for the rest on every batch, in the middle of a burst.
+        while batch.len() < limit {
+            let Some((_, wait)) = lane.waits.pop_first() else {
+                break;
+            };
+            batch.push(wait);
+        }
+        self.out += batch.len();
+    }
+
+    /// `count` waits taken out by [`Shard::take_batch`] are back: resolved,
+    /// failed, or put in their lane again.
+    pub(super) fn batch_settled(&mut self, count: usize) {
+        assert!(
+            count <= self.out,
+            "a shard's count of waits out underflowed ({count} settled of {})",
+            self.out
+        );
+        self.out -= count;
+    }
+
+    /// A lane thread's block on `slot`'s wait in lane `key` ended: unless
+    /// shutdown has resolved it meanwhile, count it finished. Whether it was
+    /// still the thread's to resolve.
+    pub(super) fn finish_blocked(&mut self, key: LaneKey, slot: &Arc<Slot>) -> bool {
+        let ours = self
+            .lanes
+            .get_mut(&key)
+            .and_then(|lane| {
+                lane.blocked_on
+                    .take_if(|blocked| Arc::ptr_eq(blocked, slot))
+            })
+            .is_some();
+        if ours {
+            self.waits_finished(1);
+        }
+        ours
+    }
+}
+
+impl Invariants for Shard {
+    fn check_invariants(&self) {
+        let held: usize = self
+            .lanes
+            .values()
+            .map(|lane| lane.waits.len() + usize::from(lane.blocked_on.is_some()))
+            .sum();
+        assert_eq!(
+            self.pending,
+            held + self.out,
+            "a shard's pending count is not its waits in lanes ({held}) plus those out ({})",
+            self.out
+        );
+        assert!(
+            !self.shut || self.lanes.is_empty(),
+            "a lane in a shard shut down"
+        );
+    }
+}
