@@ -400,8 +400,9 @@ impl CurrentContext {
 /// [`Driver::event_destroy`], which takes it by value: nothing else destroys
 /// one. Dropped, it is forgotten, not destroyed (its context frees it). Its
 /// holder keeps the event's context alive while it calls through it: a
-/// [`CudaEvent`](super::CudaEvent) holds the context; a pooled idle event is
-/// used again only by way of a `CudaEvent` that holds it.
+/// [`CudaEvent`](super::CudaEvent) holds the context, and an idle event in a
+/// fence pool is called through only once a `CudaEvent` holds it again (the
+/// pool forgets those of a context that is gone).
 pub(super) struct RawEvent(sys::CUevent);
 
 // SAFETY: a CUevent is a driver handle, not memory this process reads; the
@@ -431,7 +432,7 @@ unsafe impl Send for Function {}
 unsafe impl Sync for Function {}
 
 /// The loaded driver: a thin safe wrapper around each raw call the crate
-/// makes, each one status turned into a result by [`check`]. Got from
+/// makes, its status turned into a result by [`check`]. Got from
 /// [`driver`] (a binding guard carries one); the calls act on the calling
 /// thread's current context, which the caller binds first.
 #[derive(Clone, Copy)]
