@@ -1,5 +1,9 @@
-//! Every raw CUDA driver call of the crate, behind [`check`], which turns a
-//! status into a [`ServerError`].
+//! The CUDA backend's FFI edge, as cudarc's `result.rs` sits under its `safe/`
+//! types: the driver's entry-point table and its one load state, the mapping
+//! of a status to a [`ServerError`] (all through [`check`]), and a thin safe
+//! wrapper ([`Driver`]) around each raw driver call the crate makes. Every
+//! `unsafe` of the backend is here; the binding guard, events, the fence-event
+//! pool and the kernels sit on these wrappers with none.
 //!
 //! cudarc's safe layer is used where it fits (contexts and streams); the calls
 //! here drop to `cudarc::driver::sys` because a fence event needs flags that
@@ -24,18 +28,15 @@
 // a `// SAFETY:` comment (the crate root denies `unsafe_code` elsewhere).
 #![allow(unsafe_code)]
 
-use std::cell::RefCell;
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::OnceLock;
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
-use crate::loom::Mutex;
-use crate::ServerError;
+use crate::{EventFlags, ServerError};
 
 pub(super) const BACKEND: &str = "Cuda";
 
@@ -120,58 +121,17 @@ struct Api {
     ) -> Status,
 }
 
-/// Filled by [`load`] once every required symbol was found.
-static API: OnceLock<Api> = OnceLock::new();
-
-/// The driver's entry points: loads the driver first if need be.
-fn api() -> Result<&'static Api, ServerError> {
-    ensure_loaded()?;
-    API.get()
-        .ok_or_else(|| unavailable("the CUDA driver's entry points were not found".to_owned()))
+/// The driver as [`load`] left it: its entry points, and `cuInit`'s answer.
+struct Loaded {
+    api: Api,
+    /// An error makes the backend unavailable; the entry points still name
+    /// and describe statuses (see [`status_error`]).
+    init: Result<(), ServerError>,
 }
 
-/// Status codes after which the process must restart: "This leaves the
-/// process in an inconsistent state and any further CUDA work will return the
-/// same error. To continue using CUDA, the process must be terminated and
-/// relaunched" (CUDA driver API, `CUresult`, CUDA 12 and 13 docs:
-/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html>).
-/// Taken from cudarc's `sys` enum wherever every binding this crate builds
-/// with (CUDA 12.0 and later) has the variant.
-const STICKY: &[sys::CUresult] = &[
-    sys::CUresult::CUDA_ERROR_ECC_UNCORRECTABLE,
-    sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
-    sys::CUresult::CUDA_ERROR_LAUNCH_TIMEOUT,
-    sys::CUresult::CUDA_ERROR_ASSERT,
-    sys::CUresult::CUDA_ERROR_HARDWARE_STACK_ERROR,
-    sys::CUresult::CUDA_ERROR_ILLEGAL_INSTRUCTION,
-    sys::CUresult::CUDA_ERROR_MISALIGNED_ADDRESS,
-    sys::CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE,
-    sys::CUresult::CUDA_ERROR_INVALID_PC,
-    sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
-    sys::CUresult::CUDA_ERROR_MPS_CLIENT_TERMINATED,
-    sys::CUresult::CUDA_ERROR_EXTERNAL_DEVICE,
-];
-
-/// Sticky codes that cudarc's bindings for CUDA 12.0 to 12.6 lack, so they
-/// cannot be named through `sys` in every build: `CUDA_ERROR_CONTAINED` (226,
-/// CUDA 12.8) and `CUDA_ERROR_TENSOR_MEMORY_LEAK` (721, CUDA 12.8); their
-/// driver docs say the process must be restarted, as above.
-const STICKY_SINCE_12_8: &[i32] = &[226, 721];
-
-/// Whether `code` leaves the context (and process) unusable for good.
-pub(super) fn is_sticky(code: i32) -> bool {
-    if crate::plant::planted("cuda-illegal-address-not-sticky")
-        && code == sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS as i32
-        || crate::plant::planted("cuda-contained-not-sticky") && code == 226
-    {
-        return false;
-    }
-    STICKY.iter().any(|sticky| *sticky as i32 == code) || STICKY_SINCE_12_8.contains(&code)
-}
-
-/// `cuEventCreate` flags.
-const EVENT_BLOCKING_SYNC: c_uint = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
-const EVENT_DISABLE_TIMING: c_uint = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
+/// The one load state, set once by [`load`]: an error when the library is
+/// missing or lacks a required entry point.
+static DRIVER: OnceLock<Result<Loaded, ServerError>> = OnceLock::new();
 
 /// Load the driver library, probe its symbols and initialize it, once.
 ///
@@ -180,16 +140,29 @@ const EVENT_DISABLE_TIMING: c_uint = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING
 /// [`ServerError::Unavailable`] when the library is missing, too old, or
 /// finds no device.
 pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
-    static LOADED: OnceLock<Result<(), ServerError>> = OnceLock::new();
-    LOADED.get_or_init(load).clone()
+    driver().map(|_| ())
 }
 
-/// Set once cudarc has loaded the driver library and every symbol it needs
-/// was found: from then on its error name and description lookups cannot
-/// panic.
-static LIBRARY_FOUND: AtomicBool = AtomicBool::new(false);
+/// The driver's entry points: loads the driver first if need be.
+///
+/// # Errors
+///
+/// As [`ensure_loaded`].
+pub(super) fn driver() -> Result<Driver, ServerError> {
+    match DRIVER.get_or_init(load) {
+        Ok(Loaded { api, init: Ok(()) }) => Ok(Driver { api }),
+        Ok(Loaded { init: Err(err), .. }) | Err(err) => Err(err.clone()),
+    }
+}
 
-fn load() -> Result<(), ServerError> {
+/// The entry points once cudarc has loaded the driver library and every
+/// symbol it needs was found (whatever `cuInit` answered): from then on the
+/// driver's error name and description lookups cannot panic. Never loads.
+fn loaded_api() -> Option<&'static Api> {
+    DRIVER.get()?.as_ref().ok().map(|loaded| &loaded.api)
+}
+
+fn load() -> Result<Loaded, ServerError> {
     // SAFETY: loading the driver library runs only its initializers; the
     // handle is dropped at once.
     if !unsafe { sys::is_culib_present() } {
@@ -233,7 +206,7 @@ fn load() -> Result<(), ServerError> {
             .ok()
             .map(|symbol| *symbol)
     });
-    let found = Api {
+    let api = Api {
         init: entry!("cuInit"),
         error_name: entry!("cuGetErrorName"),
         error_string: entry!("cuGetErrorString"),
@@ -251,10 +224,11 @@ fn load() -> Result<(), ServerError> {
         module_get_function: entry!("cuModuleGetFunction"),
         launch_kernel: entry!("cuLaunchKernel"),
     };
-    let api = API.get_or_init(|| found);
-    LIBRARY_FOUND.store(true, Ordering::Release);
     // SAFETY: cuInit takes flags by value; 0 is the only documented value.
-    check("cuInit", unsafe { (api.init)(0) }).map_err(|err| unavailable(err.to_string()))
+    let status = unsafe { (api.init)(0) };
+    // Named by the driver's own lookups: the table is not stored yet.
+    let init = check(Some(&api), "cuInit", status).map_err(|err| unavailable(err.to_string()));
+    Ok(Loaded { api, init })
 }
 
 fn unavailable(reason: String) -> ServerError {
@@ -264,12 +238,66 @@ fn unavailable(reason: String) -> ServerError {
     }
 }
 
-/// The one place a driver status becomes a result.
-pub(super) fn check(call: &'static str, status: Status) -> Result<(), ServerError> {
-    if status == sys::CUresult::CUDA_SUCCESS as Status {
+/// `CUDA_SUCCESS`, as the integer [`Api`]'s entry points return.
+const CUDA_SUCCESS: Status = sys::CUresult::CUDA_SUCCESS as Status;
+
+/// `CUDA_ERROR_NOT_READY`: `cuEventQuery`'s "not yet".
+const CUDA_ERROR_NOT_READY: Status = sys::CUresult::CUDA_ERROR_NOT_READY as Status;
+
+/// Status codes after which the process must restart: "This leaves the
+/// process in an inconsistent state and any further CUDA work will return the
+/// same error. To continue using CUDA, the process must be terminated and
+/// relaunched" (CUDA driver API, `CUresult`, CUDA 12 and 13 docs:
+/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html>).
+/// Taken from cudarc's `sys` enum wherever every binding this crate builds
+/// with (CUDA 12.0 and later) has the variant.
+const STICKY: &[sys::CUresult] = &[
+    sys::CUresult::CUDA_ERROR_ECC_UNCORRECTABLE,
+    sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
+    sys::CUresult::CUDA_ERROR_LAUNCH_TIMEOUT,
+    sys::CUresult::CUDA_ERROR_ASSERT,
+    sys::CUresult::CUDA_ERROR_HARDWARE_STACK_ERROR,
+    sys::CUresult::CUDA_ERROR_ILLEGAL_INSTRUCTION,
+    sys::CUresult::CUDA_ERROR_MISALIGNED_ADDRESS,
+    sys::CUresult::CUDA_ERROR_INVALID_ADDRESS_SPACE,
+    sys::CUresult::CUDA_ERROR_INVALID_PC,
+    sys::CUresult::CUDA_ERROR_LAUNCH_FAILED,
+    sys::CUresult::CUDA_ERROR_MPS_CLIENT_TERMINATED,
+    sys::CUresult::CUDA_ERROR_EXTERNAL_DEVICE,
+];
+
+/// `CUDA_ERROR_CONTAINED` (CUDA 12.8): sticky, and missing from cudarc's
+/// bindings for CUDA 12.0 to 12.6, so it cannot be named through `sys` in
+/// every build.
+const CUDA_ERROR_CONTAINED: Status = 226;
+
+/// `CUDA_ERROR_TENSOR_MEMORY_LEAK` (CUDA 12.8): as [`CUDA_ERROR_CONTAINED`].
+const CUDA_ERROR_TENSOR_MEMORY_LEAK: Status = 721;
+
+/// Sticky codes that cudarc's bindings for CUDA 12.0 to 12.6 lack, so they
+/// cannot be named through `sys` in every build: `CUDA_ERROR_CONTAINED` (226,
+/// CUDA 12.8) and `CUDA_ERROR_TENSOR_MEMORY_LEAK` (721, CUDA 12.8); their
+/// driver docs say the process must be restarted, as above.
+const STICKY_SINCE_12_8: &[Status] = &[CUDA_ERROR_CONTAINED, CUDA_ERROR_TENSOR_MEMORY_LEAK];
+
+/// Whether `code` leaves the context (and process) unusable for good.
+fn is_sticky(code: Status) -> bool {
+    if crate::plant::planted("cuda-illegal-address-not-sticky")
+        && code == sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS as Status
+        || crate::plant::planted("cuda-contained-not-sticky") && code == CUDA_ERROR_CONTAINED
+    {
+        return false;
+    }
+    STICKY.iter().any(|sticky| *sticky as Status == code) || STICKY_SINCE_12_8.contains(&code)
+}
+
+/// The one place a driver status becomes a result. `api` names and
+/// describes a failure: the loaded entry points, or none.
+fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), ServerError> {
+    if status == CUDA_SUCCESS {
         Ok(())
     } else {
-        Err(status_error(call, status, || {
+        Err(status_error(api, call, status, || {
             format!("CUDA error {status}")
         }))
     }
@@ -278,37 +306,36 @@ pub(super) fn check(call: &'static str, status: Status) -> Result<(), ServerErro
 /// A cudarc error (from its own calls, or a user's), as this crate reports
 /// driver errors. Never panics, with or without a driver.
 pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError {
-    status_error(call, err.0 as Status, || format!("{:?}", err.0))
+    status_error(loaded_api(), call, err.0 as Status, || {
+        format!("{:?}", err.0)
+    })
 }
 
 /// A failed status, named and described by the driver itself when it is
 /// loaded (`fallback` names it otherwise), marked faulted when it is one of
 /// the sticky ones.
 fn status_error(
+    api: Option<&Api>,
     call: &'static str,
     code: Status,
     fallback: impl FnOnce() -> String,
 ) -> ServerError {
-    let loaded = LIBRARY_FOUND
-        .load(Ordering::Acquire)
-        .then(|| API.get())
-        .flatten();
     let text = |lookup: unsafe extern "C" fn(Status, *mut *const c_char) -> Status| {
         let mut text = ptr::null();
         // SAFETY: `text` is a valid place for the pointer; the driver points
         // it at a static string (or leaves it null) for any status.
         let status = unsafe { lookup(code, &mut text) };
-        (status == sys::CUresult::CUDA_SUCCESS as Status && !text.is_null()).then(|| {
+        (status == CUDA_SUCCESS && !text.is_null()).then(|| {
             // SAFETY: a non-null answer is a NUL-terminated static string.
             unsafe { CStr::from_ptr(text) }
                 .to_string_lossy()
                 .into_owned()
         })
     };
-    let name = loaded
+    let name = api
         .and_then(|api| text(api.error_name))
         .unwrap_or_else(fallback);
-    let message = loaded
+    let message = api
         .and_then(|api| text(api.error_string))
         .unwrap_or_default();
     if is_sticky(code) {
@@ -336,507 +363,267 @@ impl From<DriverError> for ServerError {
     }
 }
 
-/// A context made current on the calling thread for the guard's life; the
-/// context that was current before is made current again when it drops, as a
-/// device guard does, so executor threads (and threads that drop events) are
-/// left as found and multi-GPU code on them keeps its device.
-///
-/// It binds through the driver, not cudarc's `bind_to_thread`: that first
-/// takes any error a cudarc `Drop` stored in the context (cudarc's drops store
-/// failures there instead of panicking), which belongs to the user's next
-/// cudarc call, and would come back from here mislabelled as this crate's.
-///
-/// On the crate's own threads (the waiter's and the drop queue's, see
-/// [`own_threads`](crate::own_threads)) nothing is restored: the context
-/// stays bound, so a waiter thread querying a batch of fences of one context
-/// switches contexts once, not twice per query. No executor runs there, and
-/// user code that does (a value the drop queue drops) finds some context
-/// current, as it would after any CUDA call; cudarc binds its own first.
-#[must_use = "the context is current only while the guard lives"]
-struct Bound {
-    /// What was current before, to restore; `None` when it already was `ctx`,
-    /// or on the crate's own threads.
-    previous: Option<sys::CUcontext>,
-    api: &'static Api,
-}
-
-thread_local! {
-    /// On the crate's own threads: the context this thread left bound.
-    /// Weak, so it holds the allocation (no other context can take its
-    /// address while it is kept here) and not the context.
-    static LEFT_BOUND: RefCell<Weak<CudaContext>> = const { RefCell::new(Weak::new()) };
-}
-
-/// Make `ctx` current on this thread until the returned guard drops (on the
-/// crate's own threads, until another is bound).
-fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
-    if crate::plant::planted("cuda-bind-takes-stored-errors") {
-        ctx.bind_to_thread()
-            .map_err(|err| driver_error("cuCtxSetCurrent", err))?;
-    }
-    let api = api()?;
-    let mut previous = ptr::null_mut();
-    // SAFETY: `previous` is a valid place for the handle.
-    check("cuCtxGetCurrent", unsafe {
-        (api.ctx_get_current)(&mut previous)
-    })?;
-    let target = ctx.cu_ctx();
-    let own = crate::own_threads::is_own();
-    // A handle equal to the target is the target still bound, except on
-    // the crate's own threads after the context it left there was torn
-    // down: a context made later (a device's primary context retained
-    // anew, say) can have the same handle, and the thread's binding is
-    // stale (the driver answers CUDA_ERROR_CONTEXT_IS_DESTROYED there). So
-    // there it counts only if this very context object bound it, alive all
-    // along since (its `Arc` holds the context's retain).
-    if previous == target
-        && (!own
-            || left_bound_by(ctx)
-            || crate::plant::planted("cuda-own-thread-trusts-stale-binding"))
-    {
-        return Ok(Bound {
-            previous: None,
-            api,
-        });
-    }
-    // SAFETY: `target` is live: `ctx` holds its primary-context retain for
-    // as long as the borrow lasts.
-    check("cuCtxSetCurrent", unsafe { (api.ctx_set_current)(target) })?;
-    if own {
-        // During the thread's exit nothing is remembered: the next bind
-        // (if any) switches again.
-        let _ = LEFT_BOUND.try_with(|left| *left.borrow_mut() = Arc::downgrade(ctx));
-        return Ok(Bound {
-            previous: None,
-            api,
-        });
-    }
-    Ok(Bound {
-        previous: Some(previous),
-        api,
-    })
-}
-
-/// Whether `ctx` is the context object this (own) thread left bound.
-fn left_bound_by(ctx: &Arc<CudaContext>) -> bool {
-    LEFT_BOUND
-        .try_with(|left| ptr::eq(left.borrow().as_ptr(), Arc::as_ptr(ctx)))
-        .unwrap_or(false)
-}
-
-impl Drop for Bound {
-    fn drop(&mut self) {
-        let Some(previous) = self
-            .previous
-            .filter(|_| !crate::plant::planted("cuda-previous-context-not-restored"))
-        else {
-            return;
-        };
-        // SAFETY: `previous` was current on this thread when the guard was
-        // made (or null: no context), so it is the caller's to keep alive; a
-        // context destroyed meanwhile is a handle the driver rejects with an
-        // error, reported below.
-        if let Err(err) = check("cuCtxSetCurrent", unsafe {
-            (self.api.ctx_set_current)(previous)
-        }) {
-            log::debug!(
-                "the thread's previous CUDA context could not be made current again: {err}"
-            );
-        }
-    }
-}
-
-/// The driver would refuse (or misbehave on) a handle of one context used on
-/// a stream of another: say so before calling it.
-fn same_context(
-    call: &'static str,
-    ctx: &CudaContext,
-    stream: &CudaStream,
-) -> Result<(), ServerError> {
-    if stream.context().cu_ctx() == ctx.cu_ctx() {
-        return Ok(());
-    }
-    Err(invalid_context(
-        call,
-        "the handle and the stream belong to different contexts",
-    ))
-}
-
 /// `CUDA_ERROR_INVALID_CONTEXT` for `call`, refused before the driver.
-fn invalid_context(call: &'static str, message: &str) -> ServerError {
+pub(super) fn invalid_context(call: &'static str, message: &str) -> ServerError {
     refused(call, sys::CUresult::CUDA_ERROR_INVALID_CONTEXT, message)
 }
 
-/// A call this crate refuses before the driver sees it, with the status the
-/// driver would have given.
+/// A call this crate refuses before the driver sees it (or whose answer it
+/// cannot use), with the status the driver would have given.
 pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) -> ServerError {
     ServerError::Call {
         backend: BACKEND,
         call,
-        code: code as i32,
+        code: code as Status,
         name: format!("{code:?}"),
         message: message.to_owned(),
     }
 }
 
-/// The most idle fence events a context's pool keeps: [`SHARD_CAPACITY`] in
-/// each of its [`FENCE_POOL_SHARDS`] shards.
-const FENCE_POOL_CAPACITY: usize = 512;
+/// `cuEventCreate` flags.
+const EVENT_BLOCKING_SYNC: c_uint = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
+const EVENT_DISABLE_TIMING: c_uint = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
 
-/// How many locks a context's pool is split into. Every executor thread
-/// makes fences on the same context, so one lock would be a lock shared by
-/// all of them; each thread takes from its own shard (see [`home_shard`]),
-/// or another's when its own is empty, and an event goes back to the shard
-/// of the thread that took it.
-const FENCE_POOL_SHARDS: usize = 8;
+/// The context current on a thread when [`Driver::ctx_get_current`] asked
+/// (null: none), to make current again with [`Driver::ctx_restore`]. Not
+/// `Send`: it is the thread's own.
+pub(super) struct CurrentContext(sys::CUcontext);
 
-/// The most idle events one shard keeps.
-const SHARD_CAPACITY: usize = FENCE_POOL_CAPACITY / FENCE_POOL_SHARDS;
-
-/// One context's idle fence events (`DISABLE_TIMING | BLOCKING_SYNC`), for
-/// later fences: on busy GPUs `cuEventCreate` contends on the driver's
-/// context lock, so a steady loop of fences creates none after warm-up. At
-/// most [`FENCE_POOL_CAPACITY`] idle events, spread over
-/// [`FENCE_POOL_SHARDS`] locks.
-///
-/// Idle events do not keep the context alive (the pool holds it weakly): if
-/// the context goes, the driver frees its events with it, and the pool
-/// forgets them without a call.
-pub(crate) struct FencePool {
-    ctx: Weak<CudaContext>,
-    shards: Vec<Mutex<Vec<IdleEvent>>>,
-}
-
-/// An idle event's raw handle.
-struct IdleEvent(sys::CUevent);
-
-// SAFETY: a CUevent is a driver handle, not memory this process reads; an
-// idle one is touched only under its shard's lock, then by one owner.
-unsafe impl Send for IdleEvent {}
-
-/// The pool shard of the calling thread: threads are spread over the shards
-/// in the order they first make a fence.
-fn home_shard() -> usize {
-    static NEXT: AtomicUsize = AtomicUsize::new(0);
-    thread_local! {
-        static SHARD: usize = NEXT.fetch_add(1, Ordering::Relaxed) % FENCE_POOL_SHARDS;
+impl CurrentContext {
+    /// Whether it is `ctx`'s handle (a context made later can have the same).
+    pub(super) fn is(&self, ctx: &CudaContext) -> bool {
+        self.0 == ctx.cu_ctx()
     }
-    SHARD.with(|shard| *shard)
 }
 
-impl FencePool {
-    /// The pool of `ctx`'s fence events: the same pool for every stream of a
-    /// context, found once per stream registration (not per fence).
-    pub(crate) fn of(ctx: &Arc<CudaContext>) -> Arc<Self> {
-        // In a `OnceLock`: the crate's mutex is not `const` under loom.
-        static POOLS: OnceLock<Mutex<Vec<Weak<FencePool>>>> = OnceLock::new();
-        let mut pools = POOLS.get_or_init(Mutex::default).lock();
-        pools.retain(|pool| pool.strong_count() > 0);
-        let found = pools
-            .iter()
-            .filter_map(Weak::upgrade)
-            .find(|pool| pool.ctx.as_ptr() == Arc::as_ptr(ctx));
-        found.unwrap_or_else(|| {
-            let pool = Arc::new(Self {
-                ctx: Arc::downgrade(ctx),
-                // Room for a full shard: a release never grows it.
-                shards: (0..FENCE_POOL_SHARDS)
-                    .map(|_| Mutex::new(Vec::with_capacity(SHARD_CAPACITY)))
-                    .collect(),
-            });
-            pools.push(Arc::downgrade(&pool));
-            pool
+/// An event made by [`Driver::event_create`] and not yet given to
+/// [`Driver::event_destroy`], which takes it by value: nothing else destroys
+/// one. Dropped, it is forgotten, not destroyed (its context frees it). Its
+/// holder keeps the event's context alive while it calls through it: a
+/// [`CudaEvent`](super::CudaEvent) holds the context, and an idle event in a
+/// fence pool is called through only once a `CudaEvent` holds it again (the
+/// pool forgets those of a context that is gone).
+pub(super) struct RawEvent(sys::CUevent);
+
+// SAFETY: a CUevent is a driver handle, not memory this process reads; the
+// driver API is thread-safe, so the handle may move between threads.
+unsafe impl Send for RawEvent {}
+// SAFETY: as for `Send`; the driver serializes concurrent calls on one event.
+unsafe impl Sync for RawEvent {}
+
+impl fmt::Debug for RawEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
+/// A module loaded by [`Driver::module_load_data`]. This crate never unloads
+/// one: `cuModuleUnload` makes no promise about launches still queued, and a
+/// module goes with its context anyway.
+pub(super) struct Module(sys::CUmodule);
+
+/// A kernel found by [`Driver::module_get_function`]; its module is never
+/// unloaded, so it lives as long as its context.
+pub(super) struct Function(sys::CUfunction);
+
+// SAFETY: the function is a driver handle; the driver API is thread-safe.
+unsafe impl Send for Function {}
+// SAFETY: as for `Send`; launching is the only use and the driver serializes it.
+unsafe impl Sync for Function {}
+
+/// The loaded driver: a thin safe wrapper around each raw call the crate
+/// makes, its status turned into a result by [`check`]. Got from
+/// [`driver`] (a binding guard carries one); the calls act on the calling
+/// thread's current context, which the caller binds first.
+#[derive(Clone, Copy)]
+pub(super) struct Driver {
+    api: &'static Api,
+}
+
+impl Driver {
+    fn check(self, call: &'static str, status: Status) -> Result<(), ServerError> {
+        check(Some(self.api), call, status)
+    }
+
+    /// `cuCtxGetCurrent`: the calling thread's current context.
+    pub(super) fn ctx_get_current(self) -> Result<CurrentContext, ServerError> {
+        let mut current = ptr::null_mut();
+        // SAFETY: `current` is a valid place for the handle.
+        self.check("cuCtxGetCurrent", unsafe {
+            (self.api.ctx_get_current)(&mut current)
+        })?;
+        Ok(CurrentContext(current))
+    }
+
+    /// `cuCtxSetCurrent`: make `ctx` current on the calling thread.
+    pub(super) fn ctx_set_current(self, ctx: &CudaContext) -> Result<(), ServerError> {
+        // SAFETY: the handle is live: `ctx` holds its primary-context retain
+        // for as long as the borrow lasts.
+        self.check("cuCtxSetCurrent", unsafe {
+            (self.api.ctx_set_current)(ctx.cu_ctx())
         })
     }
 
-    /// An idle fence event of this pool's context from the calling thread's
-    /// shard, or a new one. `ctx` is the pool's context, kept alive by the
-    /// caller's stream.
-    pub(crate) fn take(self: &Arc<Self>, ctx: &Arc<CudaContext>) -> Result<CudaEvent, ServerError> {
-        let shard = home_shard();
-        // Another shard's idle event before a new one: the pool holds up to
-        // its capacity for whichever threads make fences.
-        let idle = self.shards_from(shard).find_map(|other| other.lock().pop());
-        let mut event = match idle {
-            Some(IdleEvent(raw)) => CudaEvent {
-                raw,
-                ctx: ctx.clone(),
-                pool: None,
-            },
-            None => CudaEvent::create(ctx, false, true)?,
-        };
-        event.pool = Some((self.clone(), shard));
-        Ok(event)
+    /// `cuCtxSetCurrent`: make a context found by
+    /// [`ctx_get_current`](Self::ctx_get_current) current again.
+    pub(super) fn ctx_restore(self, previous: CurrentContext) -> Result<(), ServerError> {
+        // SAFETY: `previous` was current on this thread when it was found (or
+        // null: no context), so it is the caller's to keep alive; a context
+        // destroyed meanwhile is a handle the driver rejects with an error.
+        self.check("cuCtxSetCurrent", unsafe {
+            (self.api.ctx_set_current)(previous.0)
+        })
     }
 
-    /// Every shard, starting with `first`.
-    fn shards_from(&self, first: usize) -> impl Iterator<Item = &Mutex<Vec<IdleEvent>>> {
-        (0..FENCE_POOL_SHARDS).map(move |step| &self.shards[(first + step) % FENCE_POOL_SHARDS])
-    }
-}
-
-impl Drop for FencePool {
-    fn drop(&mut self) {
-        let idle: Vec<IdleEvent> = self
-            .shards
-            .iter_mut()
-            .flat_map(|shard| std::mem::take(shard.get_mut()))
-            .collect();
-        let Some(ctx) = self.ctx.upgrade() else {
-            // The context is gone, and the driver freed its events with it.
-            return;
-        };
-        for IdleEvent(raw) in idle {
-            drop(CudaEvent {
-                raw,
-                ctx: ctx.clone(),
-                pool: None,
-            });
+    /// `cuEventCreate` in the current context.
+    pub(super) fn event_create(self, flags: EventFlags) -> Result<RawEvent, ServerError> {
+        let mut bits = 0;
+        if !flags.timing {
+            bits |= EVENT_DISABLE_TIMING;
         }
-    }
-}
-
-/// The CUDA backend's raw event. It keeps its context alive, and is destroyed
-/// when dropped if [`Cuda::event_destroy`](super::Cuda) did not already.
-/// Usually held inside an [`Event`](crate::Event) or a fence:
-///
-/// ```no_run
-/// use device_events::cuda::{self, Cuda, CudaStreamHandle};
-/// use device_events::{Event, EventFlags};
-///
-/// let stream = cuda::context(0)?.new_stream()?;
-/// let handle = CudaStreamHandle::new(&stream);
-/// let event = Event::<Cuda>::new(handle, EventFlags::TIMING)?;
-/// event.record(handle)?;
-/// let raw: &cuda::CudaEvent = event.raw();
-/// println!("{raw:?}");
-/// # Ok::<(), device_events::ServerError>(())
-/// ```
-pub struct CudaEvent {
-    raw: sys::CUevent,
-    ctx: Arc<CudaContext>,
-    /// The pool a fence event goes back to, and the shard it came from.
-    pool: Option<(Arc<FencePool>, usize)>,
-}
-
-// SAFETY: a CUevent is a driver handle, not memory this process reads; the
-// driver API is thread-safe, and every call here binds the event's context
-// on the calling thread first, so the event may move between threads.
-unsafe impl Send for CudaEvent {}
-// SAFETY: as for `Send`; the driver serializes concurrent calls on one event.
-unsafe impl Sync for CudaEvent {}
-
-impl CudaEvent {
-    /// Create an event in `ctx`.
-    pub(super) fn create(
-        ctx: &Arc<CudaContext>,
-        timing: bool,
-        blocking: bool,
-    ) -> Result<Self, ServerError> {
-        let mut flags = 0;
-        if !timing {
-            flags |= EVENT_DISABLE_TIMING;
+        if flags.blocking_sync {
+            bits |= EVENT_BLOCKING_SYNC;
         }
-        if blocking {
-            flags |= EVENT_BLOCKING_SYNC;
-        }
-        let bound = bind(ctx)?;
         let mut raw = ptr::null_mut();
         // SAFETY: `raw` is a valid place for the new handle; the flags are a
         // combination of documented bits.
-        check("cuEventCreate", unsafe {
-            (bound.api.event_create)(&mut raw, flags)
+        self.check("cuEventCreate", unsafe {
+            (self.api.event_create)(&mut raw, bits)
         })?;
-        Ok(Self {
-            raw,
-            ctx: ctx.clone(),
-            pool: None,
+        Ok(RawEvent(raw))
+    }
+
+    /// `cuEventRecord`: record `event` at the current end of `stream`.
+    pub(super) fn event_record(
+        self,
+        event: &RawEvent,
+        stream: &CudaStream,
+    ) -> Result<(), ServerError> {
+        // SAFETY: both handles are live: the event until it is destroyed by
+        // value (see `RawEvent`), the stream borrowed from its owner for the
+        // call.
+        self.check("cuEventRecord", unsafe {
+            (self.api.event_record)(event.0, stream.cu_stream())
         })
     }
 
-    /// Give a fence event back to its context's pool, or destroy it when the
-    /// pool is full (or it has none). Its last record may still be pending:
-    /// the next `cuEventRecord` replaces it, which the driver allows.
-    pub(super) fn release(mut self) -> Result<(), ServerError> {
-        if let Some((pool, shard)) = self.pool.take() {
-            // Back to the shard of the thread that took it; a full shard
-            // destroys it rather than lock the others (a burst of releases
-            // beyond the pool's capacity would lock every shard each time).
-            let mut idle = pool.shards[shard].lock();
-            if idle.len() < SHARD_CAPACITY && !crate::plant::planted("cuda-fence-events-not-pooled")
-            {
-                let raw = std::mem::replace(&mut self.raw, ptr::null_mut());
-                idle.push(IdleEvent(raw));
-                return Ok(());
-            }
-        }
-        self.destroy()
-    }
-
-    /// Record at the current end of `stream`; the stream must share the
-    /// event's context.
-    pub(super) fn record(&self, stream: &CudaStream) -> Result<(), ServerError> {
-        same_context("cuEventRecord", &self.ctx, stream)?;
-        let bound = bind(&self.ctx)?;
-        // SAFETY: both handles are live: the event is owned by `self`, the
-        // stream is borrowed from its owner for the call.
-        check("cuEventRecord", unsafe {
-            (bound.api.event_record)(self.raw, stream.cu_stream())
-        })
-    }
-
-    /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
-    pub(super) fn query(&self) -> Result<bool, ServerError> {
-        let bound = bind(&self.ctx)?;
-        // SAFETY: the event is live, owned by `self`.
-        match unsafe { (bound.api.event_query)(self.raw) } {
-            status if status == sys::CUresult::CUDA_SUCCESS as Status => Ok(true),
-            status if status == sys::CUresult::CUDA_ERROR_NOT_READY as Status => Ok(false),
-            status => check("cuEventQuery", status).map(|()| false),
+    /// `cuEventQuery`: reached, not yet, or an error; all three outcomes.
+    pub(super) fn event_query(self, event: &RawEvent) -> Result<bool, ServerError> {
+        // SAFETY: the event is live (see `RawEvent`).
+        match unsafe { (self.api.event_query)(event.0) } {
+            CUDA_SUCCESS => Ok(true),
+            CUDA_ERROR_NOT_READY => Ok(false),
+            status => self.check("cuEventQuery", status).map(|()| false),
         }
     }
 
-    /// Block until reached; sleeps in the driver for a `BLOCKING_SYNC` event.
-    pub(super) fn synchronize(&self) -> Result<(), ServerError> {
-        let bound = bind(&self.ctx)?;
-        // SAFETY: the event is live, owned by `self`.
-        check("cuEventSynchronize", unsafe {
-            (bound.api.event_synchronize)(self.raw)
+    /// `cuEventSynchronize`: block until `event` is reached.
+    pub(super) fn event_synchronize(self, event: &RawEvent) -> Result<(), ServerError> {
+        // SAFETY: the event is live (see `RawEvent`).
+        self.check("cuEventSynchronize", unsafe {
+            (self.api.event_synchronize)(event.0)
         })
     }
 
-    /// Make `stream` wait for this event's latest record, on the device. Works
-    /// across contexts.
-    pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
-        let bound = bind(stream.context())?;
-        // SAFETY: both handles are live; flag 0 is CU_EVENT_WAIT_DEFAULT.
-        check("cuStreamWaitEvent", unsafe {
-            (bound.api.stream_wait_event)(stream.cu_stream(), self.raw, 0)
-        })
-    }
-
-    /// Milliseconds from `start` to `self`, as the driver measures them.
-    pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
-        let bound = bind(&self.ctx)?;
+    /// `cuEventElapsedTime` (under either name): milliseconds from `start`
+    /// to `end`.
+    pub(super) fn event_elapsed_ms(
+        self,
+        start: &RawEvent,
+        end: &RawEvent,
+    ) -> Result<f32, ServerError> {
         let mut ms = 0.0f32;
-        let elapsed = bound.api.event_elapsed.ok_or_else(|| {
+        let elapsed = self.api.event_elapsed.ok_or_else(|| {
             unavailable(format!(
                 "the CUDA driver exports neither {}",
                 ELAPSED_SYMBOLS.join(" nor ")
             ))
         })?;
-        // SAFETY: `ms` is a valid place for the result; both events are live;
-        // `elapsed` has the driver's signature for these arguments.
-        check("cuEventElapsedTime", unsafe {
-            elapsed(&mut ms, start.raw, self.raw)
+        // SAFETY: `ms` is a valid place for the result; both events are live
+        // (see `RawEvent`); `elapsed` has the driver's signature for these
+        // arguments.
+        self.check("cuEventElapsedTime", unsafe {
+            elapsed(&mut ms, start.0, end.0)
         })?;
         Ok(ms)
     }
 
-    /// Destroy now and report the driver's answer. Does not block: the driver
-    /// releases an event with pending work once the work completes.
-    pub(super) fn destroy(mut self) -> Result<(), ServerError> {
-        self.destroy_raw()
-    }
-
-    fn destroy_raw(&mut self) -> Result<(), ServerError> {
-        let raw = std::mem::replace(&mut self.raw, ptr::null_mut());
-        if raw.is_null() {
-            return Ok(());
-        }
-        // The destroy is attempted even if the bind fails (a faulted
-        // context, say): skipping it would leak the event for good.
-        let bound = bind(&self.ctx);
-        // SAFETY: `raw` was created by cuEventCreate and is destroyed once:
-        // the field is nulled above.
-        let destroyed = match api() {
-            // SAFETY: `raw` was created by cuEventCreate and is destroyed
-            // once: the field is nulled above.
-            Ok(api) => check("cuEventDestroy", unsafe { (api.event_destroy)(raw) }),
-            Err(err) => Err(err),
-        };
-        drop(bound);
-        destroyed
-    }
-}
-
-impl Drop for CudaEvent {
-    fn drop(&mut self) {
-        if let Err(err) = self.destroy_raw() {
-            log::error!("a CUDA event could not be destroyed: {err}");
-        }
-    }
-}
-
-impl fmt::Debug for CudaEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("CudaEvent").field("raw", &self.raw).finish()
-    }
-}
-
-/// One kernel of a PTX module loaded into a context.
-///
-/// The module is never unloaded by this crate: `cuModuleUnload` makes no
-/// promise about launches still queued, and a module goes with its context
-/// anyway. Load a kernel once per context, not once per launch.
-pub(super) struct Kernel {
-    function: sys::CUfunction,
-    ctx: Arc<CudaContext>,
-}
-
-// SAFETY: the function is a driver handle; the driver API is
-// thread-safe and every call binds the module's context first.
-unsafe impl Send for Kernel {}
-// SAFETY: as for `Send`; launching is the only use and the driver serializes it.
-unsafe impl Sync for Kernel {}
-
-impl Kernel {
-    /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx` and find `name`.
-    pub(super) fn load(
-        ctx: &Arc<CudaContext>,
-        ptx: &CStr,
-        name: &CStr,
-    ) -> Result<Self, ServerError> {
-        let bound = bind(ctx)?;
-        let mut module = ptr::null_mut();
-        // SAFETY: `ptx` is a NUL-terminated image that outlives the call;
-        // `module` is a valid place for the handle.
-        check("cuModuleLoadData", unsafe {
-            (bound.api.module_load_data)(&mut module, ptx.as_ptr().cast())
-        })?;
-        let mut function = ptr::null_mut();
-        // SAFETY: the module was just loaded and is never unloaded; `name` is
-        // NUL-terminated; `function` is a valid place for the handle.
-        check("cuModuleGetFunction", unsafe {
-            (bound.api.module_get_function)(&mut function, module, name.as_ptr())
-        })?;
-        Ok(Self {
-            function,
-            ctx: ctx.clone(),
+    /// `cuEventDestroy`. Does not block: the driver releases an event with
+    /// pending work once the work completes.
+    pub(super) fn event_destroy(self, event: RawEvent) -> Result<(), ServerError> {
+        // SAFETY: the event is live, and destroyed once: it is taken by value.
+        self.check("cuEventDestroy", unsafe {
+            (self.api.event_destroy)(event.0)
         })
     }
 
-    /// Launch on one thread of one block with one `u64` argument.
+    /// `cuStreamWaitEvent`: make `stream` wait, on the device, for `event`'s
+    /// latest record. Works across contexts.
+    pub(super) fn stream_wait_event(
+        self,
+        stream: &CudaStream,
+        event: &RawEvent,
+    ) -> Result<(), ServerError> {
+        // SAFETY: both handles are live (see `event_record`); flag 0 is
+        // CU_EVENT_WAIT_DEFAULT.
+        self.check("cuStreamWaitEvent", unsafe {
+            (self.api.stream_wait_event)(stream.cu_stream(), event.0, 0)
+        })
+    }
+
+    /// `cuStreamSynchronize`: block until all work queued on `stream` is done.
+    pub(super) fn stream_synchronize(self, stream: &CudaStream) -> Result<(), ServerError> {
+        // SAFETY: the stream is live, borrowed from its owner for the call.
+        self.check("cuStreamSynchronize", unsafe {
+            (self.api.stream_synchronize)(stream.cu_stream())
+        })
+    }
+
+    /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the
+    /// current context.
+    pub(super) fn module_load_data(self, ptx: &CStr) -> Result<Module, ServerError> {
+        let mut module = ptr::null_mut();
+        // SAFETY: `ptx` is a NUL-terminated image that outlives the call;
+        // `module` is a valid place for the handle.
+        self.check("cuModuleLoadData", unsafe {
+            (self.api.module_load_data)(&mut module, ptx.as_ptr().cast())
+        })?;
+        Ok(Module(module))
+    }
+
+    /// `cuModuleGetFunction`: the kernel `name` of `module`.
+    pub(super) fn module_get_function(
+        self,
+        module: &Module,
+        name: &CStr,
+    ) -> Result<Function, ServerError> {
+        let mut function = ptr::null_mut();
+        // SAFETY: the module is live (never unloaded); `name` is
+        // NUL-terminated; `function` is a valid place for the handle.
+        self.check("cuModuleGetFunction", unsafe {
+            (self.api.module_get_function)(&mut function, module.0, name.as_ptr())
+        })?;
+        Ok(Function(function))
+    }
+
+    /// `cuLaunchKernel`: `function` on one thread of one block, with one
+    /// `u64` argument. Only for the kernels of this crate's PTX
+    /// (`kernels.rs`), every one of which takes exactly one `.u64`.
     pub(super) fn launch_u64(
-        &self,
+        self,
+        function: &Function,
         stream: &CudaStream,
         mut argument: u64,
     ) -> Result<(), ServerError> {
-        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(invalid_context(
-                "cuLaunchKernel",
-                "the kernel and the stream belong to different contexts",
-            ));
-        }
-        let bound = bind(&self.ctx)?;
         let mut params = [ptr::addr_of_mut!(argument).cast::<c_void>()];
-        // SAFETY: the function is live (its module is never unloaded); the
-        // kernel takes exactly one u64 parameter, and the driver copies the
-        // parameter values before cuLaunchKernel returns, so pointers to
-        // locals are enough.
-        check("cuLaunchKernel", unsafe {
-            (bound.api.launch_kernel)(
-                self.function,
+        // SAFETY: the function is live (its module is never unloaded) and is
+        // one of this crate's kernels, each of which takes exactly one u64
+        // parameter; the driver copies the parameter values before
+        // cuLaunchKernel returns, so pointers to locals are enough; the
+        // stream is borrowed from its owner for the call.
+        self.check("cuLaunchKernel", unsafe {
+            (self.api.launch_kernel)(
+                function.0,
                 1,
                 1,
                 1,
@@ -850,13 +637,4 @@ impl Kernel {
             )
         })
     }
-}
-
-/// Block until all work queued on `stream` is done.
-pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
-    let bound = bind(stream.context())?;
-    // SAFETY: the stream is live, borrowed from its owner for the call.
-    check("cuStreamSynchronize", unsafe {
-        (bound.api.stream_synchronize)(stream.cu_stream())
-    })
 }

@@ -1,6 +1,7 @@
 //! Test kernels, hand-written PTX JIT-compiled by the driver (no NVRTC or
 //! toolkit needed): [`SleepKernel`], device work of a known length, and
-//! [`FaultKernel`], a write to an illegal address.
+//! [`FaultKernel`], a write to an illegal address; both launch a [`Kernel`],
+//! one entry of the PTX loaded into a context.
 
 use std::ffi::CStr;
 use std::sync::Arc;
@@ -8,7 +9,8 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::driver::Kernel;
+use super::bind::bind;
+use super::driver::{invalid_context, Function};
 use crate::ServerError;
 
 /// `sleep_ns` spins one GPU thread on `%globaltimer` until the given number
@@ -20,7 +22,8 @@ use crate::ServerError;
 /// timer the kernel still ends, within (nanoseconds asked) × (one spin's
 /// time). `write_u32` stores 1 at the given address. `{TARGET}` is filled in
 /// from [`TARGETS`]; every module is assembled by NVIDIA's `ptxas` in CI
-/// (`tests/ptx.rs`).
+/// (`tests/ptx.rs`). Every entry takes exactly one `.u64` parameter: that is
+/// what [`Kernel::launch_u64`] passes.
 const PTX: &str = r#"
 .version 7.0
 .target {TARGET}
@@ -61,6 +64,41 @@ DONE:
     ret;
 }
 "#;
+
+/// One kernel of a PTX module loaded into a context.
+///
+/// The module is never unloaded by this crate: `cuModuleUnload` makes no
+/// promise about launches still queued, and a module goes with its context
+/// anyway. Load a kernel once per context, not once per launch.
+struct Kernel {
+    function: Function,
+    ctx: Arc<CudaContext>,
+}
+
+impl Kernel {
+    /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx` and find `name`.
+    fn load(ctx: &Arc<CudaContext>, ptx: &CStr, name: &CStr) -> Result<Self, ServerError> {
+        let bound = bind(ctx)?;
+        let module = bound.driver().module_load_data(ptx)?;
+        let function = bound.driver().module_get_function(&module, name)?;
+        Ok(Self {
+            function,
+            ctx: ctx.clone(),
+        })
+    }
+
+    /// Launch on one thread of one block with one `u64` argument.
+    fn launch_u64(&self, stream: &CudaStream, argument: u64) -> Result<(), ServerError> {
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(invalid_context(
+                "cuLaunchKernel",
+                "the kernel and the stream belong to different contexts",
+            ));
+        }
+        let bound = bind(&self.ctx)?;
+        bound.driver().launch_u64(&self.function, stream, argument)
+    }
+}
 
 /// Load the test module into `ctx` and find `name`, trying each target.
 fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {

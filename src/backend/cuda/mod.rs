@@ -25,7 +25,10 @@
 //! # Ok::<(), device_events::ServerError>(())
 //! ```
 
+mod bind;
 mod driver;
+mod event;
+mod fence_pool;
 mod kernels;
 mod stream;
 
@@ -33,8 +36,8 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 pub use cudarc;
-use cudarc::driver::{CudaContext, CudaStream};
-pub use driver::CudaEvent;
+use cudarc::driver::{sys, CudaContext, CudaStream};
+pub use event::CudaEvent;
 pub use kernels::{ptx_modules, FaultKernel, SleepKernel};
 pub use stream::CudaStreamHandle;
 
@@ -192,7 +195,7 @@ impl EventApi for Cuda {
     fn event_create(stream: CudaStreamHandle, flags: EventFlags) -> Result<CudaEvent, ServerError> {
         driver::ensure_loaded()?;
         let stream = stream.resolve("cuEventCreate")?;
-        CudaEvent::create(stream.context(), flags.timing, flags.blocking_sync)
+        CudaEvent::create(stream.context(), flags)
     }
 
     fn event_record(event: &CudaEvent, stream: CudaStreamHandle) -> Result<(), ServerError> {
@@ -218,21 +221,20 @@ impl EventApi for Cuda {
     fn stream_synchronize(stream: CudaStreamHandle) -> Result<(), ServerError> {
         driver::ensure_loaded()?;
         let stream = stream.resolve("cuStreamSynchronize")?;
-        driver::synchronize_stream(&stream)
+        stream::synchronize_stream(&stream)
     }
 
     fn event_elapsed(start: &CudaEvent, end: &CudaEvent) -> Result<Duration, ServerError> {
         let ms = f64::from(end.elapsed_ms(start)?);
         // The driver's time is signed: negative when the stop was reached
         // before the start (they were recorded on different streams).
-        let time =
-            Duration::try_from_secs_f64(ms.abs() / 1000.0).map_err(|_| ServerError::Call {
-                backend: driver::BACKEND,
-                call: "cuEventElapsedTime",
-                code: 999,
-                name: "CUDA_ERROR_UNKNOWN".to_owned(),
-                message: format!("the driver returned a time of {ms} ms"),
-            })?;
+        let time = Duration::try_from_secs_f64(ms.abs() / 1000.0).map_err(|_| {
+            driver::refused(
+                "cuEventElapsedTime",
+                sys::CUresult::CUDA_ERROR_UNKNOWN,
+                &format!("the driver returned a time of {ms} ms"),
+            )
+        })?;
         if ms < 0.0 {
             return Err(ServerError::StopBeforeStart {
                 backend: driver::BACKEND,

@@ -6,7 +6,9 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaStream};
 
-use super::driver::{refused, FencePool};
+use super::bind::bind;
+use super::driver::refused;
+use super::fence_pool::FencePool;
 use crate::backend::registry::Registry;
 use crate::ServerError;
 
@@ -138,6 +140,12 @@ impl CudaStreamHandle {
             .get(self.id)
             .ok_or_else(|| invalid_handle(call, "the stream behind this handle was dropped"))
     }
+}
+
+/// Block until all work queued on `stream` is done.
+pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
+    let bound = bind(stream.context())?;
+    bound.driver().stream_synchronize(stream)
 }
 
 fn invalid_handle(call: &'static str, message: &str) -> ServerError {

@@ -1,0 +1,118 @@
+//! [`Bound`]: a context made current on the calling thread, and the
+//! previous one made current again afterwards.
+
+use std::cell::RefCell;
+use std::ptr;
+use std::sync::{Arc, Weak};
+
+use cudarc::driver::CudaContext;
+
+use super::driver::{driver, driver_error, CurrentContext, Driver};
+use crate::ServerError;
+
+/// A context made current on the calling thread for the guard's life; the
+/// context that was current before is made current again when it drops, as a
+/// device guard does, so executor threads (and threads that drop events) are
+/// left as found and multi-GPU code on them keeps its device.
+///
+/// It binds through the driver, not cudarc's `bind_to_thread`: that first
+/// takes any error a cudarc `Drop` stored in the context (cudarc's drops store
+/// failures there instead of panicking), which belongs to the user's next
+/// cudarc call, and would come back from here mislabelled as this crate's.
+///
+/// On the crate's own threads (the waiter's and the drop queue's, see
+/// [`own_threads`](crate::own_threads)) nothing is restored: the context
+/// stays bound, so a waiter thread querying a batch of fences of one context
+/// switches contexts once, not twice per query. No executor runs there, and
+/// user code that does (a value the drop queue drops) finds some context
+/// current, as it would after any CUDA call; cudarc binds its own first.
+#[must_use = "the context is current only while the guard lives"]
+pub(super) struct Bound {
+    /// What was current before, to restore; `None` when it already was `ctx`,
+    /// or on the crate's own threads.
+    previous: Option<CurrentContext>,
+    driver: Driver,
+}
+
+impl Bound {
+    /// The driver's calls, to make while the context is bound.
+    pub(super) fn driver(&self) -> Driver {
+        self.driver
+    }
+}
+
+thread_local! {
+    /// On the crate's own threads: the context this thread left bound.
+    /// Weak, so it holds the allocation (no other context can take its
+    /// address while it is kept here) and not the context.
+    static LEFT_BOUND: RefCell<Weak<CudaContext>> = const { RefCell::new(Weak::new()) };
+}
+
+/// Make `ctx` current on this thread until the returned guard drops (on the
+/// crate's own threads, until another is bound).
+pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
+    if crate::plant::planted("cuda-bind-takes-stored-errors") {
+        ctx.bind_to_thread()
+            .map_err(|err| driver_error("cuCtxSetCurrent", err))?;
+    }
+    let driver = driver()?;
+    let previous = driver.ctx_get_current()?;
+    let own = crate::own_threads::is_own();
+    // A handle equal to the target is the target still bound, except on
+    // the crate's own threads after the context it left there was torn
+    // down: a context made later (a device's primary context retained
+    // anew, say) can have the same handle, and the thread's binding is
+    // stale (the driver answers CUDA_ERROR_CONTEXT_IS_DESTROYED there). So
+    // there it counts only if this very context object bound it, alive all
+    // along since (its `Arc` holds the context's retain).
+    if previous.is(ctx)
+        && (!own
+            || left_bound_by(ctx)
+            || crate::plant::planted("cuda-own-thread-trusts-stale-binding"))
+    {
+        return Ok(Bound {
+            previous: None,
+            driver,
+        });
+    }
+    driver.ctx_set_current(ctx)?;
+    if own {
+        // During the thread's exit nothing is remembered: the next bind
+        // (if any) switches again.
+        let _ = LEFT_BOUND.try_with(|left| *left.borrow_mut() = Arc::downgrade(ctx));
+        return Ok(Bound {
+            previous: None,
+            driver,
+        });
+    }
+    Ok(Bound {
+        previous: Some(previous),
+        driver,
+    })
+}
+
+/// Whether `ctx` is the context object this (own) thread left bound.
+fn left_bound_by(ctx: &Arc<CudaContext>) -> bool {
+    LEFT_BOUND
+        .try_with(|left| ptr::eq(left.borrow().as_ptr(), Arc::as_ptr(ctx)))
+        .unwrap_or(false)
+}
+
+impl Drop for Bound {
+    fn drop(&mut self) {
+        let Some(previous) = self
+            .previous
+            .take()
+            .filter(|_| !crate::plant::planted("cuda-previous-context-not-restored"))
+        else {
+            return;
+        };
+        // A context destroyed meanwhile is refused by the driver with an
+        // error, reported here.
+        if let Err(err) = self.driver.ctx_restore(previous) {
+            log::debug!(
+                "the thread's previous CUDA context could not be made current again: {err}"
+            );
+        }
+    }
+}

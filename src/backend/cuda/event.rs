@@ -1,0 +1,165 @@
+//! [`CudaEvent`]: the CUDA backend's raw event, owned.
+
+use std::fmt;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaStream};
+
+use super::bind::bind;
+use super::driver::{driver, invalid_context, RawEvent};
+use super::fence_pool::FencePool;
+use crate::{EventFlags, ServerError};
+
+/// The CUDA backend's raw event. It keeps its context alive, and is destroyed
+/// when dropped if [`Cuda::event_destroy`](super::Cuda) did not already.
+/// Usually held inside an [`Event`](crate::Event) or a fence:
+///
+/// ```no_run
+/// use device_events::cuda::{self, Cuda, CudaStreamHandle};
+/// use device_events::{Event, EventFlags};
+///
+/// let stream = cuda::context(0)?.new_stream()?;
+/// let handle = CudaStreamHandle::new(&stream);
+/// let event = Event::<Cuda>::new(handle, EventFlags::TIMING)?;
+/// event.record(handle)?;
+/// let raw: &cuda::CudaEvent = event.raw();
+/// println!("{raw:?}");
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+pub struct CudaEvent {
+    /// `None` only once destroyed or pooled: every path that takes it
+    /// consumes the event, but for [`Drop`].
+    raw: Option<RawEvent>,
+    ctx: Arc<CudaContext>,
+    /// The pool a fence event goes back to, and the shard it came from.
+    pool: Option<(Arc<FencePool>, usize)>,
+}
+
+impl CudaEvent {
+    /// Create an event in `ctx`.
+    pub(super) fn create(ctx: &Arc<CudaContext>, flags: EventFlags) -> Result<Self, ServerError> {
+        let bound = bind(ctx)?;
+        let raw = bound.driver().event_create(flags)?;
+        Ok(Self::from_raw(raw, ctx))
+    }
+
+    /// Own `raw`, an event of `ctx`'s.
+    pub(super) fn from_raw(raw: RawEvent, ctx: &Arc<CudaContext>) -> Self {
+        Self {
+            raw: Some(raw),
+            ctx: ctx.clone(),
+            pool: None,
+        }
+    }
+
+    /// The same event, to go back to `shard` of `pool` when released.
+    pub(super) fn pooled(mut self, pool: Arc<FencePool>, shard: usize) -> Self {
+        self.pool = Some((pool, shard));
+        self
+    }
+
+    /// The handle; held from creation until the event is consumed.
+    fn raw(&self) -> &RawEvent {
+        self.raw
+            .as_ref()
+            .expect("a CudaEvent holds its handle until it is consumed")
+    }
+
+    /// Give a fence event back to its context's pool, or destroy it when the
+    /// pool is full (or it has none). Its last record may still be pending:
+    /// the next `cuEventRecord` replaces it, which the driver allows.
+    pub(super) fn release(mut self) -> Result<(), ServerError> {
+        if let (Some((pool, shard)), Some(raw)) = (self.pool.take(), self.raw.take()) {
+            match pool.give_back(shard, raw) {
+                Ok(()) => return Ok(()),
+                Err(full) => self.raw = Some(full),
+            }
+        }
+        self.destroy()
+    }
+
+    /// Record at the current end of `stream`; the stream must share the
+    /// event's context.
+    pub(super) fn record(&self, stream: &CudaStream) -> Result<(), ServerError> {
+        same_context("cuEventRecord", &self.ctx, stream)?;
+        let bound = bind(&self.ctx)?;
+        bound.driver().event_record(self.raw(), stream)
+    }
+
+    /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
+    pub(super) fn query(&self) -> Result<bool, ServerError> {
+        let bound = bind(&self.ctx)?;
+        bound.driver().event_query(self.raw())
+    }
+
+    /// Block until reached; sleeps in the driver for a `BLOCKING_SYNC` event.
+    pub(super) fn synchronize(&self) -> Result<(), ServerError> {
+        let bound = bind(&self.ctx)?;
+        bound.driver().event_synchronize(self.raw())
+    }
+
+    /// Make `stream` wait for this event's latest record, on the device. Works
+    /// across contexts.
+    pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
+        let bound = bind(stream.context())?;
+        bound.driver().stream_wait_event(stream, self.raw())
+    }
+
+    /// Milliseconds from `start` to `self`, as the driver measures them.
+    pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
+        let bound = bind(&self.ctx)?;
+        bound.driver().event_elapsed_ms(start.raw(), self.raw())
+    }
+
+    /// Destroy now and report the driver's answer. Does not block: the driver
+    /// releases an event with pending work once the work completes.
+    pub(super) fn destroy(mut self) -> Result<(), ServerError> {
+        self.destroy_raw()
+    }
+
+    fn destroy_raw(&mut self) -> Result<(), ServerError> {
+        let Some(raw) = self.raw.take() else {
+            return Ok(());
+        };
+        // The destroy is attempted even if the bind fails (a faulted
+        // context, say): skipping it would leak the event for good.
+        let bound = bind(&self.ctx);
+        let destroyed = driver().and_then(|driver| driver.event_destroy(raw));
+        drop(bound);
+        destroyed
+    }
+}
+
+impl Drop for CudaEvent {
+    fn drop(&mut self) {
+        if let Err(err) = self.destroy_raw() {
+            log::error!("a CUDA event could not be destroyed: {err}");
+        }
+    }
+}
+
+impl fmt::Debug for CudaEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut event = f.debug_struct("CudaEvent");
+        if let Some(raw) = &self.raw {
+            event.field("raw", raw);
+        }
+        event.finish()
+    }
+}
+
+/// The driver would refuse (or misbehave on) a handle of one context used on
+/// a stream of another: say so before calling it.
+fn same_context(
+    call: &'static str,
+    ctx: &CudaContext,
+    stream: &CudaStream,
+) -> Result<(), ServerError> {
+    if stream.context().cu_ctx() == ctx.cu_ctx() {
+        return Ok(());
+    }
+    Err(invalid_context(
+        call,
+        "the handle and the stream belong to different contexts",
+    ))
+}
