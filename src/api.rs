@@ -63,7 +63,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// The driver refused (out of resources, a faulted context), or `stream`
-    /// is invalid (a dropped stream: code 400).
+    /// is invalid (a dropped stream: [`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE)).
     fn event_create(stream: Self::Stream, flags: EventFlags) -> Result<Self::Event, ServerError>;
 
     /// Record `event` at the current end of `stream`'s work.
@@ -105,7 +105,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// The driver refused the dependency, or `stream` is faulted or invalid
-    /// (code 400: the caller's bug, which [`EventFence::wait_async`](crate::EventFence::wait_async)
+    /// ([`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE): the caller's bug, which [`EventFence::wait_async`](crate::EventFence::wait_async)
     /// does not paper over with a host wait).
     fn stream_wait_event(stream: Self::Stream, event: &Self::Event) -> Result<(), ServerError>;
 

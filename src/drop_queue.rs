@@ -329,10 +329,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         let thread = std::thread::Builder::new()
             .name("device-events-drop-queue".to_owned())
             .spawn(move || worker.run())
-            .map_err(|err| ServerError::ThreadSpawn {
-                component: "DropQueue",
-                reason: err.to_string(),
-            })?;
+            .map_err(|err| ServerError::thread_spawn("DropQueue", err))?;
         let _ = shared.thread.set(thread.thread().id());
         Ok(Self {
             shared,
@@ -689,7 +686,7 @@ impl<F: Fence, T: Send + 'static> Drop for ExitGuard<'_, F, T> {
 /// fence's failure: the value was leaked.
 fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError> {
     let passed = panics::catch(|| fence.wait())
-        .unwrap_or_else(|message| Err(ServerError::WaiterPanicked { message }));
+        .unwrap_or_else(|message| Err(ServerError::DropQueuePanicked { message }));
     match passed {
         Ok(()) => {
             drop_value(value);

@@ -3,11 +3,7 @@
 use core::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::{Event, EventApi, ServerError};
-
-/// `CUDA_ERROR_INVALID_HANDLE`, which both backends report for a stream
-/// handle that names no live stream.
-const INVALID_HANDLE: i32 = 400;
+use crate::{status, Event, EventApi, ServerError};
 
 /// Orders recorded points across the process, for backends that keep no
 /// per-stream order (see [`EventApi::stream_sequence`]).
@@ -92,7 +88,10 @@ impl<A: EventApi> EventFence<A> {
                         A::BACKEND
                     ),
                 );
-                let synchronized = A::stream_synchronize(stream).map(|()| None);
+                // A synchronize that fails too has the refusal as its source.
+                let synchronized = A::stream_synchronize(stream)
+                    .map(|()| None)
+                    .map_err(|failed| failed.with_source(err.clone()));
                 refused = Some(Box::new(err));
                 synchronized
             }
@@ -141,7 +140,8 @@ impl<A: EventApi> EventFence<A> {
     ///
     /// # Errors
     ///
-    /// The error the fence holds; the invalid-handle error (code 400) for an
+    /// The error the fence holds; the invalid-handle error
+    /// ([`status::INVALID_HANDLE`]) for an
     /// invalid `stream`; or, on the fallback path, the error of the host
     /// wait.
     pub fn wait_async(self, stream: A::Stream) -> Result<(), ServerError> {
@@ -149,7 +149,7 @@ impl<A: EventApi> EventFence<A> {
             return Ok(());
         };
         if let Err(err) = event.wait_async(stream) {
-            if err.code() == Some(INVALID_HANDLE) {
+            if err.code() == Some(status::INVALID_HANDLE) {
                 return Err(err);
             }
             log::warn!(
@@ -198,12 +198,9 @@ impl<A: EventApi> EventFence<A> {
     /// synchronizing its stream: the first failure. When the synchronize
     /// failed too, the fence's own error (from
     /// [`wait_sync`](Self::wait_sync)) is the synchronize's, and this is the
-    /// failure that led to it (a dropped stream's `event_create`, say).
-    ///
-    /// It is kept here rather than as the error's
-    /// [`source`](std::error::Error::source) because [`ServerError`]'s
-    /// variants are plain data that backends outside this crate construct:
-    /// a cause field would break them.
+    /// failure that led to it (a dropped stream's `event_create`, say): also
+    /// that error's [`source`](std::error::Error::source), when its variant
+    /// carries one ([`ServerError::with_source`]).
     pub fn fallback_cause(&self) -> Option<&ServerError> {
         self.refused.as_deref()
     }

@@ -125,7 +125,7 @@ pub use api::{EventApi, EventFlags};
 #[cfg(feature = "cuda")]
 pub use backend::cuda;
 pub use backend::host;
-pub use error::ServerError;
+pub use error::{status, ErrorSource, ServerError};
 pub use event::Event;
 pub use fence::EventFence;
 #[cfg(multi_threading)]

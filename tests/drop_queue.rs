@@ -785,3 +785,39 @@ fn closing_wakes_a_push_waiting_for_room() {
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }
+
+/// A fence held behind a gate, or one whose wait panics.
+enum GatedOrPanicky {
+    Gated(EventFence<Host>),
+    Panicky,
+}
+
+impl Fence for GatedOrPanicky {
+    fn wait(self) -> Result<(), device_events::ServerError> {
+        match self {
+            Self::Gated(fence) => fence.wait_sync(),
+            Self::Panicky => panic!("the fence's wait panicked"),
+        }
+    }
+}
+
+#[test]
+fn a_fence_whose_wait_panics_is_a_drop_queue_panic_and_its_value_leaks() {
+    let stream = HostStream::new().unwrap();
+    let queue = DropQueue::new(1).unwrap();
+    let gate = Gate::hold(&stream);
+    assert!(queue
+        .push(GatedOrPanicky::Gated(stream.fence()), 0u32)
+        .is_ok());
+    let rejected = match queue.push(GatedOrPanicky::Panicky, 1u32) {
+        Err(rejected @ Rejected::Full(..)) => rejected,
+        other => panic!("expected Full, got {other:?}"),
+    };
+    let err = rejected.wait_then_drop().unwrap_err();
+    assert!(
+        matches!(&err, device_events::ServerError::DropQueuePanicked { message } if message.contains("wait panicked")),
+        "{err}"
+    );
+    gate.open();
+    queue.flush();
+}

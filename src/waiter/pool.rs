@@ -509,6 +509,7 @@ impl Pool {
                 wait.slot.complete(Err(ServerError::ThreadSpawn {
                     component: "Waiter",
                     reason: reason.clone(),
+                    source: None,
                 }));
                 contain::drop(wait);
             }

@@ -318,6 +318,7 @@ fn status_error(
             code,
             name,
             message,
+            source: None,
         }
     } else {
         ServerError::Call {
@@ -326,6 +327,7 @@ fn status_error(
             code,
             name,
             message,
+            source: None,
         }
     }
 }
@@ -476,6 +478,7 @@ pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) ->
         code: code as i32,
         name: format!("{code:?}"),
         message: message.to_owned(),
+        source: None,
     }
 }
 

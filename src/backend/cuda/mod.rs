@@ -232,6 +232,7 @@ impl EventApi for Cuda {
                 code: 999,
                 name: "CUDA_ERROR_UNKNOWN".to_owned(),
                 message: format!("the driver returned a time of {ms} ms"),
+                source: None,
             })?;
         if ms < 0.0 {
             return Err(ServerError::StopBeforeStart {

@@ -123,10 +123,7 @@ impl HostStream {
             .spawn(move || worker_shared.run())
             .map_err(|err| {
                 STREAMS.remove(id);
-                ServerError::ThreadSpawn {
-                    component: "HostStream",
-                    reason: err.to_string(),
-                }
+                ServerError::thread_spawn("HostStream", err)
             })?;
         Ok(Self {
             shared,
