@@ -138,11 +138,11 @@ impl IntoFuture for AnyFence {
 
 /// A drop queue may hold fences of either backend.
 impl crate::drop_queue::Fence for AnyFence {
-    fn wait(self) -> Result<(), ServerError> {
+    fn wait_blocking(self) -> Result<(), ServerError> {
         match self {
             #[cfg(feature = "cuda")]
-            Self::Cuda(fence) => crate::drop_queue::Fence::wait(fence),
-            Self::Host(fence) => crate::drop_queue::Fence::wait(fence),
+            Self::Cuda(fence) => crate::drop_queue::Fence::wait_blocking(fence),
+            Self::Host(fence) => crate::drop_queue::Fence::wait_blocking(fence),
         }
     }
 

@@ -45,6 +45,14 @@ impl EventFlags {
 /// - a record replaces the event's previous record, and a query, synchronize
 ///   or stream wait refers to the most recent record at the time of the call;
 /// - destroying an event whose work is pending is allowed and does not block.
+///
+/// Beyond these calls the trait has hooks for fence events, hidden from these
+/// docs because they are for backends, not callers: `fence_event_acquire`,
+/// `fence_event_release`, `fence_event_record` and `stream_sequence`. Their
+/// defaults (create, destroy, create-then-record, one process-wide counter)
+/// are correct for any backend; a backend may override them to pool fence
+/// events or keep a counter per stream. Their contracts are documented in
+/// the source, `src/api.rs`.
 pub trait EventApi: Sized + Send + Sync + 'static {
     /// The backend's name, e.g. `"Cuda"` or `"Host"`.
     const BACKEND: &'static str;
@@ -135,6 +143,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// As for [`event_create`](Self::event_create).
+    #[doc(hidden)]
     fn fence_event_acquire(stream: Self::Stream) -> Result<Self::Event, ServerError> {
         Self::event_create(stream, EventFlags::FENCE)
     }
@@ -148,6 +157,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// As for [`event_destroy`](Self::event_destroy).
+    #[doc(hidden)]
     fn fence_event_release(event: Self::Event) -> Result<(), ServerError> {
         Self::event_destroy(event)
     }
@@ -158,6 +168,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// one process-wide counter; a backend with per-stream state keeps one
     /// counter per stream, so that fences on different streams, made on
     /// different cores, do not contend on one cache line.
+    #[doc(hidden)]
     fn stream_sequence(stream: Self::Stream) -> u64 {
         let _ = stream;
         crate::fence::next_sequence()
@@ -172,6 +183,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// As for the acquire, or for the record.
+    #[doc(hidden)]
     fn fence_event_record(stream: Self::Stream) -> Result<(Self::Event, u64), ServerError> {
         let event = Self::fence_event_acquire(stream)?;
         match Self::event_record(&event, stream) {

@@ -23,12 +23,13 @@ use crate::{panics, EventApi, EventFence, ServerError};
 /// Something that can be waited for: the contract a [`DropQueue`] needs.
 /// [`EventFence`] implements it.
 pub trait Fence: Send + 'static {
-    /// Block until the fence has passed.
+    /// Block until the fence has passed. (Named for what it does: an
+    /// [`EventFence`]'s own [`wait`](EventFence::wait) returns a future.)
     ///
     /// # Errors
     ///
     /// The fence failed: the device faulted, or the driver refused the wait.
-    fn wait(self) -> Result<(), ServerError>;
+    fn wait_blocking(self) -> Result<(), ServerError>;
 
     /// Whether the fence has passed, without blocking: `Ok(true)` passed,
     /// `Ok(false)` not yet (also the answer of fences that cannot tell).
@@ -50,7 +51,7 @@ pub trait Fence: Send + 'static {
 /// fence has passed. Only when the stream cannot be synchronized either (a
 /// faulted stream or device) does the fence fail.
 impl<A: EventApi> Fence for EventFence<A> {
-    fn wait(self) -> Result<(), ServerError> {
+    fn wait_blocking(self) -> Result<(), ServerError> {
         let stream = self.stream();
         match self.wait_sync() {
             Ok(()) => Ok(()),
@@ -685,7 +686,7 @@ impl<F: Fence, T: Send + 'static> Drop for ExitGuard<'_, F, T> {
 /// panics), leak the value instead, with an error logged. `Err` is the
 /// fence's failure: the value was leaked.
 fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError> {
-    let passed = panics::catch(|| fence.wait())
+    let passed = panics::catch(|| fence.wait_blocking())
         .unwrap_or_else(|message| Err(ServerError::DropQueuePanicked { message }));
     match passed {
         Ok(()) => {

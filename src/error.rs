@@ -259,7 +259,7 @@ pub enum ServerError {
     /// the drop queue's thread (or in a caller's
     /// `wait_then_drop`): its value was leaked, not dropped, since the
     /// device may still read it; the queue keeps serving other values. Fix
-    /// the fence's wait.
+    /// the fence's [`wait_blocking`](crate::drop_queue::Fence::wait_blocking).
     #[error("a drop queue's fence panicked: {message}")]
     DropQueuePanicked {
         /// The panic's payload, when it was a string.

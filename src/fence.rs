@@ -181,9 +181,9 @@ impl<A: EventApi> EventFence<A> {
     }
 
     /// The fence's place in its stream's order of recorded points: a later
-    /// fence on the same stream has a larger number
-    /// ([`EventApi::stream_sequence`]). Numbers of different streams are not
-    /// comparable, nor is a fence resolved at creation's.
+    /// fence on the same stream has a larger number (the backend's
+    /// `EventApi::stream_sequence` hook). Numbers of different streams are
+    /// not comparable, nor is a fence resolved at creation's.
     pub fn sequence(&self) -> u64 {
         self.sequence
     }

@@ -90,6 +90,7 @@
 //! # Ok::<(), device_events::ServerError>(())
 //! ```
 #![warn(missing_debug_implementations, unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // In the order of the layers, bottom up (see "Architecture" above); the
 // blank lines keep rustfmt from sorting them.

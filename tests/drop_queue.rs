@@ -470,7 +470,7 @@ fn a_rejected_value_is_dropped_only_after_its_fence() {
 struct CountedQuery(EventFence<Host>, Arc<AtomicUsize>);
 
 impl Fence for CountedQuery {
-    fn wait(self) -> Result<(), device_events::ServerError> {
+    fn wait_blocking(self) -> Result<(), device_events::ServerError> {
         self.0.wait_sync()
     }
 
@@ -531,7 +531,7 @@ fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
 struct PanickyQuery(EventFence<Host>, Arc<AtomicUsize>);
 
 impl Fence for PanickyQuery {
-    fn wait(self) -> Result<(), device_events::ServerError> {
+    fn wait_blocking(self) -> Result<(), device_events::ServerError> {
         self.0.wait_sync()
     }
 
@@ -572,7 +572,7 @@ fn a_panic_in_is_passed_during_shutdown_now_hands_the_value_back() {
     // Kept alive by the caller, then dropped off the test thread.
     std::thread::spawn(move || {
         for (fence, value) in handed_back {
-            fence.wait().unwrap();
+            fence.wait_blocking().unwrap();
             drop(value);
         }
     })
@@ -793,7 +793,7 @@ enum GatedOrPanicky {
 }
 
 impl Fence for GatedOrPanicky {
-    fn wait(self) -> Result<(), device_events::ServerError> {
+    fn wait_blocking(self) -> Result<(), device_events::ServerError> {
         match self {
             Self::Gated(fence) => fence.wait_sync(),
             Self::Panicky => panic!("the fence's wait panicked"),

@@ -29,7 +29,9 @@ mod stream;
 use std::time::Duration;
 
 pub use context::HostContext;
-pub use event::{HostEvent, LiveEvents};
+pub use event::HostEvent;
+#[cfg(any(test, feature = "test-util"))]
+pub use event::LiveEvents;
 pub use stream::{HostStream, HostStreamHandle};
 
 use crate::{EventApi, EventFlags, ServerError};
