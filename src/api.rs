@@ -3,8 +3,19 @@
 use core::fmt::Debug;
 use core::hash::Hash;
 use core::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::ServerError;
+
+/// Orders recorded points across the process, for backends that keep no
+/// per-stream order (the default `EventApi::stream_sequence`), and for
+/// fences resolved at creation.
+static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
+
+/// The next number in the process-wide order of recorded points.
+pub(crate) fn next_sequence() -> u64 {
+    NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed)
+}
 
 /// How an event is created.
 ///
@@ -171,7 +182,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     #[doc(hidden)]
     fn stream_sequence(stream: Self::Stream) -> u64 {
         let _ = stream;
-        crate::fence::next_sequence()
+        next_sequence()
     }
 
     /// A fence's whole making: [`fence_event_acquire`](Self::fence_event_acquire)

@@ -18,10 +18,10 @@ use std::task::{Context, Poll, Waker};
 use std::thread::{JoinHandle, ThreadId};
 
 use crate::loom::{Condvar, Mutex, MutexGuard};
-use crate::{panics, EventApi, EventFence, ServerError};
+use crate::{panics, AnyFence, EventApi, EventFence, ServerError};
 
 /// Something that can be waited for: the contract a [`DropQueue`] needs.
-/// [`EventFence`] implements it.
+/// [`EventFence`] and [`AnyFence`] implement it.
 pub trait Fence: Send + 'static {
     /// Block until the fence has passed. (Named for what it does: an
     /// [`EventFence`]'s own [`wait`](EventFence::wait) returns a future.)
@@ -63,6 +63,22 @@ impl<A: EventApi> Fence for EventFence<A> {
                 Ok(())
             }
             Err(err) => Err(err),
+        }
+    }
+
+    fn is_passed(&self) -> Result<bool, ServerError> {
+        self.is_complete()
+    }
+}
+
+/// A drop queue may hold fences of either backend: each waits as its
+/// [`EventFence`] does.
+impl Fence for AnyFence {
+    fn wait_blocking(self) -> Result<(), ServerError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            AnyFence::Cuda(fence) => fence.wait_blocking(),
+            AnyFence::Host(fence) => fence.wait_blocking(),
         }
     }
 

@@ -1,18 +1,13 @@
 //! [`EventFence`]: a point in a stream that others can wait for.
 
 use core::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 
+/// The process-wide order of recorded points lives in `api`, the bottom
+/// layer; re-exported here for the CUDA backend, which takes it from here
+/// until it names `crate::api::next_sequence` (tests/layers.rs allows that
+/// one name until then).
+pub(crate) use crate::api::next_sequence;
 use crate::{status, Event, EventApi, ServerError};
-
-/// Orders recorded points across the process, for backends that keep no
-/// per-stream order (see [`EventApi::stream_sequence`]).
-static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
-
-/// The next number in the process-wide order of recorded points.
-pub(crate) fn next_sequence() -> u64 {
-    NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed)
-}
 
 /// An event recorded on a stream and handed out, so a caller can wait for that
 /// stream's work from outside whatever owns the stream.

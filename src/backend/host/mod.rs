@@ -97,7 +97,7 @@ impl EventApi for Host {
     fn stream_sequence(stream: HostStreamHandle) -> u64 {
         match stream.resolve("event_record") {
             Ok(stream) => stream.next_sequence(),
-            Err(_) => crate::fence::next_sequence(),
+            Err(_) => crate::api::next_sequence(),
         }
     }
 
