@@ -136,21 +136,6 @@ impl IntoFuture for AnyFence {
     }
 }
 
-/// A drop queue may hold fences of either backend.
-impl crate::drop_queue::Fence for AnyFence {
-    fn wait(self) -> Result<(), ServerError> {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(fence) => crate::drop_queue::Fence::wait(fence),
-            Self::Host(fence) => crate::drop_queue::Fence::wait(fence),
-        }
-    }
-
-    fn is_passed(&self) -> Result<bool, ServerError> {
-        self.is_complete()
-    }
-}
-
 impl fmt::Debug for AnyFence {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

@@ -3,8 +3,19 @@
 use core::fmt::Debug;
 use core::hash::Hash;
 use core::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::ServerError;
+
+/// Orders recorded points across the process, for backends that keep no
+/// per-stream order (the default `EventApi::stream_sequence`), and for
+/// fences resolved at creation.
+static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
+
+/// The next number in the process-wide order of recorded points.
+pub(crate) fn next_sequence() -> u64 {
+    NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed)
+}
 
 /// How an event is created.
 ///
@@ -45,6 +56,14 @@ impl EventFlags {
 /// - a record replaces the event's previous record, and a query, synchronize
 ///   or stream wait refers to the most recent record at the time of the call;
 /// - destroying an event whose work is pending is allowed and does not block.
+///
+/// Beyond these calls the trait has hooks for fence events, hidden from these
+/// docs because they are for backends, not callers: `fence_event_acquire`,
+/// `fence_event_release`, `fence_event_record` and `stream_sequence`. Their
+/// defaults (create, destroy, create-then-record, one process-wide counter)
+/// are correct for any backend; a backend may override them to pool fence
+/// events or keep a counter per stream. Their contracts are documented in
+/// the source, `src/api.rs`.
 pub trait EventApi: Sized + Send + Sync + 'static {
     /// The backend's name, e.g. `"Cuda"` or `"Host"`.
     const BACKEND: &'static str;
@@ -63,7 +82,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// The driver refused (out of resources, a faulted context), or `stream`
-    /// is invalid (a dropped stream: code 400).
+    /// is invalid (a dropped stream: [`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE)).
     fn event_create(stream: Self::Stream, flags: EventFlags) -> Result<Self::Event, ServerError>;
 
     /// Record `event` at the current end of `stream`'s work.
@@ -105,7 +124,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// The driver refused the dependency, or `stream` is faulted or invalid
-    /// (code 400: the caller's bug, which [`EventFence::wait_async`](crate::EventFence::wait_async)
+    /// ([`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE): the caller's bug, which [`EventFence::wait_async`](crate::EventFence::wait_async)
     /// does not paper over with a host wait).
     fn stream_wait_event(stream: Self::Stream, event: &Self::Event) -> Result<(), ServerError>;
 
@@ -135,6 +154,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// As for [`event_create`](Self::event_create).
+    #[doc(hidden)]
     fn fence_event_acquire(stream: Self::Stream) -> Result<Self::Event, ServerError> {
         Self::event_create(stream, EventFlags::FENCE)
     }
@@ -148,6 +168,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// As for [`event_destroy`](Self::event_destroy).
+    #[doc(hidden)]
     fn fence_event_release(event: Self::Event) -> Result<(), ServerError> {
         Self::event_destroy(event)
     }
@@ -158,9 +179,10 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// one process-wide counter; a backend with per-stream state keeps one
     /// counter per stream, so that fences on different streams, made on
     /// different cores, do not contend on one cache line.
+    #[doc(hidden)]
     fn stream_sequence(stream: Self::Stream) -> u64 {
         let _ = stream;
-        crate::fence::next_sequence()
+        next_sequence()
     }
 
     /// A fence's whole making: [`fence_event_acquire`](Self::fence_event_acquire)
@@ -172,6 +194,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// As for the acquire, or for the record.
+    #[doc(hidden)]
     fn fence_event_record(stream: Self::Stream) -> Result<(Self::Event, u64), ServerError> {
         let event = Self::fence_event_acquire(stream)?;
         match Self::event_record(&event, stream) {

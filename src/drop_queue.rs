@@ -18,17 +18,18 @@ use std::task::{Context, Poll, Waker};
 use std::thread::{JoinHandle, ThreadId};
 
 use crate::loom::{Condvar, Mutex, MutexGuard};
-use crate::{panics, EventApi, EventFence, ServerError};
+use crate::{panics, AnyFence, EventApi, EventFence, ServerError};
 
 /// Something that can be waited for: the contract a [`DropQueue`] needs.
-/// [`EventFence`] implements it.
+/// [`EventFence`] and [`AnyFence`] implement it.
 pub trait Fence: Send + 'static {
-    /// Block until the fence has passed.
+    /// Block until the fence has passed. (Named for what it does: an
+    /// [`EventFence`]'s own [`wait`](EventFence::wait) returns a future.)
     ///
     /// # Errors
     ///
     /// The fence failed: the device faulted, or the driver refused the wait.
-    fn wait(self) -> Result<(), ServerError>;
+    fn wait_blocking(self) -> Result<(), ServerError>;
 
     /// Whether the fence has passed, without blocking: `Ok(true)` passed,
     /// `Ok(false)` not yet (also the answer of fences that cannot tell).
@@ -50,7 +51,7 @@ pub trait Fence: Send + 'static {
 /// fence has passed. Only when the stream cannot be synchronized either (a
 /// faulted stream or device) does the fence fail.
 impl<A: EventApi> Fence for EventFence<A> {
-    fn wait(self) -> Result<(), ServerError> {
+    fn wait_blocking(self) -> Result<(), ServerError> {
         let stream = self.stream();
         match self.wait_sync() {
             Ok(()) => Ok(()),
@@ -62,6 +63,22 @@ impl<A: EventApi> Fence for EventFence<A> {
                 Ok(())
             }
             Err(err) => Err(err),
+        }
+    }
+
+    fn is_passed(&self) -> Result<bool, ServerError> {
+        self.is_complete()
+    }
+}
+
+/// A drop queue may hold fences of either backend: each waits as its
+/// [`EventFence`] does.
+impl Fence for AnyFence {
+    fn wait_blocking(self) -> Result<(), ServerError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            AnyFence::Cuda(fence) => fence.wait_blocking(),
+            AnyFence::Host(fence) => fence.wait_blocking(),
         }
     }
 
@@ -329,10 +346,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         let thread = std::thread::Builder::new()
             .name("device-events-drop-queue".to_owned())
             .spawn(move || worker.run())
-            .map_err(|err| ServerError::ThreadSpawn {
-                component: "DropQueue",
-                reason: err.to_string(),
-            })?;
+            .map_err(|err| ServerError::thread_spawn("DropQueue", err))?;
         let _ = shared.thread.set(thread.thread().id());
         Ok(Self {
             shared,
@@ -688,8 +702,8 @@ impl<F: Fence, T: Send + 'static> Drop for ExitGuard<'_, F, T> {
 /// panics), leak the value instead, with an error logged. `Err` is the
 /// fence's failure: the value was leaked.
 fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError> {
-    let passed = panics::catch(|| fence.wait())
-        .unwrap_or_else(|message| Err(ServerError::WaiterPanicked { message }));
+    let passed = panics::catch(|| fence.wait_blocking())
+        .unwrap_or_else(|message| Err(ServerError::DropQueuePanicked { message }));
     match passed {
         Ok(()) => {
             drop_value(value);

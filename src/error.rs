@@ -1,4 +1,121 @@
-//! The crate's one error type.
+//! The crate's one error type, what it may carry as its source, and the
+//! driver statuses the crate acts on.
+
+use std::error::Error;
+use std::fmt;
+use std::sync::Arc;
+
+/// Driver status codes that this crate acts on or reports, named after the
+/// CUDA driver's `CUresult` values they mirror.
+///
+/// The host backend reports the CUDA code of the same meaning, so a caller
+/// matches one set of codes for both backends:
+///
+/// ```
+/// use device_events::host::{Host, HostStream};
+/// use device_events::{status, EventApi};
+///
+/// let stream = HostStream::new()?;
+/// let handle = stream.handle();
+/// drop(stream);
+/// let err = Host::stream_synchronize(handle).unwrap_err();
+/// assert_eq!(err.code(), Some(status::INVALID_HANDLE));
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+pub mod status {
+    /// `CUDA_ERROR_INVALID_VALUE`: an argument is out of range.
+    pub const INVALID_VALUE: i32 = 1;
+    /// `CUDA_ERROR_INVALID_HANDLE`: a stream or event handle names nothing
+    /// live (a dropped stream, an event of another context). Never a cause
+    /// for a fallback: [`EventFence::wait_async`](crate::EventFence::wait_async)
+    /// returns it rather than wait on the host.
+    pub const INVALID_HANDLE: i32 = 400;
+    /// `CUDA_ERROR_NOT_READY`: the work is not done yet (two events timed
+    /// before both are reached).
+    pub const NOT_READY: i32 = 600;
+    /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports (sticky,
+    /// as on CUDA).
+    pub const LAUNCH_FAILED: i32 = 719;
+    /// `CUDA_ERROR_UNKNOWN`: a failure the driver does not name.
+    pub const UNKNOWN: i32 = 999;
+}
+
+/// The cause of a [`ServerError`]: a backend's own error (a cudarc
+/// `DriverError`, say), the operating system's answer to a thread spawn, or
+/// the earlier [`ServerError`] that a fallback could not recover from.
+///
+/// An opaque, cheap-to-clone handle (an `Arc`), so that [`ServerError`]
+/// stays `Clone`. Like [`std::io::Error`] around a custom error, it shows
+/// its error's message and passes on that error's own
+/// [`source`](Error::source); [`get_ref`](Self::get_ref) and
+/// [`downcast_ref`](Self::downcast_ref) reach the error itself.
+///
+/// Two sources are equal when their messages are: the `Display` of the
+/// error and of each error in its source chain. Their types are not
+/// compared (an `Arc<dyn Error>` has no equality of its own), and a clone
+/// is always equal to its original.
+#[derive(Clone)]
+pub struct ErrorSource(Arc<dyn Error + Send + Sync + 'static>);
+
+impl ErrorSource {
+    /// Wrap `error`. An `ErrorSource` given here is kept as it is, not
+    /// wrapped twice.
+    pub fn new<E: Error + Send + Sync + 'static>(error: E) -> Self {
+        let any: &dyn std::any::Any = &error;
+        match any.downcast_ref::<Self>() {
+            Some(source) => source.clone(),
+            None => Self(Arc::new(error)),
+        }
+    }
+
+    /// The error itself.
+    pub fn get_ref(&self) -> &(dyn Error + Send + Sync + 'static) {
+        &*self.0
+    }
+
+    /// The error itself, if it is an `E`: a `cudarc::driver::DriverError`
+    /// from the CUDA backend, a [`std::io::Error`] from a thread spawn, or a
+    /// [`ServerError`] from a fallback.
+    pub fn downcast_ref<E: Error + 'static>(&self) -> Option<&E> {
+        self.0.downcast_ref::<E>()
+    }
+
+    /// The messages of the error and of each error in its source chain.
+    fn messages(&self) -> impl Iterator<Item = String> + '_ {
+        let mut next: Option<&(dyn Error + 'static)> = Some(self.get_ref());
+        std::iter::from_fn(move || {
+            let error = next?;
+            next = error.source();
+            Some(error.to_string())
+        })
+    }
+}
+
+impl fmt::Debug for ErrorSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for ErrorSource {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&*self.0, f)
+    }
+}
+
+impl Error for ErrorSource {
+    fn source(&self) -> Option<&(dyn Error + 'static)> {
+        self.0.source()
+    }
+}
+
+impl PartialEq for ErrorSource {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0) || self.messages().eq(other.messages())
+    }
+}
+
+impl Eq for ErrorSource {}
 
 /// What went wrong when creating, recording or waiting on a device event.
 ///
@@ -8,16 +125,24 @@
 /// sticky: every later call on it fails the same way), or rebuild the waiter
 /// when it is gone.
 ///
-/// Its [`source`](std::error::Error::source) is `None`: the variants carry
-/// the driver's own status (a number and its name, not a Rust error), and
-/// they are plain data that backends outside this crate construct. Where one
-/// failure led to another (a fence whose event was refused and whose stream
-/// could not be synchronized either), the first is kept by the fence:
-/// [`EventFence::fallback_cause`](crate::EventFence::fallback_cause).
+/// [`Call`](Self::Call), [`Faulted`](Self::Faulted) and
+/// [`ThreadSpawn`](Self::ThreadSpawn) may carry a
+/// [`source`](std::error::Error::source) ([`ErrorSource`]): the backend's
+/// own error (a cudarc `DriverError`), the operating system's
+/// [`std::io::Error`] for a refused thread, or the failure a fallback
+/// could not recover from (a fence whose event was refused and whose stream
+/// could not be synchronized either: the synchronize's error, with the
+/// refusal as its source, also kept by
+/// [`EventFence::fallback_cause`](crate::EventFence::fallback_cause)). Those
+/// variants are `#[non_exhaustive]`: outside this crate, build them with
+/// [`call`](Self::call), [`faulted`](Self::faulted) and
+/// [`thread_spawn`](Self::thread_spawn), and add a source with
+/// [`with_source`](Self::with_source); match them with `..`.
 ///
 /// `code` fields carry the driver's status code. The host backend reuses the
-/// CUDA code with the same meaning (`400` for an invalid handle, `719` for a
-/// fault), so a caller can match one set of codes for both backends.
+/// CUDA code with the same meaning ([`status::INVALID_HANDLE`] for a
+/// dropped stream, [`status::LAUNCH_FAILED`] for a fault), so a caller can
+/// match one set of codes for both backends.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServerError {
@@ -29,8 +154,10 @@ pub enum ServerError {
         /// Why, in words: the library that was not found, the missing symbol.
         reason: String,
     },
-    /// A driver call failed; the device and stream may still be usable.
+    /// A driver call failed; the device and stream may still be usable:
+    /// report it, or retry.
     #[error("{backend} call {call} failed: {name} ({code}): {message}")]
+    #[non_exhaustive]
     Call {
         /// The backend whose call failed.
         backend: &'static str,
@@ -42,10 +169,16 @@ pub enum ServerError {
         name: String,
         /// The driver's description of the status.
         message: String,
+        /// What caused it, when known: the backend's own error, or an
+        /// earlier failure a fallback could not recover from.
+        #[source]
+        source: Option<ErrorSource>,
     },
     /// The device or stream hit a fault and stays faulted: every later call on
-    /// it returns this error again.
+    /// it returns this error again. Rebuild the device's context (on CUDA,
+    /// restart the process) or the host stream's [`HostContext`](crate::host::HostContext).
     #[error("{backend} is faulted ({call}): {name} ({code}): {message}")]
+    #[non_exhaustive]
     Faulted {
         /// The backend that reported the fault.
         backend: &'static str,
@@ -57,6 +190,10 @@ pub enum ServerError {
         name: String,
         /// The driver's description of the status, or the panic message.
         message: String,
+        /// What caused it, when known: the backend's own error, or an
+        /// earlier failure a fallback could not recover from.
+        #[source]
+        source: Option<ErrorSource>,
     },
     /// The waiter serving this wait was shut down before the wait resolved.
     #[error(
@@ -69,11 +206,15 @@ pub enum ServerError {
     /// the driver and device may be fine, so falling back to the CPU would be
     /// the wrong answer; retry later, or with fewer threads.
     #[error("{component} could not start a thread: {reason}")]
+    #[non_exhaustive]
     ThreadSpawn {
         /// What needed the thread: `"Waiter"`, `"DropQueue"` or `"HostStream"`.
         component: &'static str,
         /// The operating system's answer.
         reason: String,
+        /// The operating system's error, when there was one.
+        #[source]
+        source: Option<ErrorSource>,
     },
     /// An argument or setting this crate cannot work with, refused where it
     /// was given: the caller's bug, not the driver's.
@@ -106,9 +247,21 @@ pub enum ServerError {
         by: std::time::Duration,
     },
     /// A backend call made on a waiter thread panicked; the waiter keeps
-    /// serving other waits.
+    /// serving other waits. The panic was in code the waiter calls (an
+    /// outside [`EventApi`](crate::EventApi), say): fix that code; the
+    /// fence's stream is in whatever state the panic left it.
     #[error("a waiter thread panicked: {message}")]
     WaiterPanicked {
+        /// The panic's payload, when it was a string.
+        message: String,
+    },
+    /// A [`drop_queue::Fence`](crate::drop_queue::Fence)'s wait panicked on
+    /// the drop queue's thread (or in a caller's
+    /// `wait_then_drop`): its value was leaked, not dropped, since the
+    /// device may still read it; the queue keeps serving other values. Fix
+    /// the fence's [`wait_blocking`](crate::drop_queue::Fence::wait_blocking).
+    #[error("a drop queue's fence panicked: {message}")]
+    DropQueuePanicked {
         /// The panic's payload, when it was a string.
         message: String,
     },
@@ -125,10 +278,88 @@ impl ServerError {
         matches!(self, Self::Unavailable { .. })
     }
 
-    /// The driver's status code, for the variants that carry one.
+    /// The driver's status code, for the variants that carry one; see
+    /// [`status`] for the codes this crate acts on.
     pub fn code(&self) -> Option<i32> {
         match self {
             Self::Call { code, .. } | Self::Faulted { code, .. } => Some(*code),
+            _ => None,
+        }
+    }
+
+    /// A failed call ([`Call`](Self::Call)), with no source; add one with
+    /// [`with_source`](Self::with_source).
+    pub fn call(
+        backend: &'static str,
+        call: &'static str,
+        code: i32,
+        name: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        Self::Call {
+            backend,
+            call,
+            code,
+            name: name.into(),
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A sticky fault ([`Faulted`](Self::Faulted)), with no source; add one
+    /// with [`with_source`](Self::with_source).
+    pub fn faulted(
+        backend: &'static str,
+        call: &'static str,
+        code: i32,
+        name: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        Self::Faulted {
+            backend,
+            call,
+            code,
+            name: name.into(),
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// A thread `component` needed could not be started
+    /// ([`ThreadSpawn`](Self::ThreadSpawn)): the operating system's `error`
+    /// is its reason and its source.
+    pub fn thread_spawn(component: &'static str, error: std::io::Error) -> Self {
+        Self::ThreadSpawn {
+            component,
+            reason: error.to_string(),
+            source: Some(ErrorSource::new(error)),
+        }
+    }
+
+    /// This error with `source` as its [`source`](std::error::Error::source),
+    /// replacing any it had: for a backend's own error
+    /// (`ServerError::call(..).with_source(driver_error)`) or the failure
+    /// that led to this one. Only [`Call`](Self::Call),
+    /// [`Faulted`](Self::Faulted) and [`ThreadSpawn`](Self::ThreadSpawn)
+    /// carry a source; other variants are returned unchanged.
+    #[must_use]
+    pub fn with_source<E: Error + Send + Sync + 'static>(mut self, source: E) -> Self {
+        if let Self::Call { source: slot, .. }
+        | Self::Faulted { source: slot, .. }
+        | Self::ThreadSpawn { source: slot, .. } = &mut self
+        {
+            *slot = Some(ErrorSource::new(source));
+        }
+        self
+    }
+
+    /// The error's source, for the variants that carry one: the same as
+    /// [`source`](std::error::Error::source), typed.
+    pub fn error_source(&self) -> Option<&ErrorSource> {
+        match self {
+            Self::Call { source, .. }
+            | Self::Faulted { source, .. }
+            | Self::ThreadSpawn { source, .. } => source.as_ref(),
             _ => None,
         }
     }
@@ -142,5 +373,74 @@ impl ServerError {
         } else {
             "a panic with a non-string payload".to_owned()
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::error::Error as _;
+
+    use super::{status, ErrorSource, ServerError};
+
+    #[test]
+    fn a_thread_spawn_keeps_the_operating_systems_error_as_its_source() {
+        let os = std::io::Error::new(std::io::ErrorKind::WouldBlock, "too many threads");
+        let err = ServerError::thread_spawn("Waiter", os);
+        assert_eq!(
+            err.to_string(),
+            "Waiter could not start a thread: too many threads"
+        );
+        let source = err.error_source().expect("a source");
+        let io = source
+            .downcast_ref::<std::io::Error>()
+            .expect("an io::Error");
+        assert_eq!(io.kind(), std::io::ErrorKind::WouldBlock);
+        assert_eq!(
+            err.source().map(|s| s.to_string()),
+            Some("too many threads".into())
+        );
+    }
+
+    #[test]
+    fn with_source_chains_errors_and_skips_variants_without_one() {
+        let first = ServerError::call("Host", "event_create", status::INVALID_HANDLE, "x", "y");
+        let second = ServerError::faulted("Host", "sync", status::LAUNCH_FAILED, "a", "b")
+            .with_source(first.clone());
+        assert_eq!(
+            second.source().map(|s| s.to_string()),
+            Some(first.to_string())
+        );
+        assert_eq!(
+            second
+                .error_source()
+                .and_then(|s| s.downcast_ref::<ServerError>()),
+            Some(&first)
+        );
+        assert!(first.source().is_none());
+        assert_eq!(
+            ServerError::WaiterGone.with_source(first),
+            ServerError::WaiterGone
+        );
+    }
+
+    #[test]
+    fn an_error_source_is_not_wrapped_twice() {
+        let source = ErrorSource::new(std::io::Error::other("inner"));
+        let again = ErrorSource::new(source.clone());
+        assert!(again.downcast_ref::<std::io::Error>().is_some());
+    }
+
+    #[test]
+    fn sources_compare_by_their_messages() {
+        let a = ServerError::call("Host", "c", 1, "n", "m");
+        let with = |message: &str| {
+            a.clone()
+                .with_source(std::io::Error::other(message.to_owned()))
+        };
+        assert_eq!(with("x"), with("x"));
+        assert_ne!(with("x"), with("y"));
+        assert_ne!(with("x"), a);
+        let shared = with("x");
+        assert_eq!(shared.clone(), shared);
     }
 }

@@ -91,17 +91,6 @@ impl<A: EventApi> Event<A> {
         A::event_synchronize(self.raw())
     }
 
-    /// The old name of [`wait_sync`](Self::wait_sync): a blocking wait,
-    /// where `wait` elsewhere in this crate returns a future.
-    ///
-    /// # Errors
-    ///
-    /// As for [`wait_sync`](Self::wait_sync).
-    #[deprecated(since = "0.1.0", note = "blocks: renamed `wait_sync`")]
-    pub fn wait(&self) -> Result<(), ServerError> {
-        self.wait_sync()
-    }
-
     /// Make `stream` wait for this event on the device; the host does not
     /// block.
     ///

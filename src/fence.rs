@@ -1,22 +1,13 @@
 //! [`EventFence`]: a point in a stream that others can wait for.
 
 use core::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::{Event, EventApi, ServerError};
-
-/// `CUDA_ERROR_INVALID_HANDLE`, which both backends report for a stream
-/// handle that names no live stream.
-const INVALID_HANDLE: i32 = 400;
-
-/// Orders recorded points across the process, for backends that keep no
-/// per-stream order (see [`EventApi::stream_sequence`]).
-static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
-
-/// The next number in the process-wide order of recorded points.
-pub(crate) fn next_sequence() -> u64 {
-    NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed)
-}
+/// The process-wide order of recorded points lives in `api`, the bottom
+/// layer; re-exported here for the CUDA backend, which takes it from here
+/// until it names `crate::api::next_sequence` (tests/layers.rs allows that
+/// one name until then).
+pub(crate) use crate::api::next_sequence;
+use crate::{status, Event, EventApi, ServerError};
 
 /// An event recorded on a stream and handed out, so a caller can wait for that
 /// stream's work from outside whatever owns the stream.
@@ -92,7 +83,10 @@ impl<A: EventApi> EventFence<A> {
                         A::BACKEND
                     ),
                 );
-                let synchronized = A::stream_synchronize(stream).map(|()| None);
+                // A synchronize that fails too has the refusal as its source.
+                let synchronized = A::stream_synchronize(stream)
+                    .map(|()| None)
+                    .map_err(|failed| failed.with_source(err.clone()));
                 refused = Some(Box::new(err));
                 synchronized
             }
@@ -141,7 +135,8 @@ impl<A: EventApi> EventFence<A> {
     ///
     /// # Errors
     ///
-    /// The error the fence holds; the invalid-handle error (code 400) for an
+    /// The error the fence holds; the invalid-handle error
+    /// ([`status::INVALID_HANDLE`]) for an
     /// invalid `stream`; or, on the fallback path, the error of the host
     /// wait.
     pub fn wait_async(self, stream: A::Stream) -> Result<(), ServerError> {
@@ -149,7 +144,7 @@ impl<A: EventApi> EventFence<A> {
             return Ok(());
         };
         if let Err(err) = event.wait_async(stream) {
-            if err.code() == Some(INVALID_HANDLE) {
+            if err.code() == Some(status::INVALID_HANDLE) {
                 return Err(err);
             }
             log::warn!(
@@ -181,9 +176,9 @@ impl<A: EventApi> EventFence<A> {
     }
 
     /// The fence's place in its stream's order of recorded points: a later
-    /// fence on the same stream has a larger number
-    /// ([`EventApi::stream_sequence`]). Numbers of different streams are not
-    /// comparable, nor is a fence resolved at creation's.
+    /// fence on the same stream has a larger number (the backend's
+    /// `EventApi::stream_sequence` hook). Numbers of different streams are
+    /// not comparable, nor is a fence resolved at creation's.
     pub fn sequence(&self) -> u64 {
         self.sequence
     }
@@ -198,12 +193,9 @@ impl<A: EventApi> EventFence<A> {
     /// synchronizing its stream: the first failure. When the synchronize
     /// failed too, the fence's own error (from
     /// [`wait_sync`](Self::wait_sync)) is the synchronize's, and this is the
-    /// failure that led to it (a dropped stream's `event_create`, say).
-    ///
-    /// It is kept here rather than as the error's
-    /// [`source`](std::error::Error::source) because [`ServerError`]'s
-    /// variants are plain data that backends outside this crate construct:
-    /// a cause field would break them.
+    /// failure that led to it (a dropped stream's `event_create`, say): also
+    /// that error's [`source`](std::error::Error::source), when its variant
+    /// carries one ([`ServerError::with_source`]).
     pub fn fallback_cause(&self) -> Option<&ServerError> {
         self.refused.as_deref()
     }

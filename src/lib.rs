@@ -49,23 +49,28 @@
 //!
 //! # Architecture
 //!
-//! Layers, bottom up; each may use only those below it.
+//! Layers, bottom up; each may use only those below it, and some not all
+//! of those. `tests/layers.rs` checks every `crate::` path in `src/`
+//! against a copy of this table.
 //!
 //! | layer | owns | may not import |
 //! |---|---|---|
-//! | `api`, `error` | the backend contract ([`EventApi`], [`EventFlags`]) and [`ServerError`] | anything else of the crate |
-//! | `backend::{host, cuda}` | raw events and streams, the stream registry, fence-event pools; all `unsafe` (the FFI file `backend/cuda/driver.rs`) | the waiter and everything above it (they name [`EventFence`] only to offer `cuda::fence` and [`host::HostStream::fence`]) |
-//! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | fences, the waiter |
+//! | `api`, `error` | the backend contract ([`EventApi`], [`EventFlags`], the process-wide order of recorded points) and [`ServerError`] | anything else of the crate (`api` names `error`) |
+//! | `backend::{host, cuda}` | raw events and streams, the stream registry, fence-event pools; all `unsafe` (the FFI file `backend/cuda/driver.rs`) | `event`, `fence`, the waiter and everything above them (they name [`EventFence`] only to offer `cuda::fence` and [`host::HostStream::fence`]) |
+//! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | any backend, fences, the waiter |
 //! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | the waiter, any backend by name |
-//! | `waiter` | [`Waiter`]: threads, lanes, hand-off, the futures | any backend, the profiler, the drop queue |
-//! | `profiler`, `drop_queue`, `any_fence` | [`EventProfiler`], [`drop_queue::DropQueue`], [`AnyFence`]: built on fences and the waiter | one another |
+//! | `waiter` | [`Waiter`]: threads, lanes, hand-off, the futures | any backend, the profiler, the drop queue, `any_fence` |
+//! | `any_fence` | [`AnyFence`]: a fence of either backend, built on fences and the waiter | the profiler, the drop queue |
+//! | `profiler`, `drop_queue` | [`EventProfiler`], [`drop_queue::DropQueue`] and its `Fence` trait (implemented there for [`EventFence`] and [`AnyFence`]): built on fences and the waiter | one another |
 //!
 //! `loom` (the waiter's locks and threads, swapped for loom's in its models),
 //! `fault_log` (warn once per faulted stream), `own_threads` (which
 //! threads the crate started: the waiter and the drop queue mark theirs,
-//! the CUDA backend leaves a context bound on them) and `panics` (panics in
-//! code the crate calls but does not own, caught with their payloads) serve
-//! the layers above.
+//! the CUDA backend leaves a context bound on them), `panics` (panics in
+//! code the crate calls but does not own, caught with their payloads),
+//! `fork` (whether this process is a fork of the one that made a pool) and
+//! `plant` (the planted-defect hooks) serve every layer; they, like `api`
+//! and `error`, may be imported from any layer.
 //!
 //! # Backends
 //!
@@ -90,6 +95,7 @@
 //! # Ok::<(), device_events::ServerError>(())
 //! ```
 #![warn(missing_debug_implementations, unreachable_pub)]
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 // In the order of the layers, bottom up (see "Architecture" above); the
 // blank lines keep rustfmt from sorting them.
@@ -107,6 +113,7 @@ mod waiter;
 
 #[cfg(multi_threading)]
 mod any_fence;
+
 #[cfg(multi_threading)]
 pub mod drop_queue;
 #[cfg(multi_threading)]
@@ -125,7 +132,7 @@ pub use api::{EventApi, EventFlags};
 #[cfg(feature = "cuda")]
 pub use backend::cuda;
 pub use backend::host;
-pub use error::ServerError;
+pub use error::{status, ErrorSource, ServerError};
 pub use event::Event;
 pub use fence::EventFence;
 #[cfg(multi_threading)]

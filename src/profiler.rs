@@ -233,12 +233,6 @@ impl<A: EventApi> Profile<A> {
         Waiter::global().wait(self)
     }
 
-    /// The old spelling of `waiter.wait(profile)` ([`Waiter::wait`]).
-    #[deprecated(since = "0.1.0", note = "use `waiter.wait(profile)`")]
-    pub fn wait_on(self, waiter: &Waiter) -> ProfileFuture<A> {
-        waiter.wait(self)
-    }
-
     fn handed_to(self, waiter: &Waiter) -> ProfileFuture<A> {
         let wait = PairWait {
             pair: Arc::downgrade(&self.pair),

@@ -173,10 +173,23 @@ fn a_dropped_stream_handle_is_an_error_and_a_fence_outlives_its_stream() {
     drop(stream);
     assert!(handle.stream().is_none());
     let err = Cuda::stream_synchronize(handle).unwrap_err();
-    assert_eq!(err.code(), Some(400), "{err}");
+    assert_eq!(
+        err.code(),
+        Some(device_events::status::INVALID_HANDLE),
+        "{err}"
+    );
     fence.wait_sync().unwrap();
     let err = EventFence::<Cuda>::new(handle).wait_sync().unwrap_err();
-    assert!(matches!(err, ServerError::Call { code: 400, .. }), "{err}");
+    assert!(
+        matches!(
+            err,
+            ServerError::Call {
+                code: device_events::status::INVALID_HANDLE,
+                ..
+            }
+        ),
+        "{err}"
+    );
 }
 
 #[test]
@@ -326,7 +339,7 @@ fn a_profile_started_on_a_busy_stream_and_stopped_on_an_idle_one_waits_for_both(
 fn a_cudarc_error_converts_without_a_driver_and_without_a_panic() {
     use device_events::cuda::cudarc::driver::{result::DriverError, sys};
     let err = ServerError::from(DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE));
-    assert_eq!(err.code(), Some(1));
+    assert_eq!(err.code(), Some(device_events::status::INVALID_VALUE));
     assert!(
         err.to_string().contains("CUDA_ERROR_INVALID_VALUE"),
         "{err}"

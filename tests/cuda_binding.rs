@@ -211,7 +211,11 @@ fn a_per_thread_stream_handle_stays_on_its_thread(ctx: &Arc<CudaContext>) {
 
     let elsewhere = std::thread::spawn(move || {
         let err = Cuda::stream_synchronize(handle).unwrap_err();
-        assert_eq!(err.code(), Some(400), "{err}");
+        assert_eq!(
+            err.code(),
+            Some(device_events::status::INVALID_HANDLE),
+            "{err}"
+        );
         assert!(err.to_string().contains("per-thread"), "{err}");
         let fence = EventFence::<Cuda>::new(handle);
         assert!(

@@ -470,7 +470,7 @@ fn a_rejected_value_is_dropped_only_after_its_fence() {
 struct CountedQuery(EventFence<Host>, Arc<AtomicUsize>);
 
 impl Fence for CountedQuery {
-    fn wait(self) -> Result<(), device_events::ServerError> {
+    fn wait_blocking(self) -> Result<(), device_events::ServerError> {
         self.0.wait_sync()
     }
 
@@ -531,7 +531,7 @@ fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
 struct PanickyQuery(EventFence<Host>, Arc<AtomicUsize>);
 
 impl Fence for PanickyQuery {
-    fn wait(self) -> Result<(), device_events::ServerError> {
+    fn wait_blocking(self) -> Result<(), device_events::ServerError> {
         self.0.wait_sync()
     }
 
@@ -572,7 +572,7 @@ fn a_panic_in_is_passed_during_shutdown_now_hands_the_value_back() {
     // Kept alive by the caller, then dropped off the test thread.
     std::thread::spawn(move || {
         for (fence, value) in handed_back {
-            fence.wait().unwrap();
+            fence.wait_blocking().unwrap();
             drop(value);
         }
     })
@@ -784,4 +784,40 @@ fn closing_wakes_a_push_waiting_for_room() {
     futures::executor::block_on(shutdown);
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+/// A fence held behind a gate, or one whose wait panics.
+enum GatedOrPanicky {
+    Gated(EventFence<Host>),
+    Panicky,
+}
+
+impl Fence for GatedOrPanicky {
+    fn wait_blocking(self) -> Result<(), device_events::ServerError> {
+        match self {
+            Self::Gated(fence) => fence.wait_sync(),
+            Self::Panicky => panic!("the fence's wait panicked"),
+        }
+    }
+}
+
+#[test]
+fn a_fence_whose_wait_panics_is_a_drop_queue_panic_and_its_value_leaks() {
+    let stream = HostStream::new().unwrap();
+    let queue = DropQueue::new(1).unwrap();
+    let gate = Gate::hold(&stream);
+    assert!(queue
+        .push(GatedOrPanicky::Gated(stream.fence()), 0u32)
+        .is_ok());
+    let rejected = match queue.push(GatedOrPanicky::Panicky, 1u32) {
+        Err(rejected @ Rejected::Full(..)) => rejected,
+        other => panic!("expected Full, got {other:?}"),
+    };
+    let err = rejected.wait_then_drop().unwrap_err();
+    assert!(
+        matches!(&err, device_events::ServerError::DropQueuePanicked { message } if message.contains("wait panicked")),
+        "{err}"
+    );
+    gate.open();
+    queue.flush();
 }

@@ -138,14 +138,20 @@ fn elapsed_refuses_events_without_timing_or_not_reached() {
     start.record(stream.handle()).unwrap();
     end.record(stream.handle()).unwrap();
     end.wait_sync().unwrap();
-    assert_eq!(end.elapsed_since(&start).unwrap_err().code(), Some(400));
+    assert_eq!(
+        end.elapsed_since(&start).unwrap_err().code(),
+        Some(device_events::status::INVALID_HANDLE)
+    );
 
     let start = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
     start.record(stream.handle()).unwrap();
     let gate = Gate::hold(&stream);
     let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
     end.record(stream.handle()).unwrap();
-    assert_eq!(end.elapsed_since(&start).unwrap_err().code(), Some(600));
+    assert_eq!(
+        end.elapsed_since(&start).unwrap_err().code(),
+        Some(device_events::status::NOT_READY)
+    );
     gate.open();
 }
 

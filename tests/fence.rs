@@ -132,7 +132,7 @@ fn a_faulted_stream_fails_pending_and_later_fences() {
     let err = pending.wait_sync().unwrap_err();
     assert!(err.is_faulted(), "{err}");
     assert!(err.to_string().contains("illegal address"), "{err}");
-    assert_eq!(err.code(), Some(719));
+    assert_eq!(err.code(), Some(device_events::status::LAUNCH_FAILED));
 
     // Later fences: the record is refused, the synchronize fallback fails too,
     // so the fence holds the fault.
@@ -194,14 +194,18 @@ fn a_fence_on_a_dropped_stream_holds_an_invalid_handle_error() {
             first,
             device_events::ServerError::Call {
                 call: "event_create",
-                code: 400,
+                code: device_events::status::INVALID_HANDLE,
                 ..
             }
         ),
         "{first}"
     );
     let err = fence.wait_sync().unwrap_err();
-    assert_eq!(err.code(), Some(400), "{err}");
+    assert_eq!(
+        err.code(),
+        Some(device_events::status::INVALID_HANDLE),
+        "{err}"
+    );
     assert!(
         matches!(
             err,
@@ -212,6 +216,13 @@ fn a_fence_on_a_dropped_stream_holds_an_invalid_handle_error() {
         ),
         "{err}"
     );
+    // The synchronize's error has the refusal as its source.
+    let source = std::error::Error::source(&err).expect("the refusal is the source");
+    assert_eq!(source.to_string(), first.to_string());
+    let cause = err
+        .error_source()
+        .and_then(|source| source.downcast_ref::<device_events::ServerError>());
+    assert_eq!(cause, Some(&first));
 }
 
 #[test]

@@ -115,7 +115,11 @@ fn an_event_is_recorded_on_its_own_contexts_streams_only_but_waited_on_from_any(
     let (home, away) = (faultable_stream(), faultable_stream());
     let event = Host::event_create(home.handle(), EventFlags::FENCE).unwrap();
     let err = Host::event_record(&event, away.handle()).unwrap_err();
-    assert_eq!(err.code(), Some(400), "{err}");
+    assert_eq!(
+        err.code(),
+        Some(device_events::status::INVALID_HANDLE),
+        "{err}"
+    );
     let gate = Gate::hold(&home);
     let produced = Progress::default();
     produced.step_on(&home);
@@ -165,7 +169,7 @@ fn dropping_a_stream_returns_at_once_and_its_queued_work_still_runs() {
     });
     assert_eq!(
         Host::stream_synchronize(handle).unwrap_err().code(),
-        Some(400)
+        Some(device_events::status::INVALID_HANDLE)
     );
 }
 
@@ -200,7 +204,13 @@ fn a_handle_to_a_dropped_stream_is_an_error_not_a_panic() {
     let handle = stream.handle();
     let event = Host::event_create(handle, EventFlags::FENCE).unwrap();
     drop(stream);
-    let invalid = |err: ServerError| assert_eq!(err.code(), Some(400), "{err}");
+    let invalid = |err: ServerError| {
+        assert_eq!(
+            err.code(),
+            Some(device_events::status::INVALID_HANDLE),
+            "{err}"
+        )
+    };
     invalid(Host::stream_synchronize(handle).unwrap_err());
     invalid(Host::event_record(&event, handle).unwrap_err());
     invalid(Host::stream_wait_event(handle, &event).unwrap_err());

@@ -62,7 +62,7 @@ impl Outcomes {
         let counter = match result {
             Ok(()) => &self.ok,
             Err(err) if err.is_faulted() => &self.faulted,
-            Err(err) if err.code() == Some(400) => &self.invalid,
+            Err(err) if err.code() == Some(device_events::status::INVALID_HANDLE) => &self.invalid,
             Err(err) => {
                 eprintln!("unexpected: {err}");
                 &self.other

@@ -13,7 +13,7 @@ use super::sched::Action;
 use super::shard::{Owner, Wait};
 use super::waitable::LaneKey;
 use crate::loom::thread;
-use crate::ServerError;
+use crate::{ErrorSource, ServerError};
 
 /// The most waits a thread takes out of a lane to query in one round.
 const BATCH: usize = 256;
@@ -105,7 +105,7 @@ impl Pool {
             }),
         };
         if let Err(err) = spawned {
-            self.spawn_failed(owner, &err);
+            self.spawn_failed(owner, err);
         }
     }
 
@@ -115,7 +115,7 @@ impl Pool {
     /// if it is not running. Lanes left for a poller that could not start
     /// are failed, rather than left to a lane thread that may never run out
     /// of work.
-    fn spawn_failed(&self, owner: Owner, err: &std::io::Error) {
+    fn spawn_failed(&self, owner: Owner, err: std::io::Error) {
         contain::log(|| log::error!("a waiter thread could not be started: {err}"));
         let mut sched = self.sched();
         if owner == Owner::Poller {
@@ -145,13 +145,14 @@ impl Pool {
         let withdrawn = std::mem::take(&mut sched.withdrawn);
         drop(sched);
         withdrawn.into_iter().for_each(contain::drop);
-        let reason = format!("no waiter thread could be started to serve it: {err}");
+        let failure = ServerError::ThreadSpawn {
+            component: "Waiter",
+            reason: format!("no waiter thread could be started to serve it: {err}"),
+            source: Some(ErrorSource::new(err)),
+        };
         for key in keys {
             for wait in self.remove_queued_lane(key) {
-                wait.slot.complete(Err(ServerError::ThreadSpawn {
-                    component: "Waiter",
-                    reason: reason.clone(),
-                }));
+                wait.slot.complete(Err(failure.clone()));
                 contain::drop(wait);
             }
         }

@@ -79,13 +79,13 @@ fn plan_of(stream: HostStreamHandle) -> Plan {
 }
 
 fn refused(call: &'static str, label: &str) -> ServerError {
-    ServerError::Call {
-        backend: "Faulty",
+    ServerError::call(
+        "Faulty",
         call,
-        code: 999,
-        name: "injected".to_owned(),
-        message: format!("refused by the fault plan '{label}'"),
-    }
+        device_events::status::UNKNOWN,
+        "injected",
+        format!("refused by the fault plan '{label}'"),
+    )
 }
 
 /// Per-stream counts of calls, for tests that must see where a call is.

@@ -345,6 +345,7 @@ fn status_error(
             code,
             name,
             message,
+            source: None,
         }
     } else {
         ServerError::Call {
@@ -353,6 +354,7 @@ fn status_error(
             code,
             name,
             message,
+            source: None,
         }
     }
 }
@@ -377,6 +379,7 @@ pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) ->
         code: code as Status,
         name: format!("{code:?}"),
         message: message.to_owned(),
+        source: None,
     }
 }
 

@@ -2,6 +2,7 @@
 
 use std::collections::VecDeque;
 use std::fmt;
+#[cfg(any(test, feature = "test-util"))]
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
@@ -12,16 +13,35 @@ use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::ServerError;
 
 /// Counts of the events created for one [`HostStream`](super::HostStream),
-/// from [`HostStream::live_events`](super::HostStream::live_events).
+/// from [`HostStream::live_events`](super::HostStream::live_events). For
+/// tests: only with the `test-util` feature (without it, the backend keeps
+/// no counts).
 ///
 /// A cheap handle, shared by the stream and each of its events, so it can be
 /// read after the stream is dropped, when everything the stream's worker held
 /// has been released. It counts one stream's events, not the process's, so a
 /// leak check on it is not disturbed by other streams (or other tests)
 /// creating and destroying events at the same time.
+#[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 #[derive(Clone, Default)]
 pub struct LiveEvents(Arc<Counts>);
 
+/// Without `test-util` nothing reads the counts, so none are kept.
+#[cfg(not(any(test, feature = "test-util")))]
+#[derive(Clone, Default)]
+pub(super) struct LiveEvents;
+
+#[cfg(not(any(test, feature = "test-util")))]
+impl LiveEvents {
+    fn allocated(&self) {}
+
+    fn freed(&self) {}
+
+    fn set_idle(&self, _idle: usize) {}
+}
+
+#[cfg(any(test, feature = "test-util"))]
 #[derive(Default)]
 struct Counts {
     /// The stream's events allocated and not yet freed: in use, or idle in
@@ -34,6 +54,7 @@ struct Counts {
     created: AtomicU64,
 }
 
+#[cfg(any(test, feature = "test-util"))]
 impl LiveEvents {
     /// How many of the stream's events are in use right now: created (or
     /// taken from the stream's fence-event pool) and not yet destroyed or
@@ -69,6 +90,7 @@ impl LiveEvents {
     }
 }
 
+#[cfg(any(test, feature = "test-util"))]
 impl fmt::Debug for LiveEvents {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("LiveEvents")

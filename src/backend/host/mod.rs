@@ -29,7 +29,9 @@ mod stream;
 use std::time::Duration;
 
 pub use context::HostContext;
-pub use event::{HostEvent, LiveEvents};
+pub use event::HostEvent;
+#[cfg(any(test, feature = "test-util"))]
+pub use event::LiveEvents;
 pub use stream::{HostStream, HostStreamHandle};
 
 use crate::{EventApi, EventFlags, ServerError};
@@ -95,7 +97,7 @@ impl EventApi for Host {
     fn stream_sequence(stream: HostStreamHandle) -> u64 {
         match stream.resolve("event_record") {
             Ok(stream) => stream.next_sequence(),
-            Err(_) => crate::fence::next_sequence(),
+            Err(_) => crate::api::next_sequence(),
         }
     }
 
@@ -114,37 +116,25 @@ impl EventApi for Host {
 
 /// The host backend's errors, with the CUDA codes of the same meaning.
 mod error {
-    use crate::ServerError;
+    use crate::{status, ServerError};
 
-    /// `CUDA_ERROR_INVALID_HANDLE`.
-    pub(super) const INVALID_HANDLE: (i32, &str) = (400, "invalid handle");
-    /// `CUDA_ERROR_NOT_READY`.
-    pub(super) const NOT_READY: (i32, &str) = (600, "not ready");
-    /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports.
-    const LAUNCH_FAILED: (i32, &str) = (719, "launch failed");
+    /// [`status::INVALID_HANDLE`].
+    pub(super) const INVALID_HANDLE: (i32, &str) = (status::INVALID_HANDLE, "invalid handle");
+    /// [`status::NOT_READY`].
+    pub(super) const NOT_READY: (i32, &str) = (status::NOT_READY, "not ready");
+    /// [`status::LAUNCH_FAILED`]: what a faulted host stream reports.
+    const LAUNCH_FAILED: (i32, &str) = (status::LAUNCH_FAILED, "launch failed");
 
     pub(super) fn call(
         call: &'static str,
         (code, name): (i32, &str),
         message: &str,
     ) -> ServerError {
-        ServerError::Call {
-            backend: super::BACKEND,
-            call,
-            code,
-            name: name.to_owned(),
-            message: message.to_owned(),
-        }
+        ServerError::call(super::BACKEND, call, code, name, message)
     }
 
     pub(super) fn faulted(call: &'static str, message: String) -> ServerError {
         let (code, name) = LAUNCH_FAILED;
-        ServerError::Faulted {
-            backend: super::BACKEND,
-            call,
-            code,
-            name: name.to_owned(),
-            message,
-        }
+        ServerError::faulted(super::BACKEND, call, code, name, message)
     }
 }

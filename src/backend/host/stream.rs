@@ -123,10 +123,7 @@ impl HostStream {
             .spawn(move || worker_shared.run())
             .map_err(|err| {
                 STREAMS.remove(id);
-                ServerError::ThreadSpawn {
-                    component: "HostStream",
-                    reason: err.to_string(),
-                }
+                ServerError::thread_spawn("HostStream", err)
             })?;
         Ok(Self {
             shared,
@@ -179,7 +176,7 @@ impl HostStream {
     }
 
     /// A counter of the events created for this stream that are alive; see
-    /// [`LiveEvents::count`]. It stays readable after the stream is dropped;
+    /// [`LiveEvents::count`]. For tests: only with the `test-util` feature. It stays readable after the stream is dropped;
     /// markers still queued then count until the worker passes them.
     ///
     /// For leak checks that other streams cannot disturb:
@@ -195,6 +192,8 @@ impl HostStream {
     /// assert_eq!(live.count(), 0);
     /// # Ok::<(), device_events::ServerError>(())
     /// ```
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
     pub fn live_events(&self) -> LiveEvents {
         self.shared.live_events.clone()
     }
@@ -213,8 +212,8 @@ impl HostStream {
 
 impl Drop for HostStream {
     /// Returns at once; the worker runs what is queued, then exits. The
-    /// idle fence events are freed here, so the stream's
-    /// [`live_events`](Self::live_events) are exact once this returns.
+    /// idle fence events are freed here, so the stream's `live_events`
+    /// (feature `test-util`) are exact once this returns.
     fn drop(&mut self) {
         STREAMS.remove(self.handle.id);
         self.shared.fence_pool.clear();
