@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build every test, benchmark and example binary here, stripped, into one
-# git-ignored folder (default device-bin/) that the GPU machine runs with
-# scripts/gpu-check.sh. That machine has the NVIDIA driver but no Rust.
+# git-ignored folder (default device-bin/) that a GPU machine runs with
+# scripts/gpu-check.sh. That machine needs the NVIDIA driver, not Rust.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-device-bin}

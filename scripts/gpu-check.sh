@@ -5,9 +5,9 @@
 #
 #   bash device-bin/gpu-check.sh [device-bin] [--quick|--large]
 #
-# Timeouts keep one call inside the GPU machine's 600 s command limit (tests
-# 120 s each, examples 60 s, benchmark 360 s); a hang fails its step and the
-# rest still runs, and every log is already under $OUT when the limit hits.
+# Each step has its own timeout (tests 120 s each, examples 60 s, benchmark
+# 360 s): a hang fails its step and the rest still runs, and each step's log
+# is written as it goes, so an outer time limit still leaves the logs.
 # Results (JSON, SVG plots, logs) go to $OUT when set, else ./gpu-results.
 set -u
 bin=${1:-device-bin}

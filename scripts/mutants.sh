@@ -3,7 +3,7 @@
 # code one small way at a time (a condition flipped, a body replaced by a
 # default) and runs the tests that cover it; a mutant that no test fails
 # ("missed") is a gap in the tests, or a change that cannot be seen (an
-# equivalent mutant). Each missed mutant is listed in scripts/README.md
+# equivalent mutant). Each known missed mutant is listed in scripts/README.md
 # with the test that kills it or the reason it is equivalent.
 #
 #   bash scripts/mutants.sh                 # src/waiter/ and src/fence.rs

@@ -1,4 +1,4 @@
-//! The issues' targets, checked against the measured ratios: PASS, MISS, or
+//! The benchmark's targets, checked against the measured ratios: PASS, MISS, or
 //! "not measured" when a scenario did not run. Metrics are typed
 //! ([`Metric`]), so a renamed column fails to compile, and a table asked for
 //! a metric it does not have panics rather than reading "not measured".
@@ -7,7 +7,7 @@ use crate::report::{Metric, Scenario, Table};
 use crate::strategies::Strategy;
 use crate::{costs, throughput};
 
-/// The targets, checked against the measured ratios.
+/// The benchmark's targets, checked against the measured ratios.
 pub fn summary(tables: &[Table]) -> Vec<String> {
     let mut lines = Vec::new();
     let mut info = Vec::new();
