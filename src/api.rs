@@ -196,15 +196,33 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// As for the acquire, or for the record.
     #[doc(hidden)]
     fn fence_event_record(stream: Self::Stream) -> Result<(Self::Event, u64), ServerError> {
-        let event = Self::fence_event_acquire(stream)?;
-        match Self::event_record(&event, stream) {
-            Ok(()) => Ok((event, Self::stream_sequence(stream))),
-            Err(err) => {
-                if let Err(release) = Self::fence_event_release(event) {
-                    log::debug!("a refused fence event could not be given back: {release}");
-                }
-                Err(err)
+        record_fence_event(
+            || Self::fence_event_acquire(stream),
+            |event| Self::event_record(event, stream),
+            Self::fence_event_release,
+            || Self::stream_sequence(stream),
+        )
+    }
+}
+
+/// [`EventApi::fence_event_record`]'s steps, written once for the trait's
+/// default and for backends that resolve their stream once for all of them:
+/// `acquire` an event, `record` it, and take its `sequence`; a refused
+/// record gives the event back (`release`) and is the error.
+pub(crate) fn record_fence_event<E>(
+    acquire: impl FnOnce() -> Result<E, ServerError>,
+    record: impl FnOnce(&E) -> Result<(), ServerError>,
+    release: impl FnOnce(E) -> Result<(), ServerError>,
+    sequence: impl FnOnce() -> u64,
+) -> Result<(E, u64), ServerError> {
+    let event = acquire()?;
+    match record(&event) {
+        Ok(()) => Ok((event, sequence())),
+        Err(err) => {
+            if let Err(release) = release(event) {
+                log::debug!("a refused fence event could not be given back: {release}");
             }
+            Err(err)
         }
     }
 }

@@ -2,11 +2,7 @@
 
 use core::fmt;
 
-/// The process-wide order of recorded points lives in `api`, the bottom
-/// layer; re-exported here for the CUDA backend, which takes it from here
-/// until it names `crate::api::next_sequence` (tests/layers.rs allows that
-/// one name until then).
-pub(crate) use crate::api::next_sequence;
+use crate::api::next_sequence;
 use crate::{status, Event, EventApi, ServerError};
 
 /// An event recorded on a stream and handed out, so a caller can wait for that

@@ -121,10 +121,12 @@ mod profiler;
 
 mod fault_log;
 mod fork;
+mod idle_pool;
 mod loom;
 mod own_threads;
 mod panics;
 mod plant;
+mod shards;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};

@@ -50,11 +50,6 @@ impl<T> Mutex<T> {
             inner: self.0.lock().unwrap_or_else(PoisonError::into_inner),
         }
     }
-
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn get_mut(&mut self) -> &mut T {
-        self.0.get_mut().unwrap_or_else(PoisonError::into_inner)
-    }
 }
 
 impl<T: Default> Default for Mutex<T> {

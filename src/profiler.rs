@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::future::FusedFuture;
 
-use crate::loom::Mutex;
+use crate::idle_pool::IdlePool;
 use crate::waiter::{Handoff, LaneKey, Waitable, Waiter};
 use crate::{Event, EventApi, EventFlags, ServerError};
 
@@ -56,8 +56,8 @@ pub struct EventProfiler<A: EventApi> {
 }
 
 struct EventPool<A: EventApi> {
-    events: Mutex<Vec<Event<A>>>,
-    capacity: usize,
+    /// One shard: a profiler is used by whoever holds it.
+    events: IdlePool<Event<A>>,
     created: AtomicUsize,
 }
 
@@ -96,8 +96,7 @@ impl<A: EventApi> EventProfiler<A> {
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
             pool: Arc::new(EventPool {
-                events: Mutex::new(Vec::new()),
-                capacity,
+                events: IdlePool::new(1, capacity),
                 created: AtomicUsize::new(0),
             }),
         }
@@ -142,7 +141,7 @@ impl<A: EventApi> EventProfiler<A> {
 
     /// Idle events in the pool now.
     pub fn pooled(&self) -> usize {
-        self.pool.events.lock().len()
+        self.pool.events.len()
     }
 
     /// Events this profiler has created in all (a loop that stops growing
@@ -167,7 +166,7 @@ impl<A: EventApi> EventPool<A> {
     /// the pool, so refused starts neither destroy healthy events nor make
     /// new ones.
     fn record(&self, stream: A::Stream) -> Result<Event<A>, ServerError> {
-        let pooled = self.events.lock().pop();
+        let pooled = self.events.take(0, |_| {});
         let refused = match pooled {
             Some(event) => match event.record(stream) {
                 Ok(()) => return Ok(event),
@@ -203,11 +202,11 @@ impl<A: EventApi> EventPool<A> {
         }
     }
 
+    /// Keep `event` for a later measurement, or destroy it (outside the
+    /// pool's lock) when the pool is full.
     fn give_back(&self, event: Event<A>) {
-        let mut events = self.events.lock();
-        if events.len() < self.capacity {
-            events.push(event);
-        }
+        let full = self.events.give_back(0, event, |_| {});
+        drop(full);
     }
 }
 

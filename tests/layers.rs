@@ -16,6 +16,8 @@ const ANYWHERE: &[&str] = &[
     "panics",
     "fork",
     "plant",
+    "shards",
+    "idle_pool",
     "error",
     "api",
 ];
@@ -34,6 +36,8 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("panics", ANYWHERE),
     ("fork", ANYWHERE),
     ("plant", ANYWHERE),
+    ("shards", ANYWHERE),
+    ("idle_pool", ANYWHERE),
     // Backends: not `event`, `fence`, the waiter or anything above (see
     // EXCEPTIONS for the fence they offer).
     ("backend", ANYWHERE),
@@ -59,9 +63,6 @@ const LAYERS: &[(&str, &[&str])] = &[
 const EXCEPTIONS: &[(&str, &str, &str)] = &[
     // `HostStream::fence` and `cuda::fence` hand out fences.
     ("backend", "fence", "EventFence"),
-    // The CUDA backend takes the process-wide sequence from `fence`'s
-    // re-export until it names `crate::api::next_sequence`.
-    ("backend", "fence", "next_sequence"),
 ];
 
 /// Crate-root names that are modules of another name.

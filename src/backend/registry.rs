@@ -16,6 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard, Weak};
 
 use crate::loom::RwLock;
+use crate::shards;
 
 /// Entries whose stream is gone are swept once a shard has grown past this
 /// many, then past twice what survived the last sweep.
@@ -108,14 +109,14 @@ impl<T, X: Clone> Registry<T, X> {
     }
 }
 
-/// The shard of an allocation: its address, past the alignment bits, mixed.
+/// The shard of an allocation: its address, mixed.
 fn shard_of_address(address: usize) -> usize {
-    let mixed = (address as u64 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    (mixed >> (64 - SHARD_BITS)) as usize
+    shards::of_hash(shards::hash_address(address), SHARDS)
 }
 
+/// The shard of an id: ids are handed out in turn, so their low bits spread.
 fn shard_of_id(id: u64) -> usize {
-    (id & (SHARDS as u64 - 1)) as usize
+    shards::of_hash(id, SHARDS)
 }
 
 impl<T, X: Clone> Shard<T, X> {

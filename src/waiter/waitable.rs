@@ -44,8 +44,7 @@ impl LaneKey {
     /// Which of `shards` (a power of two) holds this lane: the low bits of
     /// its stream's hash, which are as well mixed as the rest.
     pub(crate) fn shard(self, shards: usize) -> usize {
-        debug_assert!(shards.is_power_of_two());
-        (self.stream_hash as usize) & (shards - 1)
+        crate::shards::of_hash(self.stream_hash, shards)
     }
 
     /// The lane of `stream` of backend `A`.

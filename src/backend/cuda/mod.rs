@@ -255,7 +255,7 @@ impl EventApi for Cuda {
     fn stream_sequence(stream: CudaStreamHandle) -> u64 {
         match stream.resolve_per_stream("cuEventRecord") {
             Ok((_, per_stream)) => per_stream.next_sequence(),
-            Err(_) => crate::fence::next_sequence(),
+            Err(_) => crate::api::next_sequence(),
         }
     }
 
@@ -266,15 +266,11 @@ impl EventApi for Cuda {
     fn fence_event_record(stream: CudaStreamHandle) -> Result<(CudaEvent, u64), ServerError> {
         driver::ensure_loaded()?;
         let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
-        let event = per_stream.pool.take(stream.context())?;
-        match event.record(&stream) {
-            Ok(()) => Ok((event, per_stream.next_sequence())),
-            Err(err) => {
-                if let Err(release) = event.release() {
-                    log::debug!("a refused fence event could not be given back: {release}");
-                }
-                Err(err)
-            }
-        }
+        crate::api::record_fence_event(
+            || per_stream.pool.take(stream.context()),
+            |event| event.record(&stream),
+            CudaEvent::release,
+            || per_stream.next_sequence(),
+        )
     }
 }

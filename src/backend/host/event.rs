@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use super::context::ContextShared;
 use super::error;
+use crate::idle_pool::IdlePool;
 use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::ServerError;
 
@@ -30,7 +31,7 @@ pub struct LiveEvents(Arc<Counts>);
 /// Without `test-util` nothing reads the counts, so none are kept.
 #[cfg(not(any(test, feature = "test-util")))]
 #[derive(Clone, Default)]
-pub(super) struct LiveEvents;
+pub(super) struct LiveEvents(());
 
 #[cfg(not(any(test, feature = "test-util")))]
 impl LiveEvents {
@@ -106,10 +107,8 @@ pub(super) const FENCE_POOL_CAPACITY: usize = 64;
 /// A host stream's idle fence events. Owned by the stream; its events point
 /// back at it weakly, so one given back after the stream is gone is freed.
 pub(super) struct FencePool {
-    /// Created with room for a full pool: giving an event back never grows
-    /// it (a growing `Vec` in the middle of a burst of released waits made
-    /// the allocator consolidate, measurably).
-    idle: Mutex<Vec<HostEvent>>,
+    /// One shard: a host stream's fences are made by whoever holds it.
+    idle: IdlePool<HostEvent>,
     /// The stream's counts, whose idle gauge this pool keeps.
     live: LiveEvents,
     /// The stream's context, which its events belong to.
@@ -120,7 +119,7 @@ impl FencePool {
     /// An empty pool for the stream counted in `live`, on `context`.
     pub(super) fn new(live: LiveEvents, context: Arc<ContextShared>) -> Self {
         Self {
-            idle: Mutex::new(Vec::with_capacity(FENCE_POOL_CAPACITY)),
+            idle: IdlePool::new(1, FENCE_POOL_CAPACITY),
             live,
             context,
         }
@@ -128,12 +127,9 @@ impl FencePool {
 
     /// An idle fence event, now in use, or a new one.
     pub(super) fn take(self: &Arc<Self>) -> HostEvent {
-        let mut idle = self.idle.lock();
-        if let Some(event) = idle.pop() {
-            self.live.set_idle(idle.len());
+        if let Some(event) = self.idle.take(0, |idle| self.live.set_idle(idle)) {
             return event;
         }
-        drop(idle);
         HostEvent::create(false, &self.live, &self.context, Some(Arc::downgrade(self)))
     }
 }
@@ -142,11 +138,9 @@ impl FencePool {
     /// Free the idle events now (their stream is dropped); events given
     /// back later still come here while queued work runs.
     pub(super) fn clear(&self) {
-        let mut idle = self.idle.lock();
-        let freed = std::mem::take(&mut *idle);
         // The gauge before the frees: a count read meanwhile is too high,
         // never too low.
-        self.live.set_idle(0);
+        let freed = self.idle.take_all(|idle| self.live.set_idle(idle));
         drop(freed);
     }
 }
@@ -267,14 +261,11 @@ impl HostEvent {
         let Some(pool) = self.inner.pool.as_ref().and_then(Weak::upgrade) else {
             return;
         };
-        let mut idle = pool.idle.lock();
-        if idle.len() < FENCE_POOL_CAPACITY {
-            idle.push(self);
-            pool.live.set_idle(idle.len());
-        } else {
-            drop(idle);
-            drop(self);
-        }
+        // A full pool hands it back, to be freed here.
+        let full = pool
+            .idle
+            .give_back(0, self, |idle| pool.live.set_idle(idle));
+        drop(full);
     }
 
     /// The context the event belongs to.

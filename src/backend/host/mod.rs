@@ -103,14 +103,15 @@ impl EventApi for Host {
 
     fn fence_event_record(stream: HostStreamHandle) -> Result<(HostEvent, u64), ServerError> {
         let stream = stream.resolve("event_create")?;
-        let event = stream.take_fence_event()?;
-        match stream.record(&event) {
-            Ok(()) => Ok((event, stream.next_sequence())),
-            Err(err) => {
+        crate::api::record_fence_event(
+            || stream.take_fence_event(),
+            |event| stream.record(event),
+            |event| {
                 event.release();
-                Err(err)
-            }
-        }
+                Ok(())
+            },
+            || stream.next_sequence(),
+        )
     }
 }
 

@@ -1,0 +1,126 @@
+//! [`IdlePool`]: idle items (events) kept for reuse, bounded, over one or
+//! more locks. The CUDA and host fence-event pools and the profiler's pool
+//! of timing events are each one of these.
+
+use crate::loom::Mutex;
+
+/// The most room a shard is made with: a pool asked to keep more grows
+/// past it as items come back.
+const PREALLOCATED: usize = 1024;
+
+/// Up to a capacity of idle items, spread over shards (a power of two) that
+/// each hold an equal share. A thread takes from its home shard
+/// ([`crate::shards::home`]) first and then from the others, and gives back
+/// to the shard it took from; a full shard hands the item back rather than
+/// lock another (a burst of give-backs beyond the capacity would lock every
+/// shard each time).
+pub(crate) struct IdlePool<T> {
+    shards: Box<[Mutex<Vec<T>>]>,
+    shard_capacity: usize,
+}
+
+impl<T> IdlePool<T> {
+    /// Room for `capacity` idle items over `shards` locks. Each shard is
+    /// made with room for its share (up to [`PREALLOCATED`]), so giving back
+    /// never grows it (a growing `Vec` in the middle of a burst made the
+    /// allocator consolidate, measurably).
+    pub(crate) fn new(shards: usize, capacity: usize) -> Self {
+        assert!(shards.is_power_of_two(), "shards are a power of two");
+        let shard_capacity = capacity.div_ceil(shards);
+        Self {
+            shards: (0..shards)
+                .map(|_| Mutex::new(Vec::with_capacity(shard_capacity.min(PREALLOCATED))))
+                .collect(),
+            shard_capacity,
+        }
+    }
+
+    /// The calling thread's home shard.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn home(&self) -> usize {
+        crate::shards::home(self.shards.len())
+    }
+
+    /// An idle item from `shard`, else from another. `counted` is told the
+    /// length of the shard it came from, under that shard's lock (a gauge
+    /// kept in step).
+    pub(crate) fn take(&self, shard: usize, counted: impl Fn(usize)) -> Option<T> {
+        let shards = self.shards.len();
+        (0..shards).find_map(|step| {
+            let mut idle = self.shards[(shard + step) & (shards - 1)].lock();
+            let item = idle.pop()?;
+            counted(idle.len());
+            Some(item)
+        })
+    }
+
+    /// Keep `item` in `shard`, or hand it back when that shard is full.
+    /// `counted` is told the shard's new length, under its lock.
+    pub(crate) fn give_back(
+        &self,
+        shard: usize,
+        item: T,
+        counted: impl FnOnce(usize),
+    ) -> Result<(), T> {
+        let mut idle = self.shards[shard].lock();
+        if idle.len() >= self.shard_capacity {
+            return Err(item);
+        }
+        idle.push(item);
+        counted(idle.len());
+        Ok(())
+    }
+
+    /// Idle items now, over all shards.
+    pub(crate) fn len(&self) -> usize {
+        self.shards.iter().map(|shard| shard.lock().len()).sum()
+    }
+
+    /// Every idle item, taken out; `counted` is told each emptied shard's
+    /// new length (zero) under its lock, before the items are dropped.
+    pub(crate) fn take_all(&self, counted: impl Fn(usize)) -> Vec<T> {
+        let mut all = Vec::new();
+        for shard in &self.shards {
+            let mut idle = shard.lock();
+            all.append(&mut idle);
+            counted(0);
+        }
+        all
+    }
+}
+
+#[cfg(all(test, not(device_events_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_full_shard_hands_back_and_a_take_finds_other_shards() {
+        let pool = IdlePool::new(2, 4);
+        assert_eq!(pool.give_back(0, 1, |_| {}), Ok(()));
+        assert_eq!(pool.give_back(0, 2, |_| {}), Ok(()));
+        assert_eq!(pool.give_back(0, 3, |_| {}), Err(3));
+        assert_eq!(pool.len(), 2);
+        assert_eq!(pool.take(1, |_| {}), Some(2));
+        assert_eq!(pool.take(1, |_| {}), Some(1));
+        assert_eq!(pool.take(1, |_| {}), None);
+    }
+
+    #[test]
+    fn a_pool_of_no_capacity_keeps_nothing() {
+        let pool = IdlePool::new(1, 0);
+        assert_eq!(pool.give_back(0, 1, |_| {}), Err(1));
+    }
+
+    #[test]
+    fn the_gauge_follows_each_shard_under_its_lock() {
+        let pool = IdlePool::new(1, 4);
+        let seen = std::cell::Cell::new(usize::MAX);
+        pool.give_back(0, 'a', |len| seen.set(len)).unwrap();
+        pool.give_back(0, 'b', |len| seen.set(len)).unwrap();
+        assert_eq!(seen.get(), 2);
+        pool.take(0, |len| seen.set(len));
+        assert_eq!(seen.get(), 1);
+        assert_eq!(pool.take_all(|len| seen.set(len)), ['a']);
+        assert_eq!(seen.get(), 0);
+    }
+}

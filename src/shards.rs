@@ -1,0 +1,59 @@
+//! How the crate spreads state over locks: by a key's hash (the waiter's
+//! lanes, the stream registry), or by the calling thread (pools of idle
+//! events, which every thread takes from and gives back to). One scheme for
+//! each, written once.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Which of `shards` (a power of two) a well-mixed `hash` falls in: its low
+/// bits.
+pub(crate) fn of_hash(hash: u64, shards: usize) -> usize {
+    debug_assert!(shards.is_power_of_two());
+    (hash as usize) & (shards - 1)
+}
+
+/// A well-mixed hash of an allocation's address: the alignment bits
+/// dropped, then Fibonacci hashing, whose high bits are the mixed ones.
+pub(crate) fn hash_address(address: usize) -> u64 {
+    ((address as u64 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 32
+}
+
+/// The calling thread's shard among `shards` (a power of two): threads are
+/// spread over the shards in the order they first ask, so a few threads
+/// each get their own.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn home(shards: usize) -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static ORDINAL: usize = NEXT.fetch_add(1, Ordering::Relaxed);
+    }
+    debug_assert!(shards.is_power_of_two());
+    // During the thread's exit the ordinal may be gone: any shard will do.
+    ORDINAL.try_with(|ordinal| *ordinal).unwrap_or(0) & (shards - 1)
+}
+
+#[cfg(all(test, not(device_events_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearby_allocations_spread_over_the_shards() {
+        let boxes: Vec<Box<[u8; 64]>> = (0..256).map(|_| Box::new([0; 64])).collect();
+        let mut used = [false; 16];
+        for item in &boxes {
+            used[of_hash(hash_address(item.as_ptr() as usize), 16)] = true;
+        }
+        assert!(used.iter().all(|&used| used), "{used:?}");
+    }
+
+    #[test]
+    fn threads_get_different_home_shards() {
+        let homes: Vec<usize> = (0..8)
+            .map(|_| std::thread::spawn(|| home(8)).join().unwrap())
+            .collect();
+        let mut distinct = homes.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        assert!(distinct.len() > 1, "{homes:?}");
+    }
+}
