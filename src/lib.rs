@@ -56,7 +56,7 @@
 //! | layer | owns | may not import |
 //! |---|---|---|
 //! | `api`, `error` | the backend contract ([`EventApi`], [`EventFlags`], the process-wide order of recorded points) and [`ServerError`] | anything else of the crate (`api` names `error`) |
-//! | `backend::{host, cuda}` | raw events and streams, the stream registry, fence-event pools; all `unsafe` (the FFI file `backend/cuda/driver.rs`) | `event`, `fence`, the waiter and everything above them (they name [`EventFence`] only to offer `cuda::fence` and [`host::HostStream::fence`]) |
+//! | `backend::{host, cuda}` | raw events and streams, the stream registry, fence-event pools; all `unsafe` (the FFI file `backend/cuda/driver.rs`; the binding guard, events, pool and kernels sit on it without `unsafe`) | `event`, `fence`, the waiter and everything above them (they name [`EventFence`] only to offer `cuda::fence` and [`host::HostStream::fence`]) |
 //! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | any backend, fences, the waiter |
 //! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | the waiter, any backend by name |
 //! | `waiter` | [`Waiter`]: threads, lanes, hand-off, the futures | any backend, the profiler, the drop queue, `any_fence` |
@@ -68,8 +68,10 @@
 //! threads the crate started: the waiter and the drop queue mark theirs,
 //! the CUDA backend leaves a context bound on them), `panics` (panics in
 //! code the crate calls but does not own, caught with their payloads),
-//! `fork` (whether this process is a fork of the one that made a pool) and
-//! `plant` (the planted-defect hooks) serve every layer; they, like `api`
+//! `fork` (whether this process is a fork of the one that made a pool),
+//! `shards` (how state is spread over locks: by hash, by thread),
+//! `idle_pool` (bounded pools of idle events: the fence-event pools, the
+//! profiler's) and `plant` (the planted-defect hooks) serve every layer; they, like `api`
 //! and `error`, may be imported from any layer.
 //!
 //! # Backends

@@ -346,6 +346,23 @@ fn a_cudarc_error_converts_without_a_driver_and_without_a_panic() {
     );
     let sticky = ServerError::from(DriverError(sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS));
     assert!(sticky.is_faulted(), "{sticky}");
+    // With a driver loaded, cudarc's error is the source; without one it is
+    // left out (its `Display` would ask the missing driver). Either way the
+    // whole chain prints without a panic.
+    let loaded = cuda::is_available();
+    let err = ServerError::from(DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE));
+    let source = std::error::Error::source(&err);
+    assert_eq!(source.is_some(), loaded, "{err:?}");
+    if let Some(source) = source {
+        assert!(!source.to_string().is_empty());
+        let driver = err
+            .error_source()
+            .and_then(|s| s.downcast_ref::<DriverError>());
+        assert_eq!(
+            driver,
+            Some(&DriverError(sys::CUresult::CUDA_ERROR_INVALID_VALUE))
+        );
+    }
 }
 
 #[test]

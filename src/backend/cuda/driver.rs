@@ -304,11 +304,17 @@ fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), Se
 }
 
 /// A cudarc error (from its own calls, or a user's), as this crate reports
-/// driver errors. Never panics, with or without a driver.
+/// driver errors, with `err` as its source once the driver is loaded. Never
+/// panics, with or without a driver: without one the source is left out, as
+/// cudarc's `Display` of its error asks the driver for a description (and
+/// its loader panics where there is no driver library).
 pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError {
-    status_error(loaded_api(), call, err.0 as Status, || {
-        format!("{:?}", err.0)
-    })
+    let api = loaded_api();
+    let error = status_error(api, call, err.0 as Status, || format!("{:?}", err.0));
+    match api {
+        Some(_) => error.with_source(err),
+        None => error,
+    }
 }
 
 /// A failed status, named and described by the driver itself when it is

@@ -104,7 +104,7 @@ impl Kernel {
 fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
     super::driver::ensure_loaded()?;
     let mut last = None;
-    for (_, ptx) in ptx_modules() {
+    for (_, ptx) in modules() {
         let ptx = ptx + "\0";
         let Ok(ptx) = CStr::from_bytes_with_nul(ptx.as_bytes()) else {
             continue;
@@ -121,14 +121,22 @@ fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
 }
 
 /// The PTX modules the crate ships, one per target it tries, in the order it
-/// tries them: `(target, NUL-free PTX text)`. For checking them with NVIDIA's
-/// assembler (`ptxas -arch=<target>`) on a machine without a GPU.
+/// tries them: `(target, NUL-free PTX text)`. For tests (feature
+/// `test-util`): checking them with NVIDIA's assembler (`ptxas
+/// -arch=<target>`) on a machine without a GPU.
 ///
 /// ```
 /// let modules = device_events::cuda::ptx_modules();
 /// assert!(modules.iter().all(|(target, ptx)| ptx.contains(&format!(".target {target}"))));
 /// ```
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub fn ptx_modules() -> Vec<(&'static str, String)> {
+    modules()
+}
+
+/// The PTX modules, one per target, in the order they are tried.
+fn modules() -> Vec<(&'static str, String)> {
     TARGETS
         .iter()
         .map(|target| (*target, PTX.replace("{TARGET}", target)))
@@ -187,7 +195,7 @@ impl std::fmt::Debug for SleepKernel {
 }
 
 /// A kernel that writes to an illegal address: it poisons its context on
-/// purpose, for tests of fault handling. After it runs, every call on the
+/// purpose, for tests of fault handling (feature `test-util`). After it runs, every call on the
 /// context fails with `CUDA_ERROR_ILLEGAL_ADDRESS` (a sticky
 /// [`ServerError::Faulted`]) for the rest of the process: run it in a test
 /// binary of its own.
@@ -202,10 +210,13 @@ impl std::fmt::Debug for SleepKernel {
 /// assert!(err.is_faulted()); // and so is every later call on `ctx`
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub struct FaultKernel {
     kernel: Kernel,
 }
 
+#[cfg(feature = "test-util")]
 impl FaultKernel {
     /// Load the kernel into `ctx`.
     ///
@@ -230,6 +241,7 @@ impl FaultKernel {
     }
 }
 
+#[cfg(feature = "test-util")]
 impl std::fmt::Debug for FaultKernel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("FaultKernel")

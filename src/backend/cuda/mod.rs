@@ -38,7 +38,9 @@ use std::time::Duration;
 pub use cudarc;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 pub use event::CudaEvent;
-pub use kernels::{ptx_modules, FaultKernel, SleepKernel};
+pub use kernels::SleepKernel;
+#[cfg(feature = "test-util")]
+pub use kernels::{ptx_modules, FaultKernel};
 pub use stream::CudaStreamHandle;
 
 use crate::loom::Mutex;
