@@ -44,7 +44,7 @@ pub(super) const BACKEND: &str = "Cuda";
 /// cudarc resolves a symbol on first use and panics if it is missing, so all
 /// are probed once, up front, and a missing one makes the backend unavailable.
 /// Each exists in CUDA 12.0 and later drivers, CUDA 13 included.
-const REQUIRED_SYMBOLS: &[&str] = &[
+pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuInit",
     "cuGetErrorName",
     "cuGetErrorString",

@@ -41,6 +41,19 @@ pub use event::CudaEvent;
 pub use kernels::SleepKernel;
 #[cfg(feature = "test-util")]
 pub use kernels::{ptx_modules, FaultKernel};
+
+/// Every driver entry point the backend probes before its first call: a
+/// driver library missing any of them makes the backend unavailable. For
+/// tests (feature `test-util`) that build stand-in drivers.
+///
+/// ```
+/// assert!(device_events::cuda::required_symbols().contains(&"cuEventQuery"));
+/// ```
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub fn required_symbols() -> &'static [&'static str] {
+    driver::REQUIRED_SYMBOLS
+}
 pub use stream::CudaStreamHandle;
 
 use crate::loom::Mutex;

@@ -257,8 +257,15 @@ impl StreamShared {
 
     /// Queue `op` unless the stream is faulted or closing.
     fn push(&self, call: &'static str, op: Op) -> Result<(), ServerError> {
-        let mut state = self.lock();
+        let state = self.lock();
         self.accepting(&state, call)?;
+        self.enqueue(state, op);
+        Ok(())
+    }
+
+    /// Queue `op` (the caller checked the stream accepts it, under the lock
+    /// it hands over), and wake the worker if it sleeps.
+    fn enqueue(&self, mut state: MutexGuard<'_, StreamState>, op: Op) {
         state.queue.push_back(op);
         state.queued += 1;
         let wake = state.worker_waiting;
@@ -266,7 +273,6 @@ impl StreamShared {
         if wake {
             self.work_queued.notify_one();
         }
-        Ok(())
     }
 
     /// Queue a marker for a new generation of `event`.
@@ -280,7 +286,7 @@ impl StreamShared {
                 "the event and the stream are from different contexts",
             ));
         }
-        let mut state = self.lock();
+        let state = self.lock();
         self.accepting(&state, "event_record")?;
         if state.queue.is_empty() && state.finished == state.queued {
             // Idle: everything queued before this record has run, so the
@@ -290,13 +296,7 @@ impl StreamShared {
             return Ok(());
         }
         let generation = event.next_generation();
-        state.queue.push_back(Op::Signal(event.clone(), generation));
-        state.queued += 1;
-        let wake = state.worker_waiting;
-        drop(state);
-        if wake {
-            self.work_queued.notify_one();
-        }
+        self.enqueue(state, Op::Signal(event.clone(), generation));
         Ok(())
     }
 
