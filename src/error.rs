@@ -55,7 +55,11 @@ pub mod status {
 /// compared (an `Arc<dyn Error>` has no equality of its own), and a clone
 /// is always equal to its original.
 #[derive(Clone)]
-pub struct ErrorSource(Arc<dyn Error + Send + Sync + 'static>);
+pub struct ErrorSource(Arc<BoxedError>);
+
+/// Boxed, so that an [`ErrorSource`] is one thin pointer: every
+/// `Result<_, ServerError>` on the hot paths carries its room.
+type BoxedError = Box<dyn Error + Send + Sync + 'static>;
 
 impl ErrorSource {
     /// Wrap `error`. An `ErrorSource` given here is kept as it is, not
@@ -64,20 +68,20 @@ impl ErrorSource {
         let any: &dyn std::any::Any = &error;
         match any.downcast_ref::<Self>() {
             Some(source) => source.clone(),
-            None => Self(Arc::new(error)),
+            None => Self(Arc::new(Box::new(error))),
         }
     }
 
     /// The error itself.
     pub fn get_ref(&self) -> &(dyn Error + Send + Sync + 'static) {
-        &*self.0
+        &**self.0
     }
 
     /// The error itself, if it is an `E`: a `cudarc::driver::DriverError`
     /// from the CUDA backend, a [`std::io::Error`] from a thread spawn, or a
     /// [`ServerError`] from a fallback.
     pub fn downcast_ref<E: Error + 'static>(&self) -> Option<&E> {
-        self.0.downcast_ref::<E>()
+        self.get_ref().downcast_ref::<E>()
     }
 
     /// The messages of the error and of each error in its source chain.
@@ -93,19 +97,19 @@ impl ErrorSource {
 
 impl fmt::Debug for ErrorSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&*self.0, f)
+        fmt::Debug::fmt(self.get_ref(), f)
     }
 }
 
 impl fmt::Display for ErrorSource {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Display::fmt(&*self.0, f)
+        fmt::Display::fmt(self.get_ref(), f)
     }
 }
 
 impl Error for ErrorSource {
     fn source(&self) -> Option<&(dyn Error + 'static)> {
-        self.0.source()
+        self.get_ref().source()
     }
 }
 
