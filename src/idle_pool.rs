@@ -8,29 +8,30 @@ use crate::loom::Mutex;
 /// past it as items come back.
 const PREALLOCATED: usize = 1024;
 
-/// Up to a capacity of idle items, spread over shards (a power of two) that
-/// each hold an equal share. A thread takes from its home shard
+/// Up to a capacity of idle items, spread over `SHARDS` shards (a power of
+/// two, in the pool itself: no pointer to follow) that each hold an equal
+/// share. A thread takes from its home shard
 /// ([`crate::shards::home`]) first and then from the others, and gives back
 /// to the shard it took from; a full shard hands the item back rather than
 /// lock another (a burst of give-backs beyond the capacity would lock every
 /// shard each time).
-pub(crate) struct IdlePool<T> {
-    shards: Box<[Mutex<Vec<T>>]>,
+pub(crate) struct IdlePool<T, const SHARDS: usize> {
+    shards: [Mutex<Vec<T>>; SHARDS],
     shard_capacity: usize,
 }
 
-impl<T> IdlePool<T> {
-    /// Room for `capacity` idle items over `shards` locks. Each shard is
-    /// made with room for its share (up to [`PREALLOCATED`]), so giving back
-    /// never grows it (a growing `Vec` in the middle of a burst made the
-    /// allocator consolidate, measurably).
-    pub(crate) fn new(shards: usize, capacity: usize) -> Self {
-        assert!(shards.is_power_of_two(), "shards are a power of two");
-        let shard_capacity = capacity.div_ceil(shards);
+impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
+    /// Room for `capacity` idle items. Each shard is made with room for its
+    /// share (up to [`PREALLOCATED`]), so giving back never grows it (a
+    /// growing `Vec` in the middle of a burst made the allocator
+    /// consolidate, measurably).
+    pub(crate) fn new(capacity: usize) -> Self {
+        const { assert!(SHARDS.is_power_of_two(), "shards are a power of two") };
+        let shard_capacity = capacity.div_ceil(SHARDS);
         Self {
-            shards: (0..shards)
-                .map(|_| Mutex::new(Vec::with_capacity(shard_capacity.min(PREALLOCATED))))
-                .collect(),
+            shards: std::array::from_fn(|_| {
+                Mutex::new(Vec::with_capacity(shard_capacity.min(PREALLOCATED)))
+            }),
             shard_capacity,
         }
     }
@@ -38,16 +39,15 @@ impl<T> IdlePool<T> {
     /// The calling thread's home shard.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn home(&self) -> usize {
-        crate::shards::home(self.shards.len())
+        crate::shards::home(SHARDS)
     }
 
     /// An idle item from `shard`, else from another. `counted` is told the
     /// length of the shard it came from, under that shard's lock (a gauge
     /// kept in step).
     pub(crate) fn take(&self, shard: usize, counted: impl Fn(usize)) -> Option<T> {
-        let shards = self.shards.len();
-        (0..shards).find_map(|step| {
-            let mut idle = self.shards[(shard + step) & (shards - 1)].lock();
+        (0..SHARDS).find_map(|step| {
+            let mut idle = self.shards[(shard + step) & (SHARDS - 1)].lock();
             let item = idle.pop()?;
             counted(idle.len());
             Some(item)
@@ -95,7 +95,7 @@ mod tests {
 
     #[test]
     fn a_full_shard_hands_back_and_a_take_finds_other_shards() {
-        let pool = IdlePool::new(2, 4);
+        let pool = IdlePool::<_, 2>::new(4);
         assert_eq!(pool.give_back(0, 1, |_| {}), Ok(()));
         assert_eq!(pool.give_back(0, 2, |_| {}), Ok(()));
         assert_eq!(pool.give_back(0, 3, |_| {}), Err(3));
@@ -107,13 +107,13 @@ mod tests {
 
     #[test]
     fn a_pool_of_no_capacity_keeps_nothing() {
-        let pool = IdlePool::new(1, 0);
+        let pool = IdlePool::<_, 1>::new(0);
         assert_eq!(pool.give_back(0, 1, |_| {}), Err(1));
     }
 
     #[test]
     fn the_gauge_follows_each_shard_under_its_lock() {
-        let pool = IdlePool::new(1, 4);
+        let pool = IdlePool::<_, 1>::new(4);
         let seen = std::cell::Cell::new(usize::MAX);
         pool.give_back(0, 'a', |len| seen.set(len)).unwrap();
         pool.give_back(0, 'b', |len| seen.set(len)).unwrap();

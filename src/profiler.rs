@@ -57,7 +57,7 @@ pub struct EventProfiler<A: EventApi> {
 
 struct EventPool<A: EventApi> {
     /// One shard: a profiler is used by whoever holds it.
-    events: IdlePool<Event<A>>,
+    events: IdlePool<Event<A>, 1>,
     created: AtomicUsize,
 }
 
@@ -96,7 +96,7 @@ impl<A: EventApi> EventProfiler<A> {
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
             pool: Arc::new(EventPool {
-                events: IdlePool::new(1, capacity),
+                events: IdlePool::new(capacity),
                 created: AtomicUsize::new(0),
             }),
         }

@@ -32,7 +32,7 @@ const FENCE_POOL_SHARDS: usize = 8;
 /// forgets them without a call.
 pub(crate) struct FencePool {
     ctx: Weak<CudaContext>,
-    idle: IdlePool<IdleEvent>,
+    idle: IdlePool<IdleEvent, FENCE_POOL_SHARDS>,
 }
 
 /// An idle event's raw handle.
@@ -53,7 +53,7 @@ impl FencePool {
         found.unwrap_or_else(|| {
             let pool = Arc::new(Self {
                 ctx: Arc::downgrade(ctx),
-                idle: IdlePool::new(FENCE_POOL_SHARDS, FENCE_POOL_CAPACITY),
+                idle: IdlePool::new(FENCE_POOL_CAPACITY),
             });
             pools.push(Arc::downgrade(&pool));
             pool

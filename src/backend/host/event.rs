@@ -108,7 +108,7 @@ pub(super) const FENCE_POOL_CAPACITY: usize = 64;
 /// back at it weakly, so one given back after the stream is gone is freed.
 pub(super) struct FencePool {
     /// One shard: a host stream's fences are made by whoever holds it.
-    idle: IdlePool<HostEvent>,
+    idle: IdlePool<HostEvent, 1>,
     /// The stream's counts, whose idle gauge this pool keeps.
     live: LiveEvents,
     /// The stream's context, which its events belong to.
@@ -119,7 +119,7 @@ impl FencePool {
     /// An empty pool for the stream counted in `live`, on `context`.
     pub(super) fn new(live: LiveEvents, context: Arc<ContextShared>) -> Self {
         Self {
-            idle: IdlePool::new(1, FENCE_POOL_CAPACITY),
+            idle: IdlePool::new(FENCE_POOL_CAPACITY),
             live,
             context,
         }
