@@ -1,6 +1,6 @@
 //! Test kernels, hand-written PTX JIT-compiled by the driver (no NVRTC or
 //! toolkit needed): [`SleepKernel`], device work of a known length, and
-//! [`FaultKernel`], a write to an illegal address; both launch a [`Kernel`],
+//! `FaultKernel` (feature `test-util`), a write to an illegal address; both launch a [`Kernel`],
 //! one entry of the PTX loaded into a context.
 
 use std::ffi::CStr;

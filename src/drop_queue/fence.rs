@@ -1,0 +1,103 @@
+//! [`Fence`]: what a [`DropQueue`](super::DropQueue) waits for, and how a
+//! value is settled once its fence passes (dropped) or fails (leaked).
+
+use crate::{panics, AnyFence, EventApi, EventFence, ServerError};
+
+/// Something that can be waited for: the contract a [`DropQueue`](super::DropQueue) needs.
+/// [`EventFence`] and [`AnyFence`] implement it.
+pub trait Fence: Send + 'static {
+    /// Block until the fence has passed. (Named for what it does: an
+    /// [`EventFence`]'s own [`wait`](EventFence::wait) returns a future.)
+    ///
+    /// # Errors
+    ///
+    /// The fence failed: the device faulted, or the driver refused the wait.
+    fn wait_blocking(self) -> Result<(), ServerError>;
+
+    /// Whether the fence has passed, without blocking: `Ok(true)` passed,
+    /// `Ok(false)` not yet (also the answer of fences that cannot tell).
+    ///
+    /// # Errors
+    ///
+    /// The fence failed.
+    fn is_passed(&self) -> Result<bool, ServerError> {
+        Ok(false)
+    }
+}
+
+/// The drop queue is where a fence pays off: a freed host buffer waits on one
+/// rather than on the stream's owner.
+///
+/// If the fence's wait fails, the stream is synchronized instead (with a
+/// warning), as the crate's other fallbacks do: when that succeeds, the
+/// stream is idle, so everything queued before the fence has run and the
+/// fence has passed. Only when the stream cannot be synchronized either (a
+/// faulted stream or device) does the fence fail.
+impl<A: EventApi> Fence for EventFence<A> {
+    fn wait_blocking(self) -> Result<(), ServerError> {
+        let stream = self.stream();
+        match self.wait_sync() {
+            Ok(()) => Ok(()),
+            Err(err) if A::stream_synchronize(stream).is_ok() => {
+                let backend = A::BACKEND;
+                log::warn!(
+                    "{backend}: a fence's wait failed ({err}); the stream synchronized instead"
+                );
+                Ok(())
+            }
+            Err(err) => Err(err),
+        }
+    }
+
+    fn is_passed(&self) -> Result<bool, ServerError> {
+        self.is_complete()
+    }
+}
+
+/// A drop queue may hold fences of either backend: each waits as its
+/// [`EventFence`] does.
+impl Fence for AnyFence {
+    fn wait_blocking(self) -> Result<(), ServerError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            AnyFence::Cuda(fence) => fence.wait_blocking(),
+            AnyFence::Host(fence) => fence.wait_blocking(),
+        }
+    }
+
+    fn is_passed(&self) -> Result<bool, ServerError> {
+        self.is_complete()
+    }
+}
+
+/// Wait for `fence`, then drop `value`; if the fence fails (or its wait
+/// panics), leak the value instead, with an error logged. `Err` is the
+/// fence's failure: the value was leaked.
+pub(super) fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError> {
+    let passed = panics::catch(|| fence.wait_blocking())
+        .unwrap_or_else(|message| Err(ServerError::DropQueuePanicked { message }));
+    match passed {
+        Ok(()) => {
+            drop_value(value);
+            Ok(())
+        }
+        Err(err) => {
+            panics::log(|| {
+                log::error!(
+                    "a drop queue's fence failed, leaking its value rather than freeing memory \
+                     the device may still read: {err}"
+                );
+            });
+            std::mem::forget(value);
+            Err(err)
+        }
+    }
+}
+
+/// Drop a value whose fence passed; a panic in its `Drop` (or in its
+/// payload's) is logged, and the queue goes on.
+pub(super) fn drop_value<T>(value: T) {
+    if let Err(message) = panics::drop_caught(value) {
+        panics::log(|| log::error!("a value's drop panicked in the drop queue: {message}"));
+    }
+}

@@ -1,0 +1,376 @@
+//! [`DropQueue`]: the handle a caller pushes to, and [`DropQueueStats`].
+
+use std::fmt;
+use std::future::Future;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+use super::fence::{drop_value, Fence};
+use super::futures::{Progress, PushFuture, Until};
+use super::handed_back::{HandedBack, Rejected};
+use super::shared::{current_thread, Shared};
+use crate::{panics, ServerError};
+
+/// Default [`DropQueue::new`] capacity.
+pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
+
+/// Keeps each value alive until its fence has passed, then drops it on the
+/// queue's own thread, in push order.
+///
+/// - One thread waits each fence in turn, so a value waits behind every value
+///   pushed before it, even one on another stream. Where streams run at
+///   different paces, give each its own queue: a slow stream then holds back
+///   (and fills) only its own.
+/// - Memory is bounded: at most `capacity` values wait at once.
+///   [`push_blocking`](Self::push_blocking) waits for room and
+///   [`push_async`](Self::push_async) awaits it, so a caller never holds a
+///   refused value; [`push`](Self::push) never blocks, and hands a refused
+///   fence and value back ([`Rejected`]) for the caller to keep alive.
+/// - **No value is ever dropped before its fence**, on any path: a refused
+///   push hands it back (and [`Rejected::wait_then_drop`] keeps the promise
+///   for the caller), [`shutdown_now`](Self::shutdown_now) hands back what
+///   has not passed in a [`HandedBack`] whose drop waits for each fence, and
+///   a [`push_async`](Self::push_async) future dropped before it resolved
+///   queues its value all the same.
+/// - A fence whose wait fails is not given up at once: an [`EventFence`](crate::EventFence)
+///   then synchronizes its stream, and if the stream is idle its value is
+///   dropped as usual (the driver may merely have refused the wait while a
+///   copy still ran; the synchronize waited for the copy). A fence that
+///   **fails** even so (a faulted stream or device) says nothing about
+///   whether the device still reads the value, so the value is **leaked**
+///   (never dropped), with an error logged and counted in
+///   [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a bounded
+///   loss, a freed one still read by the device is memory corruption.
+/// - Dropping the queue is [`shutdown`](Self::shutdown): it **blocks** until
+///   every fence has passed (as long as the slowest stream's queued work),
+///   drops every value, and joins the thread. In async code, use
+///   [`shutdown_async`](Self::shutdown_async) (and
+///   [`flush_async`](Self::flush_async) for [`flush`](Self::flush)), which
+///   block no thread.
+/// - A value's drop may use its own queue: `push_blocking` and `push_async`
+///   there queue past the capacity, even while closing (only the queue's
+///   thread makes room, and it drains the queue before it exits), and a
+///   flush or shutdown there, blocking or awaited, returns at once rather
+///   than wait for itself; the last handle to the queue dropped there lets
+///   the thread finish on its own.
+/// - There is no `Default`: starting the queue's thread can fail, and
+///   `Default` could not return that error. Use
+///   `DropQueue::new(DEFAULT_DROP_QUEUE_CAPACITY)`.
+///
+/// ```
+/// use device_events::drop_queue::DropQueue;
+/// use device_events::host::HostStream;
+///
+/// let stream = HostStream::new()?;
+/// let queue = DropQueue::new(16)?;
+/// let staging = vec![0u8; 1 << 20]; // say, a pinned host buffer
+/// stream.launch(|| { /* a device copy reads the buffer */ })?;
+/// // Returns once there is room (at once, here); the buffer is dropped on
+/// // the queue's thread once the copy is done.
+/// if let Err(closed) = queue.push_blocking(stream.fence(), staging) {
+///     closed.wait_then_drop()?; // shutting down: wait for the copy here
+/// }
+/// queue.flush();
+/// assert_eq!(queue.stats().dropped, 1);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// In async code, `queue.push_async(fence, staging).await` waits for room
+/// without blocking a thread.
+pub struct DropQueue<F: Fence, T: Send + 'static> {
+    shared: Arc<Shared<F, T>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+/// What a [`DropQueue`] has done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DropQueueStats {
+    /// Values accepted by `push`.
+    pub pushed: u64,
+    /// Values dropped after their fence passed.
+    pub dropped: u64,
+    /// Values leaked because their fence failed.
+    pub leaked: u64,
+    /// Values handed back unpassed by [`DropQueue::shutdown_now`].
+    pub handed_back: u64,
+    /// Values waiting now (queued or being waited on).
+    pub pending: usize,
+    /// Of those, the ones the queue's thread has not taken up yet.
+    pub queued: usize,
+}
+
+impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
+    /// A queue holding at most `capacity` waiting values, with its thread.
+    ///
+    /// # Errors
+    ///
+    /// [`ServerError::InvalidArgument`] for a capacity of 0 (no value could
+    /// ever be pushed); [`ServerError::ThreadSpawn`] when the thread could
+    /// not be started.
+    pub fn new(capacity: usize) -> Result<Self, ServerError> {
+        if capacity == 0 {
+            return Err(ServerError::InvalidArgument {
+                what: "DropQueue capacity",
+                reason: "0: no value could ever be pushed; use at least 1".to_owned(),
+            });
+        }
+        let shared = Arc::new(Shared::new(capacity));
+        let worker = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("device-events-drop-queue".to_owned())
+            .spawn(move || worker.run())
+            .map_err(|err| ServerError::thread_spawn("DropQueue", err))?;
+        let _ = shared.thread.set(thread.thread().id());
+        Ok(Self {
+            shared,
+            thread: Some(thread),
+        })
+    }
+
+    /// Keep `value` alive until `fence` passes, then drop it on the queue's
+    /// thread. Never blocks.
+    ///
+    /// # Errors
+    ///
+    /// [`Rejected::Full`] when `capacity` values are waiting, and
+    /// [`Rejected::Closed`] while shutting down; both hand back the fence and
+    /// the value, which the caller must keep alive until the fence passes
+    /// ([`Rejected::wait_then_drop`]).
+    pub fn push(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
+        let state = self.shared.lock();
+        if state.closing {
+            return Err(Rejected::Closed(fence, value));
+        }
+        if state.pending() >= state.capacity {
+            return Err(Rejected::Full(fence, value));
+        }
+        self.shared.enqueue(state, fence, value);
+        Ok(())
+    }
+
+    /// Keep `value` alive until `fence` passes, then drop it on the queue's
+    /// thread; when `capacity` values are waiting, block until one has
+    /// been dropped. In async code, use [`push_async`](Self::push_async).
+    ///
+    /// On the queue's own thread (in a value's drop) it does not wait: the
+    /// value is queued past the capacity (and even while the queue is
+    /// closing), since only that thread makes room, and it drains the queue
+    /// before it exits.
+    ///
+    /// # Errors
+    ///
+    /// [`Rejected::Closed`] while shutting down, with the fence and value,
+    /// which the caller must keep alive until the fence passes
+    /// ([`Rejected::wait_then_drop`]).
+    pub fn push_blocking(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
+        let mut state = self.shared.lock();
+        // On its own thread, in a value's drop, the thread has not exited
+        // and will see the entry, closing or not.
+        let own_thread = self.on_own_thread();
+        loop {
+            if state.closing && !own_thread {
+                return Err(Rejected::Closed(fence, value));
+            }
+            if state.pending() < state.capacity || own_thread {
+                self.shared.enqueue(state, fence, value);
+                return Ok(());
+            }
+            state = self.shared.changed.wait(state);
+        }
+    }
+
+    /// A future of [`push_blocking`](Self::push_blocking): resolves once the
+    /// value is queued, waiting for room without blocking a thread (the
+    /// queue's thread wakes it).
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolved does not drop the value
+    /// early: it is queued all the same (past the capacity), or, once the
+    /// queue's thread has exited, its fence is waited for on the dropping
+    /// thread before it is dropped.
+    ///
+    /// # Errors
+    ///
+    /// As for [`push_blocking`](Self::push_blocking).
+    pub fn push_async(&self, fence: F, value: T) -> PushFuture<F, T> {
+        let id = self.shared.lock().wakers.id();
+        PushFuture {
+            shared: self.shared.clone(),
+            entry: Some((fence, value)),
+            id,
+        }
+    }
+
+    /// Whether the caller is the queue's own thread: in a value's drop.
+    fn on_own_thread(&self) -> bool {
+        self.shared.on_own_thread()
+    }
+
+    /// The most values that may wait at once.
+    pub fn capacity(&self) -> usize {
+        self.shared.lock().capacity
+    }
+
+    /// Block until every value pushed before this call has been dropped (or
+    /// leaked, if its fence failed, or handed back by
+    /// [`shutdown_now`](Self::shutdown_now)). In async code, use
+    /// [`flush_async`](Self::flush_async).
+    ///
+    /// On the queue's own thread (in a value's drop) it returns at once: the
+    /// queue cannot wait for itself.
+    pub fn flush(&self) {
+        if self.on_own_thread() {
+            panics::log(|| {
+                log::warn!(
+                    "DropQueue::flush called by a value's drop on the queue's own thread \
+                     returns at once: the queue cannot wait for itself"
+                );
+            });
+            return;
+        }
+        let mut state = self.shared.lock();
+        let target = state.stats.pushed;
+        while !state.handled(target) {
+            state = self.shared.changed.wait(state);
+        }
+    }
+
+    /// What the queue has done so far.
+    pub fn stats(&self) -> DropQueueStats {
+        self.shared.lock().stats()
+    }
+
+    /// A future of [`flush`](Self::flush): resolves once every value pushed
+    /// before this call has been dropped (or leaked). Blocks no thread: the
+    /// queue's thread wakes it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping it changes nothing: the values are dropped all the same.
+    #[doc(alias = "flush")]
+    pub fn flush_async(&self) -> Progress<F, T> {
+        let mut state = self.shared.lock();
+        let target = state.stats.pushed;
+        let id = state.wakers.id();
+        drop(state);
+        Progress {
+            shared: self.shared.clone(),
+            until: Until::Handled(target),
+            id,
+        }
+    }
+
+    /// Wait for every fence, drop every value, and join the thread. Blocks
+    /// until the slowest fence passes; in async code, use
+    /// [`shutdown_async`](Self::shutdown_async).
+    ///
+    /// On the queue's own thread (in a value's drop) it closes the queue and
+    /// returns at once: the thread drops the rest, then exits.
+    pub fn shutdown(mut self) -> DropQueueStats {
+        self.close_and_join();
+        self.stats()
+    }
+
+    /// A future of [`shutdown`](Self::shutdown): refuses new pushes at once,
+    /// then resolves with the final stats once every fence has passed, every
+    /// value is dropped and the thread has exited. Blocks no thread.
+    ///
+    /// # Cancel safety
+    ///
+    /// Dropping the future before it resolves leaves the queue closed to new
+    /// pushes; its thread still drops every value, and exits on its own.
+    #[doc(alias = "shutdown")]
+    pub fn shutdown_async(mut self) -> impl Future<Output = DropQueueStats> + Send + 'static {
+        self.shared.close();
+        let id = self.shared.lock().wakers.id();
+        let thread = self.thread.take();
+        let progress = Progress {
+            shared: self.shared.clone(),
+            until: Until::Exited,
+            id,
+        };
+        async move {
+            let stats = progress.await;
+            // The thread has said it exits: joining it takes no time (and on
+            // the thread itself, in a value's drop, is skipped).
+            if let Some(thread) = thread.filter(|thread| thread.thread().id() != current_thread()) {
+                if thread.join().is_err() {
+                    log::error!("the drop queue's thread panicked");
+                }
+            }
+            stats
+        }
+    }
+
+    /// Stop without waiting on the device: values whose fence has already
+    /// passed are dropped; the rest are handed back with their fences, in
+    /// push order, for the caller to keep alive until their fences pass
+    /// ([`HandedBack`]: its drop waits for them). The value being waited on
+    /// when this is called is waited for.
+    ///
+    /// A fence whose [`is_passed`](Fence::is_passed) fails or panics is
+    /// handed back, not dropped.
+    pub fn shutdown_now(mut self) -> HandedBack<F, T> {
+        self.shared.close();
+        let waiting: Vec<(u64, F, T)> = {
+            let mut state = self.shared.lock();
+            state.checking = state.queue.front().map(|(number, ..)| *number);
+            state.queue.drain(..).collect()
+        };
+        let mut entries = Vec::new();
+        let mut dropped = 0;
+        for (_, fence, value) in waiting {
+            match panics::catch(|| fence.is_passed()) {
+                Ok(Ok(true)) => {
+                    drop_value(value);
+                    dropped += 1;
+                }
+                Ok(_) => entries.push((fence, value)),
+                Err(message) => {
+                    panics::log(|| {
+                        log::error!(
+                            "a fence's is_passed panicked in DropQueue::shutdown_now; its value \
+                             is handed back: {message}"
+                        );
+                    });
+                    entries.push((fence, value));
+                }
+            }
+        }
+        self.shared.update_and_wake(|state| {
+            state.stats.dropped += dropped;
+            if !crate::plant::planted("shutdown-now-uncounted") {
+                state.stats.handed_back += entries.len() as u64;
+            }
+            state.checking = None;
+        });
+        self.close_and_join();
+        HandedBack { entries }
+    }
+
+    fn close_and_join(&mut self) {
+        self.shared.close();
+        if let Some(thread) = self.thread.take() {
+            // The last handle dropped by a value on the queue's own thread:
+            // that thread finishes on its own.
+            if thread.thread().id() != current_thread() && thread.join().is_err() {
+                panics::log(|| log::error!("the drop queue's thread panicked"));
+            }
+        }
+    }
+}
+
+impl<F: Fence, T: Send + 'static> Drop for DropQueue<F, T> {
+    fn drop(&mut self) {
+        self.close_and_join();
+    }
+}
+
+impl<F: Fence, T: Send + 'static> fmt::Debug for DropQueue<F, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DropQueue")
+            .field("stats", &self.stats())
+            .finish()
+    }
+}

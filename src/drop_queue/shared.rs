@@ -1,0 +1,255 @@
+//! [`Shared`]: the state a [`DropQueue`](super::DropQueue), its thread and
+//! its futures share, and the queue's thread.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::OnceLock;
+use std::task::Waker;
+use std::thread::ThreadId;
+
+use super::fence::{settle, Fence};
+use super::queue::DropQueueStats;
+use crate::loom::{Condvar, Mutex, MutexGuard};
+use crate::panics;
+
+pub(super) struct Shared<F, T> {
+    pub(super) state: Mutex<State<F, T>>,
+    /// The queue's thread waits here for entries; flushes and blocking
+    /// pushes wait here for progress.
+    pub(super) changed: Condvar,
+    /// The queue's thread, set once it is started (before any value can
+    /// reach it): a value's drop runs there, and must not wait for it.
+    pub(super) thread: OnceLock<ThreadId>,
+}
+
+pub(super) struct State<F, T> {
+    /// Entries with their push numbers (1, 2, ...), in push order.
+    pub(super) queue: VecDeque<(u64, F, T)>,
+    pub(super) capacity: usize,
+    /// The push number of the entry the queue's thread is waiting on.
+    pub(super) in_flight: Option<u64>,
+    /// The lowest push number among the entries [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now)
+    /// has taken out and not yet dropped or handed back.
+    pub(super) checking: Option<u64>,
+    pub(super) closing: bool,
+    /// Set by the queue's thread, under this lock, when it has decided to
+    /// exit (closing, nothing queued): from then on nobody else will drop a
+    /// queued value.
+    pub(super) exited: bool,
+    pub(super) stats: DropQueueStats,
+    /// Tasks awaiting progress ([`DropQueue::flush_async`](super::DropQueue::flush_async),
+    /// [`DropQueue::shutdown_async`](super::DropQueue::shutdown_async), [`DropQueue::push_async`](super::DropQueue::push_async)): woken after
+    /// each value and on exit.
+    pub(super) wakers: Wakers,
+}
+
+/// The wakers of pending futures, one per future: a future dropped before
+/// it resolved takes its waker out again, so none is kept for a task that
+/// no longer waits, and a poll finds its own entry without a scan.
+#[derive(Default)]
+pub(super) struct Wakers {
+    next: u64,
+    by_future: HashMap<u64, Waker>,
+}
+
+impl Wakers {
+    /// A number for a new future.
+    pub(super) fn id(&mut self) -> u64 {
+        self.next += 1;
+        self.next
+    }
+
+    /// Keep `waker` for future `id`; the waker it replaces comes back, to
+    /// be dropped outside the lock (a waker's drop is an executor's code).
+    #[must_use]
+    pub(super) fn register(&mut self, id: u64, waker: &Waker) -> Option<Waker> {
+        match self.by_future.get(&id) {
+            Some(known) if known.will_wake(waker) => None,
+            _ => self.by_future.insert(id, waker.clone()),
+        }
+    }
+
+    /// Forget future `id`'s waker; it comes back, to be dropped outside the
+    /// lock.
+    #[must_use]
+    pub(super) fn remove(&mut self, id: u64) -> Option<Waker> {
+        self.by_future.remove(&id)
+    }
+
+    /// All of them, to wake outside the lock (each woken future registers
+    /// again if it still waits).
+    pub(super) fn take(&mut self) -> Vec<Waker> {
+        self.by_future.drain().map(|(_, waker)| waker).collect()
+    }
+}
+
+/// Wake `wakers`; a waker that panics (a user's executor) costs only its
+/// own wake.
+fn wake_all(wakers: Vec<Waker>) {
+    for waker in wakers {
+        if let Err(message) = panics::catch(|| waker.wake()) {
+            panics::log(|| {
+                log::error!("a task's waker panicked when the drop queue woke it: {message}")
+            });
+        }
+    }
+}
+
+impl<F, T> Shared<F, T> {
+    /// The state of an empty, open queue of at most `capacity` values.
+    pub(super) fn new(capacity: usize) -> Self {
+        Self {
+            state: Mutex::new(State {
+                queue: VecDeque::new(),
+                capacity,
+                in_flight: None,
+                checking: None,
+                closing: false,
+                exited: false,
+                stats: DropQueueStats::default(),
+                wakers: Wakers::default(),
+            }),
+            changed: Condvar::new(),
+            thread: OnceLock::new(),
+        }
+    }
+
+    pub(super) fn lock(&self) -> MutexGuard<'_, State<F, T>> {
+        self.state.lock()
+    }
+
+    /// Whether the caller is the queue's own thread: in a value's drop.
+    pub(super) fn on_own_thread(&self) -> bool {
+        self.thread.get() == Some(&current_thread())
+    }
+
+    /// Refuse new pushes; wake the queue's thread, blocked pushers and
+    /// pending push futures, so they learn it now.
+    pub(super) fn close(&self) {
+        self.update_and_wake(|state| state.closing = true);
+    }
+
+    /// Change the state, then tell everyone who waits on it: blocked
+    /// flushes and pushers (the condvar) and pending futures (their
+    /// wakers, woken outside the lock).
+    pub(super) fn update_and_wake(&self, change: impl FnOnce(&mut State<F, T>)) {
+        let wakers = {
+            let mut state = self.lock();
+            change(&mut state);
+            state.wakers.take()
+        };
+        self.changed.notify_all();
+        wake_all(wakers);
+    }
+}
+
+pub(super) fn current_thread() -> ThreadId {
+    std::thread::current().id()
+}
+
+impl<F: Fence, T: Send + 'static> Shared<F, T> {
+    /// Queue an entry (the caller checked room and closing) and wake the
+    /// queue's thread.
+    pub(super) fn enqueue(&self, mut state: MutexGuard<'_, State<F, T>>, fence: F, value: T) {
+        state.stats.pushed += 1;
+        let number = state.stats.pushed;
+        state.queue.push_back((number, fence, value));
+        drop(state);
+        self.changed.notify_all();
+    }
+
+    /// Take in a value whose push was abandoned (its future dropped): queued
+    /// past the capacity, even while closing, as long as the queue's thread
+    /// will still see it; once that thread has exited, waited for here.
+    pub(super) fn adopt(&self, fence: F, value: T) {
+        let mut state = self.lock();
+        if state.exited {
+            state.stats.pushed += 1;
+            drop(state);
+            let dropped = settle(fence, value).is_ok();
+            self.lock().count_settled(dropped);
+        } else {
+            self.enqueue(state, fence, value);
+        }
+    }
+
+    /// The queue's thread: wait for each fence in push order, then drop its
+    /// value (or leak it if the fence failed).
+    pub(super) fn run(&self) {
+        crate::own_threads::enter();
+        // Whichever way the thread ends, awaiting shutdowns learn it.
+        let _exit = ExitGuard(self);
+        loop {
+            let (fence, value) = {
+                let mut state = self.lock();
+                loop {
+                    if let Some((number, fence, value)) = state.queue.pop_front() {
+                        state.in_flight = Some(number);
+                        break (fence, value);
+                    }
+                    if state.closing {
+                        state.exited = true;
+                        return;
+                    }
+                    state = self.changed.wait(state);
+                }
+            };
+            let dropped = settle(fence, value).is_ok();
+            self.update_and_wake(|state| {
+                state.in_flight = None;
+                state.count_settled(dropped);
+            });
+        }
+    }
+
+    /// The thread's last act: say it exits, and wake who awaits that.
+    pub(super) fn exit(&self) {
+        self.update_and_wake(|state| state.exited = true);
+    }
+}
+
+/// Calls [`Shared::exit`] when the queue's thread ends, even by a panic.
+struct ExitGuard<'a, F: Fence, T: Send + 'static>(&'a Shared<F, T>);
+
+impl<F: Fence, T: Send + 'static> Drop for ExitGuard<'_, F, T> {
+    fn drop(&mut self) {
+        self.0.exit();
+    }
+}
+
+impl<F, T> State<F, T> {
+    pub(super) fn pending(&self) -> usize {
+        self.queue.len() + usize::from(self.in_flight.is_some())
+    }
+
+    /// Count a value [`settle`]d: dropped, or leaked when its fence failed.
+    pub(super) fn count_settled(&mut self, dropped: bool) {
+        if dropped {
+            self.stats.dropped += 1;
+        } else {
+            self.stats.leaked += 1;
+        }
+    }
+
+    /// Whether the first `target` values pushed are all dropped, leaked or
+    /// handed back: none of them is queued, waited on, or being checked by
+    /// `shutdown_now` (by push number, since `shutdown_now` hands back later
+    /// values while an earlier one is still waited on). Also once the
+    /// thread has exited with nothing being checked: nothing more will be
+    /// handled then.
+    pub(super) fn handled(&self, target: u64) -> bool {
+        let after = |number: Option<u64>| number.is_none_or(|number| number > target);
+        let settled = after(self.in_flight)
+            && after(self.queue.front().map(|(number, ..)| *number))
+            && after(self.checking);
+        settled || (self.exited && self.checking.is_none())
+    }
+
+    /// What the queue has done so far, and what waits now.
+    pub(super) fn stats(&self) -> DropQueueStats {
+        DropQueueStats {
+            pending: self.pending(),
+            queued: self.queue.len(),
+            ..self.stats
+        }
+    }
+}
