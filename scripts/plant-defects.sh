@@ -123,6 +123,8 @@ plant_loom refused-lane-left-for-threads "a refused lane thread leaves its lane 
     loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller
 plant_loom settle-miscounts-cancelled "a settle miscounts a wait found cancelled" \
     loom_a_future_dropped_while_the_poller_has_its_wait_out
+plant_loom lane-count-read-before-scheduler-lock "a new lane's count of lanes is read before the scheduler's lock" \
+    loom_a_new_lane_never_waits_behind_a_lane_queued_just_before_it
 # Counting defects the invariant checks catch where the lock is let go.
 plant_loom settle-forgets-cancelled "a settle does not count a wait found cancelled as finished" \
     loom_a_future_dropped_while_the_poller_has_its_wait_out

@@ -121,6 +121,13 @@ impl PartialEq for ErrorSource {
 
 impl Eq for ErrorSource {}
 
+// A source is only read (displayed, compared, downcast), never changed, so
+// a panic cannot leave one half-updated: an error that crosses
+// `catch_unwind` stays as `UnwindSafe` as `ServerError` was before it had
+// sources (as `anyhow::Error` and `std::io::Error` are).
+impl std::panic::UnwindSafe for ErrorSource {}
+impl std::panic::RefUnwindSafe for ErrorSource {}
+
 /// What went wrong when creating, recording or waiting on a device event.
 ///
 /// Every variant is one a caller can act on: retry elsewhere when the driver is
@@ -346,6 +353,11 @@ impl ServerError {
     /// that led to this one. Only [`Call`](Self::Call),
     /// [`Faulted`](Self::Faulted) and [`ThreadSpawn`](Self::ThreadSpawn)
     /// carry a source; other variants are returned unchanged.
+    ///
+    /// The source's `Display` runs whenever the error is shown or compared:
+    /// a cudarc `DriverError` asks the driver for its text there, and
+    /// panics where no driver library is loaded, so attach one only once
+    /// the driver is (the crate's own conversions do).
     #[must_use]
     pub fn with_source<E: Error + Send + Sync + 'static>(mut self, source: E) -> Self {
         if let Self::Call { source: slot, .. }
@@ -385,6 +397,16 @@ mod tests {
     use std::error::Error as _;
 
     use super::{status, ErrorSource, ServerError};
+
+    #[test]
+    fn errors_are_send_sync_and_unwind_safe_with_a_source() {
+        fn traits<T: Send + Sync + std::panic::UnwindSafe + std::panic::RefUnwindSafe>(_: &T) {}
+        let err = ServerError::call("Host", "event_record", status::UNKNOWN, "n", "m")
+            .with_source(std::io::Error::other("inner"));
+        traits(&err);
+        let caught = std::panic::catch_unwind(|| err.to_string());
+        assert!(caught.is_ok_and(|text| text.contains("event_record")));
+    }
 
     #[test]
     fn a_thread_spawn_keeps_the_operating_systems_error_as_its_source() {

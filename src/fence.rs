@@ -79,10 +79,14 @@ impl<A: EventApi> EventFence<A> {
                         A::BACKEND
                     ),
                 );
-                // A synchronize that fails too has the refusal as its source.
+                // A synchronize that fails too has the refusal as its source,
+                // unless the backend gave it one of its own.
                 let synchronized = A::stream_synchronize(stream)
                     .map(|()| None)
-                    .map_err(|failed| failed.with_source(err.clone()));
+                    .map_err(|failed| match failed.error_source() {
+                        Some(_) => failed,
+                        None => failed.with_source(err.clone()),
+                    });
                 refused = Some(Box::new(err));
                 synchronized
             }

@@ -131,6 +131,34 @@ fn a_fence_holds_the_error_when_the_synchronize_fails_too() {
 }
 
 #[test]
+fn a_failed_synchronize_keeps_the_source_its_backend_gave_it() {
+    logs::capture();
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "own-sync-source",
+            refuse_create: true,
+            refuse_stream_synchronize: true,
+            stream_synchronize_source: true,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    let held = fence.is_complete().unwrap_err();
+    let source = held.error_source().expect("the backend's source");
+    assert_eq!(source.to_string(), "the backend's own cause");
+    // The refusal that led to it is still the fence's fallback cause.
+    assert!(matches!(
+        fence.fallback_cause(),
+        Some(ServerError::Call {
+            call: "event_create",
+            ..
+        })
+    ));
+}
+
+#[test]
 fn a_refused_device_wait_waits_on_the_host_and_warns() {
     logs::capture();
     let (producer, gate, progress) = busy_stream();

@@ -554,6 +554,39 @@ fn loom_two_idle_lane_threads_are_woken_for_new_lanes() {
 }
 
 #[test]
+fn loom_a_new_lane_never_waits_behind_a_lane_queued_just_before_it() {
+    loom::model(|| {
+        // One lane thread, idle after a first wait (a long keep-alive), and
+        // room for two. Waits on two new lanes race; lane 1's work is held
+        // until lane 0's wait resolves. Whichever lane queues second counts
+        // the first (the count is read under the scheduler's lock), so it
+        // gets a thread of its own rather than wait behind the thread that
+        // blocks on lane 1. (A count read before that lock can miss lane 1,
+        // leave lane 0 to the thread blocked on it: this model deadlocks.)
+        let pool = pool_keeping(2, Duration::from_secs(3600));
+        let reached = Arc::new(Device::default());
+        reached.finish();
+        let task = Task::new();
+        let warm = submit_on(&pool, &reached, 0, 1, &task.waker);
+        assert!(task.poll_until_ready(&warm).is_ok());
+        let held = Arc::new(Device::default());
+        let other = {
+            let (pool, held) = (pool.clone(), held.clone());
+            thread::spawn(move || {
+                let task = Task::new();
+                let slot = submit_on(&pool, &held, 1, 1, &task.waker);
+                task.poll_until_ready(&slot)
+            })
+        };
+        let first = submit_on(&pool, &reached, 0, 2, &task.waker);
+        assert!(task.poll_until_ready(&first).is_ok());
+        held.finish();
+        assert!(other.join().unwrap().is_ok());
+        pool.shutdown();
+    });
+}
+
+#[test]
 fn loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller() {
     loom::model(|| {
         // The lane thread a wait needs cannot be started: its counts are

@@ -323,9 +323,20 @@ impl Shared {
     /// A new lane needs a server: queue it and decide who serves it
     /// ([`Sched::place`]), under its shard's lock (taken by the caller; the
     /// scheduler's comes second), so no lane is ever made and not queued.
+    ///
+    /// The count of lanes is read under the scheduler's lock: every lane is
+    /// counted before it is queued, so this count includes every lane queued
+    /// before this one. Read before the lock, it could miss a lane queued
+    /// meanwhile, and decide that a thread busy with that lane serves this
+    /// one too.
     pub(super) fn queue_lane(&self, key: LaneKey) -> Action {
+        if crate::plant::planted("lane-count-read-before-scheduler-lock") {
+            let lanes = self.lanes();
+            return self.sched().place(key, lanes, self.config.max_threads);
+        }
+        let mut sched = self.sched();
         let lanes = self.lanes();
-        self.sched().place(key, lanes, self.config.max_threads)
+        sched.place(key, lanes, self.config.max_threads)
     }
 
     /// Remove a lane taken out of a queue that no thread will serve, and

@@ -18,6 +18,8 @@ pub struct Plan {
     /// Refuse device-side waits *of* this stream (it is the waiting one).
     pub refuse_stream_wait: bool,
     pub refuse_stream_synchronize: bool,
+    /// A refused stream synchronize carries a source of the backend's own.
+    pub stream_synchronize_source: bool,
     /// Refuse synchronizes of events created for this stream.
     pub refuse_synchronize: bool,
     /// Panic inside queries of events created for this stream.
@@ -234,7 +236,11 @@ impl EventApi for Faulty {
     fn stream_synchronize(stream: HostStreamHandle) -> Result<(), ServerError> {
         let plan = plan_of(stream);
         if plan.refuse_stream_synchronize {
-            return Err(refused("stream_synchronize", plan.label));
+            let err = refused("stream_synchronize", plan.label);
+            return Err(match plan.stream_synchronize_source {
+                true => err.with_source(std::io::Error::other("the backend's own cause")),
+                false => err,
+            });
         }
         add(&STREAM_SYNCHRONIZING, stream, 1);
         let result = Host::stream_synchronize(stream);
