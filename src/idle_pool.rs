@@ -103,6 +103,9 @@ mod tests {
         assert_eq!(pool.take(1, |_| {}), Some(2));
         assert_eq!(pool.take(1, |_| {}), Some(1));
         assert_eq!(pool.take(1, |_| {}), None);
+        // From shard 0 too, whichever shard holds the item.
+        assert_eq!(pool.give_back(1, 4, |_| {}), Ok(()));
+        assert_eq!(pool.take(0, |_| {}), Some(4));
     }
 
     #[test]

@@ -51,6 +51,8 @@ mod tests {
         let homes: Vec<usize> = (0..8)
             .map(|_| std::thread::spawn(|| home(8)).join().unwrap())
             .collect();
+        assert!(homes.iter().all(|&home| home < 8), "{homes:?}");
+        assert!((0..64).all(|_| home(1) == 0), "one shard: always it");
         let mut distinct = homes.clone();
         distinct.sort_unstable();
         distinct.dedup();
