@@ -48,7 +48,7 @@ mod tests {
 
     #[test]
     fn threads_get_different_home_shards() {
-        let homes: Vec<usize> = (0..8)
+        let homes: Vec<usize> = (0..16)
             .map(|_| std::thread::spawn(|| home(8)).join().unwrap())
             .collect();
         assert!(homes.iter().all(|&home| home < 8), "{homes:?}");
