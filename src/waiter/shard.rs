@@ -101,12 +101,7 @@ impl Shard {
     /// `count` of this shard's waits left the pool: resolved, withdrawn, or
     /// failed.
     pub(super) fn waits_finished(&mut self, count: usize) {
-        assert!(
-            count <= self.pending,
-            "a shard's pending count underflowed ({count} finished of {})",
-            self.pending
-        );
-        self.pending -= count;
+        take_off(&mut self.pending, count, "pending count");
     }
 
     /// Waits handed to this shard and not finished.
@@ -179,12 +174,7 @@ impl Shard {
     /// `count` waits taken out by [`Shard::take_batch`] are back: resolved,
     /// failed, or put in their lane again.
     pub(super) fn batch_settled(&mut self, count: usize) {
-        assert!(
-            count <= self.out,
-            "a shard's count of waits out underflowed ({count} settled of {})",
-            self.out
-        );
-        self.out -= count;
+        take_off(&mut self.out, count, "count of waits out");
     }
 
     /// A lane thread's block on `slot`'s wait in lane `key` ended: unless
@@ -204,6 +194,16 @@ impl Shard {
         }
         ours
     }
+}
+
+/// Take `count` off a shard's `counter`, asserting it does not underflow (a
+/// count that would is a bug to reveal, not to clamp).
+fn take_off(counter: &mut usize, count: usize, what: &str) {
+    assert!(
+        count <= *counter,
+        "a shard's {what} underflowed ({count} taken off {counter})"
+    );
+    *counter -= count;
 }
 
 impl Invariants for Shard {
