@@ -56,6 +56,15 @@ fn every_shipped_ptx_module_assembles_with_ptxas() {
                 .output()
                 .unwrap();
             eprintln!("{target} PTX for {arch}: {}", output.status);
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            if arch == *target && no_longer_known(&stderr, arch) {
+                // CUDA 13's ptxas dropped the targets before sm_75; the
+                // module still assembles for the newer targets below, and
+                // drivers JIT-compile it (an H200 on driver 13.0 ran sm_50
+                // PTX). The CI's ptxas (CUDA 12.9) still checks it.
+                eprintln!("{target} PTX for {arch}: this ptxas no longer knows {arch}; skipped");
+                continue;
+            }
             if !output.status.success() || !output.stderr.is_empty() {
                 failures.push(format!(
                     "{target} PTX for {arch}: {}\n{}",
@@ -67,4 +76,21 @@ fn every_shipped_ptx_module_assembles_with_ptxas() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Whether `stderr` is ptxas saying it does not know `arch` at all (a target
+/// a newer toolkit dropped), as opposed to an error in the PTX.
+fn no_longer_known(stderr: &str, arch: &str) -> bool {
+    stderr.contains(&format!(
+        "Value '{arch}' is not defined for option 'gpu-name'"
+    ))
+}
+
+#[test]
+fn a_target_ptxas_dropped_is_told_from_an_error_in_the_ptx() {
+    let dropped = "ptxas fatal   : Value 'sm_50' is not defined for option 'gpu-name'\n";
+    assert!(no_longer_known(dropped, "sm_50"));
+    assert!(!no_longer_known(dropped, "sm_60"));
+    let error = "ptxas /tmp/x.ptx, line 9; error   : Unknown symbol 'x'\n";
+    assert!(!no_longer_known(error, "sm_50"));
 }

@@ -49,7 +49,9 @@
  *   CU_STREAM_PER_THREAD (0x2) is the calling thread's own default stream
  *   (blocking, so it also orders with the legacy stream). Streams created
  *   with CU_STREAM_NON_BLOCKING (cudarc's) do neither.
- * - cuCtxSynchronize waits for every stream of the current context.
+ * - cuCtxSynchronize waits for every stream of the current context, and so
+ *   does cuModuleLoadData, with every other call held until it returns (see
+ *   there).
  *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
  * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device) and
@@ -506,6 +508,19 @@ int cuModuleLoadData(void **module, const void *image) {
         m = calloc(1, sizeof *m);
         if (m == NULL) status = INVALID_VALUE;
         else *m = (module_t){current, current->generation};
+    }
+    if (status == SUCCESS) {
+        /* Loading a module synchronizes its context, and the driver's other
+         * calls wait meanwhile: the CUDA Programming Guide (Lazy Loading,
+         * "Potential Hazards") warns that loading kernels "might require
+         * context synchronization", and on an H200 (driver 13.0) a load on
+         * one thread made other threads' next calls return only after their
+         * kernels, queued before it, had ended. The lock is held for the
+         * wait, so every call of every thread waits (stricter than a
+         * per-context wait, which affects timing only). */
+        int64_t until = current->legacy.busy_until;
+        for (stream_t *o = current->streams; o; o = o->next) until = max64(until, o->busy_until);
+        sleep_until(min64(until, current->fault_at));
     }
     pthread_mutex_unlock(&lock);
     if (status == SUCCESS) *module = m;

@@ -168,6 +168,12 @@ impl SleepKernel {
     /// Load the kernel into `ctx`. Its module stays loaded as long as the
     /// context: load once per context, not once per launch.
     ///
+    /// Load it before launching work that must run meanwhile: loading a
+    /// module can synchronize the context (the CUDA Programming Guide,
+    /// "Lazy Loading", warns that loading kernels "might require context
+    /// synchronization"; on an H200 a load on one thread held other
+    /// threads' calls until their running kernels had ended).
+    ///
     /// # Errors
     ///
     /// The driver could not JIT-compile the PTX for this device.
