@@ -90,6 +90,14 @@ plant_loom() {
 plant cuda-bind-takes-stored-errors "binding takes cudarc's stored errors" cuda_binding
 plant cuda-previous-context-not-restored "the thread's previous context is not restored" cuda_binding
 plant profile-waits-for-stop-only "a profile waits for its stop only" cuda
+# Graph capture: nothing of the crate's may break a user's capture.
+plant cuda-captured-record-not-marked "a fence recorded during capture is queried like any other" cuda_capture
+plant cuda-user-calls-in-global-capture-mode "a query on a user's thread is made in its global capture mode" cuda_capture
+plant cuda-own-threads-in-global-capture-mode "the waiter's threads query in the global capture mode" cuda_capture
+plant cuda-capturing-stream-waits-on-outside-event "a capturing stream is made to wait on a fence from outside its capture" cuda_capture
+plant cuda-capturing-stream-synchronized "a capturing stream is synchronized" cuda_capture
+plant capture-refusal-synchronizes-stream "a record refused by a capture falls back to synchronizing the stream" cuda_capture
+plant capture-wait-falls-back-to-host "a capture's refusal of a device-side wait falls back to a host wait" cuda_capture
 plant cuda-per-thread-stream-used-anywhere "a per-thread stream handle is used on any thread" cuda_binding
 plant cuda-context-made-each-call "cuda::context makes a new context each call" cuda_binding
 plant cuda-illegal-address-not-sticky "sticky codes miss CUDA_ERROR_ILLEGAL_ADDRESS" cuda_faults

@@ -36,6 +36,27 @@ pub mod status {
     /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports (sticky,
     /// as on CUDA).
     pub const LAUNCH_FAILED: i32 = 719;
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a call not permitted while a
+    /// stream is capturing a graph (synchronizing the capturing stream, say).
+    /// The first of the stream-capture statuses (900 to 908, see
+    /// [`ServerError::is_stream_capture`]): never a cause for a fallback.
+    pub const STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture was invalidated
+    /// by an earlier error; `cuStreamEndCapture` reports it too.
+    pub const STREAM_CAPTURE_INVALIDATED: i32 = 901;
+    /// `CUDA_ERROR_STREAM_CAPTURE_MERGE`: a wait would merge two independent
+    /// captures.
+    pub const STREAM_CAPTURE_MERGE: i32 = 902;
+    /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: a capturing stream was asked
+    /// to wait on work recorded outside its capture.
+    pub const STREAM_CAPTURE_ISOLATION: i32 = 905;
+    /// `CUDA_ERROR_CAPTURED_EVENT`: a query or wait of an event recorded
+    /// while its stream was capturing a graph: it marks a place in the graph,
+    /// not work that runs.
+    pub const CAPTURED_EVENT: i32 = 907;
+    /// `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`: the last of the
+    /// stream-capture statuses.
+    pub const STREAM_CAPTURE_WRONG_THREAD: i32 = 908;
     /// `CUDA_ERROR_UNKNOWN`: a failure the driver does not name.
     pub const UNKNOWN: i32 = 999;
 }
@@ -282,6 +303,27 @@ impl ServerError {
     /// Whether the device or stream is faulted for good (sticky).
     pub fn is_faulted(&self) -> bool {
         matches!(self, Self::Faulted { .. })
+    }
+
+    /// Whether this is one of the driver's stream-capture statuses
+    /// ([`status::STREAM_CAPTURE_UNSUPPORTED`] to
+    /// [`status::STREAM_CAPTURE_WRONG_THREAD`], 900 to 908): a call that a
+    /// graph capture does not permit. The crate never falls back on one (a
+    /// host wait or a stream synchronize would invalidate the capture); it
+    /// returns it.
+    ///
+    /// ```
+    /// use device_events::{status, ServerError};
+    ///
+    /// let err = ServerError::call("Cuda", "cuEventQuery", status::CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT", "");
+    /// assert!(err.is_stream_capture());
+    /// assert!(!ServerError::call("Cuda", "cuEventQuery", status::INVALID_HANDLE, "", "").is_stream_capture());
+    /// ```
+    pub fn is_stream_capture(&self) -> bool {
+        self.code().is_some_and(|code| {
+            (status::STREAM_CAPTURE_UNSUPPORTED..=status::STREAM_CAPTURE_WRONG_THREAD)
+                .contains(&code)
+        })
     }
 
     /// Whether the backend has no driver or device here.

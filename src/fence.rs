@@ -57,7 +57,9 @@ impl<A: EventApi> EventFence<A> {
     ///
     /// When the driver refuses the event, `stream` is synchronized instead (with
     /// a warning logged), and the fence is already reached. Errors surface when
-    /// the fence is waited on.
+    /// the fence is waited on. A refusal with a stream-capture status
+    /// ([`ServerError::is_stream_capture`]) is not worked around: the fence
+    /// holds that error.
     pub fn new(stream: A::Stream) -> Self {
         let sequence;
         let mut refused = None;
@@ -65,6 +67,16 @@ impl<A: EventApi> EventFence<A> {
             Ok((event, recorded_at)) => {
                 sequence = recorded_at;
                 Ok(Some(event))
+            }
+            Err(err)
+                if err.is_stream_capture()
+                    && !crate::plant::planted("capture-refusal-synchronizes-stream") =>
+            {
+                // A capture refused the record: synchronizing the capturing
+                // stream would be refused too, and would invalidate the
+                // capture. The fence fails with the driver's answer.
+                sequence = next_sequence();
+                Err(err)
             }
             Err(err) => {
                 // Reached (or failed) at creation: never waits in a lane, so
@@ -132,19 +144,29 @@ impl<A: EventApi> EventFence<A> {
     /// An invalid `stream` (a dropped stream's handle, or another thread's
     /// per-thread default stream) is not a refusal but the caller's bug: the
     /// invalid-handle error comes back at once, and the host does not block.
+    /// Nor is a stream-capture status ([`ServerError::is_stream_capture`]):
+    /// a capturing `stream` may wait only on a fence recorded in the same
+    /// capture, and anything else comes back as that error, with no host
+    /// wait (which would leave the dependency out of the graph).
     ///
     /// # Errors
     ///
     /// The error the fence holds; the invalid-handle error
     /// ([`status::INVALID_HANDLE`]) for an
-    /// invalid `stream`; or, on the fallback path, the error of the host
-    /// wait.
+    /// invalid `stream`; a stream-capture error; or, on the fallback path,
+    /// the error of the host wait.
     pub fn wait_async(self, stream: A::Stream) -> Result<(), ServerError> {
         let Some(event) = self.event? else {
             return Ok(());
         };
         if let Err(err) = event.wait_async(stream) {
-            if err.code() == Some(status::INVALID_HANDLE) {
+            // A stream-capture status is not a refusal to work around: a host
+            // wait would not put the dependency in the graph being captured
+            // (and could invalidate the capture).
+            if err.code() == Some(status::INVALID_HANDLE)
+                || err.is_stream_capture()
+                    && !crate::plant::planted("capture-wait-falls-back-to-host")
+            {
                 return Err(err);
             }
             log::warn!(

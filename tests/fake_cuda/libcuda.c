@@ -77,6 +77,13 @@ enum {
     NOT_READY = 600,
     ILLEGAL_ADDRESS = 700,
     CONTEXT_IS_DESTROYED = 709,
+    ILLEGAL_STATE = 401,
+    STREAM_CAPTURE_UNSUPPORTED = 900,
+    STREAM_CAPTURE_INVALIDATED = 901,
+    STREAM_CAPTURE_MERGE = 902,
+    STREAM_CAPTURE_ISOLATION = 905,
+    CAPTURED_EVENT = 907,
+    STREAM_CAPTURE_WRONG_THREAD = 908,
 };
 
 #define DEVICES 2
@@ -95,6 +102,7 @@ typedef struct stream {
     unsigned flags;
     pthread_t owner; /* for PER_THREAD */
     int64_t busy_until;
+    int capture; /* the capture it is part of (see "Stream capture"), or 0 */
     struct stream *next;
 } stream_t;
 
@@ -116,6 +124,7 @@ typedef struct {
     int recorded;
     int64_t at;
     unsigned flags;
+    int capture; /* the capture its last record was made in, or 0 */
 } event_t;
 
 typedef struct { ctx_t *ctx; int generation; } module_t;
@@ -216,6 +225,134 @@ static int64_t ready_at(const stream_t *s) {
     return at;
 }
 
+/*
+ * Stream capture (cuStreamBeginCapture_v2, cuStreamEndCapture,
+ * cuStreamIsCapturing, cuThreadExchangeStreamCaptureMode; driver API
+ * "Stream Management"), with the rules an H200 on driver 13.0 showed:
+ * - Work and records on a capturing stream are captured, not run: an event
+ *   recorded there is a node of the graph. Querying or synchronizing it while
+ *   the capture goes on is CUDA_ERROR_CAPTURED_EVENT ("the operation is not
+ *   permitted on an event which was last recorded in a capturing stream"),
+ *   and the query invalidates the capture (measured); once the capture has
+ *   ended (or was invalidated), the event is CUDA_ERROR_INVALID_VALUE until
+ *   recorded again outside a capture (measured).
+ * - A capturing stream waiting on an event recorded outside the capture is
+ *   CUDA_ERROR_STREAM_CAPTURE_ISOLATION ("a dependency would have been
+ *   created which crosses the capture sequence boundary"), on an event of
+ *   another capture CUDA_ERROR_STREAM_CAPTURE_MERGE ("would have resulted in
+ *   a merge of two independent capture sequences"); both invalidate the
+ *   captures involved (measured). A stream that is not capturing and waits
+ *   on an event of an ongoing capture joins that capture.
+ * - "Potentially unsafe API calls" (here cuEventQuery, cuEventSynchronize,
+ *   cuStreamSynchronize, cuCtxSynchronize and cuEventElapsedTime; measured:
+ *   cuEventCreate, cuEventRecord, cuEventDestroy, cuStreamWaitEvent on other
+ *   streams, cuStreamIsCapturing and cuCtxSetCurrent are not) are
+ *   prohibited by cuThreadExchangeStreamCaptureMode's rules: in
+ *   CU_STREAM_CAPTURE_MODE_GLOBAL (every thread's default) "if the local
+ *   thread has an ongoing capture sequence that was not initiated with
+ *   CU_STREAM_CAPTURE_MODE_RELAXED at cuStreamBeginCapture, or if any other
+ *   thread has a concurrent capture sequence initiated with
+ *   CU_STREAM_CAPTURE_MODE_GLOBAL, this thread is prohibited from potentially
+ *   unsafe API calls"; in THREAD_LOCAL only the first half applies; RELAXED
+ *   "is not prohibited". A prohibited call returns
+ *   CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the captures that
+ *   prohibit it (measured); cuStreamEndCapture then answers
+ *   CUDA_ERROR_STREAM_CAPTURE_INVALIDATED. cuEventElapsedTime is in the
+ *   list on the strict reading (not measured).
+ * - cuStreamEndCapture of a capture begun in a mode other than RELAXED must
+ *   come from the thread that began it (CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD).
+ *   A graph launched later runs its captured sleeps back to back.
+ */
+enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALIDATED = 2, CAPTURE_ENDED = 3 };
+enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
+#define CAPTURES 1024
+
+typedef struct {
+    int state;
+    int mode;
+    pthread_t owner;
+    int64_t duration; /* of the sleeps captured */
+} capture_t;
+
+typedef struct { ctx_t *ctx; int64_t duration; } graph_t;
+
+/* Indexed by capture id; 0 is "none". */
+static capture_t captures[CAPTURES];
+static int next_capture = 1;
+static __thread int capture_mode = MODE_GLOBAL;
+
+/* Whether capture `id` has begun and not ended. Called with the lock held. */
+static int ongoing(int id) {
+    return id > 0 && (captures[id].state == CAPTURE_ACTIVE || captures[id].state == CAPTURE_INVALIDATED);
+}
+
+static void invalidate(int id) {
+    if (id > 0 && captures[id].state == CAPTURE_ACTIVE) captures[id].state = CAPTURE_INVALIDATED;
+}
+
+/* A potentially unsafe call on this thread: CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+ * when prohibited, invalidating the captures that prohibit it. Called with
+ * the lock held. */
+static int unsafe_call(void) {
+    if (capture_mode == MODE_RELAXED) return SUCCESS;
+    pthread_t self = pthread_self();
+    int prohibited = 0;
+    for (int id = 1; id < next_capture; id++) {
+        if (!ongoing(id)) continue;
+        capture_t *c = &captures[id];
+        int mine = pthread_equal(c->owner, self);
+        if ((mine && c->mode != MODE_RELAXED) ||
+            (!mine && c->mode == MODE_GLOBAL && capture_mode == MODE_GLOBAL)) {
+            invalidate(id);
+            prohibited = 1;
+        }
+    }
+    return prohibited ? STREAM_CAPTURE_UNSUPPORTED : SUCCESS;
+}
+
+/* A query or synchronize of `e`: refused if its last record was captured.
+ * Called with the lock held. */
+static int captured_event_use(const event_t *e) {
+    if (e->capture == 0) return SUCCESS;
+    if (captures[e->capture].state == CAPTURE_ACTIVE) {
+        invalidate(e->capture);
+        return CAPTURED_EVENT;
+    }
+    return INVALID_VALUE;
+}
+
+/* Work queued on `s`: 1 if it is captured instead of run (adding `sleep` to
+ * the capture), 0 if it runs, or a negative status. Called with the lock
+ * held. */
+static int captured_work(const stream_t *s, int64_t sleep) {
+    if (!ongoing(s->capture)) return 0;
+    if (captures[s->capture].state == CAPTURE_INVALIDATED) return -STREAM_CAPTURE_INVALIDATED;
+    captures[s->capture].duration += sleep;
+    return 1;
+}
+
+/* cuStreamWaitEvent under capture: 1 when handled (joined, or within one
+ * capture), 0 for an ordinary wait, or a negative status. Called with the
+ * lock held. */
+static int capture_wait(stream_t *s, const event_t *e) {
+    if (ongoing(s->capture)) {
+        if (captures[s->capture].state == CAPTURE_INVALIDATED) return -STREAM_CAPTURE_INVALIDATED;
+        if (e->capture == s->capture) return 1;
+        if (ongoing(e->capture)) {
+            invalidate(e->capture);
+            invalidate(s->capture);
+            return -STREAM_CAPTURE_MERGE;
+        }
+        if (e->capture != 0) return -INVALID_VALUE;
+        invalidate(s->capture);
+        return -STREAM_CAPTURE_ISOLATION;
+    }
+    if (e->capture == 0) return 0;
+    if (!ongoing(e->capture)) return -INVALID_VALUE;
+    s->capture = e->capture;
+    return 1;
+}
+
 int cuGetErrorName(int error, const char **name) {
     switch (error) {
     case SUCCESS: *name = "CUDA_SUCCESS"; break;
@@ -228,6 +365,13 @@ int cuGetErrorName(int error, const char **name) {
     case NOT_READY: *name = "CUDA_ERROR_NOT_READY"; break;
     case ILLEGAL_ADDRESS: *name = "CUDA_ERROR_ILLEGAL_ADDRESS"; break;
     case CONTEXT_IS_DESTROYED: *name = "CUDA_ERROR_CONTEXT_IS_DESTROYED"; break;
+    case ILLEGAL_STATE: *name = "CUDA_ERROR_ILLEGAL_STATE"; break;
+    case STREAM_CAPTURE_UNSUPPORTED: *name = "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED"; break;
+    case STREAM_CAPTURE_INVALIDATED: *name = "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"; break;
+    case STREAM_CAPTURE_MERGE: *name = "CUDA_ERROR_STREAM_CAPTURE_MERGE"; break;
+    case STREAM_CAPTURE_ISOLATION: *name = "CUDA_ERROR_STREAM_CAPTURE_ISOLATION"; break;
+    case CAPTURED_EVENT: *name = "CUDA_ERROR_CAPTURED_EVENT"; break;
+    case STREAM_CAPTURE_WRONG_THREAD: *name = "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD"; break;
     default: return INVALID_VALUE;
     }
     return SUCCESS;
@@ -319,6 +463,7 @@ int cuCtxSetCurrent(void *context) {
 int cuCtxSynchronize(void) {
     pthread_mutex_lock(&lock);
     int status = current_usable();
+    if (status == SUCCESS) status = unsafe_call();
     int64_t until = 0;
     if (status == SUCCESS) {
         until = current->legacy.busy_until;
@@ -379,6 +524,13 @@ int cuStreamSynchronize(void *stream) {
     int status = current_usable();
     stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
     if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    /* A capturing stream has nothing to wait for: synchronizing it is
+     * CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED, and invalidates the capture. */
+    if (status == SUCCESS && ongoing(s->capture)) {
+        invalidate(s->capture);
+        status = STREAM_CAPTURE_UNSUPPORTED;
+    }
+    if (status == SUCCESS) status = unsafe_call();
     int64_t until = s ? ready_at(s) : 0;
     ctx_t *c = current;
     pthread_mutex_unlock(&lock);
@@ -414,9 +566,17 @@ int cuEventRecord(void *event, void *stream) {
     int status = usable(e->ctx, e->generation);
     if (status == SUCCESS) {
         stream_t *s = stream_of(stream);
+        int captured = s == NULL || s->ctx != e->ctx ? 0 : captured_work(s, 0);
         if (s == NULL || s->ctx != e->ctx) {
             status = INVALID_HANDLE;
+        } else if (captured < 0) {
+            status = -captured;
+        } else if (captured) {
+            e->capture = s->capture;
+            e->recorded = 1;
+            e->at = INT64_MAX;
         } else {
+            e->capture = 0;
             e->at = ready_at(s);
             e->recorded = 1;
         }
@@ -434,6 +594,8 @@ int cuEventQuery(void *event) {
     if (injected != 0) return injected;
     pthread_mutex_lock(&lock);
     int status = usable(e->ctx, e->generation);
+    if (status == SUCCESS) status = captured_event_use(e);
+    if (status == SUCCESS) status = unsafe_call();
     int done = !e->recorded || now_ns() >= e->at;
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
@@ -444,6 +606,8 @@ int cuEventSynchronize(void *event) {
     event_t *e = event;
     pthread_mutex_lock(&lock);
     int status = usable(e->ctx, e->generation);
+    if (status == SUCCESS) status = captured_event_use(e);
+    if (status == SUCCESS) status = unsafe_call();
     int64_t until = e->recorded ? e->at : 0;
     ctx_t *c = e->ctx;
     pthread_mutex_unlock(&lock);
@@ -472,6 +636,8 @@ static int elapsed(float *ms, void *start, void *end) {
     if (status == SUCCESS && ((a->flags | b->flags) & EVENT_DISABLE_TIMING))
         status = INVALID_HANDLE;
     if (status == SUCCESS && (!a->recorded || !b->recorded)) status = INVALID_HANDLE;
+    if (status == SUCCESS && (a->capture != 0 || b->capture != 0)) status = INVALID_VALUE;
+    if (status == SUCCESS) status = unsafe_call();
     int64_t now = now_ns();
     if (status == SUCCESS && (now < a->at || now < b->at)) status = NOT_READY;
     if (status == SUCCESS) *ms = (float)((double)(b->at - a->at) / 1e6);
@@ -493,7 +659,9 @@ int cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
     /* The event may be another context's, even another device's. */
     if (status == SUCCESS && (e->ctx->retains == 0 || e->ctx->generation != e->generation))
         status = INVALID_HANDLE;
-    if (status == SUCCESS && e->recorded) s->busy_until = max64(s->busy_until, e->at);
+    int handled = status == SUCCESS ? capture_wait(s, e) : 0;
+    if (handled < 0) status = -handled;
+    if (status == SUCCESS && !handled && e->recorded) s->busy_until = max64(s->busy_until, e->at);
     pthread_mutex_unlock(&lock);
     return status;
 }
@@ -553,7 +721,9 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
     int status = usable(f->module->ctx, f->module->generation);
     stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
     if (status == SUCCESS && (s == NULL || s->ctx != f->module->ctx)) status = INVALID_HANDLE;
-    if (status == SUCCESS) {
+    int captured = status == SUCCESS ? captured_work(s, f->kind == SLEEP_NS ? (int64_t)argument : 0) : 0;
+    if (captured < 0) status = -captured;
+    if (status == SUCCESS && !captured) {
         int64_t start = ready_at(s);
         if (f->kind == SLEEP_NS) {
             s->busy_until = start + (int64_t)argument;
@@ -565,6 +735,102 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
     pthread_mutex_unlock(&lock);
     return status;
 }
+
+int cuStreamBeginCapture_v2(void *stream, int mode) {
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    if (status == SUCCESS && mode != MODE_GLOBAL && mode != MODE_THREAD_LOCAL && mode != MODE_RELAXED)
+        status = INVALID_VALUE;
+    /* "Capture may not be initiated if stream is CU_STREAM_LEGACY." */
+    if (status == SUCCESS && s->kind == LEGACY) status = STREAM_CAPTURE_UNSUPPORTED;
+    if (status == SUCCESS && ongoing(s->capture)) status = ILLEGAL_STATE;
+    if (status == SUCCESS && next_capture >= CAPTURES) status = INVALID_VALUE; /* the fake's limit */
+    if (status == SUCCESS) {
+        int id = next_capture++;
+        captures[id] = (capture_t){.state = CAPTURE_ACTIVE, .mode = mode, .owner = pthread_self()};
+        s->capture = id;
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuStreamEndCapture(void *stream, void **graph) {
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    if (status == SUCCESS && !ongoing(s->capture)) status = ILLEGAL_STATE;
+    capture_t *c = status == SUCCESS ? &captures[s->capture] : NULL;
+    if (status == SUCCESS && c->mode != MODE_RELAXED && !pthread_equal(c->owner, pthread_self()))
+        status = STREAM_CAPTURE_WRONG_THREAD;
+    graph_t *g = NULL;
+    if (status == SUCCESS) {
+        int id = s->capture;
+        if (c->state == CAPTURE_INVALIDATED) {
+            status = STREAM_CAPTURE_INVALIDATED;
+        } else {
+            g = calloc(1, sizeof *g);
+            if (g == NULL) status = INVALID_VALUE;
+            else *g = (graph_t){current, c->duration};
+        }
+        c->state = CAPTURE_ENDED;
+        current->legacy.capture = current->legacy.capture == id ? 0 : current->legacy.capture;
+        for (stream_t *o = current->streams; o; o = o->next)
+            if (o->capture == id) o->capture = 0;
+    }
+    pthread_mutex_unlock(&lock);
+    if (graph) *graph = g;
+    return status;
+}
+
+int cuStreamIsCapturing(void *stream, int *capture_status) {
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    if (status == SUCCESS)
+        *capture_status = ongoing(s->capture) ? captures[s->capture].state : CAPTURE_NONE;
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuThreadExchangeStreamCaptureMode(int *mode) {
+    if (mode == NULL || *mode < MODE_GLOBAL || *mode > MODE_RELAXED) return INVALID_VALUE;
+    int previous = capture_mode;
+    capture_mode = *mode;
+    *mode = previous;
+    return SUCCESS;
+}
+
+/* A graph from a capture: instantiated as a copy, launched as its captured
+ * sleeps back to back. */
+int cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {
+    (void)flags;
+    graph_t *g = graph, *x = malloc(sizeof *x);
+    if (g == NULL || x == NULL) { free(x); return INVALID_VALUE; }
+    *x = *g;
+    *exec = x;
+    return SUCCESS;
+}
+
+int cuGraphLaunch(void *exec, void *stream) {
+    graph_t *x = exec;
+    pthread_mutex_lock(&lock);
+    int status = usable(x->ctx, x->ctx->generation);
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_HANDLE;
+    int captured = status == SUCCESS ? captured_work(s, x->duration) : 0;
+    if (captured < 0) status = -captured;
+    if (status == SUCCESS && !captured) s->busy_until = ready_at(s) + x->duration;
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuGraphUpload(void *exec, void *stream) { (void)exec; (void)stream; return SUCCESS; }
+int cuGraphExecDestroy(void *exec) { free(exec); return SUCCESS; }
+int cuGraphDestroy(void *graph) { free(graph); return SUCCESS; }
 
 /* Test hooks: not part of the driver API. */
 int fakeCudaLiveEvents(int device) {

@@ -1,13 +1,13 @@
 //! [`Bound`]: a context made current on the calling thread, and the
 //! previous one made current again afterwards.
 
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::ptr;
 use std::sync::{Arc, Weak};
 
 use cudarc::driver::CudaContext;
 
-use super::driver::{driver, driver_error, CurrentContext, Driver};
+use super::driver::{driver, driver_error, CurrentContext, Driver, CAPTURE_MODE_RELAXED};
 use crate::ServerError;
 
 /// A context made current on the calling thread for the guard's life; the
@@ -32,6 +32,9 @@ pub(super) struct Bound {
     /// or on the crate's own threads.
     previous: Option<CurrentContext>,
     driver: Driver,
+    /// Whether this is one of the crate's own threads (already in the
+    /// relaxed capture mode, see [`relaxed`](Self::relaxed)).
+    own: bool,
 }
 
 impl Bound {
@@ -39,9 +42,46 @@ impl Bound {
     pub(super) fn driver(&self) -> Driver {
         self.driver
     }
+
+    /// Make `call`, one of the driver's "potentially unsafe" calls during a
+    /// graph capture (a query or a synchronize), in the relaxed capture mode,
+    /// so that it cannot invalidate a capture another thread (or this one)
+    /// is making. The driver prohibits such calls on a thread in the default
+    /// global mode while any thread captures in global mode, and invalidates
+    /// that capture (`cuThreadExchangeStreamCaptureMode`: "if any other
+    /// thread has a concurrent capture sequence initiated with
+    /// CU_STREAM_CAPTURE_MODE_GLOBAL, this thread is prohibited from
+    /// potentially unsafe API calls"; relaxed: "the local thread is not
+    /// prohibited"). A user's thread gets its own mode back afterwards; the
+    /// crate's own threads stay relaxed (set once, when they first bind).
+    pub(super) fn relaxed<T>(
+        &self,
+        call: impl FnOnce(Driver) -> Result<T, ServerError>,
+    ) -> Result<T, ServerError> {
+        if self.own || crate::plant::planted("cuda-user-calls-in-global-capture-mode") {
+            return call(self.driver);
+        }
+        let previous = match self.driver.exchange_capture_mode(CAPTURE_MODE_RELAXED) {
+            Ok(previous) => previous,
+            // Not made: the call is made as the thread's mode allows.
+            Err(err) => {
+                log::debug!("the thread's CUDA capture mode could not be relaxed: {err}");
+                return call(self.driver);
+            }
+        };
+        let result = call(self.driver);
+        if let Err(err) = self.driver.exchange_capture_mode(previous) {
+            log::debug!("the thread's CUDA capture mode could not be restored: {err}");
+        }
+        result
+    }
 }
 
 thread_local! {
+    /// On the crate's own threads: whether the thread's capture mode is
+    /// relaxed already (see [`Bound::relaxed`]).
+    static RELAXED: Cell<bool> = const { Cell::new(false) };
+
     /// On the crate's own threads: the context this thread left bound.
     /// Weak, so it holds the allocation (no other context can take its
     /// address while it is kept here) and not the context.
@@ -56,8 +96,11 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
             .map_err(|err| driver_error("cuCtxSetCurrent", err))?;
     }
     let driver = driver()?;
-    let previous = driver.ctx_get_current()?;
     let own = crate::own_threads::is_own();
+    if own {
+        relax_own_thread(driver);
+    }
+    let previous = driver.ctx_get_current()?;
     // A handle equal to the target is the target still bound, except on
     // the crate's own threads after the context it left there was torn
     // down: a context made later (a device's primary context retained
@@ -73,6 +116,7 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
         return Ok(Bound {
             previous: None,
             driver,
+            own,
         });
     }
     driver.ctx_set_current(ctx)?;
@@ -83,12 +127,35 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
         return Ok(Bound {
             previous: None,
             driver,
+            own,
         });
     }
     Ok(Bound {
         previous: Some(previous),
         driver,
+        own,
     })
+}
+
+/// Put one of the crate's own threads in the relaxed capture mode, once: its
+/// queries and waits must never invalidate a user's graph capture (see
+/// [`Bound::relaxed`]). No executor or user code runs there but what the drop
+/// queue drops, for which the relaxed mode only allows more.
+fn relax_own_thread(driver: Driver) {
+    if crate::plant::planted("cuda-own-threads-in-global-capture-mode") {
+        return;
+    }
+    let _ = RELAXED.try_with(|relaxed| {
+        if relaxed.get() {
+            return;
+        }
+        match driver.exchange_capture_mode(CAPTURE_MODE_RELAXED) {
+            Ok(_) => relaxed.set(true),
+            Err(err) => {
+                log::debug!("a waiter thread's CUDA capture mode could not be relaxed: {err}")
+            }
+        }
+    });
 }
 
 /// Whether `ctx` is the context object this (own) thread left bound.

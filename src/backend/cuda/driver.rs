@@ -21,6 +21,9 @@
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html>
 //! - status codes and which are sticky (`CUresult`), event flags
 //!   (`CUevent_flags`): <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html>
+//! - stream capture (`cuStreamIsCapturing`,
+//!   `cuThreadExchangeStreamCaptureMode`, the capture statuses 900 to 908):
+//!   the stream management page above and the status page below
 //! - modules and launches (`cuModuleLoadData`, `cuLaunchKernel`):
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html>,
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html>
@@ -60,6 +63,8 @@ pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
     "cuStreamWaitEvent",
+    "cuStreamIsCapturing",
+    "cuThreadExchangeStreamCaptureMode",
     "cuEventCreate",
     "cuEventRecord",
     "cuEventQuery",
@@ -102,6 +107,10 @@ struct Api {
     event_elapsed: Option<unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> Status>,
     stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
     stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
+    /// The capture status as the `int` the C enum is.
+    stream_is_capturing: unsafe extern "C" fn(sys::CUstream, *mut c_int) -> Status,
+    /// The capture mode as the `int` the C enum is.
+    thread_exchange_capture_mode: unsafe extern "C" fn(*mut c_int) -> Status,
     module_load_data: unsafe extern "C" fn(*mut sys::CUmodule, *const c_void) -> Status,
     module_get_function:
         unsafe extern "C" fn(*mut sys::CUfunction, sys::CUmodule, *const c_char) -> Status,
@@ -220,6 +229,8 @@ fn load() -> Result<Loaded, ServerError> {
         event_elapsed: elapsed,
         stream_wait_event: entry!("cuStreamWaitEvent"),
         stream_synchronize: entry!("cuStreamSynchronize"),
+        stream_is_capturing: entry!("cuStreamIsCapturing"),
+        thread_exchange_capture_mode: entry!("cuThreadExchangeStreamCaptureMode"),
         module_load_data: entry!("cuModuleLoadData"),
         module_get_function: entry!("cuModuleGetFunction"),
         launch_kernel: entry!("cuLaunchKernel"),
@@ -388,6 +399,14 @@ pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) ->
         source: None,
     }
 }
+
+/// `CUstreamCaptureMode`: the thread's mode under which "potentially unsafe
+/// API calls" are allowed whatever other threads capture
+/// (`CU_STREAM_CAPTURE_MODE_RELAXED`; `cuThreadExchangeStreamCaptureMode`).
+pub(super) const CAPTURE_MODE_RELAXED: c_int = 2;
+
+/// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_NONE`, not capturing.
+const CAPTURE_STATUS_NONE: c_int = 0;
 
 /// `cuEventCreate` flags.
 const EVENT_BLOCKING_SYNC: c_uint = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
@@ -586,6 +605,31 @@ impl Driver {
         self.check("cuStreamSynchronize", unsafe {
             (self.api.stream_synchronize)(stream.cu_stream())
         })
+    }
+
+    /// `cuStreamIsCapturing`: whether `stream` is capturing a graph (an
+    /// invalidated capture that has not ended counts: its stream is still in
+    /// capture mode).
+    pub(super) fn stream_is_capturing(self, stream: &CudaStream) -> Result<bool, ServerError> {
+        let mut status = CAPTURE_STATUS_NONE;
+        // SAFETY: the stream is live, borrowed from its owner for the call;
+        // `status` is a valid place for the enum's `int`.
+        self.check("cuStreamIsCapturing", unsafe {
+            (self.api.stream_is_capturing)(stream.cu_stream(), &mut status)
+        })?;
+        Ok(status != CAPTURE_STATUS_NONE)
+    }
+
+    /// `cuThreadExchangeStreamCaptureMode`: set the calling thread's capture
+    /// mode to `mode`, returning the one it had.
+    pub(super) fn exchange_capture_mode(self, mode: c_int) -> Result<c_int, ServerError> {
+        let mut mode = mode;
+        // SAFETY: `mode` is a valid, initialized place for the enum's `int`;
+        // callers pass a documented mode or one the driver gave back.
+        self.check("cuThreadExchangeStreamCaptureMode", unsafe {
+            (self.api.thread_exchange_capture_mode)(&mut mode)
+        })?;
+        Ok(mode)
     }
 
     /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the

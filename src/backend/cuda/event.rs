@@ -1,12 +1,13 @@
 //! [`CudaEvent`]: the CUDA backend's raw event, owned.
 
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::bind::bind;
-use super::driver::{driver, invalid_context, RawEvent};
+use super::driver::{driver, invalid_context, refused, RawEvent};
 use super::fence_pool::FencePool;
 use crate::{EventFlags, ServerError};
 
@@ -33,6 +34,11 @@ pub struct CudaEvent {
     ctx: Arc<CudaContext>,
     /// The pool a fence event goes back to, and the shard it came from.
     pool: Option<(Arc<FencePool>, usize)>,
+    /// Whether its latest record was made while the stream was capturing a
+    /// graph: then it marks a place in the graph, and the driver refuses to
+    /// query or wait on it (and a query invalidates the capture), so this
+    /// crate refuses first (see [`Self::record`]).
+    captured: AtomicBool,
 }
 
 impl CudaEvent {
@@ -49,6 +55,7 @@ impl CudaEvent {
             raw: Some(raw),
             ctx: ctx.clone(),
             pool: None,
+            captured: AtomicBool::new(false),
         }
     }
 
@@ -79,36 +86,78 @@ impl CudaEvent {
     }
 
     /// Record at the current end of `stream`; the stream must share the
-    /// event's context.
+    /// event's context. On a stream capturing a graph the record is legal
+    /// and becomes a node of the graph: the event is marked captured, which
+    /// is asked of the driver after the record, so a capture that begins
+    /// meanwhile marks it too (failing its waits, not a capture).
     pub(super) fn record(&self, stream: &CudaStream) -> Result<(), ServerError> {
         same_context("cuEventRecord", &self.ctx, stream)?;
         let bound = bind(&self.ctx)?;
-        bound.driver().event_record(self.raw(), stream)
+        bound.driver().event_record(self.raw(), stream)?;
+        let captured = !crate::plant::planted("cuda-captured-record-not-marked")
+            && bound.driver().stream_is_capturing(stream)?;
+        self.captured.store(captured, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Refused when the latest record was captured: see [`Self::captured`].
+    fn not_captured(&self, call: &'static str) -> Result<(), ServerError> {
+        if !self.captured.load(Ordering::Relaxed) {
+            return Ok(());
+        }
+        Err(refused(
+            call,
+            sys::CUresult::CUDA_ERROR_CAPTURED_EVENT,
+            "the fence was recorded while its stream was capturing a CUDA graph: it marks a \
+             place in the graph, not work that runs, so it cannot be queried or waited on \
+             (the driver would invalidate the capture); record a fence after launching the \
+             graph instead",
+        ))
     }
 
     /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
     pub(super) fn query(&self) -> Result<bool, ServerError> {
+        self.not_captured("cuEventQuery")?;
         let bound = bind(&self.ctx)?;
-        bound.driver().event_query(self.raw())
+        bound.relaxed(|driver| driver.event_query(self.raw()))
     }
 
     /// Block until reached; sleeps in the driver for a `BLOCKING_SYNC` event.
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
+        self.not_captured("cuEventSynchronize")?;
         let bound = bind(&self.ctx)?;
-        bound.driver().event_synchronize(self.raw())
+        bound.relaxed(|driver| driver.event_synchronize(self.raw()))
     }
 
     /// Make `stream` wait for this event's latest record, on the device. Works
-    /// across contexts.
+    /// across contexts. A stream capturing a graph may wait only on an event
+    /// recorded in a capture (the driver joins or refuses the two); one
+    /// recorded outside is refused here, before the driver refuses it with
+    /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` and invalidates the capture.
     pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
         let bound = bind(stream.context())?;
+        if !self.captured.load(Ordering::Relaxed)
+            && !crate::plant::planted("cuda-capturing-stream-waits-on-outside-event")
+            && bound.driver().stream_is_capturing(stream)?
+        {
+            return Err(refused(
+                "cuStreamWaitEvent",
+                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+                "the stream is capturing a CUDA graph and the fence was recorded outside that \
+                 capture: a captured stream can wait only on fences recorded in the same \
+                 capture (the driver would refuse it and invalidate the capture, which is left \
+                 intact); wait before beginning the capture, or on the host",
+            ));
+        }
         bound.driver().stream_wait_event(stream, self.raw())
     }
 
     /// Milliseconds from `start` to `self`, as the driver measures them.
     pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
+        start.not_captured("cuEventElapsedTime")?;
+        self.not_captured("cuEventElapsedTime")?;
         let bound = bind(&self.ctx)?;
-        bound.driver().event_elapsed_ms(start.raw(), self.raw())
+        bound.relaxed(|driver| driver.event_elapsed_ms(start.raw(), self.raw()))
     }
 
     /// Destroy now and report the driver's answer. Does not block: the driver

@@ -142,10 +142,24 @@ impl CudaStreamHandle {
     }
 }
 
-/// Block until all work queued on `stream` is done.
+/// Block until all work queued on `stream` is done. A stream capturing a
+/// graph runs nothing to wait for: it is refused here with
+/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, before the driver refuses it the
+/// same way and invalidates the capture.
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
     let bound = bind(stream.context())?;
-    bound.driver().stream_synchronize(stream)
+    if !crate::plant::planted("cuda-capturing-stream-synchronized")
+        && bound.driver().stream_is_capturing(stream)?
+    {
+        return Err(refused(
+            "cuStreamSynchronize",
+            sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+            "the stream is capturing a CUDA graph: its work is recorded, not run, so there is \
+             nothing to wait for (the driver would refuse it and invalidate the capture, which \
+             is left intact)",
+        ));
+    }
+    bound.relaxed(|driver| driver.stream_synchronize(stream))
 }
 
 fn invalid_handle(call: &'static str, message: &str) -> ServerError {
