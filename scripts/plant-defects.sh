@@ -98,6 +98,7 @@ plant cuda-capturing-stream-waits-on-outside-event "a capturing stream is made t
 plant cuda-capturing-stream-synchronized "a capturing stream is synchronized" cuda_capture
 plant capture-refusal-synchronizes-stream "a record refused by a capture falls back to synchronizing the stream" cuda_capture
 plant capture-wait-falls-back-to-host "a capture's refusal of a device-side wait falls back to a host wait" cuda_capture
+plant drop-queue-frees-captured-value "a drop queue frees a value whose fence was recorded during capture" cuda_capture
 plant cuda-per-thread-stream-used-anywhere "a per-thread stream handle is used on any thread" cuda_binding
 plant cuda-context-made-each-call "cuda::context makes a new context each call" cuda_binding
 plant cuda-illegal-address-not-sticky "sticky codes miss CUDA_ERROR_ILLEGAL_ADDRESS" cuda_faults

@@ -187,3 +187,27 @@ fn a_capturing_stream_is_not_synchronized_and_a_refused_record_does_not_fall_bac
     let ended = capturing.end_capture(CUgraphInstantiate_flags(0));
     assert!(ended.is_err(), "the capture was invalidated on purpose");
 }
+
+#[test]
+fn a_drop_queue_leaks_a_value_whose_fence_was_recorded_during_capture() {
+    let Some((ctx, sleep)) =
+        gpu("a_drop_queue_leaks_a_value_whose_fence_was_recorded_during_capture")
+    else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    stream.begin_capture(GLOBAL).unwrap();
+    sleep.launch(&stream, Duration::from_millis(1)).unwrap();
+    let fence = cuda::fence(&stream);
+    end(&stream).expect("the capture is intact");
+    // The graph may be launched again at any time: a buffer its captured work
+    // reads is never known to be free, so it is leaked, not dropped (the
+    // stream is no longer capturing, so a synchronize would succeed).
+    let dropped = Arc::new(());
+    let queue = device_events::drop_queue::DropQueue::new(4).unwrap();
+    queue.push(fence, dropped.clone()).unwrap();
+    queue.flush();
+    let stats = queue.stats();
+    assert_eq!((stats.dropped, stats.leaked), (0, 1), "{stats:?}");
+    assert_eq!(Arc::strong_count(&dropped), 2, "the value was not dropped");
+}

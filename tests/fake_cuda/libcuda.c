@@ -49,6 +49,7 @@
  *   CU_STREAM_PER_THREAD (0x2) is the calling thread's own default stream
  *   (blocking, so it also orders with the legacy stream). Streams created
  *   with CU_STREAM_NON_BLOCKING (cudarc's) do neither.
+ * - Stream capture and graphs: see "Stream capture" below.
  * - cuCtxSynchronize waits for every stream of the current context, and so
  *   does cuModuleLoadData, with every other call held until it returns (see
  *   there).
