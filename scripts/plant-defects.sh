@@ -97,6 +97,9 @@ plant cuda-fence-events-not-pooled "CUDA fence events are destroyed, not pooled"
 plant cuda-contained-not-sticky "CUDA_ERROR_CONTAINED (226, by number) is not sticky" cuda_binding
 plant cuda-own-thread-trusts-stale-binding "the crate's own threads trust a torn-down context's binding" cuda_binding
 
+# The CUDA backend at exit, when timing, and fencing from two threads.
+plant cuda-sequence-taken-after-record "a fence's sequence is taken after its record, outside the stream's lock" cuda_record_order
+
 # The waiter (host backend and unit tests; no driver needed).
 plant unwinding-thread-not-given-back "a waiter thread that unwinds is not given back by its guard" lib
 plant wait-put-back-at-its-sequence "a wait put back at its sequence, not where it was placed (and not told)" await_faults

@@ -71,6 +71,12 @@ impl<A: EventApi> Event<A> {
         A::event_record(self.raw(), stream)
     }
 
+    /// As [`record`](Self::record), with the record's place in the stream's
+    /// order, taken in the same step ([`EventApi::event_record_sequenced`]).
+    pub(crate) fn record_sequenced(&self, stream: A::Stream) -> Result<u64, ServerError> {
+        A::event_record_sequenced(self.raw(), stream)
+    }
+
     /// Whether the device has reached this event, without blocking.
     ///
     /// # Errors

@@ -110,7 +110,7 @@ impl<A: EventApi> EventProfiler<A> {
     /// is faulted or invalid.
     pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
         Ok(ProfileStart {
-            event: Some(self.pool.record(stream)?),
+            event: Some(self.pool.record(stream)?.0),
             pool: self.pool.clone(),
         })
     }
@@ -126,8 +126,7 @@ impl<A: EventApi> EventProfiler<A> {
         mut start: ProfileStart<A>,
         stream: A::Stream,
     ) -> Result<Profile<A>, ServerError> {
-        let end = self.pool.record(stream)?;
-        let sequence = A::stream_sequence(stream);
+        let (end, sequence) = self.pool.record(stream)?;
         Ok(Profile {
             pair: Arc::new(EventPair {
                 start: start.event.take(),
@@ -158,18 +157,19 @@ impl<A: EventApi> Default for EventProfiler<A> {
 }
 
 impl<A: EventApi> EventPool<A> {
-    /// A pooled event (or a new one) recorded on `stream`.
+    /// A pooled event (or a new one) recorded on `stream`, with the
+    /// record's place in the stream's order.
     ///
     /// A pooled event the driver refuses is replaced only when a new event
     /// is accepted where it was not (it belongs to another context); when
     /// the stream refuses new events too (faulted, or gone), it goes back to
     /// the pool, so refused starts neither destroy healthy events nor make
     /// new ones.
-    fn record(&self, stream: A::Stream) -> Result<Event<A>, ServerError> {
+    fn record(&self, stream: A::Stream) -> Result<(Event<A>, u64), ServerError> {
         let pooled = self.events.take(0, |_| {});
         let refused = match pooled {
-            Some(event) => match event.record(stream) {
-                Ok(()) => return Ok(event),
+            Some(event) => match event.record_sequenced(stream) {
+                Ok(sequence) => return Ok((event, sequence)),
                 Err(err) => Some((event, err)),
             },
             None => None,
@@ -184,13 +184,13 @@ impl<A: EventApi> EventPool<A> {
             }
         };
         self.created.fetch_add(1, Ordering::Relaxed);
-        match fresh.record(stream) {
-            Ok(()) => {
+        match fresh.record_sequenced(stream) {
+            Ok(sequence) => {
                 if let Some((_, err)) = refused {
                     // Another context's event, say: it is destroyed here.
                     log::debug!("a pooled {} event was refused: {err}", A::BACKEND);
                 }
-                Ok(fresh)
+                Ok((fresh, sequence))
             }
             Err(err) => {
                 if let Some((event, _)) = refused {

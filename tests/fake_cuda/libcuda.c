@@ -51,6 +51,8 @@
  *   with CU_STREAM_NON_BLOCKING (cudarc's) do neither.
  * - cuCtxSynchronize waits for every stream of the current context.
  *
+ * - cuEventRecord numbers the records of each stream (see "Record order").
+ *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
  * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device) and
  * fakeCudaFailNextQuery(status), found by the tests with dlsym.
@@ -59,6 +61,7 @@
  * builds it and runs the CUDA tests against it.
  */
 #include <pthread.h>
+#include <sched.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -93,6 +96,7 @@ typedef struct stream {
     unsigned flags;
     pthread_t owner; /* for PER_THREAD */
     int64_t busy_until;
+    int records; /* cuEventRecord calls on it (see "Record order") */
     struct stream *next;
 } stream_t;
 
@@ -406,6 +410,23 @@ int cuEventCreate(void **event, unsigned flags) {
     return status;
 }
 
+/* ---- Record order ----
+ * Each stream numbers its records (1, 2, ...), in the order the driver
+ * takes them: a stream's work runs in issue order ("Stream ordered
+ * semantics", CUDA Programming Guide; cuEventRecord captures "the contents
+ * of hStream at the time of this call",
+ * https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+ * fakeCudaLastRecordNumber() is the number of the calling thread's last
+ * record, so a test can compare a fence's sequence with its record's
+ * place. */
+static __thread int last_record;
+
+int fakeCudaLastRecordNumber(int unused) {
+    (void)unused;
+    return last_record;
+}
+/* ---- end of record order ---- */
+
 int cuEventRecord(void *event, void *stream) {
     event_t *e = event;
     pthread_mutex_lock(&lock);
@@ -417,9 +438,14 @@ int cuEventRecord(void *event, void *stream) {
         } else {
             e->at = ready_at(s);
             e->recorded = 1;
+            last_record = ++s->records;
         }
     }
     pthread_mutex_unlock(&lock);
+    /* A real cuEventRecord takes microseconds; yielding here widens the
+     * window in which a caller's work just after the call races another
+     * thread's record on the same stream (see "Record order"). */
+    sched_yield();
     return status;
 }
 
