@@ -51,6 +51,8 @@
  *   with CU_STREAM_NON_BLOCKING (cudarc's) do neither.
  * - cuCtxSynchronize waits for every stream of the current context.
  *
+ * - Elapsed time under both names, each counted (see "Elapsed time" below);
+ *   built with -DFAKE_CUDA_NO_ELAPSED_V2 it exports only the legacy name.
  * - cuEventRecord numbers the records of each stream (see "Record order").
  *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
@@ -503,9 +505,34 @@ static int elapsed(float *ms, void *start, void *end) {
     return status;
 }
 
-/* Both names, as real drivers export them (CUDA 12.8 added _v2). */
-int cuEventElapsedTime(float *ms, void *start, void *end) { return elapsed(ms, start, end); }
-int cuEventElapsedTime_v2(float *ms, void *start, void *end) { return elapsed(ms, start, end); }
+/* ---- Elapsed time ----
+ * Both names, as real drivers export them (CUDA 12.8 added _v2, and CUDA 13
+ * headers map the legacy name to it; both measured present on a 13.0
+ * driver, giving the same times). Built with -DFAKE_CUDA_NO_ELAPSED_V2 the
+ * fake is an older driver, with the legacy name only. Each name counts its
+ * calls on the calling thread (so tests running beside each other do not
+ * count each other's): fakeCudaElapsedCalls(0) the legacy name's, (1) the
+ * _v2's. The
+ * cross-context rule is the driver's (measured: a 13.0 driver answers
+ * CUDA_ERROR_INVALID_HANDLE for events of two contexts, see elapsed()). */
+static __thread int elapsed_calls[2];
+
+int cuEventElapsedTime(float *ms, void *start, void *end) {
+    elapsed_calls[0]++;
+    return elapsed(ms, start, end);
+}
+#ifndef FAKE_CUDA_NO_ELAPSED_V2
+int cuEventElapsedTime_v2(float *ms, void *start, void *end) {
+    elapsed_calls[1]++;
+    return elapsed(ms, start, end);
+}
+#endif
+
+int fakeCudaElapsedCalls(int v2) {
+    if (v2 < 0 || v2 > 1) return -1;
+    return elapsed_calls[v2];
+}
+/* ---- end of elapsed time ---- */
 
 int cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
     (void)flags;

@@ -70,11 +70,14 @@ pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
-/// The names `cuEventElapsedTime` has had: CUDA 12.8 added `_v2`, and CUDA
-/// 13 headers map the plain name to it. Both take the same arguments, so the
-/// first one the library exports is used, and a driver with neither only
-/// loses timing, not the backend.
-const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime", "cuEventElapsedTime_v2"];
+/// The names `cuEventElapsedTime` has had, preferred first: CUDA 12.8 added
+/// `_v2`, and CUDA 13 headers map the plain name to it; the legacy entry
+/// point can return unrelated asynchronous errors of earlier work, the `_v2`
+/// only the timing's own. Both take the same arguments (and, measured on an
+/// H200 with a 13.0 driver, give the same times), so the first one the
+/// library exports is used, and a driver with neither only loses timing, not
+/// the backend.
+const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime_v2", "cuEventElapsedTime"];
 
 /// A driver status, as the driver returns it: a C `enum`, which is an `int`.
 type Status = c_int;
@@ -97,9 +100,14 @@ struct Api {
     event_query: unsafe extern "C" fn(sys::CUevent) -> Status,
     event_synchronize: unsafe extern "C" fn(sys::CUevent) -> Status,
     event_destroy: unsafe extern "C" fn(sys::CUevent) -> Status,
-    /// Under either of its names (see [`ELAPSED_SYMBOLS`]); a driver with
-    /// neither only loses timing.
-    event_elapsed: Option<unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> Status>,
+    /// Under the first of its names the driver exports (see
+    /// [`ELAPSED_SYMBOLS`]), with that name; a driver with neither only
+    /// loses timing.
+    #[allow(clippy::type_complexity)]
+    event_elapsed: Option<(
+        &'static str,
+        unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> Status,
+    )>,
     stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
     stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
     module_load_data: unsafe extern "C" fn(*mut sys::CUmodule, *const c_void) -> Status,
@@ -200,11 +208,15 @@ fn load() -> Result<Loaded, ServerError> {
             }
         };
     }
-    let elapsed = ELAPSED_SYMBOLS.iter().find_map(|name| {
+    let mut names = ELAPSED_SYMBOLS;
+    if crate::plant::planted("cuda-elapsed-legacy-preferred") {
+        names.reverse();
+    }
+    let elapsed = names.iter().find_map(|name| {
         // SAFETY: as in `entry!`: both names have this signature.
         unsafe { library.get(name.as_bytes()) }
             .ok()
-            .map(|symbol| *symbol)
+            .map(|symbol| (*name, *symbol))
     });
     let api = Api {
         init: entry!("cuInit"),
@@ -534,15 +546,15 @@ impl Driver {
         })
     }
 
-    /// `cuEventElapsedTime` (under either name): milliseconds from `start`
-    /// to `end`.
+    /// `cuEventElapsedTime_v2`, or the legacy `cuEventElapsedTime` where
+    /// the driver lacks it: milliseconds from `start` to `end`.
     pub(super) fn event_elapsed_ms(
         self,
         start: &RawEvent,
         end: &RawEvent,
     ) -> Result<f32, ServerError> {
         let mut ms = 0.0f32;
-        let elapsed = self.api.event_elapsed.ok_or_else(|| {
+        let (name, elapsed) = self.api.event_elapsed.ok_or_else(|| {
             unavailable(format!(
                 "the CUDA driver exports neither {}",
                 ELAPSED_SYMBOLS.join(" nor ")
@@ -551,9 +563,7 @@ impl Driver {
         // SAFETY: `ms` is a valid place for the result; both events are live
         // (see `RawEvent`); `elapsed` has the driver's signature for these
         // arguments.
-        self.check("cuEventElapsedTime", unsafe {
-            elapsed(&mut ms, start.0, end.0)
-        })?;
+        self.check(name, unsafe { elapsed(&mut ms, start.0, end.0) })?;
         Ok(ms)
     }
 

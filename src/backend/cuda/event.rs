@@ -3,10 +3,10 @@
 use std::fmt;
 use std::sync::Arc;
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::bind::bind;
-use super::driver::{driver, invalid_context, RawEvent};
+use super::driver::{driver, invalid_context, refused, RawEvent};
 use super::fence_pool::FencePool;
 use crate::{EventFlags, ServerError};
 
@@ -105,8 +105,20 @@ impl CudaEvent {
         bound.driver().stream_wait_event(stream, self.raw())
     }
 
-    /// Milliseconds from `start` to `self`, as the driver measures them.
+    /// Milliseconds from `start` to `self`, as the driver measures them;
+    /// refused before the driver when the two events belong to different
+    /// contexts (the driver answers `CUDA_ERROR_INVALID_HANDLE` there).
     pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
+        if start.ctx.cu_ctx() != self.ctx.cu_ctx()
+            && !crate::plant::planted("cuda-elapsed-across-contexts-not-refused")
+        {
+            return Err(refused(
+                "cuEventElapsedTime",
+                sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
+                "the start and stop events belong to different contexts: a measurement's two \
+                 events must be recorded on streams of one context",
+            ));
+        }
         let bound = bind(&self.ctx)?;
         bound.driver().event_elapsed_ms(start.raw(), self.raw())
     }
