@@ -98,6 +98,7 @@ plant cuda-contained-not-sticky "CUDA_ERROR_CONTAINED (226, by number) is not st
 plant cuda-own-thread-trusts-stale-binding "the crate's own threads trust a torn-down context's binding" cuda_binding
 
 # The CUDA backend at exit, when timing, and fencing from two threads.
+plant cuda-calls-after-shutdown "calls still reach the driver after it returned CUDA_ERROR_DEINITIALIZED" cuda_exit
 plant cuda-elapsed-legacy-preferred "the legacy cuEventElapsedTime is preferred over _v2" cuda_elapsed
 plant cuda-elapsed-across-contexts-not-refused "two events of different contexts are timed by the driver" cuda_elapsed
 plant cuda-sequence-taken-after-record "a fence's sequence is taken after its record, outside the stream's lock" cuda_record_order

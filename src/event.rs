@@ -135,8 +135,11 @@ impl<A: EventApi> Drop for Event<A> {
             } else {
                 A::event_destroy(raw)
             };
-            if let Err(err) = released {
-                log::error!("a {} event could not be destroyed: {err}", A::BACKEND);
+            match released {
+                Ok(()) => {}
+                // Gone with the driver (at process exit, say): logged once.
+                Err(err) if err.is_shut_down() => log::trace!("{err}"),
+                Err(err) => log::error!("a {} event could not be destroyed: {err}", A::BACKEND),
             }
         }
     }

@@ -155,8 +155,12 @@ pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
 ///
 /// # Errors
 ///
-/// As [`ensure_loaded`].
+/// As [`ensure_loaded`]; [`ServerError::ShutDown`] (naming the call that
+/// first saw it) once the driver has shut down.
 pub(super) fn driver() -> Result<Driver, ServerError> {
+    if let Some(first) = SHUT_DOWN.get() {
+        live(first)?;
+    }
     match DRIVER.get_or_init(load) {
         Ok(Loaded { api, init: Ok(()) }) => Ok(Driver { api }),
         Ok(Loaded { init: Err(err), .. }) | Err(err) => Err(err.clone()),
@@ -250,6 +254,52 @@ fn unavailable(reason: String) -> ServerError {
     }
 }
 
+/// `CUDA_ERROR_DEINITIALIZED`: "This indicates that the CUDA driver is in
+/// the process of shutting down" (`CUresult`, link above). The driver tears
+/// itself down in an exit handler while other threads (the waiter's) may
+/// still call it; every call answers this from then on.
+const CUDA_ERROR_DEINITIALIZED: Status = sys::CUresult::CUDA_ERROR_DEINITIALIZED as Status;
+
+/// The call that first saw [`CUDA_ERROR_DEINITIALIZED`], once one did: from
+/// then on no call reaches the driver (see [`live`]).
+static SHUT_DOWN: OnceLock<&'static str> = OnceLock::new();
+
+/// Note that the driver is shutting down, as `call` found: logged once,
+/// quietly (at process exit it is expected, and nothing is wrong).
+fn shutting_down(call: &'static str) -> ServerError {
+    let mut first = false;
+    SHUT_DOWN.get_or_init(|| {
+        first = true;
+        call
+    });
+    if first {
+        log::debug!(
+            "the CUDA driver is shutting down ({call} returned CUDA_ERROR_DEINITIALIZED; at \
+             process exit, say): no more CUDA calls are made, and pending waits fail"
+        );
+    }
+    shut_down(call)
+}
+
+fn shut_down(call: &'static str) -> ServerError {
+    ServerError::ShutDown {
+        backend: BACKEND,
+        call,
+    }
+}
+
+/// `call` may reach the driver: not once it has shut down.
+///
+/// # Errors
+///
+/// [`ServerError::ShutDown`] once any call saw the driver shut down.
+fn live(call: &'static str) -> Result<(), ServerError> {
+    match SHUT_DOWN.get() {
+        Some(_) if !crate::plant::planted("cuda-calls-after-shutdown") => Err(shut_down(call)),
+        _ => Ok(()),
+    }
+}
+
 /// `CUDA_SUCCESS`, as the integer [`Api`]'s entry points return.
 const CUDA_SUCCESS: Status = sys::CUresult::CUDA_SUCCESS as Status;
 
@@ -308,6 +358,8 @@ fn is_sticky(code: Status) -> bool {
 fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), ServerError> {
     if status == CUDA_SUCCESS {
         Ok(())
+    } else if status == CUDA_ERROR_DEINITIALIZED {
+        Err(shutting_down(call))
     } else {
         Err(status_error(api, call, status, || {
             format!("CUDA error {status}")
@@ -321,6 +373,9 @@ fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), Se
 /// cudarc's `Display` of its error asks the driver for a description (and
 /// its loader panics where there is no driver library).
 pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError {
+    if err.0 as Status == CUDA_ERROR_DEINITIALIZED {
+        return shutting_down(call);
+    }
     let api = loaded_api();
     let error = status_error(api, call, err.0 as Status, || format!("{:?}", err.0));
     match api {
@@ -466,8 +521,15 @@ impl Driver {
         check(Some(self.api), call, status)
     }
 
+    /// `call` may reach the driver: every wrapper asks first, so that once
+    /// the driver has shut down no call reaches it.
+    fn live(self, call: &'static str) -> Result<(), ServerError> {
+        live(call)
+    }
+
     /// `cuCtxGetCurrent`: the calling thread's current context.
     pub(super) fn ctx_get_current(self) -> Result<CurrentContext, ServerError> {
+        self.live("cuCtxGetCurrent")?;
         let mut current = ptr::null_mut();
         // SAFETY: `current` is a valid place for the handle.
         self.check("cuCtxGetCurrent", unsafe {
@@ -478,6 +540,7 @@ impl Driver {
 
     /// `cuCtxSetCurrent`: make `ctx` current on the calling thread.
     pub(super) fn ctx_set_current(self, ctx: &CudaContext) -> Result<(), ServerError> {
+        self.live("cuCtxSetCurrent")?;
         // SAFETY: the handle is live: `ctx` holds its primary-context retain
         // for as long as the borrow lasts.
         self.check("cuCtxSetCurrent", unsafe {
@@ -488,6 +551,7 @@ impl Driver {
     /// `cuCtxSetCurrent`: make a context found by
     /// [`ctx_get_current`](Self::ctx_get_current) current again.
     pub(super) fn ctx_restore(self, previous: CurrentContext) -> Result<(), ServerError> {
+        self.live("cuCtxSetCurrent")?;
         // SAFETY: `previous` was current on this thread when it was found (or
         // null: no context), so it is the caller's to keep alive; a context
         // destroyed meanwhile is a handle the driver rejects with an error.
@@ -498,6 +562,7 @@ impl Driver {
 
     /// `cuEventCreate` in the current context.
     pub(super) fn event_create(self, flags: EventFlags) -> Result<RawEvent, ServerError> {
+        self.live("cuEventCreate")?;
         let mut bits = 0;
         if !flags.timing {
             bits |= EVENT_DISABLE_TIMING;
@@ -520,6 +585,7 @@ impl Driver {
         event: &RawEvent,
         stream: &CudaStream,
     ) -> Result<(), ServerError> {
+        self.live("cuEventRecord")?;
         // SAFETY: both handles are live: the event until it is destroyed by
         // value (see `RawEvent`), the stream borrowed from its owner for the
         // call.
@@ -530,6 +596,7 @@ impl Driver {
 
     /// `cuEventQuery`: reached, not yet, or an error; all three outcomes.
     pub(super) fn event_query(self, event: &RawEvent) -> Result<bool, ServerError> {
+        self.live("cuEventQuery")?;
         // SAFETY: the event is live (see `RawEvent`).
         match unsafe { (self.api.event_query)(event.0) } {
             CUDA_SUCCESS => Ok(true),
@@ -540,6 +607,7 @@ impl Driver {
 
     /// `cuEventSynchronize`: block until `event` is reached.
     pub(super) fn event_synchronize(self, event: &RawEvent) -> Result<(), ServerError> {
+        self.live("cuEventSynchronize")?;
         // SAFETY: the event is live (see `RawEvent`).
         self.check("cuEventSynchronize", unsafe {
             (self.api.event_synchronize)(event.0)
@@ -560,6 +628,7 @@ impl Driver {
                 ELAPSED_SYMBOLS.join(" nor ")
             ))
         })?;
+        self.live(name)?;
         // SAFETY: `ms` is a valid place for the result; both events are live
         // (see `RawEvent`); `elapsed` has the driver's signature for these
         // arguments.
@@ -570,6 +639,7 @@ impl Driver {
     /// `cuEventDestroy`. Does not block: the driver releases an event with
     /// pending work once the work completes.
     pub(super) fn event_destroy(self, event: RawEvent) -> Result<(), ServerError> {
+        self.live("cuEventDestroy")?;
         // SAFETY: the event is live, and destroyed once: it is taken by value.
         self.check("cuEventDestroy", unsafe {
             (self.api.event_destroy)(event.0)
@@ -583,6 +653,7 @@ impl Driver {
         stream: &CudaStream,
         event: &RawEvent,
     ) -> Result<(), ServerError> {
+        self.live("cuStreamWaitEvent")?;
         // SAFETY: both handles are live (see `event_record`); flag 0 is
         // CU_EVENT_WAIT_DEFAULT.
         self.check("cuStreamWaitEvent", unsafe {
@@ -592,6 +663,7 @@ impl Driver {
 
     /// `cuStreamSynchronize`: block until all work queued on `stream` is done.
     pub(super) fn stream_synchronize(self, stream: &CudaStream) -> Result<(), ServerError> {
+        self.live("cuStreamSynchronize")?;
         // SAFETY: the stream is live, borrowed from its owner for the call.
         self.check("cuStreamSynchronize", unsafe {
             (self.api.stream_synchronize)(stream.cu_stream())
@@ -601,6 +673,7 @@ impl Driver {
     /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the
     /// current context.
     pub(super) fn module_load_data(self, ptx: &CStr) -> Result<Module, ServerError> {
+        self.live("cuModuleLoadData")?;
         let mut module = ptr::null_mut();
         // SAFETY: `ptx` is a NUL-terminated image that outlives the call;
         // `module` is a valid place for the handle.
@@ -616,6 +689,7 @@ impl Driver {
         module: &Module,
         name: &CStr,
     ) -> Result<Function, ServerError> {
+        self.live("cuModuleGetFunction")?;
         let mut function = ptr::null_mut();
         // SAFETY: the module is live (never unloaded); `name` is
         // NUL-terminated; `function` is a valid place for the handle.
@@ -634,6 +708,7 @@ impl Driver {
         stream: &CudaStream,
         mut argument: u64,
     ) -> Result<(), ServerError> {
+        self.live("cuLaunchKernel")?;
         let mut params = [ptr::addr_of_mut!(argument).cast::<c_void>()];
         // SAFETY: the function is live (its module is never unloaded) and is
         // one of this crate's kernels, each of which takes exactly one u64

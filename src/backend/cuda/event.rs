@@ -144,8 +144,12 @@ impl CudaEvent {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        if let Err(err) = self.destroy_raw() {
-            log::error!("a CUDA event could not be destroyed: {err}");
+        match self.destroy_raw() {
+            Ok(()) => {}
+            // Gone with the driver (at process exit, say): the driver's
+            // shutdown was logged once, where it was first seen.
+            Err(err) if err.is_shut_down() => log::trace!("{err}"),
+            Err(err) => log::error!("a CUDA event could not be destroyed: {err}"),
         }
     }
 }
