@@ -20,7 +20,7 @@ pub(crate) fn warn<S: Hash>(backend: &'static str, stream: &S, err: &ServerError
     if err.is_shut_down() {
         // The driver logged its shutdown once; at process exit, every fence
         // would say so again.
-        log::debug!("{message}");
+        log::trace!("{message}");
     } else if err.is_faulted() && !first_for(backend, stream) {
         log::debug!("{message} (this stream's fault was warned about before)");
     } else {

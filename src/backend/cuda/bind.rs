@@ -109,10 +109,13 @@ impl Drop for Bound {
         };
         // A context destroyed meanwhile is refused by the driver with an
         // error, reported here.
-        if let Err(err) = self.driver.ctx_restore(previous) {
-            log::debug!(
+        match self.driver.ctx_restore(previous) {
+            Ok(()) => {}
+            // Logged once, where the shutdown was first seen.
+            Err(err) if err.is_shut_down() => log::trace!("{err}"),
+            Err(err) => log::debug!(
                 "the thread's previous CUDA context could not be made current again: {err}"
-            );
+            ),
         }
     }
 }
