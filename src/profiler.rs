@@ -110,7 +110,8 @@ impl<A: EventApi> EventProfiler<A> {
     /// # Errors
     ///
     /// The driver refused to create or record a timing event, or the stream
-    /// is faulted or invalid.
+    /// is faulted or invalid; [`ServerError::InvalidArgument`] when the
+    /// profiler's idle events belong to another context than the stream's.
     pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
         Ok(ProfileStart {
             event: Some(self.pool.record(stream)?.0),

@@ -146,7 +146,7 @@ static DRIVER: OnceLock<Result<Loaded, ServerError>> = OnceLock::new();
 /// # Errors
 ///
 /// [`ServerError::Unavailable`] when the library is missing, too old, or
-/// finds no device.
+/// finds no device; [`ServerError::ShutDown`] once the driver has shut down.
 pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
     driver().map(|_| ())
 }
