@@ -13,6 +13,7 @@ export LD_LIBRARY_PATH="$PWD/$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export DEVICE_EVENTS_REQUIRE_CUDA=1
 export DEVICE_EVENTS_FAKE_CUDA=1
 cargo test --test cuda --test cuda_binding --test cuda_faults --test cuda_capture
+cargo test --test cuda_exit --test cuda_elapsed --test cuda_record_order
 cargo run --example fences
 cargo run --example join_streams
 cargo test --doc

@@ -185,11 +185,29 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         next_sequence()
     }
 
+    /// [`event_record`](Self::event_record) and the record's
+    /// [`stream_sequence`](Self::stream_sequence) as one step of `stream`:
+    /// two threads recording on one stream get numbers in the order of
+    /// their records, so the waiter never serves a stream's newer record
+    /// before an older one. The default records, then numbers; a backend
+    /// whose records can race keeps the two under one per-stream lock.
+    ///
+    /// # Errors
+    ///
+    /// As for [`event_record`](Self::event_record).
+    #[doc(hidden)]
+    fn event_record_sequenced(
+        event: &Self::Event,
+        stream: Self::Stream,
+    ) -> Result<u64, ServerError> {
+        Self::event_record(event, stream)?;
+        Ok(Self::stream_sequence(stream))
+    }
+
     /// A fence's whole making: [`fence_event_acquire`](Self::fence_event_acquire)
-    /// then [`event_record`](Self::event_record) on `stream`, giving the event
-    /// back if the record fails, and the record's
-    /// [`stream_sequence`](Self::stream_sequence). One call, so a backend can
-    /// resolve the stream once (every fence pays for it).
+    /// then [`event_record_sequenced`](Self::event_record_sequenced) on
+    /// `stream`, giving the event back if the record fails. One call, so a
+    /// backend can resolve the stream once (every fence pays for it).
     ///
     /// # Errors
     ///
@@ -198,26 +216,25 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     fn fence_event_record(stream: Self::Stream) -> Result<(Self::Event, u64), ServerError> {
         record_fence_event(
             || Self::fence_event_acquire(stream),
-            |event| Self::event_record(event, stream),
+            |event| Self::event_record_sequenced(event, stream),
             Self::fence_event_release,
-            || Self::stream_sequence(stream),
         )
     }
 }
 
 /// [`EventApi::fence_event_record`]'s steps, written once for the trait's
 /// default and for backends that resolve their stream once for all of them:
-/// `acquire` an event, `record` it, and take its `sequence`; a refused
-/// record gives the event back (`release`) and is the error.
+/// `acquire` an event, then `record` it and take its sequence (one step,
+/// see [`EventApi::event_record_sequenced`]); a refused record gives the
+/// event back (`release`) and is the error.
 pub(crate) fn record_fence_event<E>(
     acquire: impl FnOnce() -> Result<E, ServerError>,
-    record: impl FnOnce(&E) -> Result<(), ServerError>,
+    record: impl FnOnce(&E) -> Result<u64, ServerError>,
     release: impl FnOnce(E) -> Result<(), ServerError>,
-    sequence: impl FnOnce() -> u64,
 ) -> Result<(E, u64), ServerError> {
     let event = acquire()?;
     match record(&event) {
-        Ok(()) => Ok((event, sequence())),
+        Ok(sequence) => Ok((event, sequence)),
         Err(err) => {
             if let Err(release) = release(event) {
                 log::debug!("a refused fence event could not be given back: {release}");

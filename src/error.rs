@@ -57,6 +57,10 @@ pub mod status {
     /// `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`: the last of the
     /// stream-capture statuses.
     pub const STREAM_CAPTURE_WRONG_THREAD: i32 = 908;
+    /// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (at process
+    /// exit); what [`ServerError::ShutDown`](crate::ServerError::ShutDown)
+    /// carries.
+    pub const DEINITIALIZED: i32 = 4;
     /// `CUDA_ERROR_UNKNOWN`: a failure the driver does not name.
     pub const UNKNOWN: i32 = 999;
 }
@@ -278,6 +282,22 @@ pub enum ServerError {
         /// How much earlier the stop was reached.
         by: std::time::Duration,
     },
+    /// The driver was shut down: the CUDA driver tears itself down at
+    /// process exit while other threads (the waiter's, say) may still run,
+    /// and then answers every call with `CUDA_ERROR_DEINITIALIZED`
+    /// ([`status::DEINITIALIZED`]). Terminal: once one call saw it, the
+    /// backend makes no more driver calls, and each returns this error at
+    /// once; pending waits fail with it.
+    #[error(
+        "{backend} call {call} refused: the driver was shut down (at process exit, say), \
+         and no more calls are made to it"
+    )]
+    ShutDown {
+        /// The backend whose driver was shut down.
+        backend: &'static str,
+        /// The call that failed, or was refused without reaching the driver.
+        call: &'static str,
+    },
     /// A backend call made on a waiter thread panicked; the waiter keeps
     /// serving other waits. The panic was in code the waiter calls (an
     /// outside [`EventApi`](crate::EventApi), say): fix that code; the
@@ -326,6 +346,12 @@ impl ServerError {
         })
     }
 
+    /// Whether the backend's driver was shut down
+    /// ([`ShutDown`](Self::ShutDown)): at process exit, say.
+    pub fn is_shut_down(&self) -> bool {
+        matches!(self, Self::ShutDown { .. })
+    }
+
     /// Whether the backend has no driver or device here.
     pub fn is_unavailable(&self) -> bool {
         matches!(self, Self::Unavailable { .. })
@@ -336,6 +362,7 @@ impl ServerError {
     pub fn code(&self) -> Option<i32> {
         match self {
             Self::Call { code, .. } | Self::Faulted { code, .. } => Some(*code),
+            Self::ShutDown { .. } => Some(status::DEINITIALIZED),
             _ => None,
         }
     }

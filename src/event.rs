@@ -71,6 +71,12 @@ impl<A: EventApi> Event<A> {
         A::event_record(self.raw(), stream)
     }
 
+    /// As [`record`](Self::record), with the record's place in the stream's
+    /// order, taken in the same step ([`EventApi::event_record_sequenced`]).
+    pub(crate) fn record_sequenced(&self, stream: A::Stream) -> Result<u64, ServerError> {
+        A::event_record_sequenced(self.raw(), stream)
+    }
+
     /// Whether the device has reached this event, without blocking.
     ///
     /// # Errors
@@ -129,8 +135,11 @@ impl<A: EventApi> Drop for Event<A> {
             } else {
                 A::event_destroy(raw)
             };
-            if let Err(err) = released {
-                log::error!("a {} event could not be destroyed: {err}", A::BACKEND);
+            match released {
+                Ok(()) => {}
+                // Gone with the driver (at process exit, say): logged once.
+                Err(err) if err.is_shut_down() => log::trace!("{err}"),
+                Err(err) => log::error!("a {} event could not be destroyed: {err}", A::BACKEND),
             }
         }
     }

@@ -29,8 +29,11 @@ pub const DEFAULT_PROFILER_CAPACITY: usize = 64;
 /// its capacity; events beyond it are destroyed.
 ///
 /// A profiler's events belong to the device (CUDA context) of the streams
-/// they were first recorded on: use one profiler per device. A pooled event
-/// the driver refuses on another context's stream is destroyed and replaced.
+/// they were first recorded on: use one profiler per device. Used on a
+/// stream of another context while it holds idle events, it says so (a
+/// [`ServerError::InvalidArgument`]) rather than swap its events for that
+/// context's; a start and stop on streams of two contexts are refused when
+/// the profile is read.
 ///
 /// # Example
 ///
@@ -107,10 +110,11 @@ impl<A: EventApi> EventProfiler<A> {
     /// # Errors
     ///
     /// The driver refused to create or record a timing event, or the stream
-    /// is faulted or invalid.
+    /// is faulted or invalid; [`ServerError::InvalidArgument`] when the
+    /// profiler's idle events belong to another context than the stream's.
     pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
         Ok(ProfileStart {
-            event: Some(self.pool.record(stream)?),
+            event: Some(self.pool.record(stream)?.0),
             pool: self.pool.clone(),
         })
     }
@@ -126,8 +130,7 @@ impl<A: EventApi> EventProfiler<A> {
         mut start: ProfileStart<A>,
         stream: A::Stream,
     ) -> Result<Profile<A>, ServerError> {
-        let end = self.pool.record(stream)?;
-        let sequence = A::stream_sequence(stream);
+        let (end, sequence) = self.pool.record(stream)?;
         Ok(Profile {
             pair: Arc::new(EventPair {
                 start: start.event.take(),
@@ -158,18 +161,20 @@ impl<A: EventApi> Default for EventProfiler<A> {
 }
 
 impl<A: EventApi> EventPool<A> {
-    /// A pooled event (or a new one) recorded on `stream`.
+    /// A pooled event (or a new one) recorded on `stream`, with the
+    /// record's place in the stream's order.
     ///
-    /// A pooled event the driver refuses is replaced only when a new event
-    /// is accepted where it was not (it belongs to another context); when
-    /// the stream refuses new events too (faulted, or gone), it goes back to
-    /// the pool, so refused starts neither destroy healthy events nor make
-    /// new ones.
-    fn record(&self, stream: A::Stream) -> Result<Event<A>, ServerError> {
+    /// A pooled event the driver refuses goes back to the pool: when the
+    /// stream refuses new events too (faulted, or gone), with the stream's
+    /// error, so refused starts neither destroy healthy events nor make new
+    /// ones; when a new event is accepted where it was not, the pooled one
+    /// belongs to another context, and the profiler is being used on a
+    /// second context: an error, not a silent swap of its pool.
+    fn record(&self, stream: A::Stream) -> Result<(Event<A>, u64), ServerError> {
         let pooled = self.events.take(0, |_| {});
         let refused = match pooled {
-            Some(event) => match event.record(stream) {
-                Ok(()) => return Ok(event),
+            Some(event) => match event.record_sequenced(stream) {
+                Ok(sequence) => return Ok((event, sequence)),
                 Err(err) => Some((event, err)),
             },
             None => None,
@@ -184,14 +189,22 @@ impl<A: EventApi> EventPool<A> {
             }
         };
         self.created.fetch_add(1, Ordering::Relaxed);
-        match fresh.record(stream) {
-            Ok(()) => {
-                if let Some((_, err)) = refused {
-                    // Another context's event, say: it is destroyed here.
-                    log::debug!("a pooled {} event was refused: {err}", A::BACKEND);
+        match fresh.record_sequenced(stream) {
+            Ok(sequence) => match refused {
+                Some((event, err)) if !crate::plant::planted("profiler-swaps-context") => {
+                    self.give_back(event);
+                    Err(ServerError::InvalidArgument {
+                        what: "EventProfiler stream",
+                        reason: format!(
+                            "this profiler's events belong to another {} context (device) than \
+                             the stream's, which refused them ({err}): use one profiler per \
+                             context",
+                            A::BACKEND
+                        ),
+                    })
                 }
-                Ok(fresh)
-            }
+                _ => Ok((fresh, sequence)),
+            },
             Err(err) => {
                 if let Some((event, _)) = refused {
                     self.give_back(event);

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use common::faulty::{self, Faulty};
 use common::{eventually, faultable_stream, Gate};
-use device_events::host::{Host, HostStream};
+use device_events::host::{Host, HostContext, HostStream};
 use device_events::{EventProfiler, ServerError, Waiter};
 use futures::FutureExt;
 
@@ -173,6 +173,9 @@ fn a_faulted_stream_fails_the_measurement_and_nothing_leaks() {
         let err = profile.wait_sync().unwrap_err();
         assert!(err.is_faulted(), "{err}");
         assert!(profiler.start(stream.handle()).unwrap_err().is_faulted());
+        // Its events are the faulted context's: `other` (another context)
+        // is profiled by a profiler of its own.
+        let profiler = EventProfiler::<Host>::new();
         let start = profiler.start(other.handle()).unwrap();
         let err = profiler.stop(start, stream.handle()).unwrap_err();
         assert!(err.is_faulted(), "{err}");
@@ -203,15 +206,34 @@ fn a_refused_start_keeps_the_pooled_events() {
         assert!(profiler.start(stream.handle()).unwrap_err().is_faulted());
     }
     assert_eq!((profiler.pooled(), profiler.created()), (pooled, created));
-    // A stream of another context refuses them: there they are replaced.
-    let healthy = HostStream::new().unwrap();
-    let start = profiler.start(healthy.handle()).unwrap();
-    profiler
-        .stop(start, healthy.handle())
-        .unwrap()
-        .wait_sync()
-        .unwrap();
-    assert_eq!(profiler.created(), created + 2);
+    // A stream of another context refuses them too: the profiler says it
+    // is used on a second context, and keeps its events for its own.
+    let elsewhere = HostStream::new().unwrap();
+    for _ in 0..3 {
+        let err = profiler.start(elsewhere.handle()).unwrap_err();
+        assert!(
+            matches!(&err, ServerError::InvalidArgument { reason, .. } if reason.contains("context")),
+            "{err}"
+        );
+    }
+    assert_eq!(profiler.pooled(), pooled);
+}
+
+/// A profiler holding events of one context, asked to stop a measurement on
+/// a stream of another, says so instead of swapping its events.
+#[test]
+fn a_profiler_reused_on_another_context_says_so() {
+    let here = HostStream::new().unwrap();
+    let elsewhere = HostContext::new().new_stream().unwrap();
+    let profiler = EventProfiler::<Host>::new();
+    let start = profiler.start(here.handle()).unwrap();
+    let elapsed = profiler.stop(start, here.handle()).unwrap().wait_sync();
+    assert!(elapsed.is_ok(), "{elapsed:?}");
+    let start = profiler.start(here.handle()).unwrap();
+    let err = profiler.stop(start, elsewhere.handle()).unwrap_err();
+    assert!(matches!(err, ServerError::InvalidArgument { .. }), "{err}");
+    // Its two events are back, for its own context.
+    assert_eq!(profiler.pooled(), 2);
 }
 
 #[test]

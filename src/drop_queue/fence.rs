@@ -94,10 +94,15 @@ pub(super) fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError>
         }
         Err(err) => {
             panics::log(|| {
-                log::error!(
-                    "a drop queue's fence failed, leaking its value rather than freeing memory \
-                     the device may still read: {err}"
-                );
+                if err.is_shut_down() {
+                    // At process exit, say: the memory goes with the process.
+                    log::debug!("a drop queue's fence failed, leaking its value: {err}");
+                } else {
+                    log::error!(
+                        "a drop queue's fence failed, leaking its value rather than freeing \
+                         memory the device may still read: {err}"
+                    );
+                }
             });
             std::mem::forget(value);
             Err(err)

@@ -54,6 +54,12 @@
  *   does cuModuleLoadData, with every other call held until it returns (see
  *   there).
  *
+ * - Process exit (see "Driver teardown" below): cuInit registers an exit
+ *   handler after which every call returns CUDA_ERROR_DEINITIALIZED.
+ * - Elapsed time under both names, each counted (see "Elapsed time" below);
+ *   built with -DFAKE_CUDA_NO_ELAPSED_V2 it exports only the legacy name.
+ * - cuEventRecord numbers the records of each stream (see "Record order").
+ *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
  * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device) and
  * fakeCudaFailNextQuery(status), found by the tests with dlsym.
@@ -62,6 +68,8 @@
  * builds it and runs the CUDA tests against it.
  */
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -70,6 +78,7 @@
 enum {
     SUCCESS = 0,
     INVALID_VALUE = 1,
+    DEINITIALIZED = 4,
     NO_DEVICE = 100,
     INVALID_DEVICE = 101,
     INVALID_CONTEXT = 201,
@@ -104,6 +113,7 @@ typedef struct stream {
     pthread_t owner; /* for PER_THREAD */
     int64_t busy_until;
     int capture; /* the capture it is part of (see "Stream capture"), or 0 */
+    int records; /* cuEventRecord calls on it (see "Record order") */
     struct stream *next;
 } stream_t;
 
@@ -143,6 +153,45 @@ static __thread int bound_generation;
 /* Test hook: the status the next cuEventQuery returns (0: none injected). */
 static int next_query_status;
 
+/* ---- Driver teardown at process exit ----
+ * The real driver tears itself down in an exit handler while the process's
+ * other threads still run, and answers them with CUDA_ERROR_DEINITIALIZED:
+ * "This indicates that the CUDA driver is in the process of shutting down"
+ * (CUresult, https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html).
+ * The fake registers its handler at cuInit; from then on every call returns
+ * 4 (the error lookups excepted: they name it), and calls blocked in a
+ * synchronize return it too. fakeCudaTeardown() starts the same teardown
+ * now, for a test; fakeCudaCallsAfterTeardown() counts the calls that
+ * reached the driver after it. */
+static atomic_int torn_down;
+static atomic_int calls_after_teardown;
+static pthread_once_t teardown_registered = PTHREAD_ONCE_INIT;
+
+static void teardown(void) { atomic_store(&torn_down, 1); }
+static void register_teardown(void) { atexit(teardown); }
+
+/* Whether the driver is shut down; counts the call that asked. */
+static int deinitialized(void) {
+    if (!atomic_load(&torn_down)) return 0;
+    atomic_fetch_add(&calls_after_teardown, 1);
+    return 1;
+}
+
+/* After a sleep: DEINITIALIZED if the driver was torn down meanwhile. */
+static int torn_down_status(void) { return atomic_load(&torn_down) ? DEINITIALIZED : SUCCESS; }
+
+int fakeCudaTeardown(int unused) {
+    (void)unused;
+    teardown();
+    return 0;
+}
+
+int fakeCudaCallsAfterTeardown(int unused) {
+    (void)unused;
+    return atomic_load(&calls_after_teardown);
+}
+/* ---- end of driver teardown ---- */
+
 static int64_t now_ns(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
@@ -152,7 +201,9 @@ static int64_t now_ns(void) {
 static void sleep_until(int64_t deadline) {
     for (;;) {
         int64_t left = deadline - now_ns();
-        if (left <= 0) return;
+        if (left <= 0 || atomic_load(&torn_down)) return;
+        /* In slices of at most 1 ms, so a teardown ends the sleep. */
+        if (left > 1000000) left = 1000000;
         struct timespec t = {left / 1000000000, left % 1000000000};
         nanosleep(&t, NULL);
     }
@@ -172,6 +223,7 @@ static int is_context(const void *handle) {
 
 /* A handle of context `c` (made in `generation`) may be used now. */
 static int usable(const ctx_t *c, int generation) {
+    if (deinitialized()) return DEINITIALIZED;
     if (current == NULL || current != c) return INVALID_CONTEXT;
     if (bound_generation != c->generation) return CONTEXT_IS_DESTROYED;
     if (c->retains == 0 || c->generation != generation) return CONTEXT_IS_DESTROYED;
@@ -181,6 +233,7 @@ static int usable(const ctx_t *c, int generation) {
 
 /* The current context, ready for work. */
 static int current_usable(void) {
+    if (deinitialized()) return DEINITIALIZED;
     if (current == NULL) return INVALID_CONTEXT;
     return usable(current, current->generation);
 }
@@ -358,6 +411,7 @@ int cuGetErrorName(int error, const char **name) {
     switch (error) {
     case SUCCESS: *name = "CUDA_SUCCESS"; break;
     case INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
+    case DEINITIALIZED: *name = "CUDA_ERROR_DEINITIALIZED"; break;
     case NO_DEVICE: *name = "CUDA_ERROR_NO_DEVICE"; break;
     case INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
     case INVALID_CONTEXT: *name = "CUDA_ERROR_INVALID_CONTEXT"; break;
@@ -386,11 +440,21 @@ int cuGetErrorString(int error, const char **text) {
     return SUCCESS;
 }
 
-int cuInit(unsigned flags) { (void)flags; return SUCCESS; }
+int cuInit(unsigned flags) {
+    (void)flags;
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_once(&teardown_registered, register_teardown);
+    return SUCCESS;
+}
 int cuDriverGetVersion(int *version) { *version = 12080; return SUCCESS; }
-int cuDeviceGetCount(int *count) { *count = DEVICES; return SUCCESS; }
+int cuDeviceGetCount(int *count) {
+    if (deinitialized()) return DEINITIALIZED;
+    *count = DEVICES;
+    return SUCCESS;
+}
 
 int cuDeviceGet(int *device, int ordinal) {
+    if (deinitialized()) return DEINITIALIZED;
     if (ordinal < 0 || ordinal >= DEVICES) return INVALID_DEVICE;
     *device = ordinal;
     return SUCCESS;
@@ -404,6 +468,7 @@ int cuDeviceGetAttribute(int *value, int attribute, int device) {
 }
 
 int cuDevicePrimaryCtxRetain(void **context, int device) {
+    if (deinitialized()) return DEINITIALIZED;
     if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
     pthread_mutex_lock(&lock);
     ctx_t *c = &contexts[device];
@@ -417,6 +482,7 @@ int cuDevicePrimaryCtxRetain(void **context, int device) {
 }
 
 int cuDevicePrimaryCtxRelease_v2(int device) {
+    if (deinitialized()) return DEINITIALIZED;
     if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
     pthread_mutex_lock(&lock);
     ctx_t *c = &contexts[device];
@@ -439,11 +505,13 @@ int cuDevicePrimaryCtxRelease_v2(int device) {
 }
 
 int cuCtxGetCurrent(void **context) {
+    if (deinitialized()) return DEINITIALIZED;
     *context = current;
     return SUCCESS;
 }
 
 int cuCtxSetCurrent(void *context) {
+    if (deinitialized()) return DEINITIALIZED;
     if (context == NULL) {
         current = NULL;
         return SUCCESS;
@@ -474,6 +542,7 @@ int cuCtxSynchronize(void) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
+    if (torn_down_status() != SUCCESS) return torn_down_status();
     return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
@@ -499,6 +568,7 @@ int cuStreamCreate(void **stream, unsigned flags) {
 }
 
 int cuStreamDestroy_v2(void *stream) {
+    if (deinitialized()) return DEINITIALIZED;
     if (stream == NULL || stream == STREAM_LEGACY || stream == STREAM_PER_THREAD)
         return INVALID_HANDLE;
     pthread_mutex_lock(&lock);
@@ -537,6 +607,7 @@ int cuStreamSynchronize(void *stream) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
+    if (torn_down_status() != SUCCESS) return torn_down_status();
     return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
@@ -561,6 +632,23 @@ int cuEventCreate(void **event, unsigned flags) {
     return status;
 }
 
+/* ---- Record order ----
+ * Each stream numbers its records (1, 2, ...), in the order the driver
+ * takes them: a stream's work runs in issue order ("Stream ordered
+ * semantics", CUDA Programming Guide; cuEventRecord captures "the contents
+ * of hStream at the time of this call",
+ * https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EVENT.html).
+ * fakeCudaLastRecordNumber() is the number of the calling thread's last
+ * record, so a test can compare a fence's sequence with its record's
+ * place. */
+static __thread int last_record;
+
+int fakeCudaLastRecordNumber(int unused) {
+    (void)unused;
+    return last_record;
+}
+/* ---- end of record order ---- */
+
 int cuEventRecord(void *event, void *stream) {
     event_t *e = event;
     pthread_mutex_lock(&lock);
@@ -580,9 +668,14 @@ int cuEventRecord(void *event, void *stream) {
             e->capture = 0;
             e->at = ready_at(s);
             e->recorded = 1;
+            last_record = ++s->records;
         }
     }
     pthread_mutex_unlock(&lock);
+    /* A real cuEventRecord takes microseconds; yielding here widens the
+     * window in which a caller's work just after the call races another
+     * thread's record on the same stream (see "Record order"). */
+    sched_yield();
     return status;
 }
 
@@ -614,6 +707,7 @@ int cuEventSynchronize(void *event) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
+    if (torn_down_status() != SUCCESS) return torn_down_status();
     return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
@@ -646,9 +740,33 @@ static int elapsed(float *ms, void *start, void *end) {
     return status;
 }
 
-/* Both names, as real drivers export them (CUDA 12.8 added _v2). */
-int cuEventElapsedTime(float *ms, void *start, void *end) { return elapsed(ms, start, end); }
-int cuEventElapsedTime_v2(float *ms, void *start, void *end) { return elapsed(ms, start, end); }
+/* ---- Elapsed time ----
+ * Both names, as real drivers export them (CUDA 12.8 added _v2, and CUDA 13
+ * headers map the legacy name to it; both measured present on a 13.0
+ * driver, giving the same times). Built with -DFAKE_CUDA_NO_ELAPSED_V2 the
+ * fake is an older driver, with the legacy name only. Each name counts its
+ * calls on the calling thread (so tests running beside each other do not
+ * count each other's): fakeCudaElapsedCalls(0) the legacy name's, (1) the
+ * _v2's. The cross-context rule is the driver's (measured: a 13.0 driver
+ * answers CUDA_ERROR_INVALID_HANDLE for events of two contexts; elapsed()). */
+static __thread int elapsed_calls[2];
+
+int cuEventElapsedTime(float *ms, void *start, void *end) {
+    elapsed_calls[0]++;
+    return elapsed(ms, start, end);
+}
+#ifndef FAKE_CUDA_NO_ELAPSED_V2
+int cuEventElapsedTime_v2(float *ms, void *start, void *end) {
+    elapsed_calls[1]++;
+    return elapsed(ms, start, end);
+}
+#endif
+
+int fakeCudaElapsedCalls(int v2) {
+    if (v2 < 0 || v2 > 1) return -1;
+    return elapsed_calls[v2];
+}
+/* ---- end of elapsed time ---- */
 
 int cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
     (void)flags;

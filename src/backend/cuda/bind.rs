@@ -65,7 +65,9 @@ impl Bound {
             Ok(previous) => previous,
             // Not made: the call is made as the thread's mode allows.
             Err(err) => {
-                log::debug!("the thread's CUDA capture mode could not be relaxed: {err}");
+                if !err.is_shut_down() {
+                    log::debug!("the thread's CUDA capture mode could not be relaxed: {err}");
+                }
                 return call(self.driver);
             }
         };
@@ -151,6 +153,7 @@ fn relax_own_thread(driver: Driver) {
         }
         match driver.exchange_capture_mode(CAPTURE_MODE_RELAXED) {
             Ok(_) => relaxed.set(true),
+            Err(err) if err.is_shut_down() => {}
             Err(err) => {
                 log::debug!("a waiter thread's CUDA capture mode could not be relaxed: {err}")
             }
@@ -176,10 +179,13 @@ impl Drop for Bound {
         };
         // A context destroyed meanwhile is refused by the driver with an
         // error, reported here.
-        if let Err(err) = self.driver.ctx_restore(previous) {
-            log::debug!(
+        match self.driver.ctx_restore(previous) {
+            Ok(()) => {}
+            // Logged once, where the shutdown was first seen.
+            Err(err) if err.is_shut_down() => log::trace!("{err}"),
+            Err(err) => log::debug!(
                 "the thread's previous CUDA context could not be made current again: {err}"
-            );
+            ),
         }
     }
 }

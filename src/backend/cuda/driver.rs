@@ -75,11 +75,14 @@ pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
-/// The names `cuEventElapsedTime` has had: CUDA 12.8 added `_v2`, and CUDA
-/// 13 headers map the plain name to it. Both take the same arguments, so the
-/// first one the library exports is used, and a driver with neither only
-/// loses timing, not the backend.
-const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime", "cuEventElapsedTime_v2"];
+/// The names `cuEventElapsedTime` has had, preferred first: CUDA 12.8 added
+/// `_v2`, and CUDA 13 headers map the plain name to it; the legacy entry
+/// point can return unrelated asynchronous errors of earlier work, the `_v2`
+/// only the timing's own. Both take the same arguments (and, measured on an
+/// H200 with a 13.0 driver, give the same times), so the first one the
+/// library exports is used, and a driver with neither only loses timing, not
+/// the backend.
+const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime_v2", "cuEventElapsedTime"];
 
 /// A driver status, as the driver returns it: a C `enum`, which is an `int`.
 type Status = c_int;
@@ -102,9 +105,14 @@ struct Api {
     event_query: unsafe extern "C" fn(sys::CUevent) -> Status,
     event_synchronize: unsafe extern "C" fn(sys::CUevent) -> Status,
     event_destroy: unsafe extern "C" fn(sys::CUevent) -> Status,
-    /// Under either of its names (see [`ELAPSED_SYMBOLS`]); a driver with
-    /// neither only loses timing.
-    event_elapsed: Option<unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> Status>,
+    /// Under the first of its names the driver exports (see
+    /// [`ELAPSED_SYMBOLS`]), with that name; a driver with neither only
+    /// loses timing.
+    #[allow(clippy::type_complexity)]
+    event_elapsed: Option<(
+        &'static str,
+        unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> Status,
+    )>,
     stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
     stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
     /// The capture status as the `int` the C enum is.
@@ -147,7 +155,7 @@ static DRIVER: OnceLock<Result<Loaded, ServerError>> = OnceLock::new();
 /// # Errors
 ///
 /// [`ServerError::Unavailable`] when the library is missing, too old, or
-/// finds no device.
+/// finds no device; [`ServerError::ShutDown`] once the driver has shut down.
 pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
     driver().map(|_| ())
 }
@@ -156,8 +164,12 @@ pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
 ///
 /// # Errors
 ///
-/// As [`ensure_loaded`].
+/// As [`ensure_loaded`]; [`ServerError::ShutDown`] (naming the call that
+/// first saw it) once the driver has shut down.
 pub(super) fn driver() -> Result<Driver, ServerError> {
+    if let Some(first) = SHUT_DOWN.get() {
+        live(first)?;
+    }
     match DRIVER.get_or_init(load) {
         Ok(Loaded { api, init: Ok(()) }) => Ok(Driver { api }),
         Ok(Loaded { init: Err(err), .. }) | Err(err) => Err(err.clone()),
@@ -209,11 +221,15 @@ fn load() -> Result<Loaded, ServerError> {
             }
         };
     }
-    let elapsed = ELAPSED_SYMBOLS.iter().find_map(|name| {
+    let mut names = ELAPSED_SYMBOLS;
+    if crate::plant::planted("cuda-elapsed-legacy-preferred") {
+        names.reverse();
+    }
+    let elapsed = names.iter().find_map(|name| {
         // SAFETY: as in `entry!`: both names have this signature.
         unsafe { library.get(name.as_bytes()) }
             .ok()
-            .map(|symbol| *symbol)
+            .map(|symbol| (*name, *symbol))
     });
     let api = Api {
         init: entry!("cuInit"),
@@ -246,6 +262,52 @@ fn unavailable(reason: String) -> ServerError {
     ServerError::Unavailable {
         backend: BACKEND,
         reason,
+    }
+}
+
+/// `CUDA_ERROR_DEINITIALIZED`: "This indicates that the CUDA driver is in
+/// the process of shutting down" (`CUresult`, link above). The driver tears
+/// itself down in an exit handler while other threads (the waiter's) may
+/// still call it; every call answers this from then on.
+const CUDA_ERROR_DEINITIALIZED: Status = sys::CUresult::CUDA_ERROR_DEINITIALIZED as Status;
+
+/// The call that first saw [`CUDA_ERROR_DEINITIALIZED`], once one did: from
+/// then on no call reaches the driver (see [`live`]).
+static SHUT_DOWN: OnceLock<&'static str> = OnceLock::new();
+
+/// Note that the driver is shutting down, as `call` found: logged once,
+/// quietly (at process exit it is expected, and nothing is wrong).
+fn shutting_down(call: &'static str) -> ServerError {
+    let mut first = false;
+    SHUT_DOWN.get_or_init(|| {
+        first = true;
+        call
+    });
+    if first {
+        log::debug!(
+            "the CUDA driver is shutting down ({call} returned CUDA_ERROR_DEINITIALIZED; at \
+             process exit, say): no more CUDA calls are made, and pending waits fail"
+        );
+    }
+    shut_down(call)
+}
+
+fn shut_down(call: &'static str) -> ServerError {
+    ServerError::ShutDown {
+        backend: BACKEND,
+        call,
+    }
+}
+
+/// `call` may reach the driver: not once it has shut down.
+///
+/// # Errors
+///
+/// [`ServerError::ShutDown`] once any call saw the driver shut down.
+fn live(call: &'static str) -> Result<(), ServerError> {
+    match SHUT_DOWN.get() {
+        Some(_) if !crate::plant::planted("cuda-calls-after-shutdown") => Err(shut_down(call)),
+        _ => Ok(()),
     }
 }
 
@@ -307,6 +369,8 @@ fn is_sticky(code: Status) -> bool {
 fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), ServerError> {
     if status == CUDA_SUCCESS {
         Ok(())
+    } else if status == CUDA_ERROR_DEINITIALIZED {
+        Err(shutting_down(call))
     } else {
         Err(status_error(api, call, status, || {
             format!("CUDA error {status}")
@@ -320,6 +384,9 @@ fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), Se
 /// cudarc's `Display` of its error asks the driver for a description (and
 /// its loader panics where there is no driver library).
 pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError {
+    if err.0 as Status == CUDA_ERROR_DEINITIALIZED {
+        return shutting_down(call);
+    }
     let api = loaded_api();
     let error = status_error(api, call, err.0 as Status, || format!("{:?}", err.0));
     match api {
@@ -473,8 +540,15 @@ impl Driver {
         check(Some(self.api), call, status)
     }
 
+    /// `call` may reach the driver: every wrapper asks first, so that once
+    /// the driver has shut down no call reaches it.
+    fn live(self, call: &'static str) -> Result<(), ServerError> {
+        live(call)
+    }
+
     /// `cuCtxGetCurrent`: the calling thread's current context.
     pub(super) fn ctx_get_current(self) -> Result<CurrentContext, ServerError> {
+        self.live("cuCtxGetCurrent")?;
         let mut current = ptr::null_mut();
         // SAFETY: `current` is a valid place for the handle.
         self.check("cuCtxGetCurrent", unsafe {
@@ -485,6 +559,7 @@ impl Driver {
 
     /// `cuCtxSetCurrent`: make `ctx` current on the calling thread.
     pub(super) fn ctx_set_current(self, ctx: &CudaContext) -> Result<(), ServerError> {
+        self.live("cuCtxSetCurrent")?;
         // SAFETY: the handle is live: `ctx` holds its primary-context retain
         // for as long as the borrow lasts.
         self.check("cuCtxSetCurrent", unsafe {
@@ -495,6 +570,7 @@ impl Driver {
     /// `cuCtxSetCurrent`: make a context found by
     /// [`ctx_get_current`](Self::ctx_get_current) current again.
     pub(super) fn ctx_restore(self, previous: CurrentContext) -> Result<(), ServerError> {
+        self.live("cuCtxSetCurrent")?;
         // SAFETY: `previous` was current on this thread when it was found (or
         // null: no context), so it is the caller's to keep alive; a context
         // destroyed meanwhile is a handle the driver rejects with an error.
@@ -505,6 +581,7 @@ impl Driver {
 
     /// `cuEventCreate` in the current context.
     pub(super) fn event_create(self, flags: EventFlags) -> Result<RawEvent, ServerError> {
+        self.live("cuEventCreate")?;
         let mut bits = 0;
         if !flags.timing {
             bits |= EVENT_DISABLE_TIMING;
@@ -527,6 +604,7 @@ impl Driver {
         event: &RawEvent,
         stream: &CudaStream,
     ) -> Result<(), ServerError> {
+        self.live("cuEventRecord")?;
         // SAFETY: both handles are live: the event until it is destroyed by
         // value (see `RawEvent`), the stream borrowed from its owner for the
         // call.
@@ -537,6 +615,7 @@ impl Driver {
 
     /// `cuEventQuery`: reached, not yet, or an error; all three outcomes.
     pub(super) fn event_query(self, event: &RawEvent) -> Result<bool, ServerError> {
+        self.live("cuEventQuery")?;
         // SAFETY: the event is live (see `RawEvent`).
         match unsafe { (self.api.event_query)(event.0) } {
             CUDA_SUCCESS => Ok(true),
@@ -547,38 +626,39 @@ impl Driver {
 
     /// `cuEventSynchronize`: block until `event` is reached.
     pub(super) fn event_synchronize(self, event: &RawEvent) -> Result<(), ServerError> {
+        self.live("cuEventSynchronize")?;
         // SAFETY: the event is live (see `RawEvent`).
         self.check("cuEventSynchronize", unsafe {
             (self.api.event_synchronize)(event.0)
         })
     }
 
-    /// `cuEventElapsedTime` (under either name): milliseconds from `start`
-    /// to `end`.
+    /// `cuEventElapsedTime_v2`, or the legacy `cuEventElapsedTime` where
+    /// the driver lacks it: milliseconds from `start` to `end`.
     pub(super) fn event_elapsed_ms(
         self,
         start: &RawEvent,
         end: &RawEvent,
     ) -> Result<f32, ServerError> {
         let mut ms = 0.0f32;
-        let elapsed = self.api.event_elapsed.ok_or_else(|| {
+        let (name, elapsed) = self.api.event_elapsed.ok_or_else(|| {
             unavailable(format!(
                 "the CUDA driver exports neither {}",
                 ELAPSED_SYMBOLS.join(" nor ")
             ))
         })?;
+        self.live(name)?;
         // SAFETY: `ms` is a valid place for the result; both events are live
         // (see `RawEvent`); `elapsed` has the driver's signature for these
         // arguments.
-        self.check("cuEventElapsedTime", unsafe {
-            elapsed(&mut ms, start.0, end.0)
-        })?;
+        self.check(name, unsafe { elapsed(&mut ms, start.0, end.0) })?;
         Ok(ms)
     }
 
     /// `cuEventDestroy`. Does not block: the driver releases an event with
     /// pending work once the work completes.
     pub(super) fn event_destroy(self, event: RawEvent) -> Result<(), ServerError> {
+        self.live("cuEventDestroy")?;
         // SAFETY: the event is live, and destroyed once: it is taken by value.
         self.check("cuEventDestroy", unsafe {
             (self.api.event_destroy)(event.0)
@@ -592,6 +672,7 @@ impl Driver {
         stream: &CudaStream,
         event: &RawEvent,
     ) -> Result<(), ServerError> {
+        self.live("cuStreamWaitEvent")?;
         // SAFETY: both handles are live (see `event_record`); flag 0 is
         // CU_EVENT_WAIT_DEFAULT.
         self.check("cuStreamWaitEvent", unsafe {
@@ -601,6 +682,7 @@ impl Driver {
 
     /// `cuStreamSynchronize`: block until all work queued on `stream` is done.
     pub(super) fn stream_synchronize(self, stream: &CudaStream) -> Result<(), ServerError> {
+        self.live("cuStreamSynchronize")?;
         // SAFETY: the stream is live, borrowed from its owner for the call.
         self.check("cuStreamSynchronize", unsafe {
             (self.api.stream_synchronize)(stream.cu_stream())
@@ -611,6 +693,7 @@ impl Driver {
     /// invalidated capture that has not ended counts: its stream is still in
     /// capture mode).
     pub(super) fn stream_is_capturing(self, stream: &CudaStream) -> Result<bool, ServerError> {
+        self.live("cuStreamIsCapturing")?;
         let mut status = CAPTURE_STATUS_NONE;
         // SAFETY: the stream is live, borrowed from its owner for the call;
         // `status` is a valid place for the enum's `int`.
@@ -623,6 +706,7 @@ impl Driver {
     /// `cuThreadExchangeStreamCaptureMode`: set the calling thread's capture
     /// mode to `mode`, returning the one it had.
     pub(super) fn exchange_capture_mode(self, mode: c_int) -> Result<c_int, ServerError> {
+        self.live("cuThreadExchangeStreamCaptureMode")?;
         let mut mode = mode;
         // SAFETY: `mode` is a valid, initialized place for the enum's `int`;
         // callers pass a documented mode or one the driver gave back.
@@ -635,6 +719,7 @@ impl Driver {
     /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the
     /// current context.
     pub(super) fn module_load_data(self, ptx: &CStr) -> Result<Module, ServerError> {
+        self.live("cuModuleLoadData")?;
         let mut module = ptr::null_mut();
         // SAFETY: `ptx` is a NUL-terminated image that outlives the call;
         // `module` is a valid place for the handle.
@@ -650,6 +735,7 @@ impl Driver {
         module: &Module,
         name: &CStr,
     ) -> Result<Function, ServerError> {
+        self.live("cuModuleGetFunction")?;
         let mut function = ptr::null_mut();
         // SAFETY: the module is live (never unloaded); `name` is
         // NUL-terminated; `function` is a valid place for the handle.
@@ -668,6 +754,7 @@ impl Driver {
         stream: &CudaStream,
         mut argument: u64,
     ) -> Result<(), ServerError> {
+        self.live("cuLaunchKernel")?;
         let mut params = [ptr::addr_of_mut!(argument).cast::<c_void>()];
         // SAFETY: the function is live (its module is never unloaded) and is
         // one of this crate's kernels, each of which takes exactly one u64

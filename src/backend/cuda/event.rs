@@ -152,10 +152,22 @@ impl CudaEvent {
         bound.driver().stream_wait_event(stream, self.raw())
     }
 
-    /// Milliseconds from `start` to `self`, as the driver measures them.
+    /// Milliseconds from `start` to `self`, as the driver measures them;
+    /// refused before the driver when the two events belong to different
+    /// contexts (the driver answers `CUDA_ERROR_INVALID_HANDLE` there).
     pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
         start.not_captured("cuEventElapsedTime")?;
         self.not_captured("cuEventElapsedTime")?;
+        if start.ctx.cu_ctx() != self.ctx.cu_ctx()
+            && !crate::plant::planted("cuda-elapsed-across-contexts-not-refused")
+        {
+            return Err(refused(
+                "cuEventElapsedTime",
+                sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
+                "the start and stop events belong to different contexts: a measurement's two \
+                 events must be recorded on streams of one context",
+            ));
+        }
         let bound = bind(&self.ctx)?;
         bound.relaxed(|driver| driver.event_elapsed_ms(start.raw(), self.raw()))
     }
@@ -181,8 +193,12 @@ impl CudaEvent {
 
 impl Drop for CudaEvent {
     fn drop(&mut self) {
-        if let Err(err) = self.destroy_raw() {
-            log::error!("a CUDA event could not be destroyed: {err}");
+        match self.destroy_raw() {
+            Ok(()) => {}
+            // Gone with the driver (at process exit, say): the driver's
+            // shutdown was logged once, where it was first seen.
+            Err(err) if err.is_shut_down() => log::trace!("{err}"),
+            Err(err) => log::error!("a CUDA event could not be destroyed: {err}"),
         }
     }
 }

@@ -217,6 +217,15 @@ impl EventApi for Cuda {
         event.record(&*stream.resolve("cuEventRecord")?)
     }
 
+    /// Under the stream's sequence lock (`PerStream::record_in_order`).
+    fn event_record_sequenced(
+        event: &CudaEvent,
+        stream: CudaStreamHandle,
+    ) -> Result<u64, ServerError> {
+        let (stream, per_stream) = stream.resolve_per_stream("cuEventRecord")?;
+        per_stream.record_in_order(|| event.record(&stream))
+    }
+
     fn event_query(event: &CudaEvent) -> Result<bool, ServerError> {
         event.query()
     }
@@ -283,9 +292,8 @@ impl EventApi for Cuda {
         let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
         crate::api::record_fence_event(
             || per_stream.pool.take(stream.context()),
-            |event| event.record(&stream),
+            |event| per_stream.record_in_order(|| event.record(&stream)),
             CudaEvent::release,
-            || per_stream.next_sequence(),
         )
     }
 }

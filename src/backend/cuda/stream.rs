@@ -10,6 +10,7 @@ use super::bind::bind;
 use super::driver::refused;
 use super::fence_pool::FencePool;
 use crate::backend::registry::Registry;
+use crate::loom::Mutex;
 use crate::ServerError;
 
 /// Every cudarc stream a handle was made for, held weakly, with what this
@@ -20,15 +21,42 @@ static STREAMS: Registry<CudaStream, Arc<PerStream>> = Registry::new();
 pub(super) struct PerStream {
     /// The stream's context's fence-event pool.
     pub(super) pool: Arc<FencePool>,
-    /// The order of points recorded on the stream, for the waiter.
-    sequence: AtomicU64,
+    /// The next number in the order of points recorded on the stream, for
+    /// the waiter. A lock, not an atomic: a record and its number are taken
+    /// under it as one step ([`record_in_order`](Self::record_in_order)).
+    sequence: Mutex<u64>,
 }
 
 impl PerStream {
     /// The next number in the stream's order of recorded points.
     pub(super) fn next_sequence(&self) -> u64 {
-        self.sequence.fetch_add(1, Ordering::Relaxed)
+        take_next(&mut self.sequence.lock())
     }
+
+    /// Run `record` (a `cuEventRecord` on this stream) and number it, as one
+    /// step: numbered after the call returned, two threads recording on one
+    /// stream could take their numbers in the opposite order to their
+    /// records, and a waiter lane would block on the newer record first. The
+    /// lock is the stream's own, uncontended unless two threads record on
+    /// one stream at once, whose records the driver serializes anyway.
+    pub(super) fn record_in_order(
+        &self,
+        record: impl FnOnce() -> Result<(), ServerError>,
+    ) -> Result<u64, ServerError> {
+        let mut next = self.sequence.lock();
+        record()?;
+        if crate::plant::planted("cuda-sequence-taken-after-record") {
+            drop(next);
+            return Ok(self.next_sequence());
+        }
+        Ok(take_next(&mut next))
+    }
+}
+
+fn take_next(next: &mut u64) -> u64 {
+    let sequence = *next;
+    *next += 1;
+    sequence
 }
 
 /// A copyable handle to an `Arc<cudarc::driver::CudaStream>`, taken by
@@ -100,7 +128,7 @@ impl CudaStreamHandle {
                 .register(stream, || {
                     Arc::new(PerStream {
                         pool: FencePool::of(stream.context()),
-                        sequence: AtomicU64::new(0),
+                        sequence: Mutex::new(0),
                     })
                 })
                 .0,

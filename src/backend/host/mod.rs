@@ -52,6 +52,14 @@ impl EventApi for Host {
     }
 
     fn event_record(event: &HostEvent, stream: HostStreamHandle) -> Result<(), ServerError> {
+        stream.resolve("event_record")?.record(event).map(|_| ())
+    }
+
+    /// Numbered under the stream's lock, with the record's place in its queue.
+    fn event_record_sequenced(
+        event: &HostEvent,
+        stream: HostStreamHandle,
+    ) -> Result<u64, ServerError> {
         stream.resolve("event_record")?.record(event)
     }
 
@@ -110,7 +118,6 @@ impl EventApi for Host {
                 event.release();
                 Ok(())
             },
-            || stream.next_sequence(),
         )
     }
 }

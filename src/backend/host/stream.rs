@@ -278,10 +278,12 @@ impl StreamShared {
         }
     }
 
-    /// Queue a marker for a new generation of `event`.
-    pub(super) fn record(&self, event: &HostEvent) -> Result<(), ServerError> {
-        // Lock order: stream, then event. Taking the generation under the
-        // stream lock keeps generations in queue order on this stream.
+    /// Queue a marker for a new generation of `event`; the record's number
+    /// in the stream's order of recorded points.
+    pub(super) fn record(&self, event: &HostEvent) -> Result<u64, ServerError> {
+        // Lock order: stream, then event. Taking the generation and the
+        // sequence under the stream lock keeps both in queue order on this
+        // stream.
         if event.context() != self.context.id() {
             return Err(error::call(
                 "event_record",
@@ -291,16 +293,17 @@ impl StreamShared {
         }
         let state = self.lock();
         self.accepting(&state, "event_record")?;
+        let sequence = self.next_sequence();
         if state.queue.is_empty() && state.finished == state.queued {
             // Idle: everything queued before this record has run, so the
             // event is reached now, as the worker would signal it: no marker,
             // no wake-up of the worker.
             event.record_reached();
-            return Ok(());
+            return Ok(sequence);
         }
         let generation = event.next_generation();
         self.enqueue(state, Op::Signal(event.clone(), generation));
-        Ok(())
+        Ok(sequence)
     }
 
     /// Queue a wait for the latest record of `event`.

@@ -1,0 +1,195 @@
+//! Timing on CUDA: `cuEventElapsedTime_v2` is preferred where the driver
+//! exports it (the legacy name can return unrelated asynchronous errors),
+//! the legacy name is the fallback; two events of different contexts are
+//! refused by the crate before the driver sees them; a profiler used on a
+//! second context says so.
+//!
+//! Against the fake driver, which counts the calls to each name
+//! (`fakeCudaElapsedCalls`); the fallback runs this binary again as a child
+//! process with the fake built without `_v2` first on `LD_LIBRARY_PATH`
+//! (needs `cc`). On a real driver the measurements run without the counts.
+//! Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
+// FFI to the fake driver's test hooks (dlopen/dlsym), each with a SAFETY note.
+#![allow(unsafe_code)]
+#![cfg(all(feature = "cuda", target_os = "linux"))]
+
+use std::ffi::{c_int, CStr};
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Arc;
+use std::time::Duration;
+
+use device_events::cuda::cudarc::driver::CudaContext;
+use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
+use device_events::{status, Event, EventFlags, EventProfiler, ServerError};
+
+type Hook = unsafe extern "C" fn(c_int) -> c_int;
+
+/// A test hook of the fake driver, or `None` on a real one.
+fn fake_hook(name: &CStr) -> Option<Hook> {
+    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
+    // loaded (the backend was used before this is called); the name is a
+    // NUL-terminated literal.
+    let library =
+        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if library.is_null() {
+        return None;
+    }
+    // SAFETY: `library` is a live handle; `name` is NUL-terminated.
+    let symbol = unsafe { libc::dlsym(library, name.as_ptr()) };
+    if symbol.is_null() {
+        return None;
+    }
+    // SAFETY: the fake driver defines its hooks as `int hook(int)`.
+    Some(unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
+}
+
+fn is_fake() -> bool {
+    std::env::var("DEVICE_EVENTS_FAKE_CUDA").is_ok_and(|fake| fake == "1")
+}
+
+/// The fake's calls so far to `[cuEventElapsedTime, cuEventElapsedTime_v2]`,
+/// or `None` on a real driver.
+fn elapsed_calls() -> Option<[c_int; 2]> {
+    let hook = fake_hook(c"fakeCudaElapsedCalls");
+    assert!(
+        !is_fake() || hook.is_some(),
+        "DEVICE_EVENTS_FAKE_CUDA=1 but the fake driver's hooks were not found"
+    );
+    // SAFETY: the hook takes 0 or 1 and reads a counter.
+    hook.map(|hook| [0, 1].map(|v2| unsafe { hook(v2) }))
+}
+
+/// Device `ordinal`'s context and a sleep kernel, or `None` (skipping).
+fn gpu(test: &str, ordinal: usize) -> Option<(Arc<CudaContext>, SleepKernel)> {
+    let found =
+        cuda::context(ordinal).and_then(|ctx| SleepKernel::new(&ctx).map(|kernel| (ctx, kernel)));
+    match found {
+        Ok(found) => Some(found),
+        Err(err) if std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|v| v == "1") => {
+            panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
+        }
+        Err(err) => {
+            eprintln!("skipping {test}: no CUDA GPU here ({err})");
+            None
+        }
+    }
+}
+
+/// Time 5 ms of device work with a profiler; the calls it made to each name.
+fn profile_once(ctx: &Arc<CudaContext>, sleep: &SleepKernel) -> Option<[c_int; 2]> {
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let profiler = EventProfiler::<Cuda>::new();
+    let start = profiler.start(handle).unwrap();
+    sleep.launch(&stream, Duration::from_millis(5)).unwrap();
+    let profile = profiler.stop(start, handle).unwrap();
+    let before = elapsed_calls();
+    let elapsed = profile.wait_sync().unwrap();
+    assert!(elapsed >= Duration::from_millis(4), "{elapsed:?}");
+    let after = elapsed_calls();
+    before.zip(after).map(|(b, a)| [a[0] - b[0], a[1] - b[1]])
+}
+
+#[test]
+fn the_v2_entry_point_is_preferred() {
+    if std::env::var("DEVICE_EVENTS_ELAPSED_CHILD").is_ok() {
+        return;
+    }
+    let Some((ctx, sleep)) = gpu("the_v2_entry_point_is_preferred", 0) else {
+        return;
+    };
+    if let Some(calls) = profile_once(&ctx, &sleep) {
+        assert_eq!(calls, [0, 1], "calls to [legacy, _v2]");
+    }
+}
+
+/// A driver without `_v2` (before CUDA 12.8): the legacy name times.
+#[test]
+fn without_v2_the_legacy_entry_point_times() {
+    if std::env::var("DEVICE_EVENTS_ELAPSED_CHILD").is_ok() || !is_fake() {
+        return;
+    }
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("cuda-elapsed-legacy");
+    std::fs::create_dir_all(&dir).unwrap();
+    let source = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fake_cuda/libcuda.c");
+    let built = Command::new("cc")
+        .args(["-DFAKE_CUDA_NO_ELAPSED_V2", "-shared", "-fPIC", "-O2", "-o"])
+        .arg(dir.join("libcuda.so"))
+        .arg(&source)
+        .arg("-lpthread")
+        .status();
+    if !built.is_ok_and(|status| status.success()) {
+        eprintln!("skipping: no C compiler (cc) to build the fake driver without _v2");
+        return;
+    }
+    let output = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env("LD_LIBRARY_PATH", &dir)
+        .env("DEVICE_EVENTS_ELAPSED_CHILD", "legacy")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(output.status.success(), "child failed:\n{stdout}\n{stderr}");
+    assert!(stdout.contains("1 passed"), "child did not run:\n{stdout}");
+}
+
+/// The child side of the fallback: the fake without `_v2` is the driver.
+#[test]
+fn child() {
+    if std::env::var("DEVICE_EVENTS_ELAPSED_CHILD").is_err() {
+        return;
+    }
+    let (ctx, sleep) = gpu("child", 0).expect("the fake driver");
+    let calls = profile_once(&ctx, &sleep).expect("the fake driver's hooks");
+    assert_eq!(calls, [1, 0], "calls to [legacy, _v2]");
+}
+
+/// Two timing events of different contexts: refused by the crate, without a
+/// driver call (the driver answers CUDA_ERROR_INVALID_HANDLE, and the legacy
+/// entry point may add an unrelated error of its own).
+#[test]
+fn events_of_two_contexts_are_refused_before_the_driver() {
+    if std::env::var("DEVICE_EVENTS_ELAPSED_CHILD").is_ok() {
+        return;
+    }
+    let test = "events_of_two_contexts_are_refused_before_the_driver";
+    let Some((ctx0, _)) = gpu(test, 0) else {
+        return;
+    };
+    if cuda::device_count().unwrap() < 2 {
+        eprintln!("skipping {test}: one CUDA device");
+        return;
+    }
+    let ctx1 = cuda::context(1).unwrap();
+    let (stream0, stream1) = (ctx0.new_stream().unwrap(), ctx1.new_stream().unwrap());
+    let (handle0, handle1) = (
+        CudaStreamHandle::new(&stream0),
+        CudaStreamHandle::new(&stream1),
+    );
+    let start = Event::<Cuda>::new(handle0, EventFlags::TIMING).unwrap();
+    let stop = Event::<Cuda>::new(handle1, EventFlags::TIMING).unwrap();
+    start.record(handle0).unwrap();
+    stop.record(handle1).unwrap();
+    start.wait_sync().unwrap();
+    stop.wait_sync().unwrap();
+    let before = elapsed_calls();
+    let err = stop.elapsed_since(&start).unwrap_err();
+    assert_eq!(err.code(), Some(status::INVALID_HANDLE), "{err}");
+    assert!(err.to_string().contains("different contexts"), "{err}");
+    assert_eq!(before, elapsed_calls(), "the driver was asked: {err}");
+
+    // A profiler of device 0's streams, used on device 1's: an error that
+    // says so, at start and at stop, and its events stay in its pool.
+    let profiler = EventProfiler::<Cuda>::new();
+    let start = profiler.start(handle0).unwrap();
+    profiler.stop(start, handle0).unwrap().wait_sync().unwrap();
+    assert_eq!(profiler.pooled(), 2);
+    let err = profiler.start(handle1).unwrap_err();
+    assert!(matches!(err, ServerError::InvalidArgument { .. }), "{err}");
+    let start = profiler.start(handle0).unwrap();
+    let err = profiler.stop(start, handle1).unwrap_err();
+    assert!(matches!(err, ServerError::InvalidArgument { .. }), "{err}");
+    assert_eq!(profiler.pooled(), 2);
+}

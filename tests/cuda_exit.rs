@@ -1,0 +1,233 @@
+//! The CUDA driver shut down under the crate: at process exit the driver
+//! tears itself down in an exit handler while the waiter's threads still
+//! run, and answers every call with `CUDA_ERROR_DEINITIALIZED`. The crate
+//! takes that as terminal: pending waits fail with
+//! `ServerError::ShutDown`, no later call reaches the driver, and the
+//! shutdown is logged once, at debug level; nothing at warn or error.
+//!
+//! Each case runs this test binary again as a child process (the shutdown
+//! is for the whole process, and the child's logger sees only the child):
+//! - `teardown`: the fake driver's `fakeCudaTeardown` hook starts the
+//!   teardown mid-run, and the child checks each promise above;
+//! - `exit`: the child leaves a wait pending on `Waiter::global()` and
+//!   exits; the driver's own exit handler (the fake's, registered at
+//!   `cuInit`, or a real driver's) tears it down. The parent checks that the
+//!   child exits cleanly and logged no warning or error.
+//!
+//! Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
+// FFI to the fake driver's test hooks (dlopen/dlsym), each with a SAFETY note.
+#![allow(unsafe_code)]
+#![cfg(all(feature = "cuda", target_os = "linux"))]
+
+use std::ffi::{c_int, CStr};
+use std::process::Command;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use device_events::cuda::cudarc::driver::CudaContext;
+use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
+use device_events::{status, Event, EventApi, EventFlags, EventProfiler, ServerError};
+
+type Hook = unsafe extern "C" fn(c_int) -> c_int;
+
+/// A test hook of the fake driver, or `None` on a real one.
+fn fake_hook(name: &CStr) -> Option<Hook> {
+    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
+    // loaded (the backend was used before this is called); the name is a
+    // NUL-terminated literal.
+    let library =
+        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    if library.is_null() {
+        return None;
+    }
+    // SAFETY: `library` is a live handle; `name` is NUL-terminated.
+    let symbol = unsafe { libc::dlsym(library, name.as_ptr()) };
+    if symbol.is_null() {
+        return None;
+    }
+    // SAFETY: the fake driver defines its hooks as `int hook(int)`.
+    Some(unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
+}
+
+const CASE: &str = "DEVICE_EVENTS_EXIT_CASE";
+
+/// Device 0's context and a sleep kernel, or `None` (skipping).
+fn gpu(test: &str) -> Option<(Arc<CudaContext>, SleepKernel)> {
+    let found = cuda::context(0).and_then(|ctx| SleepKernel::new(&ctx).map(|kernel| (ctx, kernel)));
+    match found {
+        Ok(found) => Some(found),
+        Err(err) if std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|v| v == "1") => {
+            panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
+        }
+        Err(err) => {
+            eprintln!("skipping {test}: no CUDA GPU here ({err})");
+            None
+        }
+    }
+}
+
+/// Every record logged in this (child) process, as `LEVEL message`, also
+/// written to stderr for the parent.
+static LOGGED: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+struct Logger;
+
+impl log::Log for Logger {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+
+    fn log(&self, record: &log::Record<'_>) {
+        let line = format!("{} {}", record.level(), record.args());
+        eprintln!("{line}");
+        LOGGED.lock().unwrap().push(line);
+    }
+
+    fn flush(&self) {}
+}
+
+fn install_logger() {
+    log::set_logger(&Logger).unwrap();
+    log::set_max_level(log::LevelFilter::Trace);
+}
+
+/// Run the child case `case`; its stderr.
+fn run_child(case: &str) -> String {
+    let output = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "child", "--nocapture", "--test-threads=1"])
+        .env(CASE, case)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    assert!(
+        output.status.success(),
+        "case {case} failed ({}):\n{stdout}\n{stderr}",
+        output.status
+    );
+    stderr
+}
+
+#[test]
+fn a_driver_shut_down_under_pending_waits_fails_them_quietly() {
+    if std::env::var(CASE).is_ok() || gpu("a_driver_shut_down_under_pending_waits").is_none() {
+        return;
+    }
+    let stderr = run_child("teardown");
+    assert!(stderr.contains("teardown checked"), "{stderr}");
+}
+
+#[test]
+fn a_process_exiting_with_a_pending_await_exits_cleanly() {
+    if std::env::var(CASE).is_ok() || gpu("a_process_exiting_with_a_pending_await").is_none() {
+        return;
+    }
+    let stderr = run_child("exit");
+    assert!(
+        stderr.contains("exiting"),
+        "the child did not get to exit:\n{stderr}"
+    );
+    for line in stderr.lines() {
+        assert!(
+            !line.starts_with("ERROR") && !line.starts_with("WARN"),
+            "logged at exit: {line}\n{stderr}"
+        );
+    }
+}
+
+/// The child side: the case named by `DEVICE_EVENTS_EXIT_CASE`.
+#[test]
+fn child() {
+    let Ok(case) = std::env::var(CASE) else {
+        return;
+    };
+    install_logger();
+    let (ctx, sleep) = gpu("child").expect("a GPU (the parent found one)");
+    let stream = ctx.new_stream().unwrap();
+    // Device work that outlasts the test: the fence stays pending.
+    sleep.launch(&stream, Duration::from_secs(30)).unwrap();
+    let pending = cuda::fence(&stream);
+    match case.as_str() {
+        "teardown" => teardown(&stream, pending),
+        "exit" => {
+            // Awaited on the global waiter by a thread of its own; the
+            // process exits while the waiter's thread waits in the driver.
+            std::thread::spawn(move || futures::executor::block_on(pending.wait()));
+            let profiler = EventProfiler::<Cuda>::new();
+            let start = profiler.start(CudaStreamHandle::new(&stream)).unwrap();
+            let profile = profiler
+                .stop(start, CudaStreamHandle::new(&stream))
+                .unwrap();
+            std::thread::spawn(move || futures::executor::block_on(profile.wait()));
+            eprintln!("exiting");
+            std::process::exit(0);
+        }
+        other => panic!("unknown case {other}"),
+    }
+}
+
+fn teardown(
+    stream: &Arc<cuda::cudarc::driver::CudaStream>,
+    pending: device_events::cuda::CudaFence,
+) {
+    let handle = CudaStreamHandle::new(stream);
+    let hook = |name: &CStr| fake_hook(name).expect("the fake driver's teardown hooks");
+    let (start_teardown, calls_after) =
+        if std::env::var("DEVICE_EVENTS_FAKE_CUDA").is_ok_and(|fake| fake == "1") {
+            (
+                hook(c"fakeCudaTeardown"),
+                hook(c"fakeCudaCallsAfterTeardown"),
+            )
+        } else {
+            eprintln!("skipping the teardown case: a real driver has no teardown hook");
+            eprintln!("teardown checked");
+            return;
+        };
+    let doomed = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
+    let waiting = std::thread::spawn(move || futures::executor::block_on(pending.wait()));
+
+    // SAFETY: the hook takes an unused int and sets the fake's flag.
+    unsafe { start_teardown(0) };
+    let err = waiting.join().unwrap().unwrap_err();
+    assert!(err.is_shut_down(), "{err}");
+    assert_eq!(err.code(), Some(status::DEINITIALIZED), "{err}");
+    assert!(err.to_string().contains("shut down"), "{err}");
+
+    // From here on nothing reaches the driver, and each call says why.
+    // SAFETY: the hook reads a counter.
+    let reached = unsafe { calls_after(0) };
+    assert!(reached >= 1, "the pending wait never asked the driver");
+    let fence = cuda::fence(stream);
+    assert!(fence.is_resolved_at_creation());
+    assert!(fence.wait_sync().unwrap_err().is_shut_down());
+    let refused: [Result<(), ServerError>; 4] = [
+        Event::<Cuda>::new(handle, EventFlags::FENCE).map(drop),
+        Cuda::stream_synchronize(handle),
+        doomed.record(handle),
+        doomed.is_complete().map(drop),
+    ];
+    for result in refused {
+        assert!(result.as_ref().unwrap_err().is_shut_down(), "{result:?}");
+    }
+    assert!(cuda::context(0).unwrap_err().is_shut_down());
+    drop(doomed);
+    // SAFETY: as above.
+    let reached_since = unsafe { calls_after(0) } - reached;
+    assert_eq!(
+        reached_since, 0,
+        "calls reached the driver after its teardown"
+    );
+
+    let logged = LOGGED.lock().unwrap().clone();
+    let noisy: Vec<_> = logged
+        .iter()
+        .filter(|line| line.starts_with("ERROR") || line.starts_with("WARN"))
+        .collect();
+    assert!(noisy.is_empty(), "logged loudly: {noisy:#?}");
+    let told = logged
+        .iter()
+        .filter(|line| line.contains("driver is shutting down"))
+        .count();
+    assert_eq!(told, 1, "the shutdown should be logged once: {logged:#?}");
+    eprintln!("teardown checked");
+}
