@@ -12,7 +12,7 @@ cc -shared -fPIC -O2 -Wall -Wextra -Werror -o "$dir/libcuda.so" tests/fake_cuda/
 export LD_LIBRARY_PATH="$PWD/$dir${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export DEVICE_EVENTS_REQUIRE_CUDA=1
 export DEVICE_EVENTS_FAKE_CUDA=1
-cargo test --test cuda --test cuda_binding --test cuda_faults
+cargo test --test cuda --test cuda_binding --test cuda_faults --test cuda_contexts
 cargo run --example fences
 cargo run --example join_streams
 cargo test --doc

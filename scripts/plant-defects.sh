@@ -97,6 +97,9 @@ plant cuda-fence-events-not-pooled "CUDA fence events are destroyed, not pooled"
 plant cuda-contained-not-sticky "CUDA_ERROR_CONTAINED (226, by number) is not sticky" cuda_binding
 plant cuda-own-thread-trusts-stale-binding "the crate's own threads trust a torn-down context's binding" cuda_binding
 
+# Contexts opened from several places, dropped and opened again.
+plant cuda-cross-context-record-invalid-context "a cross-context record is refused with INVALID_CONTEXT, not the driver's INVALID_HANDLE" cuda_contexts
+
 # The waiter (host backend and unit tests; no driver needed).
 plant unwinding-thread-not-given-back "a waiter thread that unwinds is not given back by its guard" lib
 plant wait-put-back-at-its-sequence "a wait put back at its sequence, not where it was placed (and not told)" await_faults

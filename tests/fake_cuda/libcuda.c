@@ -27,9 +27,12 @@
  *   crate that forgets to bind (on a waiter thread, say) fails here.
  *   cuStreamWaitEvent is the exception the docs make: "hEvent may be from a
  *   different context or device than hStream".
- * - cuEventRecord with an event and a stream of different contexts is
- *   CUDA_ERROR_INVALID_HANDLE ("hEvent and hStream must be from the same
- *   context").
+ * - Handles of two contexts in one call: cuEventRecord with an event and a
+ *   stream of different contexts, and cuEventElapsedTime (either name) with
+ *   events of different contexts, are CUDA_ERROR_INVALID_HANDLE whichever
+ *   context is current, checked before the current context is (cuEventRecord:
+ *   "hEvent and hStream must be from the same context"; the status is the
+ *   one the real driver returned, measured on an H200, driver 13000).
  * - Device time is the host's monotonic clock. Work launched on a stream
  *   starts when the stream's earlier work ends; `sleep_ns` runs for its
  *   argument, `write_u32` to an address below 4096 faults its context
@@ -409,7 +412,13 @@ int cuEventCreate(void **event, unsigned flags) {
 int cuEventRecord(void *event, void *stream) {
     event_t *e = event;
     pthread_mutex_lock(&lock);
-    int status = usable(e->ctx, e->generation);
+    /* A stream of another context is refused first, whichever is current
+     * (see the header). A default-stream handle names the current
+     * context's. */
+    int is_default = stream == NULL || stream == STREAM_LEGACY || stream == STREAM_PER_THREAD;
+    const ctx_t *stream_ctx = is_default ? current : ((stream_t *)stream)->ctx;
+    int status = stream_ctx != NULL && stream_ctx != e->ctx ? INVALID_HANDLE
+                                                              : usable(e->ctx, e->generation);
     if (status == SUCCESS) {
         stream_t *s = stream_of(stream);
         if (s == NULL || s->ctx != e->ctx) {
@@ -464,9 +473,10 @@ int cuEventDestroy_v2(void *event) {
 static int elapsed(float *ms, void *start, void *end) {
     event_t *a = start, *b = end;
     pthread_mutex_lock(&lock);
-    int status = usable(b->ctx, b->generation);
-    if (status == SUCCESS && (a->ctx != b->ctx || a->generation != b->generation))
-        status = INVALID_HANDLE;
+    /* Events of two contexts are refused first, whichever is current (see
+     * the header). */
+    int status = a->ctx != b->ctx || a->generation != b->generation ? INVALID_HANDLE
+                                                                      : usable(b->ctx, b->generation);
     if (status == SUCCESS && ((a->flags | b->flags) & EVENT_DISABLE_TIMING))
         status = INVALID_HANDLE;
     if (status == SUCCESS && (!a->recorded || !b->recorded)) status = INVALID_HANDLE;
