@@ -1,13 +1,19 @@
-//! Contexts opened from several places: handles of two contexts in one call
-//! are refused as the driver refuses them.
+//! Contexts opened from several places, dropped and opened again: a
+//! thread's binding to a context torn down and made again under the same
+//! handle is not trusted, and handles of two contexts in one call are
+//! refused as the driver refuses them.
 //!
-//! One test, its steps in sequence, in its own binary: the steps change
-//! which context is current on the test's threads. Skips without a GPU;
-//! `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead. `scripts/fake-cuda.sh`
-//! runs it against the fake driver.
-// Raw driver calls through cudarc, each with a SAFETY note.
+//! One test, its steps in sequence, in its own binary: the steps tear
+//! device 0's context down, which any other test sharing the process would
+//! see. Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
+//! `scripts/fake-cuda.sh` runs it against the fake driver in both of its
+//! rebinding modes.
+// FFI to the fake driver's test hooks (dlopen/dlsym), and raw driver calls
+// through cudarc, each with a SAFETY note.
 #![allow(unsafe_code)]
 #![cfg(feature = "cuda")]
+
+use std::ffi::{c_int, CStr};
 
 use device_events::cuda::cudarc::driver::result;
 use device_events::cuda::cudarc::driver::sys;
@@ -16,6 +22,40 @@ use device_events::{status, Event, EventFlags};
 
 fn required() -> bool {
     std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|value| value == "1")
+}
+
+type Hook = unsafe extern "C" fn(c_int) -> c_int;
+
+/// A test hook of the fake driver, or `None` on a real one (checked to be
+/// there when `DEVICE_EVENTS_FAKE_CUDA=1`).
+fn fake_hook(name: &CStr) -> Option<Hook> {
+    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
+    // loaded (the backend was used before this is called); the name is a
+    // NUL-terminated literal.
+    let library =
+        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
+    // SAFETY: `library` is a live handle (checked); `name` is NUL-terminated.
+    let symbol = (!library.is_null())
+        .then(|| unsafe { libc::dlsym(library, name.as_ptr()) })
+        .filter(|symbol| !symbol.is_null());
+    assert!(
+        symbol.is_some() || std::env::var("DEVICE_EVENTS_FAKE_CUDA").map_or(true, |f| f != "1"),
+        "DEVICE_EVENTS_FAKE_CUDA=1 but the fake driver's hook {name:?} was not found"
+    );
+    // SAFETY: the fake driver defines its hooks as `int hook(int device)`.
+    symbol.map(|symbol| unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
+}
+
+fn primary_retains(device: c_int) -> Option<c_int> {
+    // SAFETY: as above.
+    fake_hook(c"fakeCudaPrimaryRetains").map(|hook| unsafe { hook(device) })
+}
+
+/// The context current on the calling thread, as a number.
+fn current() -> Option<usize> {
+    result::ctx::get_current()
+        .expect("cuCtxGetCurrent")
+        .map(|ctx| ctx as usize)
 }
 
 /// Make the context with handle `ctx` current on the calling thread.
@@ -39,11 +79,51 @@ fn contexts_opened_dropped_and_opened_again() {
             return;
         }
     }
+    // First, while nothing holds device 0's context.
+    a_context_opened_again_on_the_same_thread_works_there();
     if cuda::device_count().unwrap() < 2 {
         eprintln!("one device: the two-device checks need a second GPU (the fake driver has two)");
     } else {
         handles_of_two_contexts_are_refused_as_invalid_handles();
     }
+}
+
+/// A user probes with `cuda::context(0)` on a thread, drops it (the
+/// context is torn down, and stays bound there), and opens device 0 again
+/// on the same thread: the driver makes it again under the same handle.
+/// The crate's calls there bind it afresh instead of trusting the stale
+/// binding, which the fake driver's strict mode (`FAKE_CUDA_STRICT_REBIND=1`)
+/// refuses with `CUDA_ERROR_CONTEXT_IS_DESTROYED`; the real driver (and the
+/// fake by default) lets calls through it succeed again.
+fn a_context_opened_again_on_the_same_thread_works_there() {
+    std::thread::spawn(|| {
+        let probe = cuda::context(0).unwrap();
+        let first = probe.cu_ctx() as usize;
+        drop(probe);
+        if primary_retains(0).is_some() {
+            assert_eq!(primary_retains(0), Some(0), "device 0's context torn down");
+        }
+        assert_eq!(current(), Some(first), "cudarc leaves the context bound");
+        let ctx = cuda::context(0).unwrap();
+        // Made on a thread of its own: cudarc's calls trust a stale binding
+        // (cudarc's business, not this crate's).
+        let stream =
+            std::thread::scope(|scope| scope.spawn(|| ctx.new_stream().unwrap()).join().unwrap());
+        let handle = CudaStreamHandle::new(&stream);
+        let event = Event::<Cuda>::new(handle, EventFlags::FENCE)
+            .unwrap_or_else(|err| panic!("an event in the context opened again: {err}"));
+        event.record(handle).unwrap();
+        event.wait_sync().unwrap();
+        drop(event);
+        cuda::fence(&stream).wait_sync().unwrap();
+        assert_eq!(
+            current(),
+            Some(ctx.cu_ctx() as usize),
+            "the thread keeps the context's handle current"
+        );
+    })
+    .join()
+    .unwrap();
 }
 
 /// The driver (an H200, driver 13000, measured) refuses `cuEventRecord` of

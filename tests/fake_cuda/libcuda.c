@@ -13,14 +13,18 @@
  * - The current context is per host thread (cuCtxSetCurrent: "binds the
  *   specified CUDA context to the calling CPU thread"). A context torn down
  *   stays current on the threads that had it, and every call there fails
- *   with CUDA_ERROR_CONTEXT_IS_DESTROYED until cuCtxSetCurrent binds again,
- *   even once the device's primary context is retained anew under the same
- *   handle (cuCtxDestroy: "If the context is current to other threads, then
- *   the context will remain current to those threads, and attempting to
- *   access the context from those threads will result in the error
- *   CUDA_ERROR_CONTEXT_IS_DESTROYED"; the primary-context docs do not say
- *   what a re-retain does for those threads, so the fake takes the strict
- *   reading). Every call on a
+ *   with CUDA_ERROR_CONTEXT_IS_DESTROYED (cuCtxDestroy: "If the context is
+ *   current to other threads, then the context will remain current to those
+ *   threads, and attempting to access the context from those threads will
+ *   result in the error CUDA_ERROR_CONTEXT_IS_DESTROYED").
+ *   Once the device's primary context is retained anew (under the same
+ *   handle), what those threads' old binding does is a thing the docs are
+ *   silent on: by default the fake does what the real driver did when
+ *   measured (an H200, driver 13000): calls through the old binding
+ *   succeed again. FAKE_CUDA_STRICT_REBIND=1 takes the strict reading
+ *   instead: CUDA_ERROR_CONTEXT_IS_DESTROYED until cuCtxSetCurrent binds
+ *   again. scripts/fake-cuda.sh runs the CUDA tests in both modes.
+ * - Every call on a
  *   stream, event, module or kernel is refused with
  *   CUDA_ERROR_INVALID_CONTEXT unless that handle's own context is current:
  *   stricter than the driver, which checks this for some calls only, so a
@@ -161,10 +165,27 @@ static int is_context(const void *handle) {
     return 0;
 }
 
+/* Rebinding after a primary context is made again (see the header): 0 by
+ * default, as the real driver measured; FAKE_CUDA_STRICT_REBIND=1 makes a
+ * thread's binding to a torn-down context refused until it binds again. */
+static int strict_rebind;
+
+__attribute__((constructor)) static void read_modes(void) {
+    const char *strict = getenv("FAKE_CUDA_STRICT_REBIND");
+    strict_rebind = strict != NULL && strcmp(strict, "1") == 0;
+}
+
+/* Whether this thread's binding of `c` is to a context torn down since: in
+ * the lenient mode, only while no context has been made again under it. */
+static int stale_binding(const ctx_t *c) {
+    if (bound_generation == c->generation) return 0;
+    return strict_rebind || c->retains == 0;
+}
+
 /* A handle of context `c` (made in `generation`) may be used now. */
 static int usable(const ctx_t *c, int generation) {
     if (current == NULL || current != c) return INVALID_CONTEXT;
-    if (bound_generation != c->generation) return CONTEXT_IS_DESTROYED;
+    if (stale_binding(c)) return CONTEXT_IS_DESTROYED;
     if (c->retains == 0 || c->generation != generation) return CONTEXT_IS_DESTROYED;
     if (faulted(c)) return ILLEGAL_ADDRESS;
     return SUCCESS;

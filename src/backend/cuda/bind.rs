@@ -42,9 +42,11 @@ impl Bound {
 }
 
 thread_local! {
-    /// On the crate's own threads: the context this thread left bound.
-    /// Weak, so it holds the allocation (no other context can take its
-    /// address while it is kept here) and not the context.
+    /// The context object that this thread's binding was last made (or
+    /// checked) for by [`bind`]: on the crate's own threads, the context
+    /// left bound; on other threads, the one found already current and
+    /// bound afresh. Weak, so it holds the allocation (no other context can
+    /// take its address while it is kept here) and not the context.
     static LEFT_BOUND: RefCell<Weak<CudaContext>> = const { RefCell::new(Weak::new()) };
 }
 
@@ -58,27 +60,29 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     let driver = driver()?;
     let previous = driver.ctx_get_current()?;
     let own = crate::own_threads::is_own();
-    // A handle equal to the target is the target still bound, except on
-    // the crate's own threads after the context it left there was torn
-    // down: a context made later (a device's primary context retained
-    // anew, say) can have the same handle, and the thread's binding is
-    // stale (the driver answers CUDA_ERROR_CONTEXT_IS_DESTROYED there). So
-    // there it counts only if this very context object bound it, alive all
-    // along since (its `Arc` holds the context's retain).
-    if previous.is(ctx)
-        && (!own
-            || left_bound_by(ctx)
-            || crate::plant::planted("cuda-own-thread-trusts-stale-binding"))
-    {
+    // A handle equal to the target is not proof that the target is bound:
+    // after a context current on this thread was torn down, a context made
+    // later (a device's primary context retained anew, say) can have the
+    // same handle, and the thread's binding may be stale (some drivers
+    // answer CUDA_ERROR_CONTEXT_IS_DESTROYED through it until the thread
+    // binds again). So it counts only if this very context object bound it
+    // on this thread, alive all along since (its `Arc` holds the context's
+    // retain, so no context has been torn down under that handle since);
+    // otherwise the context is bound afresh, once per thread and object.
+    let trusted = left_bound_by(ctx)
+        || own && crate::plant::planted("cuda-own-thread-trusts-stale-binding")
+        || !own && crate::plant::planted("cuda-user-thread-trusts-stale-binding");
+    if previous.is(ctx) && trusted {
         return Ok(Bound {
             previous: None,
             driver,
         });
     }
     driver.ctx_set_current(ctx)?;
-    if own {
-        // During the thread's exit nothing is remembered: the next bind
-        // (if any) switches again.
+    if own || previous.is(ctx) {
+        // Left bound: nothing to restore (the handle was already current on
+        // a thread not the crate's). During the thread's exit nothing is
+        // remembered: the next bind (if any) switches again.
         let _ = LEFT_BOUND.try_with(|left| *left.borrow_mut() = Arc::downgrade(ctx));
         return Ok(Bound {
             previous: None,
@@ -91,7 +95,7 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     })
 }
 
-/// Whether `ctx` is the context object this (own) thread left bound.
+/// Whether `ctx` is the context object this thread's binding was made for.
 fn left_bound_by(ctx: &Arc<CudaContext>) -> bool {
     LEFT_BOUND
         .try_with(|left| ptr::eq(left.borrow().as_ptr(), Arc::as_ptr(ctx)))
