@@ -1,7 +1,8 @@
 //! Contexts opened from several places, dropped and opened again: a
 //! thread's binding to a context torn down and made again under the same
-//! handle is not trusted, and handles of two contexts in one call are
-//! refused as the driver refuses them.
+//! handle is not trusted, the crate dropping the last handle of a context
+//! leaves the thread's current context as found, and handles of two
+//! contexts in one call are refused as the driver refuses them.
 //!
 //! One test, its steps in sequence, in its own binary: the steps tear
 //! device 0's context down, which any other test sharing the process would
@@ -14,10 +15,11 @@
 #![cfg(feature = "cuda")]
 
 use std::ffi::{c_int, CStr};
+use std::sync::Arc;
 
 use device_events::cuda::cudarc::driver::result;
-use device_events::cuda::cudarc::driver::sys;
-use device_events::cuda::{self, Cuda, CudaStreamHandle};
+use device_events::cuda::cudarc::driver::{sys, CudaContext, CudaStream};
+use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
 use device_events::{status, Event, EventFlags};
 
 fn required() -> bool {
@@ -84,6 +86,7 @@ fn contexts_opened_dropped_and_opened_again() {
     if cuda::device_count().unwrap() < 2 {
         eprintln!("one device: the two-device checks need a second GPU (the fake driver has two)");
     } else {
+        the_last_handle_dropped_by_the_crate_leaves_the_thread_as_found();
         handles_of_two_contexts_are_refused_as_invalid_handles();
     }
 }
@@ -124,6 +127,55 @@ fn a_context_opened_again_on_the_same_thread_works_there() {
     })
     .join()
     .unwrap();
+}
+
+/// cudarc's `Drop` of a context's last handle makes that context current
+/// and releases it, without restoring: when the crate holds the last handle
+/// (a fence's event, an `Event`, a `SleepKernel`), the calling thread's
+/// current context (device 1's here) is made current again.
+fn the_last_handle_dropped_by_the_crate_leaves_the_thread_as_found() {
+    type Last = Box<dyn FnOnce()>;
+    let other = cuda::context(1).unwrap();
+    let other_handle = other.cu_ctx() as usize;
+    let check =
+        |what: &str, make: &(dyn Fn(&Arc<CudaContext>, &Arc<CudaStream>) -> Last + Sync)| {
+            std::thread::scope(|scope| {
+                scope.spawn(|| {
+                    let ctx = CudaContext::new(0).unwrap();
+                    let stream = ctx.new_stream().unwrap();
+                    let last = make(&ctx, &stream);
+                    let weak = Arc::downgrade(&ctx);
+                    drop(stream);
+                    drop(ctx);
+                    set_current(other_handle);
+                    last();
+                    assert_eq!(
+                        weak.strong_count(),
+                        0,
+                        "{what}: the crate held the last handle"
+                    );
+                    assert_eq!(
+                        current(),
+                        Some(other_handle),
+                        "{what}: the thread's context (device 1's) is not current again"
+                    );
+                });
+            });
+        };
+    check("a fence's wait_sync", &|_, stream| {
+        let fence = cuda::fence(stream);
+        Box::new(move || fence.wait_sync().unwrap())
+    });
+    check("an Event dropped", &|_, stream| {
+        let handle = CudaStreamHandle::new(stream);
+        let event = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
+        event.record(handle).unwrap();
+        Box::new(move || drop(event))
+    });
+    check("a SleepKernel dropped", &|ctx, _| {
+        let kernel = SleepKernel::new(ctx).unwrap();
+        Box::new(move || drop(kernel))
+    });
 }
 
 /// The driver (an H200, driver 13000, measured) refuses `cuEventRecord` of

@@ -1,7 +1,10 @@
 //! [`Bound`]: a context made current on the calling thread, and the
-//! previous one made current again afterwards.
+//! previous one made current again afterwards; [`HeldContext`]: a context
+//! the crate holds, whose last handle is dropped without changing the
+//! calling thread's current context.
 
 use std::cell::RefCell;
+use std::ops::Deref;
 use std::ptr;
 use std::sync::{Arc, Weak};
 
@@ -114,6 +117,67 @@ impl Drop for Bound {
         // A context destroyed meanwhile is refused by the driver with an
         // error, reported here.
         if let Err(err) = self.driver.ctx_restore(previous) {
+            log::debug!(
+                "the thread's previous CUDA context could not be made current again: {err}"
+            );
+        }
+    }
+}
+
+/// A context the crate holds (an event's, a kernel's, a pool's). cudarc's
+/// `Drop` of the last handle of a context makes it current on the dropping
+/// thread and releases it there, leaving the released context current;
+/// dropped through this, the last handle is let go with the thread's
+/// current context saved first and made current again after, so threads
+/// not the crate's are left as found even when the crate drops the last
+/// handle. Any other handle drops as an `Arc` does.
+pub(super) struct HeldContext(Option<Arc<CudaContext>>);
+
+impl HeldContext {
+    pub(super) fn new(ctx: &Arc<CudaContext>) -> Self {
+        Self(Some(ctx.clone()))
+    }
+}
+
+impl Deref for HeldContext {
+    type Target = Arc<CudaContext>;
+
+    fn deref(&self) -> &Arc<CudaContext> {
+        self.0
+            .as_ref()
+            .expect("a HeldContext holds its context until it drops")
+    }
+}
+
+impl Drop for HeldContext {
+    fn drop(&mut self) {
+        let Some(ctx) = self.0.take() else {
+            return;
+        };
+        if crate::plant::planted("cuda-last-context-drop-not-restored") {
+            return;
+        }
+        // One atomic decrement, as dropping the `Arc` is: the value comes
+        // back only when this was the last handle.
+        let Some(last) = Arc::into_inner(ctx) else {
+            return;
+        };
+        if crate::own_threads::is_own() {
+            return;
+        }
+        let Ok(driver) = driver() else {
+            return;
+        };
+        let Ok(previous) = driver.ctx_get_current() else {
+            return;
+        };
+        // The thread had this very context current: cudarc leaves it so.
+        let keep = previous.is(&last);
+        drop(last);
+        if keep {
+            return;
+        }
+        if let Err(err) = driver.ctx_restore(previous) {
             log::debug!(
                 "the thread's previous CUDA context could not be made current again: {err}"
             );

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
-use super::bind::bind;
+use super::bind::{bind, HeldContext};
 use super::driver::{driver, invalid_context, refused, RawEvent};
 use super::fence_pool::FencePool;
 use crate::{EventFlags, ServerError};
@@ -30,7 +30,9 @@ pub struct CudaEvent {
     /// `None` only once destroyed or pooled: every path that takes it
     /// consumes the event, but for [`Drop`].
     raw: Option<RawEvent>,
-    ctx: Arc<CudaContext>,
+    /// Dropped after the event is destroyed (fields drop after `Drop`),
+    /// leaving the thread's current context as found if it is the last.
+    ctx: HeldContext,
     /// The pool a fence event goes back to, and the shard it came from.
     pool: Option<(Arc<FencePool>, usize)>,
 }
@@ -47,7 +49,7 @@ impl CudaEvent {
     pub(super) fn from_raw(raw: RawEvent, ctx: &Arc<CudaContext>) -> Self {
         Self {
             raw: Some(raw),
-            ctx: ctx.clone(),
+            ctx: HeldContext::new(ctx),
             pool: None,
         }
     }
