@@ -101,6 +101,7 @@ plant cuda-contained-not-sticky "CUDA_ERROR_CONTAINED (226, by number) is not st
 # (and the fake by default); the fake's strict mode refuses it, so the
 # plants that trust such a binding are run there.
 plant cuda-last-context-drop-not-restored "the crate drops a context's last handle without restoring the thread's context" cuda_contexts
+plant cuda-fence-pool-per-object "fence events are pooled per context object, not per driver context" cuda_contexts
 plant cuda-cross-context-record-invalid-context "a cross-context record is refused with INVALID_CONTEXT, not the driver's INVALID_HANDLE" cuda_contexts
 export FAKE_CUDA_STRICT_REBIND=1
 plant cuda-own-thread-trusts-stale-binding "the crate's own threads trust a torn-down context's binding" cuda_binding

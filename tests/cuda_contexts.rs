@@ -1,14 +1,16 @@
 //! Contexts opened from several places, dropped and opened again: a
 //! thread's binding to a context torn down and made again under the same
 //! handle is not trusted, the crate dropping the last handle of a context
-//! leaves the thread's current context as found, and handles of two
-//! contexts in one call are refused as the driver refuses them.
+//! leaves the thread's current context as found, fence events are shared by
+//! every object of one driver context (not piled up per object), and
+//! handles of two contexts in one call are refused as the driver refuses
+//! them.
 //!
 //! One test, its steps in sequence, in its own binary: the steps tear
-//! device 0's context down, which any other test sharing the process would
-//! see. Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
-//! `scripts/fake-cuda.sh` runs it against the fake driver in both of its
-//! rebinding modes.
+//! device 0's context down and count its events, which any other test
+//! sharing the process would change. Skips without a GPU;
+//! `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead. `scripts/fake-cuda.sh`
+//! runs it against the fake driver in both of its rebinding modes.
 // FFI to the fake driver's test hooks (dlopen/dlsym), and raw driver calls
 // through cudarc, each with a SAFETY note.
 #![allow(unsafe_code)]
@@ -46,6 +48,11 @@ fn fake_hook(name: &CStr) -> Option<Hook> {
     );
     // SAFETY: the fake driver defines its hooks as `int hook(int device)`.
     symbol.map(|symbol| unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
+}
+
+fn live_events(device: c_int) -> Option<c_int> {
+    // SAFETY: the hook takes a device number and only reads a counter.
+    fake_hook(c"fakeCudaLiveEvents").map(|hook| unsafe { hook(device) })
 }
 
 fn primary_retains(device: c_int) -> Option<c_int> {
@@ -89,6 +96,7 @@ fn contexts_opened_dropped_and_opened_again() {
         the_last_handle_dropped_by_the_crate_leaves_the_thread_as_found();
         handles_of_two_contexts_are_refused_as_invalid_handles();
     }
+    fence_events_do_not_pile_up_per_context_object();
 }
 
 /// A user probes with `cuda::context(0)` on a thread, drops it (the
@@ -223,4 +231,30 @@ fn handles_of_two_contexts_are_refused_as_invalid_handles() {
         )
     }
     .expect("cuStreamWaitEvent across contexts");
+}
+
+/// Rounds of "a new `CudaContext` object for device 0 while another keeps
+/// the context alive, four fences, drop it" reuse one pool of the driver
+/// context's fence events: the live events do not grow with the rounds.
+/// Fake driver only (it counts live events).
+fn fence_events_do_not_pile_up_per_context_object() {
+    let keep = CudaContext::new(0).unwrap();
+    let Some(before) = live_events(0) else {
+        eprintln!("a real driver: the live-event count needs the fake driver");
+        return;
+    };
+    for _ in 0..5 {
+        let ctx = CudaContext::new(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let fences: Vec<_> = (0..4).map(|_| cuda::fence(&stream)).collect();
+        for fence in fences {
+            fence.wait_sync().unwrap();
+        }
+    }
+    let grown = live_events(0).unwrap() - before;
+    assert!(
+        grown <= 4,
+        "{grown} events alive after five rounds of four fences on objects of one context"
+    );
+    drop(keep);
 }

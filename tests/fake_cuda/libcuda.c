@@ -37,6 +37,10 @@
  *   context is current, checked before the current context is (cuEventRecord:
  *   "hEvent and hStream must be from the same context"; the status is the
  *   one the real driver returned, measured on an H200, driver 13000).
+ * - cuCtxGetId gives each context a number unique for the life of the
+ *   process (cuCtxGetId: "The Id is unique for the life of the program for
+ *   this instance of CUDA"): a primary context made again under the same
+ *   handle gets a new one.
  * - Device time is the host's monotonic clock. Work launched on a stream
  *   starts when the stream's earlier work ends; `sleep_ns` runs for its
  *   argument, `write_u32` to an address below 4096 faults its context
@@ -318,6 +322,21 @@ int cuDevicePrimaryCtxRelease_v2(int device) {
 int cuCtxGetCurrent(void **context) {
     *context = current;
     return SUCCESS;
+}
+
+/* Unique for the life of the process: the device and the context's
+ * generation. */
+int cuCtxGetId(void *context, unsigned long long *id) {
+    if (id == NULL) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    ctx_t *c = context != NULL ? context : current;
+    int status = c == NULL || !is_context(c) ? INVALID_CONTEXT
+                 : context == NULL && stale_binding(c) ? CONTEXT_IS_DESTROYED
+                 : c->retains == 0 ? CONTEXT_IS_DESTROYED
+                                   : SUCCESS;
+    if (status == SUCCESS) *id = (unsigned long long)c->generation * DEVICES + (unsigned)c->device + 1;
+    pthread_mutex_unlock(&lock);
+    return status;
 }
 
 int cuCtxSetCurrent(void *context) {

@@ -139,6 +139,12 @@ impl HeldContext {
     }
 }
 
+impl From<Arc<CudaContext>> for HeldContext {
+    fn from(ctx: Arc<CudaContext>) -> Self {
+        Self(Some(ctx))
+    }
+}
+
 impl Deref for HeldContext {
     type Target = Arc<CudaContext>;
 
