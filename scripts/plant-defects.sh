@@ -104,7 +104,18 @@ plant cuda-context-made-each-call "cuda::context makes a new context each call" 
 plant cuda-illegal-address-not-sticky "sticky codes miss CUDA_ERROR_ILLEGAL_ADDRESS" cuda_faults
 plant cuda-fence-events-not-pooled "CUDA fence events are destroyed, not pooled" cuda_binding
 plant cuda-contained-not-sticky "CUDA_ERROR_CONTAINED (226, by number) is not sticky" cuda_binding
+
+# Contexts opened from several places, dropped and opened again. A thread's
+# binding to a context torn down and made again works on the real driver
+# (and the fake by default); the fake's strict mode refuses it, so the
+# plants that trust such a binding are run there.
+plant cuda-last-context-drop-not-restored "the crate drops a context's last handle without restoring the thread's context" cuda_contexts
+plant cuda-fence-pool-per-object "fence events are pooled per context object, not per driver context" cuda_contexts
+plant cuda-cross-context-record-invalid-context "a cross-context record is refused with INVALID_CONTEXT, not the driver's INVALID_HANDLE" cuda_contexts
+export FAKE_CUDA_STRICT_REBIND=1
 plant cuda-own-thread-trusts-stale-binding "the crate's own threads trust a torn-down context's binding" cuda_binding
+plant cuda-user-thread-trusts-stale-binding "a user's thread trusts a torn-down context's binding" cuda_contexts
+unset FAKE_CUDA_STRICT_REBIND
 
 # The CUDA backend at exit, when timing, and fencing from two threads.
 plant cuda-calls-after-shutdown "calls still reach the driver after it returned CUDA_ERROR_DEINITIALIZED" cuda_exit

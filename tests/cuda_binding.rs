@@ -367,7 +367,8 @@ fn created_the_second_time(work: impl Fn()) -> Option<c_int> {
 /// The waiter's threads are the crate's own: the context stays bound there
 /// between calls, so resolving a hundred waits of one context switches
 /// contexts once (a new waiter thread's first call), not twice per query.
-/// The calling thread, which already had the context, switches none.
+/// The calling thread, which already had the context (bound by the test,
+/// not the crate), switches once, to bind it afresh.
 /// Fake driver only (it counts the switches).
 fn the_waiters_threads_keep_the_context_bound(ctx: &Arc<CudaContext>) {
     let stream = ctx.new_stream().unwrap();

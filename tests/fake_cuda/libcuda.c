@@ -13,23 +13,34 @@
  * - The current context is per host thread (cuCtxSetCurrent: "binds the
  *   specified CUDA context to the calling CPU thread"). A context torn down
  *   stays current on the threads that had it, and every call there fails
- *   with CUDA_ERROR_CONTEXT_IS_DESTROYED until cuCtxSetCurrent binds again,
- *   even once the device's primary context is retained anew under the same
- *   handle (cuCtxDestroy: "If the context is current to other threads, then
- *   the context will remain current to those threads, and attempting to
- *   access the context from those threads will result in the error
- *   CUDA_ERROR_CONTEXT_IS_DESTROYED"; the primary-context docs do not say
- *   what a re-retain does for those threads, so the fake takes the strict
- *   reading). Every call on a
+ *   with CUDA_ERROR_CONTEXT_IS_DESTROYED (cuCtxDestroy: "If the context is
+ *   current to other threads, then the context will remain current to those
+ *   threads, and attempting to access the context from those threads will
+ *   result in the error CUDA_ERROR_CONTEXT_IS_DESTROYED").
+ *   Once the device's primary context is retained anew (under the same
+ *   handle), what those threads' old binding does is a thing the docs are
+ *   silent on: by default the fake does what the real driver did when
+ *   measured (an H200, driver 13000): calls through the old binding
+ *   succeed again. FAKE_CUDA_STRICT_REBIND=1 takes the strict reading
+ *   instead: CUDA_ERROR_CONTEXT_IS_DESTROYED until cuCtxSetCurrent binds
+ *   again. scripts/fake-cuda.sh runs the CUDA tests in both modes.
+ * - Every call on a
  *   stream, event, module or kernel is refused with
  *   CUDA_ERROR_INVALID_CONTEXT unless that handle's own context is current:
  *   stricter than the driver, which checks this for some calls only, so a
  *   crate that forgets to bind (on a waiter thread, say) fails here.
  *   cuStreamWaitEvent is the exception the docs make: "hEvent may be from a
  *   different context or device than hStream".
- * - cuEventRecord with an event and a stream of different contexts is
- *   CUDA_ERROR_INVALID_HANDLE ("hEvent and hStream must be from the same
- *   context").
+ * - Handles of two contexts in one call: cuEventRecord with an event and a
+ *   stream of different contexts, and cuEventElapsedTime (either name) with
+ *   events of different contexts, are CUDA_ERROR_INVALID_HANDLE whichever
+ *   context is current, checked before the current context is (cuEventRecord:
+ *   "hEvent and hStream must be from the same context"; the status is the
+ *   one the real driver returned, measured on an H200, driver 13000).
+ * - cuCtxGetId gives each context a number unique for the life of the
+ *   process (cuCtxGetId: "The Id is unique for the life of the program for
+ *   this instance of CUDA"): a primary context made again under the same
+ *   handle gets a new one.
  * - Device time is the host's monotonic clock. Work launched on a stream
  *   starts when the stream's earlier work ends; `sleep_ns` runs for its
  *   argument, `write_u32` to an address below 4096 faults its context
@@ -221,11 +232,28 @@ static int is_context(const void *handle) {
     return 0;
 }
 
+/* Rebinding after a primary context is made again (see the header): 0 by
+ * default, as the real driver measured; FAKE_CUDA_STRICT_REBIND=1 makes a
+ * thread's binding to a torn-down context refused until it binds again. */
+static int strict_rebind;
+
+__attribute__((constructor)) static void read_modes(void) {
+    const char *strict = getenv("FAKE_CUDA_STRICT_REBIND");
+    strict_rebind = strict != NULL && strcmp(strict, "1") == 0;
+}
+
+/* Whether this thread's binding of `c` is to a context torn down since: in
+ * the lenient mode, only while no context has been made again under it. */
+static int stale_binding(const ctx_t *c) {
+    if (bound_generation == c->generation) return 0;
+    return strict_rebind || c->retains == 0;
+}
+
 /* A handle of context `c` (made in `generation`) may be used now. */
 static int usable(const ctx_t *c, int generation) {
     if (deinitialized()) return DEINITIALIZED;
     if (current == NULL || current != c) return INVALID_CONTEXT;
-    if (bound_generation != c->generation) return CONTEXT_IS_DESTROYED;
+    if (stale_binding(c)) return CONTEXT_IS_DESTROYED;
     if (c->retains == 0 || c->generation != generation) return CONTEXT_IS_DESTROYED;
     if (faulted(c)) return ILLEGAL_ADDRESS;
     return SUCCESS;
@@ -510,6 +538,21 @@ int cuCtxGetCurrent(void **context) {
     return SUCCESS;
 }
 
+/* Unique for the life of the process: the device and the context's
+ * generation. */
+int cuCtxGetId(void *context, unsigned long long *id) {
+    if (id == NULL) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    ctx_t *c = context != NULL ? context : current;
+    int status = c == NULL || !is_context(c) ? INVALID_CONTEXT
+                 : context == NULL && stale_binding(c) ? CONTEXT_IS_DESTROYED
+                 : c->retains == 0 ? CONTEXT_IS_DESTROYED
+                                   : SUCCESS;
+    if (status == SUCCESS) *id = (unsigned long long)c->generation * DEVICES + (unsigned)c->device + 1;
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
 int cuCtxSetCurrent(void *context) {
     if (deinitialized()) return DEINITIALIZED;
     if (context == NULL) {
@@ -652,7 +695,13 @@ int fakeCudaLastRecordNumber(int unused) {
 int cuEventRecord(void *event, void *stream) {
     event_t *e = event;
     pthread_mutex_lock(&lock);
-    int status = usable(e->ctx, e->generation);
+    /* A stream of another context is refused first, whichever is current
+     * (see the header). A default-stream handle names the current
+     * context's. */
+    int is_default = stream == NULL || stream == STREAM_LEGACY || stream == STREAM_PER_THREAD;
+    const ctx_t *stream_ctx = is_default ? current : ((stream_t *)stream)->ctx;
+    int status = stream_ctx != NULL && stream_ctx != e->ctx ? INVALID_HANDLE
+                                                              : usable(e->ctx, e->generation);
     if (status == SUCCESS) {
         stream_t *s = stream_of(stream);
         int captured = s == NULL || s->ctx != e->ctx ? 0 : captured_work(s, 0);
@@ -725,9 +774,10 @@ int cuEventDestroy_v2(void *event) {
 static int elapsed(float *ms, void *start, void *end) {
     event_t *a = start, *b = end;
     pthread_mutex_lock(&lock);
-    int status = usable(b->ctx, b->generation);
-    if (status == SUCCESS && (a->ctx != b->ctx || a->generation != b->generation))
-        status = INVALID_HANDLE;
+    /* Events of two contexts are refused first, whichever is current (see
+     * the header). */
+    int status = a->ctx != b->ctx || a->generation != b->generation ? INVALID_HANDLE
+                                                                      : usable(b->ctx, b->generation);
     if (status == SUCCESS && ((a->flags | b->flags) & EVENT_DISABLE_TIMING))
         status = INVALID_HANDLE;
     if (status == SUCCESS && (!a->recorded || !b->recorded)) status = INVALID_HANDLE;

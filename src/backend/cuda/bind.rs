@@ -1,7 +1,10 @@
 //! [`Bound`]: a context made current on the calling thread, and the
-//! previous one made current again afterwards.
+//! previous one made current again afterwards; [`HeldContext`]: a context
+//! the crate holds, whose last handle is dropped without changing the
+//! calling thread's current context.
 
 use std::cell::{Cell, RefCell};
+use std::ops::Deref;
 use std::ptr;
 use std::sync::{Arc, Weak};
 
@@ -84,9 +87,11 @@ thread_local! {
     /// relaxed already (see [`Bound::relaxed`]).
     static RELAXED: Cell<bool> = const { Cell::new(false) };
 
-    /// On the crate's own threads: the context this thread left bound.
-    /// Weak, so it holds the allocation (no other context can take its
-    /// address while it is kept here) and not the context.
+    /// The context object that this thread's binding was last made (or
+    /// checked) for by [`bind`]: on the crate's own threads, the context
+    /// left bound; on other threads, the one found already current and
+    /// bound afresh. Weak, so it holds the allocation (no other context can
+    /// take its address while it is kept here) and not the context.
     static LEFT_BOUND: RefCell<Weak<CudaContext>> = const { RefCell::new(Weak::new()) };
 }
 
@@ -103,18 +108,19 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
         relax_own_thread(driver);
     }
     let previous = driver.ctx_get_current()?;
-    // A handle equal to the target is the target still bound, except on
-    // the crate's own threads after the context it left there was torn
-    // down: a context made later (a device's primary context retained
-    // anew, say) can have the same handle, and the thread's binding is
-    // stale (the driver answers CUDA_ERROR_CONTEXT_IS_DESTROYED there). So
-    // there it counts only if this very context object bound it, alive all
-    // along since (its `Arc` holds the context's retain).
-    if previous.is(ctx)
-        && (!own
-            || left_bound_by(ctx)
-            || crate::plant::planted("cuda-own-thread-trusts-stale-binding"))
-    {
+    // A handle equal to the target is not proof that the target is bound:
+    // after a context current on this thread was torn down, a context made
+    // later (a device's primary context retained anew, say) can have the
+    // same handle, and the thread's binding may be stale (some drivers
+    // answer CUDA_ERROR_CONTEXT_IS_DESTROYED through it until the thread
+    // binds again). So it counts only if this very context object bound it
+    // on this thread, alive all along since (its `Arc` holds the context's
+    // retain, so no context has been torn down under that handle since);
+    // otherwise the context is bound afresh, once per thread and object.
+    let trusted = left_bound_by(ctx)
+        || own && crate::plant::planted("cuda-own-thread-trusts-stale-binding")
+        || !own && crate::plant::planted("cuda-user-thread-trusts-stale-binding");
+    if previous.is(ctx) && trusted {
         return Ok(Bound {
             previous: None,
             driver,
@@ -122,9 +128,10 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
         });
     }
     driver.ctx_set_current(ctx)?;
-    if own {
-        // During the thread's exit nothing is remembered: the next bind
-        // (if any) switches again.
+    if own || previous.is(ctx) {
+        // Left bound: nothing to restore (the handle was already current on
+        // a thread not the crate's). During the thread's exit nothing is
+        // remembered: the next bind (if any) switches again.
         let _ = LEFT_BOUND.try_with(|left| *left.borrow_mut() = Arc::downgrade(ctx));
         return Ok(Bound {
             previous: None,
@@ -161,7 +168,7 @@ fn relax_own_thread(driver: Driver) {
     });
 }
 
-/// Whether `ctx` is the context object this (own) thread left bound.
+/// Whether `ctx` is the context object this thread's binding was made for.
 fn left_bound_by(ctx: &Arc<CudaContext>) -> bool {
     LEFT_BOUND
         .try_with(|left| ptr::eq(left.borrow().as_ptr(), Arc::as_ptr(ctx)))
@@ -186,6 +193,73 @@ impl Drop for Bound {
             Err(err) => log::debug!(
                 "the thread's previous CUDA context could not be made current again: {err}"
             ),
+        }
+    }
+}
+
+/// A context the crate holds (an event's, a kernel's, a pool's). cudarc's
+/// `Drop` of the last handle of a context makes it current on the dropping
+/// thread and releases it there, leaving the released context current;
+/// dropped through this, the last handle is let go with the thread's
+/// current context saved first and made current again after, so threads
+/// not the crate's are left as found even when the crate drops the last
+/// handle. Any other handle drops as an `Arc` does.
+pub(super) struct HeldContext(Option<Arc<CudaContext>>);
+
+impl HeldContext {
+    pub(super) fn new(ctx: &Arc<CudaContext>) -> Self {
+        Self(Some(ctx.clone()))
+    }
+}
+
+impl From<Arc<CudaContext>> for HeldContext {
+    fn from(ctx: Arc<CudaContext>) -> Self {
+        Self(Some(ctx))
+    }
+}
+
+impl Deref for HeldContext {
+    type Target = Arc<CudaContext>;
+
+    fn deref(&self) -> &Arc<CudaContext> {
+        self.0
+            .as_ref()
+            .expect("a HeldContext holds its context until it drops")
+    }
+}
+
+impl Drop for HeldContext {
+    fn drop(&mut self) {
+        let Some(ctx) = self.0.take() else {
+            return;
+        };
+        if crate::plant::planted("cuda-last-context-drop-not-restored") {
+            return;
+        }
+        // One atomic decrement, as dropping the `Arc` is: the value comes
+        // back only when this was the last handle.
+        let Some(last) = Arc::into_inner(ctx) else {
+            return;
+        };
+        if crate::own_threads::is_own() {
+            return;
+        }
+        let Ok(driver) = driver() else {
+            return;
+        };
+        let Ok(previous) = driver.ctx_get_current() else {
+            return;
+        };
+        // The thread had this very context current: cudarc leaves it so.
+        let keep = previous.is(&last);
+        drop(last);
+        if keep {
+            return;
+        }
+        if let Err(err) = driver.ctx_restore(previous) {
+            log::debug!(
+                "the thread's previous CUDA context could not be made current again: {err}"
+            );
         }
     }
 }

@@ -84,6 +84,13 @@ pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
 /// the backend.
 const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime_v2", "cuEventElapsedTime"];
 
+/// `cuCtxGetId` (CUDA 12.0): a context's number, unique for the life of the
+/// process, which tells apart contexts made one after another under one
+/// handle (a device's primary context released and retained again). Looked
+/// up as optional: a driver without it only shares less (see
+/// [`Driver::ctx_id`]).
+const CTX_ID_SYMBOL: &str = "cuCtxGetId";
+
 /// A driver status, as the driver returns it: a C `enum`, which is an `int`.
 type Status = c_int;
 
@@ -113,6 +120,8 @@ struct Api {
         &'static str,
         unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> Status,
     )>,
+    /// Optional (see [`CTX_ID_SYMBOL`]).
+    ctx_get_id: Option<unsafe extern "C" fn(sys::CUcontext, *mut u64) -> Status>,
     stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
     stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
     /// The capture status as the `int` the C enum is.
@@ -231,6 +240,11 @@ fn load() -> Result<Loaded, ServerError> {
             .ok()
             .map(|symbol| (*name, *symbol))
     });
+    // SAFETY: as in `entry!`: the field's type is cuCtxGetId's signature
+    // (`unsigned long long *` is a `u64` place).
+    let ctx_get_id = unsafe { library.get(CTX_ID_SYMBOL.as_bytes()) }
+        .ok()
+        .map(|symbol| *symbol);
     let api = Api {
         init: entry!("cuInit"),
         error_name: entry!("cuGetErrorName"),
@@ -243,6 +257,7 @@ fn load() -> Result<Loaded, ServerError> {
         event_synchronize: entry!("cuEventSynchronize"),
         event_destroy: entry!("cuEventDestroy_v2"),
         event_elapsed: elapsed,
+        ctx_get_id,
         stream_wait_event: entry!("cuStreamWaitEvent"),
         stream_synchronize: entry!("cuStreamSynchronize"),
         stream_is_capturing: entry!("cuStreamIsCapturing"),
@@ -497,7 +512,8 @@ impl CurrentContext {
 /// holder keeps the event's context alive while it calls through it: a
 /// [`CudaEvent`](super::CudaEvent) holds the context, and an idle event in a
 /// fence pool is called through only once a `CudaEvent` holds it again (the
-/// pool forgets those of a context that is gone).
+/// pool destroys its idle events through a context object still alive, and
+/// forgets them only when it knows of none).
 pub(super) struct RawEvent(sys::CUevent);
 
 // SAFETY: a CUevent is a driver handle, not memory this process reads; the
@@ -565,6 +581,19 @@ impl Driver {
         self.check("cuCtxSetCurrent", unsafe {
             (self.api.ctx_set_current)(ctx.cu_ctx())
         })
+    }
+
+    /// `cuCtxGetId`: `ctx`'s number, unique for the life of the process;
+    /// `None` when the driver lacks the entry point.
+    pub(super) fn ctx_id(self, ctx: &CudaContext) -> Result<Option<u64>, ServerError> {
+        let Some(get_id) = self.api.ctx_get_id else {
+            return Ok(None);
+        };
+        let mut id = 0u64;
+        // SAFETY: the handle is live (`ctx` holds its retain for the
+        // borrow); `id` is a valid place for the number.
+        self.check("cuCtxGetId", unsafe { get_id(ctx.cu_ctx(), &mut id) })?;
+        Ok(Some(id))
     }
 
     /// `cuCtxSetCurrent`: make a context found by

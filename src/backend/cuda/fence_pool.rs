@@ -4,7 +4,8 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use cudarc::driver::CudaContext;
 
-use super::driver::RawEvent;
+use super::bind::HeldContext;
+use super::driver::{driver, RawEvent};
 use super::event::CudaEvent;
 use crate::idle_pool::IdlePool;
 use crate::loom::Mutex;
@@ -27,11 +28,25 @@ const FENCE_POOL_SHARDS: usize = 8;
 /// most [`FENCE_POOL_CAPACITY`] idle events, spread over
 /// [`FENCE_POOL_SHARDS`] locks.
 ///
-/// Idle events do not keep the context alive (the pool holds it weakly): if
-/// the context goes, the driver frees its events with it, and the pool
-/// forgets them without a call.
+/// One pool per driver context, not per `CudaContext` object: cudarc makes
+/// an object (and a primary-context retain) per `CudaContext::new`, and
+/// objects come and go while another (or another library) keeps the
+/// context alive; their events are the context's, and go on serving it.
+/// The driver's context id (`cuCtxGetId`) tells the context apart from one
+/// made later under the same handle; a driver without it gets a pool per
+/// object.
+///
+/// Idle events do not keep the context alive (the pool holds its objects
+/// weakly): when the pool goes, it destroys them through any of its
+/// objects still alive (the driver context then provably is), and
+/// otherwise forgets them, as the driver frees a context's events with it.
 pub(crate) struct FencePool {
-    ctx: Weak<CudaContext>,
+    /// The driver's id of the context, when it has `cuCtxGetId`.
+    id: Option<u64>,
+    /// The context objects whose streams use the pool: any one alive keeps
+    /// the driver context alive. Without an id, only the first, whose
+    /// allocation (held by the `Weak`) identifies the pool.
+    objects: Mutex<Vec<Weak<CudaContext>>>,
     idle: IdlePool<IdleEvent, FENCE_POOL_SHARDS>,
 }
 
@@ -40,19 +55,42 @@ struct IdleEvent(RawEvent);
 
 impl FencePool {
     /// The pool of `ctx`'s fence events: the same pool for every stream of a
-    /// context, found once per stream registration (not per fence).
+    /// driver context, found once per stream registration (not per fence).
     pub(crate) fn of(ctx: &Arc<CudaContext>) -> Arc<Self> {
         // In a `OnceLock`: the crate's mutex is not `const` under loom.
         static POOLS: OnceLock<Mutex<Vec<Weak<FencePool>>>> = OnceLock::new();
+        let id = driver()
+            .and_then(|driver| driver.ctx_id(ctx))
+            .unwrap_or_else(|err| {
+                log::debug!("no CUDA context id, the fence pool is per object: {err}");
+                None
+            })
+            .filter(|_| !crate::plant::planted("cuda-fence-pool-per-object"));
         let mut pools = POOLS.get_or_init(Mutex::default).lock();
         pools.retain(|pool| pool.strong_count() > 0);
-        let found = pools
-            .iter()
-            .filter_map(Weak::upgrade)
-            .find(|pool| pool.ctx.as_ptr() == Arc::as_ptr(ctx));
+        let found = pools.iter().filter_map(Weak::upgrade).find(|pool| {
+            let mut objects = pool.objects.lock();
+            match (id, pool.id) {
+                (Some(id), Some(pool_id)) if id == pool_id => {
+                    objects.retain(|object| object.strong_count() > 0);
+                    if !objects
+                        .iter()
+                        .any(|object| object.as_ptr() == Arc::as_ptr(ctx))
+                    {
+                        objects.push(Arc::downgrade(ctx));
+                    }
+                    true
+                }
+                (None, None) => objects
+                    .first()
+                    .is_some_and(|object| object.as_ptr() == Arc::as_ptr(ctx)),
+                _ => false,
+            }
+        });
         found.unwrap_or_else(|| {
             let pool = Arc::new(Self {
-                ctx: Arc::downgrade(ctx),
+                id,
+                objects: Mutex::new(vec![Arc::downgrade(ctx)]),
                 idle: IdlePool::new(FENCE_POOL_CAPACITY),
             });
             pools.push(Arc::downgrade(&pool));
@@ -61,8 +99,8 @@ impl FencePool {
     }
 
     /// An idle fence event of this pool's context from the calling thread's
-    /// shard, or a new one. `ctx` is the pool's context, kept alive by the
-    /// caller's stream.
+    /// shard, or a new one. `ctx` is an object of the pool's context, kept
+    /// alive by the caller's stream.
     pub(crate) fn take(self: &Arc<Self>, ctx: &Arc<CudaContext>) -> Result<CudaEvent, ServerError> {
         let shard = self.idle.home();
         let event = match self.idle.take(shard, |_| {}) {
@@ -87,10 +125,18 @@ impl FencePool {
 impl Drop for FencePool {
     fn drop(&mut self) {
         let idle = self.idle.take_all(|_| {});
-        let Some(ctx) = self.ctx.upgrade() else {
-            // The context is gone, and the driver freed its events with it.
+        if idle.is_empty() {
+            return;
+        }
+        let alive = self.objects.lock().iter().find_map(Weak::upgrade);
+        let Some(ctx) = alive else {
+            // No object of the context is known alive: if none is, the
+            // context is gone, and the driver freed its events with it.
             return;
         };
+        // Held, so that if it is the last handle, the thread's current
+        // context is left as found.
+        let ctx = HeldContext::from(ctx);
         for IdleEvent(raw) in idle {
             drop(CudaEvent::from_raw(raw, &ctx));
         }

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
-use super::bind::bind;
+use super::bind::{bind, HeldContext};
 use super::driver::{invalid_context, Function};
 use crate::ServerError;
 
@@ -72,7 +72,7 @@ DONE:
 /// anyway. Load a kernel once per context, not once per launch.
 struct Kernel {
     function: Function,
-    ctx: Arc<CudaContext>,
+    ctx: HeldContext,
 }
 
 impl Kernel {
@@ -83,7 +83,7 @@ impl Kernel {
         let function = bound.driver().module_get_function(&module, name)?;
         Ok(Self {
             function,
-            ctx: ctx.clone(),
+            ctx: HeldContext::new(ctx),
         })
     }
 

@@ -7,7 +7,10 @@
 //! one sleeps in the driver instead of spinning; every call binds the
 //! stream's or event's context on the calling thread first, so any thread
 //! (a waiter thread has no current context) may wait. Your threads get
-//! their previous context back after each call; the crate's own threads
+//! their previous context back after each call (and after the crate drops
+//! the last handle of a context, which cudarc's drop leaves current); a
+//! binding left from a context torn down and made again under the same
+//! handle is bound afresh, not trusted. The crate's own threads
 //! (the waiter's, the drop queue's) keep the last one bound, which spares a
 //! waiter thread two `cuCtxSetCurrent` calls per query in a burst.
 //!
