@@ -9,6 +9,19 @@
 # 360 s): a hang fails its step and the rest still runs, and each step's log
 # is written as it goes, so an outer time limit still leaves the logs.
 # Results (JSON, SVG plots, logs) go to $OUT when set, else ./gpu-results.
+#
+# Driver behaviour the fake driver takes from the docs or on the strict
+# reading, which these tests confirm on a real driver (each runs here like
+# any other test binary):
+# - tests/cuda_capture.rs: a record on a stream whose capture was
+#   invalidated (refused with 901, or captured: the test accepts both);
+#   cuEventElapsedTime during another thread's global capture (the fake
+#   prohibits it; the crate makes it in the relaxed mode either way);
+#   fork and join of two streams within one capture ending cleanly.
+# - tests/cuda_exit.rs: a real driver's teardown at process exit under
+#   pending waits (exit status 0, no warnings or errors logged).
+# - tests/cuda_contexts.rs, tests/cuda_elapsed.rs: a primary context
+#   released and retained again, cuEventElapsedTime_v2, cross-context calls.
 set -u
 bin=${1:-device-bin}
 mode=${2:-}
