@@ -39,7 +39,7 @@ pub mod status {
     /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a call not permitted while a
     /// stream is capturing a graph (synchronizing the capturing stream, say).
     /// The first of the stream-capture statuses (900 to 908, see
-    /// [`ServerError::is_stream_capture`]): never a cause for a fallback.
+    /// [`ServerError::is_stream_capture`](crate::ServerError::is_stream_capture)): never a cause for a fallback.
     pub const STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
     /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture was invalidated
     /// by an earlier error; `cuStreamEndCapture` reports it too.
