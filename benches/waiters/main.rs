@@ -19,6 +19,7 @@ mod report;
 mod rig;
 mod settings;
 mod strategies;
+mod streaming;
 mod targets;
 mod throughput;
 
@@ -87,6 +88,25 @@ fn run_all<R: Rig>(shared: &Arc<R>, settings: &Settings, clock: Clock, tables: &
         );
         table.print();
         tables.push(table);
+    }
+
+    for shape in streaming::shapes(settings.quick) {
+        let id = shape.scenario.id();
+        if settings.runs("8") || settings.runs(id) {
+            let (table, series) = streaming::streaming(rig, shape, settings, clock);
+            let plot = report::write_latency_svg(
+                &format!("latency-streaming-{id}-{}.svg", rig.name()),
+                &format!(
+                    "{}: wake latency, {} backend",
+                    shape.scenario.title(),
+                    rig.name()
+                ),
+                &series,
+            );
+            table.print();
+            println!("  plot: {}", plot.display());
+            tables.push(table);
+        }
     }
 
     let loops = throughput::Loops {

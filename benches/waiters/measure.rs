@@ -84,6 +84,28 @@ pub fn process_cpu() -> Duration {
     Duration::new(time.tv_sec as u64, time.tv_nsec as u32)
 }
 
+/// CPU time used so far by this process's threads whose names start with
+/// `prefix` (from `/proc/self/task/*/schedstat`, in nanoseconds), alive now.
+pub fn threads_cpu(prefix: &str) -> Duration {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return Duration::ZERO;
+    };
+    let mut total = 0u64;
+    for task in tasks.flatten() {
+        let path = task.path();
+        let named = std::fs::read_to_string(path.join("comm"))
+            .is_ok_and(|comm| comm.trim_end().starts_with(prefix));
+        if !named {
+            continue;
+        }
+        total += std::fs::read_to_string(path.join("schedstat"))
+            .ok()
+            .and_then(|stat| stat.split_whitespace().next()?.parse::<u64>().ok())
+            .unwrap_or(0);
+    }
+    Duration::from_nanos(total)
+}
+
 /// Threads of this process right now, from /proc.
 pub fn process_threads() -> usize {
     std::fs::read_to_string("/proc/self/status")

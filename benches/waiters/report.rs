@@ -16,6 +16,9 @@ pub enum Scenario {
     BusyWorkers,
     OneTaskPerStream,
     ReadyScaling,
+    Streaming10Us,
+    Streaming100Us,
+    Streaming1Ms,
 }
 
 impl Scenario {
@@ -31,6 +34,9 @@ impl Scenario {
             Self::BusyWorkers => "6",
             Self::OneTaskPerStream => "6b",
             Self::ReadyScaling => "7",
+            Self::Streaming10Us => "8a",
+            Self::Streaming100Us => "8b",
+            Self::Streaming1Ms => "8c",
         }
     }
 
@@ -45,6 +51,9 @@ impl Scenario {
             Self::BusyWorkers => "busy workers",
             Self::OneTaskPerStream => "one task per stream",
             Self::ReadyScaling => "ready scaling",
+            Self::Streaming10Us => "streaming completions, 10 us items",
+            Self::Streaming100Us => "streaming completions, 100 us items",
+            Self::Streaming1Ms => "streaming completions, 1 ms items",
         }
     }
 }
@@ -65,6 +74,7 @@ pub enum Metric {
     Threads,
     AwaitsPerSecond,
     CpuUsPerAwait,
+    ProcessCpuUsPerAwait,
 }
 
 impl Metric {
@@ -82,6 +92,7 @@ impl Metric {
             Self::Threads => "threads",
             Self::AwaitsPerSecond => "awaits/s",
             Self::CpuUsPerAwait => "CPU us per await",
+            Self::ProcessCpuUsPerAwait => "process CPU us per await",
         }
     }
 }

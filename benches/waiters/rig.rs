@@ -15,6 +15,13 @@ pub trait Rig: Send + Sync + 'static {
 
     fn streams(&self) -> usize;
 
+    /// The name prefix of threads that stand in for the device (the host
+    /// backend's stream workers): their CPU is the device's work, not the
+    /// cost of waiting for it, which is all a GPU's host pays.
+    fn device_threads(&self) -> Option<&'static str> {
+        None
+    }
+
     fn handle(&self, stream: usize) -> <Self::Api as EventApi>::Stream;
 
     /// Queue `length` of work on `stream`; `ends[index]` receives when it
@@ -63,6 +70,10 @@ impl Rig for HostRig {
 
     fn streams(&self) -> usize {
         self.streams.len()
+    }
+
+    fn device_threads(&self) -> Option<&'static str> {
+        Some("host-stream")
     }
 
     fn handle(&self, stream: usize) -> <Host as EventApi>::Stream {

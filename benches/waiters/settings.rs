@@ -17,7 +17,8 @@ pub struct Settings {
     pub idle_window: Duration,
     /// Repetitions of scenario 2; each figure is the median over them.
     pub reps: usize,
-    /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`).
+    /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`;
+    /// `8` is `8a`, `8b` and `8c`).
     pub only: Option<Vec<String>>,
     /// `--strategies await,spawn_blocking`: in scenarios 2 and 2b, run just
     /// these (by [`Strategy::flag`]), e.g. to profile one.
@@ -25,7 +26,7 @@ pub struct Settings {
 }
 
 const USAGE: &str =
-    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,6b,7] \
+    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,6b,7,8,8a,8b,8c] \
      [--strategies await,spawn_blocking,thread,query_yield,raw]";
 
 impl Settings {

@@ -22,7 +22,8 @@ pub enum Strategy {
     RawThread,
     /// The floor of any hand-off: the raw blocked thread wakes a second,
     /// parked thread, as a waiter thread wakes a sleeping executor thread.
-    /// Scenario 1 only.
+    /// In scenario 1 that thread is parked in a channel; in scenario 8 it is
+    /// the item's task, woken through a oneshot by its stream's raw thread.
     RawHandoff,
 }
 
@@ -86,8 +87,10 @@ pub fn start<A: EventApi>(
     wakes: &Arc<Stamps>,
     clock: Clock,
 ) -> Box<dyn FnOnce()> {
-    if strategy == Strategy::RawThread {
-        return start_raw(fences, wakes, clock);
+    match strategy {
+        Strategy::RawThread => return start_raw(fences, wakes, clock),
+        Strategy::RawHandoff => return start_raw_handoff(runtime, fences, wakes, clock),
+        _ => {}
     }
     let tasks: Vec<_> = fences
         .into_iter()
@@ -165,6 +168,55 @@ fn start_raw<A: EventApi>(
         for thread in threads {
             thread.join().expect("raw waiting thread");
         }
+    })
+}
+
+/// The floor of a hand-off to tasks: one thread per stream, blocked in
+/// `wait_sync` on each fence of its stream in turn, which then wakes that
+/// fence's task through a oneshot; the task stamps its wake.
+fn start_raw_handoff<A: EventApi>(
+    runtime: &Runtime,
+    fences: Vec<Pending<A>>,
+    wakes: &Arc<Stamps>,
+    clock: Clock,
+) -> Box<dyn FnOnce()> {
+    let mut by_stream: std::collections::BTreeMap<usize, Vec<_>> = Default::default();
+    let mut tasks = Vec::with_capacity(fences.len());
+    for Pending {
+        index,
+        stream,
+        fence,
+    } in fences
+    {
+        let (sender, receiver) = futures::channel::oneshot::channel::<()>();
+        let wakes = wakes.clone();
+        tasks.push(runtime.spawn(async move {
+            receiver.await.expect("the stream's thread answers");
+            wakes.set(index, clock.now());
+        }));
+        by_stream.entry(stream).or_default().push((fence, sender));
+    }
+    let threads: Vec<_> = by_stream
+        .into_values()
+        .map(|fences| {
+            std::thread::spawn(move || {
+                for (fence, sender) in fences {
+                    fence.wait_sync().expect("fence");
+                    let _ = sender.send(());
+                }
+            })
+        })
+        .collect();
+    let handle = runtime.handle().clone();
+    Box::new(move || {
+        for thread in threads {
+            thread.join().expect("raw waiting thread");
+        }
+        handle.block_on(async {
+            for task in tasks {
+                task.await.expect("task");
+            }
+        })
     })
 }
 

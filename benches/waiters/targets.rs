@@ -35,7 +35,7 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
     for backend in ["host", "cuda"] {
         let single = find(Scenario::SingleWait, backend);
         let many = find(Scenario::ManyPending, backend);
-        if single.is_none() {
+        if !tables.iter().any(|table| table.backend == backend) {
             continue;
         }
         check(
@@ -132,6 +132,42 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                 Some(1.0 - scaling),
                 0.2,
             );
+        }
+        for scenario in [
+            Scenario::Streaming10Us,
+            Scenario::Streaming100Us,
+            Scenario::Streaming1Ms,
+        ] {
+            let table = find(scenario, backend);
+            if table.is_none() {
+                continue;
+            }
+            let id = scenario.id();
+            let handoff = Strategy::RawHandoff.name();
+            for (what, metric, other, label, limit) in [
+                ("wake p50", Metric::P50Us, blocking, "spawn_blocking", 1.0),
+                (
+                    "wake p50",
+                    Metric::P50Us,
+                    handoff,
+                    "raw thread + hand-off",
+                    2.0,
+                ),
+                ("wake p99", Metric::P99Us, blocking, "spawn_blocking", 1.0),
+                (
+                    "CPU per await",
+                    Metric::CpuUsPerAwait,
+                    blocking,
+                    "spawn_blocking",
+                    0.7,
+                ),
+            ] {
+                check(
+                    format!("[{backend}] {id}: {what} vs {label}"),
+                    ratio(table, metric, other),
+                    limit,
+                );
+            }
         }
         if backend == "cuda" {
             check(

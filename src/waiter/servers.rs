@@ -181,7 +181,7 @@ impl Pool {
                 return;
             };
             guard.lanes.push(key);
-            while guard.pool.serve_lane_once(key, owner, &mut guard.batch) {}
+            guard.pool.serve_lane(key, owner, &mut guard.batch);
             finished = Some(key);
         }
     }
@@ -258,19 +258,48 @@ impl Pool {
         }
     }
 
-    /// Block on the oldest wait of `key`, then resolve every later one
-    /// already reached. Returns whether the lane still has waits (and is
-    /// still this thread's).
-    fn serve_lane_once(&self, key: LaneKey, owner: Owner, batch: &mut Batch) -> bool {
-        let Some(wait) = self.take_oldest(key, owner) else {
-            return false;
+    /// Serve lane `key` until it is empty or no longer this thread's.
+    ///
+    /// Block on the oldest wait; once it is resolved, take the next oldest
+    /// out, to block on next, and ask it once. Work on a stream mostly ends
+    /// item after item, so it is mostly not reached yet, and the thread
+    /// blocks on it at once: one take from the lane per wait, and nothing
+    /// put back. Only when it is reached (a burst: work that ended while the
+    /// thread was busy) does the thread resolve it and the later waits
+    /// reached, in batches ([`Pool::resolve_reached`]).
+    fn serve_lane(&self, key: LaneKey, owner: Owner, batch: &mut Batch) {
+        let Some(mut wait) = self.take_oldest(key, owner) else {
+            return;
         };
-        self.planted_escape();
-        let result = contain::backend(|| wait.waitable.block());
-        self.resolve_blocked(key, &wait.slot, result);
-        // Its future is woken first; then its fence (its event) goes.
-        contain::drop(wait);
-        self.resolve_reached(key, owner, batch).more
+        loop {
+            self.planted_escape();
+            let result = contain::backend(|| wait.waitable.block());
+            self.resolve_blocked(key, &wait.slot, result);
+            // Its future is woken first; then its fence (its event) goes.
+            contain::drop(wait);
+            let Some(next) = self.take_oldest(key, owner) else {
+                return;
+            };
+            wait = next;
+            // One query, with no permit: a batch's queries take one, a
+            // single look does not need to.
+            let reached = match contain::backend(|| wait.waitable.query()) {
+                Ok(false) if !crate::plant::planted("lane-thread-resolves-unreached-wait") => {
+                    continue
+                }
+                Ok(_) => Ok(()),
+                Err(err) => Err(err),
+            };
+            self.resolve_blocked(key, &wait.slot, reached);
+            contain::drop(wait);
+            if !self.resolve_reached(key, owner, batch).more {
+                return;
+            }
+            let Some(next) = self.take_oldest(key, owner) else {
+                return;
+            };
+            wait = next;
+        }
     }
 
     /// Resolve, in order, the waits of `key` that a query shows reached; stop
@@ -289,9 +318,13 @@ impl Pool {
     fn resolve_reached(&self, key: LaneKey, owner: Owner, batch: &mut Batch) -> Resolved {
         let mut resolved = 0;
         // The poller asks each of its lanes every round, mostly to hear "not
-        // yet": it takes just the oldest wait first, and a batch only once
-        // that one is reached. A lane thread has just seen its oldest reached.
-        let mut limit = if owner == Owner::Poller { 1 } else { BATCH };
+        // yet": it takes just the oldest wait first. A lane thread has just
+        // seen one reached. Each batch all reached doubles the next, up to
+        // `BATCH`: a burst of thousands still costs a few lock round-trips
+        // per `BATCH` waits, and a short run of reached waits (items ending
+        // faster than the thread wakes) takes out, and puts back, at most as
+        // many unreached waits as it resolved, not a whole `BATCH`.
+        let mut limit = if owner == Owner::Poller { 1 } else { 2 };
         loop {
             if !self.take_waits(key, owner, limit, &mut batch.waits) {
                 return Resolved {
@@ -310,7 +343,7 @@ impl Pool {
             let rest = batch.waits.split_off(reached);
             let more = !rest.is_empty();
             resolved += reached;
-            limit = BATCH;
+            limit = (limit * 2).min(BATCH);
             let action = self.settle(key, rest, reached);
             batch.out = false;
             self.act(action);
