@@ -7,10 +7,11 @@
 #
 #   scripts/ab-bench.sh HEAD~1 --quick --only 1,3        # smoke run
 #   scripts/ab-bench.sh main --only 1,2,6                # this tree against main
+#   scripts/ab-bench.sh HEAD~1 --only 8 --strategies await,spawn_blocking,raw_handoff
 #   AB_REPS=5 scripts/ab-bench.sh main --large
 #
-# (The bench's summary checks a backend's targets only when its scenario 1
-# ran, so an `--only` list without 1 prints no summary lines to compare.)
+# (A commit older than scenario 8 checks a backend's targets only when its
+# scenario 1 ran: give such a commit's `--only` list a 1.)
 #
 # REV is anything git takes for a commit. Both benches are built first:
 # REV's in a git worktree at AB_DIR/rev-<commit>/ (kept, so a later run at
@@ -287,8 +288,9 @@ print(f"## A/B side by side, {reps} rep(s) each: {labels['A']}; {labels['B']}")
 if not counts:
     print("(no run of either side finished)")
 elif not rows:
-    print("(no PASS, MISS, ---- or INFO line in either side's summary: the bench checks")
-    print(" a backend's targets only when its scenario 1 ran, so give --only a 1)")
+    print("(no PASS, MISS, ---- or INFO line in either side's summary: a bench older")
+    print(" than scenario 8 checks a backend's targets only when its scenario 1 ran,")
+    print(" so give --only a 1)")
 else:
     header = ["summary line"]
     for side in ("A", "B"):
