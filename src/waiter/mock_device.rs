@@ -16,6 +16,8 @@ pub(super) struct Device {
     changed: Condvar,
     /// Blocks on its fences begun so far.
     pub(super) blocked: AtomicUsize,
+    /// Queries of its fences so far.
+    pub(super) queried: AtomicUsize,
     /// Fences on it dropped so far.
     pub(super) fences_dropped: AtomicUsize,
     /// The threads the fences were dropped on.
@@ -55,6 +57,7 @@ impl Waitable for MockFence {
     }
 
     fn query(&self) -> Result<bool, ServerError> {
+        self.device.queried.fetch_add(1, Ordering::SeqCst);
         Ok(*self.device.reached.lock())
     }
 

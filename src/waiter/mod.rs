@@ -19,12 +19,19 @@
 //!    needs a thread) or ends, and on cancellation (see `pool.rs`).
 //! 3. **One thread per busy lane.** Work on a stream completes in order, so
 //!    one *lane thread* serves a lane: it blocks on the oldest wait (sleeping
-//!    in the driver: `cuEventSynchronize` on a `BLOCKING_SYNC` event),
-//!    resolves it, then queries the later waits in batches and resolves every
-//!    one reached, and blocks on the next. 10,000 pending awaits on 16 streams
-//!    need 16 threads. Querying a batch is CPU work, so at most one lane
-//!    thread per core queries at once; the others wait for a permit, asleep.
-//!    The wakes come after, with no permit held (see 7).
+//!    in the driver: `cuEventSynchronize` on a `BLOCKING_SYNC` event) and
+//!    resolves it. Then it takes the next wait out and asks it once. Not
+//!    reached (the usual case: a stream ends its work item after item), it
+//!    blocks on that one: one take from the lane and one query per wait.
+//!    Reached (a burst: work that ended while the thread was busy), it
+//!    resolves it and queries the later waits in batches, each twice the
+//!    last (from 2 up to 256) while all are reached, so a burst of thousands
+//!    costs a few lock round-trips per 256 waits and a short run puts back
+//!    no more unreached waits than it resolved; then it blocks on the first
+//!    not reached. 10,000 pending awaits on 16 streams need 16 threads.
+//!    Querying a batch is CPU work, so at most one lane thread per core
+//!    queries a batch at once; the others wait for a permit, asleep. The
+//!    wakes come after, with no permit held (see 7).
 //! 4. **Bounded threads.** Lane threads start on demand, up to
 //!    [`max_threads`](WaiterBuilder::max_threads) (default
 //!    [`DEFAULT_MAX_THREADS`], at most [`MAX_THREADS_LIMIT`]), and leave after
@@ -78,6 +85,8 @@ mod future;
 #[cfg(all(test, not(device_events_loom)))]
 mod guard_tests;
 mod handoff;
+#[cfg(all(test, not(device_events_loom)))]
+mod lane_cost_tests;
 #[cfg(all(test, device_events_loom))]
 mod loom_models;
 #[cfg(test)]

@@ -104,6 +104,10 @@ pub(crate) struct Shared {
     /// contained.
     #[cfg(test)]
     pub(crate) plants: Plants,
+    /// Waits taken out of their lane to query and put back unreached, for
+    /// the tests of what serving a lane costs.
+    #[cfg(test)]
+    pub(crate) put_back: AtomicUsize,
 }
 
 impl Deref for Pool {
@@ -127,6 +131,8 @@ impl Pool {
                 fork_generation: crate::fork::generation(),
                 #[cfg(test)]
                 plants: Plants::new(),
+                #[cfg(test)]
+                put_back: AtomicUsize::new(0),
             }),
         }
     }
@@ -196,6 +202,8 @@ impl Pool {
             shard.waits_finished(rest.len());
             gone = rest;
         } else {
+            #[cfg(test)]
+            self.put_back.fetch_add(rest.len(), Ordering::SeqCst);
             let mut new_lane = false;
             for wait in rest {
                 new_lane |= self.insert(&mut shard, wait).1;
