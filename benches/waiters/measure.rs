@@ -119,6 +119,10 @@ pub fn process_threads() -> usize {
         .unwrap_or(0)
 }
 
+/// The name of [`ThreadSampler`]'s thread, whose CPU is the benchmark's own
+/// (it reads `/proc` every millisecond), not any strategy's.
+pub const SAMPLER_THREAD: &str = "bench-sampler";
+
 /// Samples the thread count every millisecond until stopped; keeps the peak.
 pub struct ThreadSampler {
     stop: Arc<AtomicBool>,
@@ -132,12 +136,15 @@ impl ThreadSampler {
         let peak = Arc::new(AtomicUsize::new(process_threads()));
         let handle = {
             let (stop, peak) = (stop.clone(), peak.clone());
-            std::thread::spawn(move || {
-                while !stop.load(Ordering::Relaxed) {
-                    peak.fetch_max(process_threads(), Ordering::Relaxed);
-                    std::thread::sleep(Duration::from_millis(1));
-                }
-            })
+            std::thread::Builder::new()
+                .name(SAMPLER_THREAD.to_owned())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        peak.fetch_max(process_threads(), Ordering::Relaxed);
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                })
+                .expect("start the thread sampler")
         };
         Self {
             stop,

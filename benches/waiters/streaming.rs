@@ -8,7 +8,8 @@ use std::time::{Duration, Instant};
 use device_events::Waiter;
 
 use crate::measure::{
-    latencies, process_cpu, process_threads, quantile_us, threads_cpu, Clock, Stamps, ThreadSampler,
+    latencies, process_cpu, process_threads, quantile_us, threads_cpu, Clock, Stamps,
+    ThreadSampler, SAMPLER_THREAD,
 };
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
@@ -72,13 +73,13 @@ pub fn streaming<R: Rig>(
     table.notes.push(format!(
         "{streams} streams x {} items of {:?} back to back, a fence after each, each awaited by its own task \
          (tokio, 2 workers); latency: the task runs minus its item's end; CPU: from the first wait \
-         to the last wake, per await: the process's{}; median of {reps} runs",
+         to the last wake, per await: the process's, less the bench's thread sampler{}; median of {reps} runs",
         shape.items,
         shape.item,
         match rig.device_threads() {
             Some(prefix) => format!(
-                ", and ('CPU us per await') the process's less its {prefix}* threads, which stand in \
-                 for the device and whose work a GPU's host does not pay for"
+                " and ('CPU us per await') its {prefix}* threads, which stand in for the device \
+                 and whose work a GPU's host does not pay for"
             ),
             None => String::new(),
         }
@@ -144,12 +145,19 @@ fn once<R: Rig>(
     let sampler = ThreadSampler::start();
     let device = rig.device_threads();
     let device_cpu = || device.map_or(Duration::ZERO, threads_cpu);
-    let (cpu, device_before) = (process_cpu(), device_cpu());
+    // Read before the process's CPU at the start and after it at the end, so
+    // that reading `/proc` falls outside the window.
+    let device_before = device_cpu();
+    let cpu = process_cpu();
     let setup = Instant::now();
     let finish = strategies::start(strategy, &runtime, &waiter, fences, &wakes, clock);
     let setup = setup.elapsed();
     finish();
-    let cpu = process_cpu().saturating_sub(cpu);
+    // The sampler reads `/proc` every millisecond: the benchmark's cost,
+    // not the strategy's.
+    let cpu = process_cpu()
+        .saturating_sub(cpu)
+        .saturating_sub(threads_cpu(SAMPLER_THREAD));
     let waiting_cpu = cpu.saturating_sub(device_cpu().saturating_sub(device_before));
     let peak = sampler.finish().saturating_sub(baseline + 1);
     let release = (0..streams).map(|s| releases.get(s)).min().unwrap_or(0);
