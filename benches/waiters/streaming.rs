@@ -120,6 +120,7 @@ fn once<R: Rig>(
     notes: &mut Vec<String>,
 ) -> (Vec<f64>, Vec<u64>) {
     rig.drain();
+    let threads_before = process_threads();
     let runtime = runtime();
     let waiter = Waiter::builder().build();
     let total = streams * shape.items;
@@ -170,6 +171,13 @@ fn once<R: Rig>(
     }
     let sorted = latencies(&ends, &wakes, 0);
     waiter.shutdown();
+    drop(runtime);
+    // A strategy's threads (ten thousand, for a thread per wait) are gone
+    // before the next strategy's run starts, not exiting beside it.
+    let settled = Instant::now();
+    while process_threads() > threads_before && settled.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let figures = vec![
         quantile_us(&sorted, 0.5),
         quantile_us(&sorted, 0.99),
