@@ -453,6 +453,27 @@ impl Shared {
         }
     }
 
+    /// [`Pool::resolve_blocked`], and then, in the same hold of the shard's
+    /// lock, [`Pool::take_oldest`]: a lane thread's step from one wait to
+    /// the next, one lock round-trip per wait. The future is woken once the
+    /// lock is let go.
+    pub(super) fn resolve_blocked_and_take_next(
+        &self,
+        key: LaneKey,
+        owner: Owner,
+        slot: &Arc<Slot>,
+        result: Result<(), ServerError>,
+    ) -> Option<Wait> {
+        let mut shard = self.shard(key);
+        let ours = shard.finish_blocked(key, slot);
+        let next = shard.take_oldest(key, owner);
+        drop(shard);
+        if ours {
+            slot.complete(result);
+        }
+        next
+    }
+
     /// Lanes in all shards now.
     pub(super) fn lanes(&self) -> usize {
         self.lanes.load(Ordering::SeqCst)

@@ -274,10 +274,10 @@ impl Pool {
         loop {
             self.planted_escape();
             let result = contain::backend(|| wait.waitable.block());
-            self.resolve_blocked(key, &wait.slot, result);
+            let next = self.resolve_blocked_and_take_next(key, owner, &wait.slot, result);
             // Its future is woken first; then its fence (its event) goes.
             contain::drop(wait);
-            let Some(next) = self.take_oldest(key, owner) else {
+            let Some(next) = next else {
                 return;
             };
             wait = next;
