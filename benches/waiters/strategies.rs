@@ -1,6 +1,7 @@
 //! The ways a caller can wait for fences, side by side.
 
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use device_events::{EventApi, EventFence, Waiter};
 use futures::FutureExt;
@@ -92,11 +93,13 @@ pub fn start<A: EventApi>(
         Strategy::RawHandoff => return start_raw_handoff(runtime, fences, wakes, clock),
         _ => {}
     }
+    let countdown = Countdown::new(fences.len());
     let tasks: Vec<_> = fences
         .into_iter()
         .map(|Pending { index, fence, .. }| {
             let wakes = wakes.clone();
             let waiter = waiter.clone();
+            let countdown = countdown.clone();
             runtime.spawn(async move {
                 let result = match strategy {
                     Strategy::Await => waiter.wait(fence).await,
@@ -127,18 +130,57 @@ pub fn start<A: EventApi>(
                     }
                 };
                 wakes.set(index, clock.now());
+                countdown.done();
                 result
             })
         })
         .collect();
     let handle = runtime.handle().clone();
     Box::new(move || {
+        countdown.wait();
         handle.block_on(async {
             for task in tasks {
                 task.await.expect("task").expect("fence");
             }
         })
     })
+}
+
+/// Counts a run's tasks down; the last wakes the thread waiting for them
+/// all. So the benchmark's main thread is woken once per run, not once per
+/// task as awaiting each task's handle in turn would: that would charge
+/// every async strategy a wake-up per wait (and its tokio worker the
+/// unpark) that the raw floors, whose threads are joined, do not pay.
+struct Countdown {
+    left: AtomicUsize,
+    lock: Mutex<()>,
+    zero: Condvar,
+}
+
+impl Countdown {
+    fn new(count: usize) -> Arc<Self> {
+        Arc::new(Self {
+            left: AtomicUsize::new(count),
+            lock: Mutex::new(()),
+            zero: Condvar::new(),
+        })
+    }
+
+    fn done(&self) {
+        if self.left.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Under the lock, so a waiter between its check and its wait
+            // cannot miss it.
+            let _locked = self.lock.lock().expect("the countdown's lock");
+            self.zero.notify_all();
+        }
+    }
+
+    fn wait(&self) {
+        let mut locked = self.lock.lock().expect("the countdown's lock");
+        while self.left.load(Ordering::Acquire) > 0 {
+            locked = self.zero.wait(locked).expect("the countdown's lock");
+        }
+    }
 }
 
 /// The floor: one thread per stream, blocked in `wait_sync` on each fence of
@@ -182,6 +224,7 @@ fn start_raw_handoff<A: EventApi>(
 ) -> Box<dyn FnOnce()> {
     let mut by_stream: std::collections::BTreeMap<usize, Vec<_>> = Default::default();
     let mut tasks = Vec::with_capacity(fences.len());
+    let countdown = Countdown::new(fences.len());
     for Pending {
         index,
         stream,
@@ -189,10 +232,11 @@ fn start_raw_handoff<A: EventApi>(
     } in fences
     {
         let (sender, receiver) = futures::channel::oneshot::channel::<()>();
-        let wakes = wakes.clone();
+        let (wakes, countdown) = (wakes.clone(), countdown.clone());
         tasks.push(runtime.spawn(async move {
             receiver.await.expect("the stream's thread answers");
             wakes.set(index, clock.now());
+            countdown.done();
         }));
         by_stream.entry(stream).or_default().push((fence, sender));
     }
@@ -212,6 +256,7 @@ fn start_raw_handoff<A: EventApi>(
         for thread in threads {
             thread.join().expect("raw waiting thread");
         }
+        countdown.wait();
         handle.block_on(async {
             for task in tasks {
                 task.await.expect("task");

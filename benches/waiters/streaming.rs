@@ -69,7 +69,7 @@ pub fn streaming<R: Rig>(
             Metric::PeakThreads,
         ],
     );
-    let reps = settings.reps.clamp(1, 3);
+    let reps = settings.reps;
     table.notes.push(format!(
         "{streams} streams x {} items of {:?} back to back, a fence after each, each awaited by its own task \
          (tokio, 2 workers); latency: the task runs minus its item's end; CPU: from the first wait \

@@ -2,7 +2,7 @@
 //! [`Wait`]s in them. Work on streams in different shards never touches the
 //! same lock.
 
-use std::collections::BTreeMap;
+use std::collections::{btree_map, BTreeMap};
 
 use super::checked::Invariants;
 use super::slot::Slot;
@@ -125,16 +125,20 @@ impl Shard {
         if crate::plant::planted("wait-put-back-at-its-sequence") {
             place = wait.waitable.sequence();
         }
-        while lane.waits.contains_key(&place) {
-            place = place.wrapping_add(1);
-        }
+        // One walk down the tree for the usual free place: its entry.
+        let entry = loop {
+            match lane.waits.entry(place) {
+                btree_map::Entry::Vacant(entry) => break entry,
+                btree_map::Entry::Occupied(_) => place = place.wrapping_add(1),
+            }
+        };
         if crate::plant::planted("wait-put-back-at-its-sequence") {
             wait.placed = place;
         } else if place != wait.placed {
             wait.placed = place;
             wait.slot.moved_to(place);
         }
-        lane.waits.insert(place, wait);
+        entry.insert(wait);
         (place, new_lane)
     }
 
