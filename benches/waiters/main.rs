@@ -1,12 +1,15 @@
 //! This crate's `fence.await` against what users would use instead, on the
 //! same fences, in one run: `spawn_blocking(wait_sync)`, a thread per wait, a
-//! query-and-yield loop, and (the floor) a raw thread blocked in the backend's
-//! synchronize.
+//! query-and-yield loop, and the floors: a raw thread blocked in the
+//! backend's synchronize, and that thread handing each wake on (to a parked
+//! thread, or to the fence's task). Scenario 8 has streams end their work
+//! item after item, as kernels do on a GPU stream.
 //!
 //! ```sh
 //! cargo bench --bench waiters               # full run (host; CUDA too when present)
 //! cargo bench --bench waiters -- --quick    # smoke run, seconds
 //! cargo bench --bench waiters -- --large    # adds 100,000 awaits on 64 streams
+//! cargo bench --bench waiters -- --only 8   # streams ending items one after another
 //! ```
 //!
 //! Prints a table per scenario with each strategy's ratio to this crate's,

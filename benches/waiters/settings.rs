@@ -20,14 +20,14 @@ pub struct Settings {
     /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`;
     /// `8` is `8a`, `8b` and `8c`).
     pub only: Option<Vec<String>>,
-    /// `--strategies await,spawn_blocking`: in scenarios 2 and 2b, run just
-    /// these (by [`Strategy::flag`]), e.g. to profile one.
+    /// `--strategies await,spawn_blocking`: in scenarios 2, 2b and 8, run
+    /// just these (by [`Strategy::flag`]), e.g. to profile one.
     pub strategies: Option<Vec<String>>,
 }
 
 const USAGE: &str =
     "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,6b,7,8,8a,8b,8c] \
-     [--strategies await,spawn_blocking,thread,query_yield,raw]";
+     [--strategies await,spawn_blocking,thread,query_yield,raw,raw_handoff]";
 
 impl Settings {
     pub fn from_args() -> Self {
