@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use device_events::Waiter;
 
 use crate::measure::{
-    latencies, process_cpu, process_threads, quantile_us, Clock, Stamps, ThreadSampler,
+    latencies, median_run, process_cpu, process_threads, quantile_us, Clock, Stamps, ThreadSampler,
 };
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
@@ -106,19 +106,12 @@ pub fn many_pending<R: Rig>(
             ));
         }
     }
-    for (&strategy, mut runs) in strategies.iter().zip(all_runs) {
-        // The median run by p50, and the median of each figure over the runs.
-        runs.sort_by(|a, b| a.0[1].total_cmp(&b.0[1]));
-        let figures = (0..runs[0].0.len())
-            .map(|column| {
-                let mut values: Vec<f64> = runs.iter().map(|run| run.0[column]).collect();
-                values.sort_by(f64::total_cmp);
-                values[values.len() / 2]
-            })
-            .collect();
+    for (&strategy, runs) in strategies.iter().zip(all_runs) {
+        // The median of each figure, and the latencies of the median run by
+        // p50 (figure 1).
+        let (figures, latencies) = median_run(runs, 1);
         table.row(strategy.name(), figures);
-        let median = runs.swap_remove(runs.len() / 2);
-        series.push((strategy.name().to_owned(), median.1));
+        series.push((strategy.name().to_owned(), latencies));
     }
     (table, series)
 }

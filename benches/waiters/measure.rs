@@ -60,6 +60,22 @@ pub fn latencies(ends: &Stamps, wakes: &Stamps, from: usize) -> Vec<u64> {
     latencies
 }
 
+/// One strategy's runs (each its figures and its sorted latencies) made
+/// into one: the median of each figure over the runs, and the latencies of
+/// the median run by figure `by`.
+pub fn median_run(mut runs: Vec<(Vec<f64>, Vec<u64>)>, by: usize) -> (Vec<f64>, Vec<u64>) {
+    let figures = (0..runs[0].0.len())
+        .map(|column| {
+            let mut values: Vec<f64> = runs.iter().map(|run| run.0[column]).collect();
+            values.sort_by(f64::total_cmp);
+            values[values.len() / 2]
+        })
+        .collect();
+    runs.sort_by(|a, b| a.0[by].total_cmp(&b.0[by]));
+    let median = runs.swap_remove(runs.len() / 2);
+    (figures, median.1)
+}
+
 /// The `q` quantile of sorted `values`, in microseconds.
 pub fn quantile_us(sorted: &[u64], q: f64) -> f64 {
     if sorted.is_empty() {

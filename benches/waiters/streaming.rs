@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use device_events::Waiter;
 
 use crate::measure::{
-    latencies, process_cpu, process_threads, quantile_us, threads_cpu, Clock, Stamps,
+    latencies, median_run, process_cpu, process_threads, quantile_us, threads_cpu, Clock, Stamps,
     ThreadSampler, SAMPLER_THREAD,
 };
 use crate::report::{Metric, Scenario, Table};
@@ -93,18 +93,12 @@ pub fn streaming<R: Rig>(
         }
     }
     let mut series = Vec::new();
-    for (&strategy, mut runs) in strategies.iter().zip(all_runs) {
-        let figures = (0..runs[0].0.len())
-            .map(|column| {
-                let mut values: Vec<f64> = runs.iter().map(|run| run.0[column]).collect();
-                values.sort_by(f64::total_cmp);
-                values[values.len() / 2]
-            })
-            .collect();
+    for (&strategy, runs) in strategies.iter().zip(all_runs) {
+        // The median of each figure, and the latencies of the median run by
+        // p50 (figure 0).
+        let (figures, latencies) = median_run(runs, 0);
         table.row(strategy.name(), figures);
-        runs.sort_by(|a, b| a.0[0].total_cmp(&b.0[0]));
-        let median = runs.swap_remove(runs.len() / 2);
-        series.push((strategy.name().to_owned(), median.1));
+        series.push((strategy.name().to_owned(), latencies));
     }
     (table, series)
 }

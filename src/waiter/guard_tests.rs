@@ -6,72 +6,15 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
-use std::thread::Thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::mock_device::{Device, MockFence};
-use super::pool::{Config, Pool};
-use super::shard::Wait;
-use super::slot::Slot;
-use super::waitable::LaneKey;
+use super::mock_device::Device;
+use super::pool::Pool;
+use super::pool_tests_support::{eventually, result_of, submit};
 use crate::ServerError;
 
-const LIMIT: Duration = Duration::from_secs(20);
-
 fn pool(max_threads: usize) -> Pool {
-    Pool::new(Config {
-        max_threads,
-        keep_alive: Duration::from_millis(20),
-        thread_name: "guard-test".to_owned(),
-        spin_budget: Duration::ZERO,
-        resolvers: 1,
-    })
-}
-
-struct Unpark(Thread);
-
-impl Wake for Unpark {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
-}
-
-/// Hand a wait on `device` to `pool`; its slot.
-fn submit(pool: &Pool, device: &Arc<Device>, lane: u64, sequence: u64) -> Arc<Slot> {
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let slot = Arc::new(Slot::new(waker));
-    let fence = MockFence {
-        device: device.clone(),
-        lane,
-        sequence,
-    };
-    let wait = Wait::new(Box::new(fence), slot.clone(), LaneKey::for_tests(lane));
-    pool.submit(wait).expect("submitted");
-    slot
-}
-
-/// The slot's result, sleeping until it is woken; a test failure (not a
-/// hang) if none comes within `LIMIT`.
-fn result_of(slot: &Slot) -> Result<(), ServerError> {
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        if let Poll::Ready(result) = slot.poll(&mut Context::from_waker(&waker)) {
-            return result;
-        }
-        let left = deadline.checked_duration_since(Instant::now());
-        let left = left.expect("the wait resolved within the limit");
-        std::thread::park_timeout(left);
-    }
-}
-
-fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + LIMIT;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    super::pool_tests_support::pool("guard-test", max_threads, Duration::from_millis(20))
 }
 
 fn is_panicked(result: &Result<(), ServerError>) -> bool {

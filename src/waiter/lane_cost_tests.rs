@@ -5,77 +5,29 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
-use std::task::{Context, Poll, Wake, Waker};
-use std::thread::Thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use super::mock_device::{Device, MockFence};
-use super::pool::{Config, Pool};
-use super::shard::Wait;
+use super::mock_device::Device;
+use super::pool::Pool;
+use super::pool_tests_support::{eventually, result_of, submit};
 use super::slot::Slot;
-use super::waitable::LaneKey;
 
-const LIMIT: Duration = Duration::from_secs(20);
 const WAITS: usize = 32;
 
 fn pool() -> Pool {
-    Pool::new(Config {
-        max_threads: 4,
-        keep_alive: Duration::from_secs(5),
-        thread_name: "lane-cost-test".to_owned(),
-        spin_budget: Duration::ZERO,
-        resolvers: 1,
-    })
-}
-
-struct Unpark(Thread);
-
-impl Wake for Unpark {
-    fn wake(self: Arc<Self>) {
-        self.0.unpark();
-    }
+    super::pool_tests_support::pool("lane-cost-test", 4, Duration::from_secs(5))
 }
 
 /// `WAITS` waits in lane 0, in order, the `i`th on `devices[i]`; their slots.
 fn submit_all(pool: &Pool, devices: &[Arc<Device>]) -> Vec<Arc<Slot>> {
-    devices
-        .iter()
-        .enumerate()
-        .map(|(sequence, device)| {
-            let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-            let slot = Arc::new(Slot::new(waker));
-            let fence = MockFence {
-                device: device.clone(),
-                lane: 0,
-                sequence: sequence as u64,
-            };
-            let wait = Wait::new(Box::new(fence), slot.clone(), LaneKey::for_tests(0));
-            pool.submit(wait).expect("submitted");
-            slot
-        })
+    (0..)
+        .zip(devices)
+        .map(|(sequence, device)| submit(pool, device, 0, sequence))
         .collect()
 }
 
-/// Sleep until `slot` is resolved; a failure (not a hang) past `LIMIT`.
 fn resolved(slot: &Slot) {
-    let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
-    let deadline = Instant::now() + LIMIT;
-    loop {
-        if let Poll::Ready(result) = slot.poll(&mut Context::from_waker(&waker)) {
-            result.expect("resolved without error");
-            return;
-        }
-        let left = deadline.checked_duration_since(Instant::now());
-        std::thread::park_timeout(left.expect("the wait resolved within the limit"));
-    }
-}
-
-fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
-    let deadline = Instant::now() + LIMIT;
-    while !condition() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    result_of(slot).expect("resolved without error");
 }
 
 fn devices() -> Vec<Arc<Device>> {

@@ -93,6 +93,8 @@ mod loom_models;
 mod mock_device;
 mod permits;
 mod pool;
+#[cfg(all(test, not(device_events_loom)))]
+mod pool_tests_support;
 mod sched;
 mod servers;
 mod shard;
