@@ -453,8 +453,8 @@ impl Shared {
         }
     }
 
-    /// [`Pool::resolve_blocked`], and then, in the same hold of the shard's
-    /// lock, [`Pool::take_oldest`]: a lane thread's step from one wait to
+    /// [`Shared::resolve_blocked`], and then, in the same hold of the shard's
+    /// lock, [`Shared::take_oldest`]: a lane thread's step from one wait to
     /// the next, one lock round-trip per wait. The future is woken once the
     /// lock is let go.
     pub(super) fn resolve_blocked_and_take_next(
