@@ -155,9 +155,34 @@ impl<A: EventApi> EventFence<A> {
     /// ([`status::INVALID_HANDLE`]) for an
     /// invalid `stream`; a stream-capture error; or, on the fallback path,
     /// the error of the host wait.
-    pub fn wait_async(self, stream: A::Stream) -> Result<(), ServerError> {
-        let Some(event) = self.event? else {
-            return Ok(());
+    ///
+    /// The fence is not used up: the wait takes the fence's state at the
+    /// call, as the driver does ("`cuStreamWaitEvent()` use[s] the most
+    /// recently captured state at the time of the API call", `cuEventRecord`
+    /// in the CUDA driver API), so the same fence can then make another
+    /// stream wait, be awaited, be waited on, or go in a drop queue, with no
+    /// second event recorded.
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    ///
+    /// # futures::executor::block_on(async {
+    /// let stage_one = HostStream::new()?;
+    /// let stage_two = HostStream::new()?;
+    /// let logger = HostStream::new()?;
+    /// stage_one.launch(|| { /* work */ })?;
+    /// let done = stage_one.fence();
+    /// done.wait_async(stage_two.handle())?; // stage two runs after stage one
+    /// done.wait_async(logger.handle())?; // and so does the logger
+    /// done.await?; // and this task wakes once stage one is done
+    /// # Ok::<(), device_events::ServerError>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn wait_async(&self, stream: A::Stream) -> Result<(), ServerError> {
+        let event = match &self.event {
+            Ok(Some(event)) => event,
+            Ok(None) => return Ok(()),
+            Err(err) => return Err(err.clone()),
         };
         if let Err(err) = event.wait_async(stream) {
             // A stream-capture status is not a refusal to work around: a host

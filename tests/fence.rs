@@ -336,3 +336,42 @@ fn a_backend_without_stream_sequences_still_orders_its_fences() {
         fence.wait_sync().unwrap();
     }
 }
+
+#[test]
+fn one_fence_makes_two_streams_wait_and_is_then_awaited_with_one_event() {
+    let producer = HostStream::new().unwrap();
+    let first = HostStream::new().unwrap();
+    let second = HostStream::new().unwrap();
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let gate = Gate::hold(&producer);
+    let entry = log.clone();
+    producer
+        .launch(move || entry.lock().unwrap().push("produced"))
+        .unwrap();
+    let fence = producer.fence();
+    // Both waits take the fence's state at the call; the fence stays.
+    fence.wait_async(first.handle()).unwrap();
+    fence.wait_async(second.handle()).unwrap();
+    for (stream, name) in [(&first, "first"), (&second, "second")] {
+        let entry = log.clone();
+        stream
+            .launch(move || entry.lock().unwrap().push(name))
+            .unwrap();
+    }
+    let behind = [first.fence(), second.fence()];
+    assert!(!fence.is_complete().unwrap(), "the gate holds the producer");
+    assert!(behind.iter().all(|f| !f.is_complete().unwrap()));
+    gate.open();
+    futures::executor::block_on(fence.wait()).unwrap();
+    for fence in behind {
+        fence.wait_sync().unwrap();
+    }
+    let log = log.lock().unwrap();
+    assert_eq!(log[0], "produced", "both streams ran after the producer");
+    assert_eq!(log.len(), 3);
+    assert_eq!(
+        producer.live_events().created(),
+        1,
+        "one event served the two waits and the await"
+    );
+}
