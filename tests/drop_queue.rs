@@ -821,3 +821,74 @@ fn a_fence_whose_wait_panics_is_a_drop_queue_panic_and_its_value_leaks() {
     gate.open();
     queue.flush();
 }
+
+#[test]
+fn close_refuses_later_pushes_and_still_drops_what_was_queued_after_its_fence() {
+    let stream = HostStream::new().unwrap();
+    let counters = Counters::default();
+    let progress = Progress::default();
+    let queue = DropQueue::new(8).unwrap();
+    let gate = Gate::hold(&stream);
+    progress.step_on(&stream);
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    queue.close();
+    queue.close(); // twice is fine
+    for refused in [
+        queue.push(stream.fence(), counters.staging(1, &progress)),
+        queue.push_blocking(stream.fence(), counters.staging(1, &progress)),
+        futures::executor::block_on(
+            queue.push_async(stream.fence(), counters.staging(1, &progress)),
+        ),
+    ] {
+        let Err(Rejected::Closed(fence, value)) = refused else {
+            panic!("a push after close is refused as closed");
+        };
+        drop(fence);
+        std::mem::forget(value); // its work is held: not ours to drop here
+    }
+    assert_eq!(
+        counters.dropped.load(Ordering::SeqCst),
+        0,
+        "held by the gate"
+    );
+    gate.open();
+    queue.flush();
+    let stats = queue.stats();
+    assert_eq!((stats.pushed, stats.dropped), (1, 1));
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+#[test]
+fn a_shared_queue_shuts_down_through_any_handle_and_every_call_resolves() {
+    let stream = HostStream::new().unwrap();
+    let counters = Counters::default();
+    let progress = Progress::default();
+    let queue = Arc::new(DropQueue::new(8).unwrap());
+    let handler = queue.clone();
+    let gate = Gate::hold(&stream);
+    progress.step_on(&stream);
+    assert!(handler
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    // Two handles shut it down at once: both futures resolve, with the
+    // same final stats, once the thread has dropped the value and exited.
+    let mut first = Box::pin(queue.shutdown_async());
+    let mut second = Box::pin(handler.shutdown_async());
+    assert!(first.as_mut().now_or_never().is_none(), "held");
+    assert!(second.as_mut().now_or_never().is_none(), "held");
+    let Err(Rejected::Closed(_, refused)) =
+        handler.push(stream.fence(), counters.staging(1, &progress))
+    else {
+        panic!("closed from the moment shutdown_async was called");
+    };
+    std::mem::forget(refused); // its work is held: not ours to drop here
+    gate.open();
+    let (first, second) = futures::executor::block_on(futures::future::join(first, second));
+    assert_eq!((first.pushed, first.dropped, first.pending), (1, 1, 0));
+    assert_eq!((second.pushed, second.dropped), (1, 1));
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+    drop(handler);
+    drop(queue); // the thread is gone: returns at once
+}

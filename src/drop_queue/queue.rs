@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::future::Future;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::thread::JoinHandle;
 
 use super::fence::{drop_value, Fence};
@@ -79,7 +79,9 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 /// without blocking a thread.
 pub struct DropQueue<F: Fence, T: Send + 'static> {
     shared: Arc<Shared<F, T>>,
-    thread: Option<JoinHandle<()>>,
+    /// Taken by whichever shuts the queue down first: [`DropQueue::shutdown_async`]
+    /// (through `&self`, so behind a lock) or the queue's drop.
+    thread: Mutex<Option<JoinHandle<()>>>,
 }
 
 /// What a [`DropQueue`] has done.
@@ -123,7 +125,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         let _ = shared.thread.set(thread.thread().id());
         Ok(Self {
             shared,
-            thread: Some(thread),
+            thread: Mutex::new(Some(thread)),
         })
     }
 
@@ -276,15 +278,38 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// then resolves with the final stats once every fence has passed, every
     /// value is dropped and the thread has exited. Blocks no thread.
     ///
+    /// It takes `&self`, so a queue shared by a service's handlers (in an
+    /// `Arc`) shuts down without a lock of the service's own: handlers that
+    /// push meanwhile get [`Rejected::Closed`]. Every call's future
+    /// resolves once the thread has exited; the queue's drop afterwards
+    /// returns at once.
+    ///
     /// # Cancel safety
     ///
     /// Dropping the future before it resolves leaves the queue closed to new
     /// pushes; its thread still drops every value, and exits on its own.
+    ///
+    /// ```
+    /// use device_events::drop_queue::DropQueue;
+    /// use device_events::host::HostStream;
+    /// use std::sync::Arc;
+    ///
+    /// # futures::executor::block_on(async {
+    /// let stream = HostStream::new()?;
+    /// let queue = Arc::new(DropQueue::new(16)?);
+    /// let handler = queue.clone(); // as a request handler holds it
+    /// handler.push_async(stream.fence(), vec![0u8; 64]).await?;
+    /// let stats = queue.shutdown_async().await;
+    /// assert_eq!(stats.dropped, 1);
+    /// assert!(handler.push(stream.fence(), vec![0u8; 64]).is_err(), "closed");
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// # }).unwrap();
+    /// ```
     #[doc(alias = "shutdown")]
-    pub fn shutdown_async(mut self) -> impl Future<Output = DropQueueStats> + Send + 'static {
+    pub fn shutdown_async(&self) -> impl Future<Output = DropQueueStats> + Send + 'static {
         self.shared.close();
         let id = self.shared.lock().wakers.id();
-        let thread = self.thread.take();
+        let thread = self.take_thread();
         let progress = Progress {
             shared: self.shared.clone(),
             until: Until::Exited,
@@ -349,9 +374,28 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         HandedBack { entries }
     }
 
+    /// Refuse new pushes from now on ([`Rejected::Closed`]; `push_async`
+    /// futures not queued yet resolve with it too), without waiting: values
+    /// already queued are still dropped, each once its fence has passed, and
+    /// the queue's thread exits once it has dropped the last. Then
+    /// [`flush`](Self::flush), [`shutdown_async`](Self::shutdown_async) or
+    /// the queue's drop wait for that. Safe to call more than once, and from
+    /// any handle of a shared queue.
+    pub fn close(&self) {
+        self.shared.close();
+    }
+
+    /// The queue's thread, for the first caller that shuts the queue down.
+    fn take_thread(&self) -> Option<JoinHandle<()>> {
+        self.thread
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+    }
+
     fn close_and_join(&mut self) {
         self.shared.close();
-        if let Some(thread) = self.thread.take() {
+        if let Some(thread) = self.take_thread() {
             // The last handle dropped by a value on the queue's own thread:
             // that thread finishes on its own.
             if thread.thread().id() != current_thread() && thread.join().is_err() {
