@@ -157,7 +157,7 @@ impl<A: EventApi> EventFence<A> {
     /// the error of the host wait.
     ///
     /// The fence is not used up: the wait takes the fence's state at the
-    /// call, as the driver does ("`cuStreamWaitEvent()` use[s] the most
+    /// call, as the driver does ("`cuStreamWaitEvent()` use\[s\] the most
     /// recently captured state at the time of the API call", `cuEventRecord`
     /// in the CUDA driver API), so the same fence can then make another
     /// stream wait, be awaited, be waited on, or go in a drop queue, with no
