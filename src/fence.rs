@@ -114,6 +114,12 @@ impl<A: EventApi> EventFence<A> {
     /// Block until the device has reached this fence, so everything queued on
     /// its stream before it is done.
     ///
+    /// It blocks the calling thread for as long as the device takes. In async
+    /// code that thread is an executor's: its other tasks wait meanwhile (on
+    /// a current-thread runtime, all of them). There, use `.await` (or
+    /// [`wait`](Self::wait)), which hands the wait to the waiter's own
+    /// threads.
+    ///
     /// # Errors
     ///
     /// The error the fence holds (the driver refused the event and the stream
@@ -155,6 +161,13 @@ impl<A: EventApi> EventFence<A> {
     /// ([`status::INVALID_HANDLE`]) for an
     /// invalid `stream`; a stream-capture error; or, on the fallback path,
     /// the error of the host wait.
+    ///
+    /// A fault reaches the waiting stream: when the fenced stream's work
+    /// faults before the fence, `stream` is faulted too, its later work does
+    /// not run, and its fences fail with an error that names the wait it came
+    /// through. So a failed stage shows on every stage that waited on it,
+    /// whichever you wait on, as on CUDA, where a sticky fault poisons the
+    /// whole context.
     ///
     /// The fence is not used up: the wait takes the fence's state at the
     /// call, as the driver does ("`cuStreamWaitEvent()` use\[s\] the most

@@ -34,8 +34,8 @@
 //! [`AnyFence`] holds a fence of either backend.
 //!
 //! How the waiter serves awaits (lanes, one thread per busy stream, the
-//! poller, cancellation) is described once, in the [`Waiter`]'s module docs:
-//! see [`Waiter`] and its builder.
+//! poller, cancellation) is described once, in [`Waiter`]'s docs (its
+//! section "How it works: the lane algorithm"); see also its builder.
 //!
 //! # Knobs
 //!

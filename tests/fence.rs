@@ -375,3 +375,32 @@ fn one_fence_makes_two_streams_wait_and_is_then_awaited_with_one_event() {
         "one event served the two waits and the await"
     );
 }
+
+#[test]
+fn a_fault_before_a_fence_reaches_the_stream_made_to_wait_on_it() {
+    // Two contexts, so only the wait can carry the fault across.
+    let faulting = faultable_stream();
+    let waiting = faultable_stream();
+    let gate = Gate::hold(&faulting);
+    faulting
+        .launch(|| panic!("a fault in the first stage"))
+        .unwrap();
+    let stage_one = faulting.fence();
+    stage_one.wait_async(waiting.handle()).unwrap();
+    let ran = Arc::new(Mutex::new(false));
+    let flag = ran.clone();
+    waiting
+        .launch(move || *flag.lock().unwrap() = true)
+        .unwrap();
+    let stage_two = waiting.fence();
+    gate.open();
+    assert!(stage_one.wait_sync().unwrap_err().is_faulted());
+    let err = stage_two.wait_sync().unwrap_err();
+    assert!(err.is_faulted(), "{err}");
+    assert!(
+        err.to_string().contains("waited on"),
+        "the error names the wait it came through: {err}"
+    );
+    assert!(!*ran.lock().unwrap(), "the second stage's work never ran");
+    assert!(waiting.is_faulted());
+}

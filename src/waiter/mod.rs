@@ -1,82 +1,8 @@
 //! The waiter: `fence.await` without blocking an executor thread and without
 //! spinning.
 //!
-//! # The lane algorithm
-//!
-//! This is the one description of it; the README, the crate docs and the
-//! code (`pool.rs`, `sched.rs`, `shard.rs`, `servers.rs`) point here.
-//!
-//! 1. **First poll.** A future asks the device once (a query). A fence
-//!    already reached, or resolved when it was made, is ready at once: no
-//!    hand-off, no allocation. With a [`spin_budget`](WaiterBuilder::spin_budget)
-//!    (at most [`MAX_SPIN_BUDGET`]) it asks again until the budget is spent.
-//! 2. **Hand-off.** Otherwise the wait goes into its stream's *lane*, ordered
-//!    by the record's place in the stream
-//!    ([`EventApi::stream_sequence`]).
-//!    Lanes live in shards, each behind its own lock, so hand-offs,
-//!    resolutions and cancellations on different streams do not contend; a
-//!    second lock, the scheduler's, is taken only when a lane starts (it
-//!    needs a thread) or ends, and on cancellation (see `pool.rs`).
-//! 3. **One thread per busy lane.** Work on a stream completes in order, so
-//!    one *lane thread* serves a lane: it blocks on the oldest wait (sleeping
-//!    in the driver: `cuEventSynchronize` on a `BLOCKING_SYNC` event) and
-//!    resolves it. Then it takes the next wait out and asks it once. Not
-//!    reached (the usual case: a stream ends its work item after item), it
-//!    blocks on that one: one take from the lane and one query per wait.
-//!    Reached (a burst: work that ended while the thread was busy), it
-//!    resolves it and queries the later waits in batches, each twice the
-//!    last (from 2 up to 256) while all are reached, so a burst of thousands
-//!    costs a few lock round-trips per 256 waits and a short run puts back
-//!    no more unreached waits than it resolved; then it blocks on the first
-//!    not reached. 10,000 pending awaits on 16 streams need 16 threads.
-//!    Querying a batch is CPU work, so at most one lane thread per core
-//!    queries a batch at once; the others wait for a permit, asleep. The
-//!    wakes come after, with no permit held (see 7).
-//! 4. **Bounded threads.** Lane threads start on demand, up to
-//!    [`max_threads`](WaiterBuilder::max_threads) (default
-//!    [`DEFAULT_MAX_THREADS`], at most [`MAX_THREADS_LIMIT`]), and leave after
-//!    [`keep_alive`](WaiterBuilder::keep_alive) idle (default
-//!    [`DEFAULT_KEEP_ALIVE`]). A new lane thread starts only while there are
-//!    fewer lane threads than lanes. When more lanes are busy than that, one
-//!    extra *poller* thread serves the rest: each round it asks each lane's
-//!    oldest wait, resolves what is reached, and backs off (doubling from
-//!    `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` in `servers.rs`, 50 µs to 1 ms)
-//!    when nothing moved. So a fast stream never waits behind a slow one, and
-//!    a waiter never has more than `max_threads + 1` threads. A lane thread
-//!    that runs out of work takes a lane back from the poller.
-//! 5. **Cancellation.** Dropping a future *withdraws* its wait: out of its
-//!    lane at once, and a waiter thread (an idle one, else the poller, which
-//!    is started if it is not running) drops it, destroying its event off the
-//!    dropping thread. A burst of drops starts at most that one thread. Only
-//!    the wait a thread is blocked on right then stays with that thread until
-//!    its block ends.
-//! 6. **Faults and shutdown.** A panic in a backend call resolves that wait
-//!    with [`ServerError::WaiterPanicked`] and the thread goes on.
-//!    [`Waiter::shutdown`] resolves every pending wait, the blocked ones too,
-//!    with [`ServerError::WaiterGone`].
-//! 7. **Code the waiter calls but does not own.** A task's
-//!    [`Waker`](std::task::Waker), a fence's drop (its event's release, an
-//!    outside [`EventApi`]'s code) and the application's logger can panic.
-//!    Each call is made under `catch_unwind` and with no lock or resolve
-//!    permit held. A panicking wake costs only that wake: the task's result
-//!    is already in place (a later poll finds it), the panic is logged once,
-//!    and the thread finishes its batch and goes on; a panicking release
-//!    costs only that release. A waiter thread that unwinds all the same (a
-//!    bug in the waiter) fails the waits it held with
-//!    [`ServerError::WaiterPanicked`], uncounts itself and queues its lanes
-//!    for another thread on the way out: no future is left pending and no
-//!    count outlives its thread.
-//! 8. **Fork.** A forked child has only the thread that forked. A waiter made
-//!    before the fork refuses waits there with [`ServerError::WaiterForked`],
-//!    and reads no state the parent's threads may have held;
-//!    [`Waiter::global()`] is made afresh in the child and serves it. A
-//!    future handed off before the fork is not woken in the child (the
-//!    thread that would wake it stayed in the parent): polled there, it
-//!    resolves at once with [`ServerError::WaiterForked`].
-//!
-//! It depends on no executor: std [`Waker`](std::task::Waker)s only, so it
-//! works under tokio (multi- and current-thread), `futures::executor`, and
-//! any other runtime.
+//! The lane algorithm, how the waiter serves awaits, is described once, in
+//! [`Waiter`]'s docs.
 
 mod checked;
 mod contain;
@@ -142,6 +68,84 @@ pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 /// futures::executor::block_on(waiter.wait(fence))?;
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
+///
+/// # How it works: the lane algorithm
+///
+/// This is the one description of it; the README, the crate docs and the
+/// code (the waiter's `pool.rs`, `sched.rs`, `shard.rs`, `servers.rs`) point
+/// here.
+///
+/// 1. **First poll.** A future asks the device once (a query). A fence
+///    already reached, or resolved when it was made, is ready at once: no
+///    hand-off, no allocation. With a [`spin_budget`](WaiterBuilder::spin_budget)
+///    (at most [`MAX_SPIN_BUDGET`]) it asks again until the budget is spent.
+/// 2. **Hand-off.** Otherwise the wait goes into its stream's *lane*, ordered
+///    by the record's place in the stream
+///    ([`EventApi::stream_sequence`]).
+///    Lanes live in shards, each behind its own lock, so hand-offs,
+///    resolutions and cancellations on different streams do not contend; a
+///    second lock, the scheduler's, is taken only when a lane starts (it
+///    needs a thread) or ends, and on cancellation (see `pool.rs`).
+/// 3. **One thread per busy lane.** Work on a stream completes in order, so
+///    one *lane thread* serves a lane: it blocks on the oldest wait (sleeping
+///    in the driver: `cuEventSynchronize` on a `BLOCKING_SYNC` event) and
+///    resolves it. Then it takes the next wait out and asks it once. Not
+///    reached (the usual case: a stream ends its work item after item), it
+///    blocks on that one: one take from the lane and one query per wait.
+///    Reached (a burst: work that ended while the thread was busy), it
+///    resolves it and queries the later waits in batches, each twice the
+///    last (from 2 up to 256) while all are reached, so a burst of thousands
+///    costs a few lock round-trips per 256 waits and a short run puts back
+///    no more unreached waits than it resolved; then it blocks on the first
+///    not reached. 10,000 pending awaits on 16 streams need 16 threads.
+///    Querying a batch is CPU work, so at most one lane thread per core
+///    queries a batch at once; the others wait for a permit, asleep. The
+///    wakes come after, with no permit held (see 7).
+/// 4. **Bounded threads.** Lane threads start on demand, up to
+///    [`max_threads`](WaiterBuilder::max_threads) (default
+///    [`DEFAULT_MAX_THREADS`], at most [`MAX_THREADS_LIMIT`]), and leave after
+///    [`keep_alive`](WaiterBuilder::keep_alive) idle (default
+///    [`DEFAULT_KEEP_ALIVE`]). A new lane thread starts only while there are
+///    fewer lane threads than lanes. When more lanes are busy than that, one
+///    extra *poller* thread serves the rest: each round it asks each lane's
+///    oldest wait, resolves what is reached, and backs off (doubling from
+///    `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` in `servers.rs`, 50 µs to 1 ms)
+///    when nothing moved. So a fast stream never waits behind a slow one, and
+///    a waiter never has more than `max_threads + 1` threads. A lane thread
+///    that runs out of work takes a lane back from the poller.
+/// 5. **Cancellation.** Dropping a future *withdraws* its wait: out of its
+///    lane at once, and a waiter thread (an idle one, else the poller, which
+///    is started if it is not running) drops it, destroying its event off the
+///    dropping thread. A burst of drops starts at most that one thread. Only
+///    the wait a thread is blocked on right then stays with that thread until
+///    its block ends.
+/// 6. **Faults and shutdown.** A panic in a backend call resolves that wait
+///    with [`ServerError::WaiterPanicked`] and the thread goes on.
+///    [`Waiter::shutdown`] resolves every pending wait, the blocked ones too,
+///    with [`ServerError::WaiterGone`].
+/// 7. **Code the waiter calls but does not own.** A task's
+///    [`Waker`](std::task::Waker), a fence's drop (its event's release, an
+///    outside [`EventApi`]'s code) and the application's logger can panic.
+///    Each call is made under `catch_unwind` and with no lock or resolve
+///    permit held. A panicking wake costs only that wake: the task's result
+///    is already in place (a later poll finds it), the panic is logged once,
+///    and the thread finishes its batch and goes on; a panicking release
+///    costs only that release. A waiter thread that unwinds all the same (a
+///    bug in the waiter) fails the waits it held with
+///    [`ServerError::WaiterPanicked`], uncounts itself and queues its lanes
+///    for another thread on the way out: no future is left pending and no
+///    count outlives its thread.
+/// 8. **Fork.** A forked child has only the thread that forked. A waiter made
+///    before the fork refuses waits there with [`ServerError::WaiterForked`],
+///    and reads no state the parent's threads may have held;
+///    [`Waiter::global()`] is made afresh in the child and serves it. A
+///    future handed off before the fork is not woken in the child (the
+///    thread that would wake it stayed in the parent): polled there, it
+///    resolves at once with [`ServerError::WaiterForked`].
+///
+/// It depends on no executor: std [`Waker`](std::task::Waker)s only, so it
+/// works under tokio (multi- and current-thread), `futures::executor`, and
+/// any other runtime.
 #[derive(Clone)]
 pub struct Waiter {
     pool: Pool,
@@ -231,7 +235,13 @@ impl Waiter {
         self.pool.peak_threads()
     }
 
-    /// Waits handed to the threads and not yet resolved.
+    /// Waits handed to the threads and not finished: those in their lanes,
+    /// those a thread has taken out to query, and the one each lane thread
+    /// is blocked on. A wait whose future was dropped leaves the count at
+    /// once, except one a thread is blocked on (or has out) right then,
+    /// which counts until the thread lets go of it: for a blocked one, when
+    /// its block ends. A fence ready at its first poll is never handed off,
+    /// so never counted.
     pub fn pending(&self) -> usize {
         self.pool.pending()
     }
@@ -381,8 +391,11 @@ impl WaiterBuilder {
     ///
     /// A setting no thread could be started with (see
     /// [`try_build`](Self::try_build), which reports it here instead) is
-    /// logged as an error, and every wait handed to the waiter then resolves
-    /// with that [`ServerError::InvalidArgument`]; nothing panics.
+    /// logged as an error, and every wait handed to the waiter's threads
+    /// then resolves with that [`ServerError::InvalidArgument`]; nothing
+    /// panics. A fence already reached at its first poll needs no thread and
+    /// still resolves `Ok`, so the failure shows only on waits that wait,
+    /// and can look intermittent: build with `try_build` to see it at once.
     pub fn build(self) -> Waiter {
         if let Some(invalid) = self.config.invalid() {
             log::error!("{invalid}");

@@ -1,7 +1,7 @@
 //! [`Pool`]: the handle to a waiter's shared state, and the operations on
 //! its lanes under their locks: submit, withdraw, settle a batch, shut down.
-//! The lane algorithm is described once, in the [waiter's docs](super); the
-//! threads that serve lanes are in [`servers`](super::servers).
+//! The lane algorithm is described once, in [`Waiter`](super::Waiter)'s
+//! docs; the threads that serve lanes are in [`servers`](super::servers).
 
 use std::collections::btree_map::Entry;
 use std::ops::Deref;

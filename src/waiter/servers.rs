@@ -2,7 +2,7 @@
 //! the poller, serving lanes past `max_threads`; how they are started, how
 //! they resolve a lane's waits in batches, and the guard that gives back
 //! what a thread held if it unwinds. Steps 3 to 7 of the lane algorithm in
-//! the [waiter's docs](super).
+//! [`Waiter`](super::Waiter)'s docs.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::time::Duration;
