@@ -329,9 +329,27 @@ fn a_burst_of_dropped_futures_starts_at_most_one_extra_thread() {
 /// the first. When a thread takes it out and puts it back, it goes back to
 /// that place, so a dropped future still finds and withdraws it: its event
 /// is destroyed at once, not when the stream reaches it.
+///
+/// The lane is the poller's (the one lane thread is busy on another
+/// stream): each round it takes the oldest wait out, and once one is
+/// reached a batch of the next two, putting back those not reached.
 #[test]
 fn a_wait_placed_after_a_collision_is_withdrawn_from_where_it_was_put_back() {
     let waiter = Waiter::builder().max_threads(1).build();
+    let held = HostStream::new().unwrap();
+    inject(
+        held.handle(),
+        Plan {
+            label: "collision-holder",
+            ..Plan::default()
+        },
+    );
+    let held_gate = Gate::hold(&held);
+    let mut busy = waiter.wait(EventFence::<Faulty>::new(held.handle()));
+    assert!((&mut busy).now_or_never().is_none(), "held by its gate");
+    eventually(LIMIT, "the lane thread blocks on the held stream", || {
+        faulty::synchronizing(held.handle()) == 1
+    });
     let stream = HostStream::new().unwrap();
     inject(
         stream.handle(),
@@ -345,26 +363,35 @@ fn a_wait_placed_after_a_collision_is_withdrawn_from_where_it_was_put_back() {
     let mut first = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
     let second_gate = Gate::hold(&stream);
     let mut second = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
-    let mut third = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
-    for future in [&mut first, &mut second, &mut third] {
+    let third = waiter.wait(EventFence::<Faulty>::new(stream.handle()));
+    let mut third = Some(third);
+    for future in [&mut first, &mut second, third.as_mut().unwrap()] {
         assert!(future.now_or_never().is_none(), "held by the gates");
     }
-    // The lane's thread blocks on the first; once it is reached, it takes
-    // the second and third out to query them, puts them back (the second
-    // gate holds them), and blocks on the second.
+    // The poller resolves the first, then takes the second and third out
+    // together and puts both back (the second gate holds them).
     first_gate.open();
     assert_eq!(first.wait_sync_timeout(LIMIT), Some(Ok(())));
-    eventually(LIMIT, "the lane's thread blocks on the second", || {
-        faulty::synchronizing(stream.handle()) == 1
+    // Two more queries: a round of the poller's after that batch was put
+    // back (its rounds run one after another).
+    let asked = faulty::queries(stream.handle());
+    eventually(LIMIT, "two more rounds of the poller", || {
+        faulty::queries(stream.handle()) >= asked + 2
     });
     assert_eq!(faulty::destroyed(stream.handle()), 1, "the first's event");
-    drop(third);
+    drop(third.take());
     eventually(LIMIT, "the withdrawn third's event is destroyed", || {
         faulty::destroyed(stream.handle()) == 2
     });
-    assert_eq!(waiter.pending(), 1, "only the second, still blocked on");
+    assert_eq!(
+        waiter.pending(),
+        2,
+        "the second, and the held stream's wait"
+    );
     second_gate.open();
     assert_eq!(second.wait_sync_timeout(LIMIT), Some(Ok(())));
+    held_gate.open();
+    assert_eq!(busy.wait_sync_timeout(LIMIT), Some(Ok(())));
 }
 
 /// A lane beyond `max_threads` is polled only while every lane thread is
