@@ -22,6 +22,10 @@
 #   pending waits (exit status 0, no warnings or errors logged).
 # - tests/cuda_contexts.rs, tests/cuda_elapsed.rs: a primary context
 #   released and retained again, cuEventElapsedTime_v2, cross-context calls.
+# Not yet measured on a GPU: the benchmark's scenario 8 (streams ending
+# items one after another; a lane thread makes one cuEventQuery and one
+# cuEventSynchronize per item), and the cost of the capture checks
+# (scenarios 3 and 4 against the last GPU run's figures).
 set -u
 bin=${1:-device-bin}
 mode=${2:-}
