@@ -12,13 +12,14 @@ use futures::future::FusedFuture;
 #[cfg(feature = "cuda")]
 use crate::cuda::Cuda;
 use crate::host::Host;
-use crate::{EventFence, FenceFuture, ServerError, Waiter};
+use crate::{AnyStream, EventFence, FenceFuture, ServerError, Waiter};
 
 /// A fence of either backend, to hold, wait on and `.await` alike.
 ///
 /// Made with `From` (or `.into()`) from an `EventFence<Cuda>` or an
-/// `EventFence<Host>`. A device-side wait ([`EventFence::wait_async`]) needs
-/// a stream of the fence's own backend, so it is reached through the variant.
+/// `EventFence<Host>`, or by [`AnyStream::fence`]. A device-side wait
+/// ([`wait_async`](Self::wait_async)) takes an [`AnyStream`] of the fence's
+/// own backend.
 ///
 /// ```
 /// use device_events::host::HostStream;
@@ -90,6 +91,36 @@ impl AnyFence {
             #[cfg(feature = "cuda")]
             Self::Cuda(fence) => fence.is_resolved_at_creation(),
             Self::Host(fence) => fence.is_resolved_at_creation(),
+        }
+    }
+
+    /// Make `on` wait for this fence on the device; see
+    /// [`EventFence::wait_async`], whose fallback and errors it shares. The
+    /// fence is not used up.
+    ///
+    /// # Errors
+    ///
+    /// As for [`EventFence::wait_async`]; and
+    /// [`ServerError::InvalidArgument`], with no wait made, when `on` is a
+    /// stream of the other backend (a device cannot wait on another
+    /// backend's event).
+    pub fn wait_async(&self, on: &AnyStream) -> Result<(), ServerError> {
+        match (self, on) {
+            #[cfg(feature = "cuda")]
+            (Self::Cuda(fence), AnyStream::Cuda(stream)) => {
+                fence.wait_async(crate::cuda::CudaStreamHandle::new(stream))
+            }
+            (Self::Host(fence), AnyStream::Host(stream)) => fence.wait_async(stream.handle()),
+            #[allow(unreachable_patterns)]
+            _ => Err(ServerError::InvalidArgument {
+                what: "AnyFence::wait_async",
+                reason: format!(
+                    "a {} fence cannot make a {} stream wait on the device: both must be of \
+                     one backend",
+                    self.backend(),
+                    on.backend()
+                ),
+            }),
         }
     }
 

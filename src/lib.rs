@@ -31,7 +31,7 @@
 //! wait (each with a warning logged through the [`log`] crate, targets
 //! `device_events::*`; tracing users forward them with `tracing-log`), and
 //! driver faults come back as [`ServerError`], never as a panic or a hang.
-//! [`AnyFence`] holds a fence of either backend.
+//! [`AnyFence`] holds a fence of either backend, and [`AnyStream`] a stream.
 //!
 //! How the waiter serves awaits (lanes, one thread per busy stream, the
 //! poller, cancellation) is described once, in [`Waiter`]'s docs (its
@@ -60,7 +60,7 @@
 //! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | any backend, fences, the waiter |
 //! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | the waiter, any backend by name |
 //! | `waiter` | [`Waiter`]: threads, lanes, hand-off, the futures | any backend, the profiler, the drop queue, `any_fence` |
-//! | `any_fence` | [`AnyFence`]: a fence of either backend, built on fences and the waiter | the profiler, the drop queue |
+//! | `any_fence`, `any_stream` | [`AnyFence`] and [`AnyStream`]: a fence and a stream of either backend, built on fences and the waiter | the profiler, the drop queue |
 //! | `profiler`, `drop_queue` | [`EventProfiler`], [`drop_queue::DropQueue`] and its `Fence` trait (implemented there for [`EventFence`] and [`AnyFence`]): built on fences and the waiter | one another |
 //!
 //! `loom` (the waiter's locks and threads, swapped for loom's in its models),
@@ -115,6 +115,7 @@ mod waiter;
 
 #[cfg(multi_threading)]
 mod any_fence;
+mod any_stream;
 
 #[cfg(multi_threading)]
 pub mod drop_queue;
@@ -132,6 +133,7 @@ mod shards;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};
+pub use any_stream::AnyStream;
 pub use api::{EventApi, EventFlags};
 #[cfg(feature = "cuda")]
 pub use backend::cuda;

@@ -3,42 +3,17 @@
 //! instead.
 #![cfg(feature = "cuda")]
 
-use std::sync::{Arc, OnceLock};
+mod common;
+
 use std::time::{Duration, Instant};
 
-use device_events::cuda::cudarc::driver::CudaContext;
-use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
+use device_events::cuda::{self, Cuda, CudaStreamHandle};
 use device_events::{Event, EventApi, EventFence, EventFlags, ServerError};
+
+use common::gpu::{gpu, required};
 
 /// Long enough that a host call returning before it ends did not wait for it.
 const LONG: Duration = Duration::from_millis(300);
-
-fn required() -> bool {
-    std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|value| value == "1")
-}
-
-/// The device's context and the sleep kernel, or `None` (skipping) without
-/// one. The kernel is loaded once for the whole binary, before any test
-/// launches it: loading a module can synchronize its context (the driver
-/// waits for the work in flight on every stream, as an H200 showed), so a
-/// test loading its own kernel while another's sleep runs would end that
-/// sleep's wait early and fail the tests that check work is still running.
-fn gpu(test: &str) -> Option<(Arc<CudaContext>, &'static SleepKernel)> {
-    static LOADED: OnceLock<Result<(Arc<CudaContext>, SleepKernel), ServerError>> = OnceLock::new();
-    let loaded = LOADED.get_or_init(|| {
-        cuda::context(0).and_then(|ctx| SleepKernel::new(&ctx).map(|kernel| (ctx, kernel)))
-    });
-    match loaded {
-        Ok((ctx, kernel)) => Some((ctx.clone(), kernel)),
-        Err(err) if required() => {
-            panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
-        }
-        Err(err) => {
-            eprintln!("skipping {test}: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
-            None
-        }
-    }
-}
 
 #[test]
 fn without_a_driver_the_backend_is_unavailable_not_a_panic() {

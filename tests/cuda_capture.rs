@@ -7,39 +7,20 @@
 //! test says why it skips.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::mpsc;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use device_events::cuda::cudarc::driver::sys::{
     CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus,
 };
-use device_events::cuda::cudarc::driver::{CudaContext, CudaStream};
-use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
+use device_events::cuda::cudarc::driver::CudaStream;
+use device_events::cuda::{self, Cuda, CudaStreamHandle};
 use device_events::{status, EventApi, ServerError, Waiter};
 
-fn required() -> bool {
-    std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|value| value == "1")
-}
-
-/// The device's context and the sleep kernel, loaded once for the binary
-/// (a module load synchronizes its context; see `tests/cuda.rs`).
-fn gpu(test: &str) -> Option<(Arc<CudaContext>, &'static SleepKernel)> {
-    static LOADED: OnceLock<Result<(Arc<CudaContext>, SleepKernel), ServerError>> = OnceLock::new();
-    let loaded = LOADED.get_or_init(|| {
-        cuda::context(0).and_then(|ctx| SleepKernel::new(&ctx).map(|kernel| (ctx, kernel)))
-    });
-    match loaded {
-        Ok((ctx, kernel)) => Some((ctx.clone(), kernel)),
-        Err(err) if required() => {
-            panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
-        }
-        Err(err) => {
-            eprintln!("skipping {test}: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
-            None
-        }
-    }
-}
+use common::gpu::gpu;
 
 const GLOBAL: CUstreamCaptureMode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
 

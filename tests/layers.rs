@@ -46,7 +46,14 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("fence", &["event"]),
     ("waiter", &["event", "fence"]),
     // Either backend's fence, built on fences and the waiter.
-    ("any_fence", &["backend", "event", "fence", "waiter"]),
+    (
+        "any_fence",
+        &["backend", "event", "fence", "waiter", "any_stream"],
+    ),
+    (
+        "any_stream",
+        &["backend", "event", "fence", "waiter", "any_fence"],
+    ),
     // Built on fences and the waiter; not on one another.
     (
         "profiler",

@@ -1,8 +1,10 @@
 //! Shared test helpers: a fault-injecting backend over the host backend, a log
-//! capture, and a gate that holds a stream's worker.
+//! capture, a gate that holds a stream's worker, and the CUDA tests' device.
 #![allow(dead_code)] // each test binary uses a different part
 
 pub mod faulty;
+#[cfg(feature = "cuda")]
+pub mod gpu;
 pub mod logs;
 
 use std::sync::atomic::{AtomicUsize, Ordering};

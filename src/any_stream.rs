@@ -1,0 +1,123 @@
+//! [`AnyStream`]: one stream type for code that runs on a GPU when there is
+//! one and on host streams otherwise, beside [`AnyFence`].
+
+use std::fmt;
+use std::sync::Arc;
+
+#[cfg(feature = "cuda")]
+use crate::cuda::{self, cudarc::driver::CudaStream, Cuda, CudaStreamHandle};
+use crate::host::HostStream;
+use crate::{AnyFence, ServerError};
+
+/// A stream of either backend: cheap to clone (one `Arc`), made with `From`
+/// (or `.into()`) from a cudarc `Arc<CudaStream>` or a [`HostStream`].
+///
+/// A service written against it differs per backend only where it launches
+/// its own work (a kernel is not a closure): [`fence`](Self::fence) records
+/// an [`AnyFence`], which `.await`s, waits, goes in a drop queue, and makes
+/// another `AnyStream` wait on the device ([`AnyFence::wait_async`]).
+///
+/// ```
+/// use device_events::host::HostStream;
+/// use device_events::{AnyFence, AnyStream};
+///
+/// /// Stage two runs behind stage one on the device; the task awaits both.
+/// async fn pipeline(
+///     one: &AnyStream,
+///     two: &AnyStream,
+///     launch: impl Fn(&AnyStream) -> Result<(), device_events::ServerError>,
+/// ) -> Result<(), device_events::ServerError> {
+///     launch(one)?;
+///     let first = one.fence();
+///     first.wait_async(two)?; // the device orders stage two after stage one
+///     launch(two)?;
+///     let second = two.fence();
+///     first.await?;
+///     second.await
+/// }
+///
+/// // Launching is the only code written per backend.
+/// let launch = |stream: &AnyStream| match stream {
+///     AnyStream::Host(host) => host.launch(|| { /* stage work */ }),
+///     // AnyStream::Cuda(stream) => your kernel's launch on `stream`,
+///     _ => unreachable!("only host streams in this example"),
+/// };
+/// let one = AnyStream::from(HostStream::new()?);
+/// let two = AnyStream::from(HostStream::new()?);
+/// futures::executor::block_on(pipeline(&one, &two, launch))?;
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+#[derive(Clone)]
+#[non_exhaustive]
+pub enum AnyStream {
+    /// A CUDA stream.
+    #[cfg(feature = "cuda")]
+    Cuda(Arc<CudaStream>),
+    /// A host stream.
+    Host(Arc<HostStream>),
+}
+
+impl AnyStream {
+    /// The backend's name, `"Cuda"` or `"Host"`, as [`AnyFence::backend`].
+    pub fn backend(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(_) => "Cuda",
+            Self::Host(_) => "Host",
+        }
+    }
+
+    /// Record a fence at the stream's current position; see
+    /// [`EventFence::new`](crate::EventFence::new).
+    pub fn fence(&self) -> AnyFence {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(stream) => cuda::fence(stream).into(),
+            Self::Host(stream) => stream.fence().into(),
+        }
+    }
+
+    /// Block until the stream's queued work has finished.
+    ///
+    /// # Errors
+    ///
+    /// The stream's (or its context's) fault, or the driver's error.
+    pub fn synchronize(&self) -> Result<(), ServerError> {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(stream) => {
+                <Cuda as crate::EventApi>::stream_synchronize(CudaStreamHandle::new(stream))
+            }
+            Self::Host(stream) => stream.synchronize(),
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl From<Arc<CudaStream>> for AnyStream {
+    fn from(stream: Arc<CudaStream>) -> Self {
+        Self::Cuda(stream)
+    }
+}
+
+impl From<HostStream> for AnyStream {
+    fn from(stream: HostStream) -> Self {
+        Self::Host(Arc::new(stream))
+    }
+}
+
+impl From<Arc<HostStream>> for AnyStream {
+    fn from(stream: Arc<HostStream>) -> Self {
+        Self::Host(stream)
+    }
+}
+
+impl fmt::Debug for AnyStream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(stream) => f.debug_tuple("Cuda").field(stream).finish(),
+            Self::Host(stream) => f.debug_tuple("Host").field(stream).finish(),
+        }
+    }
+}

@@ -1,0 +1,165 @@
+//! `AnyStream` and `AnyFence::wait_async`: a pipeline written once, run on
+//! host streams and on CUDA (the fake driver in `scripts/fake-cuda.sh`, or a
+//! GPU; without a driver the CUDA half says why it skips).
+
+mod common;
+
+use std::time::Duration;
+
+use common::Gate;
+use device_events::host::HostStream;
+use device_events::{AnyFence, AnyStream, ServerError};
+
+/// What a run of [`pipeline`] saw.
+struct Seen {
+    /// Stage two was done right after its fence was recorded.
+    second_done_at_once: bool,
+    /// Stage one was done when stage two's await returned.
+    first_done_before_second: bool,
+    results: (Result<(), ServerError>, Result<(), ServerError>),
+}
+
+/// Two stages: stage one on `one`, stage two on `two` made to wait for it
+/// on the device, each stage's fence awaited, stage two's first. Written
+/// once for either backend: `launch` (the per-backend part) queues a
+/// stage's work; `release` lets stage one finish, where a test holds it
+/// (given stage two's fence, to check meanwhile).
+async fn pipeline(
+    one: &AnyStream,
+    two: &AnyStream,
+    launch: impl Fn(&AnyStream) -> Result<(), ServerError>,
+    release: impl FnOnce(&AnyFence),
+) -> Seen {
+    launch(one).expect("stage one launched");
+    let first: AnyFence = one.fence();
+    first
+        .wait_async(two)
+        .expect("stage two waits on the device");
+    launch(two).expect("stage two launched");
+    let second = two.fence();
+    let second_done_at_once = second.is_complete().expect("a query");
+    release(&second);
+    let second = second.await;
+    let first_done_before_second = first.is_complete().expect("a query");
+    Seen {
+        second_done_at_once,
+        first_done_before_second,
+        results: (first.await, second),
+    }
+}
+
+#[test]
+fn a_pipeline_written_once_runs_on_host_streams() {
+    let one = AnyStream::from(HostStream::new().unwrap());
+    let two = AnyStream::from(HostStream::new().unwrap());
+    assert_eq!((one.backend(), two.backend()), ("Host", "Host"));
+    let AnyStream::Host(host_one) = &one else {
+        unreachable!("made from a host stream")
+    };
+    // Stage one is held until the pipeline has recorded stage two's fence:
+    // stage two waits for it on the "device", not on the host.
+    let gate = Gate::hold(host_one);
+    let launch = |stream: &AnyStream| match stream {
+        AnyStream::Host(host) => host.launch(|| {}),
+        _ => unreachable!("host streams here"),
+    };
+    // Held, stage two must stay not done however long stream two's worker
+    // has had (without the device-side wait it is done within
+    // microseconds); then stage one is released.
+    let release = |second: &AnyFence| {
+        let until = std::time::Instant::now() + Duration::from_millis(50);
+        while std::time::Instant::now() < until {
+            assert!(
+                !second.is_complete().unwrap(),
+                "stage two ran before stage one was released"
+            );
+            std::thread::yield_now();
+        }
+        gate.open();
+    };
+    let seen = futures::executor::block_on(pipeline(&one, &two, launch, release));
+    assert!(
+        !seen.second_done_at_once,
+        "stage two ran before stage one was released"
+    );
+    assert!(seen.first_done_before_second);
+    assert_eq!(seen.results, (Ok(()), Ok(())));
+    two.synchronize().unwrap();
+    // Cheap to clone: the same stream.
+    let again = one.clone();
+    futures::executor::block_on(again.fence().wait()).unwrap();
+}
+
+#[cfg(feature = "cuda")]
+mod cuda {
+    use std::sync::Arc;
+
+    use super::common::gpu::gpu;
+    use super::*;
+
+    #[test]
+    fn the_same_pipeline_runs_on_cuda_streams() {
+        let Some((ctx, sleep)) = gpu("the_same_pipeline_runs_on_cuda_streams") else {
+            return;
+        };
+        let one = AnyStream::from(ctx.new_stream().unwrap());
+        let two = AnyStream::from(ctx.new_stream().unwrap());
+        assert_eq!((one.backend(), two.backend()), ("Cuda", "Cuda"));
+        // Stage one sleeps long enough that stage two, behind it on the
+        // device, cannot be done when its fence is first asked.
+        let launch = |stream: &AnyStream| match stream {
+            AnyStream::Cuda(cuda) => {
+                let length = if Arc::ptr_eq(cuda, one_stream(&one)) {
+                    Duration::from_millis(200)
+                } else {
+                    Duration::from_micros(1)
+                };
+                sleep.launch(cuda, length)
+            }
+            _ => unreachable!("CUDA streams here"),
+        };
+        let seen = futures::executor::block_on(pipeline(&one, &two, launch, |_| {}));
+        assert!(!seen.second_done_at_once, "stage two ran before stage one");
+        // Stage two's own work is 1 µs; only the device-side wait kept it
+        // behind stage one's 200 ms.
+        assert!(
+            seen.first_done_before_second,
+            "stage two ran before stage one"
+        );
+        assert_eq!(seen.results, (Ok(()), Ok(())));
+        two.synchronize().unwrap();
+    }
+
+    fn one_stream(stream: &AnyStream) -> &Arc<device_events::cuda::cudarc::driver::CudaStream> {
+        match stream {
+            AnyStream::Cuda(cuda) => cuda,
+            _ => unreachable!("a CUDA stream"),
+        }
+    }
+
+    #[test]
+    fn a_fence_cannot_make_a_stream_of_the_other_backend_wait() {
+        let Some((ctx, _)) = gpu("a_fence_cannot_make_a_stream_of_the_other_backend_wait") else {
+            return;
+        };
+        let cuda_stream = AnyStream::from(ctx.new_stream().unwrap());
+        let host_stream = AnyStream::from(HostStream::new().unwrap());
+        for (fence, on) in [
+            (cuda_stream.fence(), &host_stream),
+            (host_stream.fence(), &cuda_stream),
+        ] {
+            let err = fence.wait_async(on).unwrap_err();
+            assert!(
+                matches!(err, ServerError::InvalidArgument { .. }),
+                "{err:?}"
+            );
+            let message = err.to_string();
+            assert!(
+                message.contains("Cuda") && message.contains("Host"),
+                "the error names both backends: {message}"
+            );
+            // The fence is still good for everything else.
+            futures::executor::block_on(fence.wait()).unwrap();
+        }
+    }
+}
