@@ -4,7 +4,9 @@
 //! It runs on a *current-thread* runtime, so a single thread serves every
 //! connection, and a heartbeat task measures how late its ticks fire: an await
 //! that blocked the thread would show up as a lag the length of a job. Runs on
-//! CUDA when a GPU is present, on the host backend otherwise.
+//! CUDA when a GPU is present, on the host backend otherwise: the service
+//! holds `AnyStream`s, and only launching a job's work is written per
+//! backend.
 //!
 //! `cargo run --example tokio_service`
 
@@ -12,8 +14,8 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use device_events::host::{Host, HostStream};
-use device_events::{EventFence, ServerError};
+use device_events::host::HostStream;
+use device_events::{AnyStream, ServerError};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{TcpListener, TcpStream};
 
@@ -26,9 +28,17 @@ const TICK: Duration = Duration::from_millis(2);
 /// Tells the heartbeat to stop once every client is done.
 static STOP: AtomicBool = AtomicBool::new(false);
 
-/// The streams jobs run on: CPU worker queues, or CUDA streams.
-enum Streams {
-    Host(Vec<HostStream>),
+/// The streams jobs run on, CPU worker queues or CUDA streams alike, and
+/// how work is launched on them: the one part written per backend.
+struct Streams {
+    streams: Vec<AnyStream>,
+    launcher: Launcher,
+}
+
+/// Launching a job's work: a closure on a host stream, a kernel on a CUDA
+/// stream.
+enum Launcher {
+    Host,
     #[cfg(feature = "cuda")]
     Cuda(gpu::Gpu),
 }
@@ -37,28 +47,40 @@ impl Streams {
     fn open() -> Result<Self, ServerError> {
         #[cfg(feature = "cuda")]
         match gpu::Gpu::open(STREAMS) {
-            Ok(gpu) => {
+            Ok((gpu, streams)) => {
                 println!("backend: CUDA, device 0");
-                return Ok(Self::Cuda(gpu));
+                return Ok(Self {
+                    streams,
+                    launcher: Launcher::Cuda(gpu),
+                });
             }
             Err(why) => println!("backend: Host (no CUDA GPU here: {why})"),
         }
         let streams = (0..STREAMS)
-            .map(|_| HostStream::new())
+            .map(|_| HostStream::new().map(AnyStream::from))
             .collect::<Result<_, _>>()?;
-        Ok(Self::Host(streams))
+        Ok(Self {
+            streams,
+            launcher: Launcher::Host,
+        })
     }
 
-    /// Launch `length` of work on stream `index` and await its fence.
+    /// Launch `length` of work on stream `index` and await its fence: the
+    /// same code on either backend, but for the launch.
     async fn run_job(&self, index: usize, length: Duration) -> Result<(), ServerError> {
-        match self {
-            Self::Host(streams) => {
-                let stream = &streams[index % streams.len()];
-                stream.launch(move || std::thread::sleep(length))?;
-                EventFence::<Host>::new(stream.handle()).await
+        let stream = &self.streams[index % self.streams.len()];
+        self.launch(stream, length)?;
+        stream.fence().await
+    }
+
+    fn launch(&self, stream: &AnyStream, length: Duration) -> Result<(), ServerError> {
+        match (&self.launcher, stream) {
+            (Launcher::Host, AnyStream::Host(host)) => {
+                host.launch(move || std::thread::sleep(length))
             }
             #[cfg(feature = "cuda")]
-            Self::Cuda(gpu) => gpu.launch(index, length)?.await,
+            (Launcher::Cuda(gpu), AnyStream::Cuda(cuda)) => gpu.launch(cuda, length),
+            _ => unreachable!("the streams were made for their launcher's backend"),
         }
     }
 }
@@ -158,33 +180,32 @@ mod gpu {
     use std::time::Duration;
 
     use device_events::cuda::cudarc::driver::{CudaContext, CudaStream};
-    use device_events::cuda::{self, CudaFence, SleepKernel};
-    use device_events::ServerError;
+    use device_events::cuda::{self, SleepKernel};
+    use device_events::{AnyStream, ServerError};
 
+    /// The device's context and the kernel jobs launch.
     pub struct Gpu {
         _ctx: Arc<CudaContext>,
-        streams: Vec<Arc<CudaStream>>,
         sleep: SleepKernel,
     }
 
     impl Gpu {
-        pub fn open(streams: usize) -> Result<Self, ServerError> {
+        /// The device, and `streams` streams on it.
+        pub fn open(streams: usize) -> Result<(Self, Vec<AnyStream>), ServerError> {
             let ctx = cuda::context(0)?;
             let sleep = SleepKernel::new(&ctx)?;
             let streams = (0..streams)
-                .map(|_| ctx.new_stream())
+                .map(|_| ctx.new_stream().map(AnyStream::from))
                 .collect::<Result<_, _>>()?;
-            Ok(Self {
-                _ctx: ctx,
-                streams,
-                sleep,
-            })
+            Ok((Self { _ctx: ctx, sleep }, streams))
         }
 
-        pub fn launch(&self, index: usize, length: Duration) -> Result<CudaFence, ServerError> {
-            let stream = &self.streams[index % self.streams.len()];
-            self.sleep.launch(stream, length)?;
-            Ok(cuda::fence(stream))
+        pub fn launch(
+            &self,
+            stream: &Arc<CudaStream>,
+            length: Duration,
+        ) -> Result<(), ServerError> {
+            self.sleep.launch(stream, length)
         }
     }
 }

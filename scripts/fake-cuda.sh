@@ -23,4 +23,5 @@ done
 cargo test --test cuda_exit --test cuda_elapsed --test cuda_record_order
 cargo run --example fences
 cargo run --example join_streams
+cargo run --example tokio_service
 cargo test --doc
