@@ -12,7 +12,7 @@ use futures::future::FusedFuture;
 #[cfg(feature = "cuda")]
 use crate::cuda::Cuda;
 use crate::host::Host;
-use crate::{AnyStream, EventFence, FenceFuture, ServerError, Waiter};
+use crate::{AnyStream, EventApi, EventFence, FenceFuture, ServerError, Waiter};
 
 /// A fence of either backend, to hold, wait on and `.await` alike.
 ///
@@ -51,8 +51,8 @@ impl AnyFence {
     pub fn backend(&self) -> &'static str {
         match self {
             #[cfg(feature = "cuda")]
-            Self::Cuda(_) => "Cuda",
-            Self::Host(_) => "Host",
+            Self::Cuda(_) => <Cuda as EventApi>::BACKEND,
+            Self::Host(_) => <Host as EventApi>::BACKEND,
         }
     }
 

@@ -6,8 +6,8 @@ use std::sync::Arc;
 
 #[cfg(feature = "cuda")]
 use crate::cuda::{self, cudarc::driver::CudaStream, Cuda, CudaStreamHandle};
-use crate::host::HostStream;
-use crate::{AnyFence, ServerError};
+use crate::host::{Host, HostStream};
+use crate::{AnyFence, EventApi, ServerError};
 
 /// A stream of either backend: cheap to clone (one `Arc`), made with `From`
 /// (or `.into()`) from a cudarc `Arc<CudaStream>` or a [`HostStream`].
@@ -62,8 +62,8 @@ impl AnyStream {
     pub fn backend(&self) -> &'static str {
         match self {
             #[cfg(feature = "cuda")]
-            Self::Cuda(_) => "Cuda",
-            Self::Host(_) => "Host",
+            Self::Cuda(_) => <Cuda as EventApi>::BACKEND,
+            Self::Host(_) => <Host as EventApi>::BACKEND,
         }
     }
 
@@ -86,7 +86,7 @@ impl AnyStream {
         match self {
             #[cfg(feature = "cuda")]
             Self::Cuda(stream) => {
-                <Cuda as crate::EventApi>::stream_synchronize(CudaStreamHandle::new(stream))
+                <Cuda as EventApi>::stream_synchronize(CudaStreamHandle::new(stream))
             }
             Self::Host(stream) => stream.synchronize(),
         }
