@@ -1,6 +1,6 @@
 //! [`AnyFence`]: one fence type for code that runs on a GPU when there is one
 //! and on host streams otherwise, without being generic over
-//! [`EventApi`](crate::EventApi).
+//! [`EventApi`].
 
 use std::fmt;
 use std::future::{Future, IntoFuture};
