@@ -1,8 +1,10 @@
 //! An HTTP service as tokio users build one (axum on a multi-thread runtime):
-//! `POST /jobs` launches work on one of a set of streams and awaits its
-//! fence; `GET /stats` reports the waiter and the process's threads. CUDA
-//! streams (with `SleepKernel`) when a GPU is present, host streams
-//! otherwise.
+//! `POST /jobs` launches work on one of a set of streams, times it with a
+//! profiler and awaits its fence; `GET /stats` reports the waiter, the
+//! profiler, the drop queue and the process's threads. CUDA streams (with
+//! `SleepKernel`) when a GPU is present, host streams otherwise: the service
+//! holds `AnyStream`s, and only launching a job's work is written per
+//! backend (`Launcher::launch`).
 //!
 //! ```sh
 //! cargo run --release --example http_service                    # port 3000
@@ -15,19 +17,24 @@
 //!
 //! A job is `{"work_us": N, "stream": "any" | K, "fault": false}`: `N`
 //! microseconds of device work (0 to 10 s) on stream `K` (or the next one,
-//! round robin). The answer is `{"stream", "queued_us", "total_us",
-//! "backend"}`: the time the work waited behind earlier work on its stream,
-//! and the whole request. Bad input gets a 4xx with the reason; a faulted
-//! stream (`"fault": true` on a host stream panics in its work, as an illegal
-//! address would) answers 500 with the `ServerError`, and the others go on.
+//! round robin). The answer is `{"stream", "device_us", "queued_us",
+//! "total_us", "backend"}`: the device time of the work (from the
+//! profiler), the rest of the request's time (mostly waiting behind earlier
+//! work on its stream), and the whole request. The request's body stands
+//! for a staging buffer the work reads: it is kept in a drop queue until
+//! the work's fence passes. Bad input gets a 4xx with the reason; a faulted
+//! stream (`"fault": true` on a host stream panics in its work, as an
+//! illegal address would) answers 500 with the `ServerError`, and the
+//! others go on.
 //!
 //! `--spawn-blocking` waits with `spawn_blocking(move || fence.wait_sync())`
 //! instead of `.await`, for comparison. Ctrl-C stops accepting, lets requests
-//! in flight finish (up to 10 s), then shuts the waiter down.
+//! in flight finish (up to 10 s), then shuts the drop queue and the waiter
+//! down.
 
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -37,8 +44,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use device_events::host::{HostContext, HostStream};
-use device_events::{AnyFence, ServerError, Waiter};
+use device_events::drop_queue::DropQueue;
+use device_events::host::HostContext;
+use device_events::{AnyFence, AnyProfile, AnyProfiler, AnyStream, ServerError, Waiter};
 use serde_json::{json, Value};
 
 /// The port when none is given.
@@ -49,6 +57,8 @@ pub const STREAMS: usize = 4;
 pub const MAX_WORK: Duration = Duration::from_secs(10);
 /// How long shutdown lets requests in flight finish.
 pub const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(10);
+/// How many staging buffers may wait for their fences at once.
+pub const STAGING_BUFFERS: usize = 1024;
 
 /// How a request waits for its fence.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,21 +69,37 @@ pub enum WaitBy {
     SpawnBlocking,
 }
 
-/// The streams jobs run on.
-pub enum Streams {
-    /// CPU worker queues.
-    Host(Vec<HostStream>),
-    /// CUDA streams on device 0.
+/// Launching a job's work: a closure on a host stream, a kernel on a CUDA
+/// stream. The one part of the service written per backend.
+pub enum Launcher {
+    /// Host streams run closures.
+    Host,
+    /// CUDA streams on device 0 run the sleep kernel.
     #[cfg(feature = "cuda")]
     Cuda(gpu::Gpu),
 }
 
+/// A stream jobs run on, and the profiler that times them: a profiler's
+/// events belong to one device (context), and the host streams here each
+/// have a context of their own.
+pub struct JobStream {
+    /// Either backend's stream.
+    pub stream: AnyStream,
+    /// Times each job's work on the stream.
+    pub profiler: AnyProfiler,
+}
+
 /// What every request shares.
 pub struct AppState {
-    /// Where jobs run.
-    pub streams: Streams,
+    /// Where jobs run, either backend.
+    pub streams: Vec<JobStream>,
+    /// How work is launched on them.
+    pub launcher: Launcher,
     /// Serves this service's awaits; shut down with the service.
     pub waiter: Waiter,
+    /// Keeps each job's staging buffer until its work is done; shut down
+    /// with the service.
+    pub staging: DropQueue<AnyFence, Bytes>,
     /// `.await`, or `spawn_blocking` for comparison.
     pub wait_by: WaitBy,
     /// The next stream for `"stream": "any"`.
@@ -87,12 +113,24 @@ impl AppState {
     ///
     /// # Errors
     ///
-    /// A stream's thread could not start.
+    /// A stream's (or the drop queue's) thread could not start.
     pub fn host(streams: usize, wait_by: WaitBy) -> Result<Self, ServerError> {
         let streams = (0..streams)
-            .map(|_| HostContext::new().new_stream())
+            .map(|_| HostContext::new().new_stream().map(AnyStream::from))
             .collect::<Result<_, _>>()?;
-        Ok(Self::with(Streams::Host(streams), wait_by))
+        Self::with(streams, Launcher::Host, wait_by)
+    }
+
+    /// CUDA streams on device 0.
+    ///
+    /// # Errors
+    ///
+    /// No CUDA driver or device, or the driver refused a stream or the
+    /// kernel.
+    #[cfg(feature = "cuda")]
+    pub fn cuda(streams: usize, wait_by: WaitBy) -> Result<Self, ServerError> {
+        let (gpu, streams) = gpu::Gpu::open(streams)?;
+        Self::with(streams, Launcher::Cuda(gpu), wait_by)
     }
 
     /// CUDA streams when a GPU is present, host streams otherwise.
@@ -102,36 +140,87 @@ impl AppState {
     /// A stream's thread could not start.
     pub fn open(streams: usize, wait_by: WaitBy) -> Result<Self, ServerError> {
         #[cfg(feature = "cuda")]
-        match gpu::Gpu::open(streams) {
-            Ok(gpu) => return Ok(Self::with(Streams::Cuda(gpu), wait_by)),
+        match Self::cuda(streams, wait_by) {
+            Ok(state) => return Ok(state),
             Err(why) => eprintln!("no CUDA GPU ({why}): host streams"),
         }
         Self::host(streams, wait_by)
     }
 
-    fn with(streams: Streams, wait_by: WaitBy) -> Self {
-        Self {
+    fn with(
+        streams: Vec<AnyStream>,
+        launcher: Launcher,
+        wait_by: WaitBy,
+    ) -> Result<Self, ServerError> {
+        let streams = streams
+            .into_iter()
+            .map(|stream| JobStream {
+                stream,
+                profiler: AnyProfiler::new(),
+            })
+            .collect();
+        Ok(Self {
             streams,
+            launcher,
             waiter: Waiter::builder().thread_name("http-waiter").build(),
+            staging: DropQueue::new(STAGING_BUFFERS)?,
             wait_by,
             next: AtomicUsize::new(0),
-        }
+        })
     }
 
-    fn backend(&self) -> &'static str {
-        match &self.streams {
-            Streams::Host(_) => "Host",
+    /// `"Cuda"` or `"Host"`.
+    pub fn backend(&self) -> &'static str {
+        self.streams[0].stream.backend()
+    }
+}
+
+impl Launcher {
+    /// Queue `job`'s work on `stream`: the only code of the service that
+    /// names a backend.
+    ///
+    /// # Errors
+    ///
+    /// The stream refused the work; on CUDA, a fault asked for (it would
+    /// fault every stream of the device).
+    fn launch(&self, stream: &AnyStream, job: &Job) -> Result<(), Refused> {
+        match (self, stream) {
+            (Self::Host, AnyStream::Host(host)) => {
+                let (work, fault) = (job.work, job.fault);
+                host.launch(move || {
+                    assert!(!fault, "a fault injected by the request");
+                    if !work.is_zero() {
+                        std::thread::sleep(work);
+                    }
+                })?;
+                Ok(())
+            }
             #[cfg(feature = "cuda")]
-            Streams::Cuda(_) => "Cuda",
+            (Self::Cuda(gpu), AnyStream::Cuda(cuda)) => {
+                if job.fault {
+                    return Err(Refused::BadRequest(
+                        "\"fault\" is for host streams only: on CUDA it would fault every stream",
+                    ));
+                }
+                Ok(gpu.sleep.launch(cuda, job.work)?)
+            }
+            _ => unreachable!("the streams were made for their launcher's backend"),
         }
     }
+}
 
-    fn stream_count(&self) -> usize {
-        match &self.streams {
-            Streams::Host(streams) => streams.len(),
-            #[cfg(feature = "cuda")]
-            Streams::Cuda(gpu) => gpu.streams.len(),
-        }
+/// Why a job's work was not launched.
+enum Refused {
+    /// The stream (or its device) refused it.
+    Stream(ServerError),
+    /// The job asks for something this backend cannot do.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    BadRequest(&'static str),
+}
+
+impl From<ServerError> for Refused {
+    fn from(err: ServerError) -> Self {
+        Self::Stream(err)
     }
 }
 
@@ -144,7 +233,8 @@ pub fn router(state: Arc<AppState>) -> Router {
 }
 
 /// Serve on `listener` until `shutdown` resolves, then let requests in flight
-/// finish (up to [`SHUTDOWN_DEADLINE`]) and shut the waiter down.
+/// finish (up to [`SHUTDOWN_DEADLINE`]) and shut the drop queue and the
+/// waiter down.
 ///
 /// # Errors
 ///
@@ -170,6 +260,9 @@ pub async fn serve(
             Ok(())
         }
     };
+    // Buffers of requests cut off by the deadline still wait for their work;
+    // the queue is shared by every handler, and closes without a lock.
+    state.staging.shutdown_async().await;
     state.waiter.shutdown();
     result
 }
@@ -215,7 +308,7 @@ fn parse_job(state: &AppState, body: &[u8]) -> Result<Job, Response> {
             ))
         }
     };
-    let count = state.stream_count();
+    let count = state.streams.len();
     let stream = match value.get("stream") {
         None => state.next.fetch_add(1, Ordering::Relaxed) % count,
         Some(Value::String(any)) if any == "any" => {
@@ -254,11 +347,16 @@ async fn job(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Ok(job) => job,
         Err(response) => return response,
     };
-    let started = Arc::new(AtomicU64::new(u64::MAX));
-    let fence = match launch(&state, &job, &started, received) {
-        Ok(fence) => fence,
+    let stream = &state.streams[job.stream];
+    let (fence, profile) = match launch(&state, stream, &job) {
+        Ok(launched) => launched,
         Err(response) => return response,
     };
+    // The body stands for a staging buffer the work reads: it must live
+    // until the work is done, and the drop queue keeps it so, off this
+    // handler. Refused (full, or closed by shutdown), the handler keeps it
+    // until its own wait below is over.
+    let unqueued = state.staging.push(stream.stream.fence(), body).err();
     let waited = match state.wait_by {
         WaitBy::Await => state.waiter.wait(fence).await,
         WaitBy::SpawnBlocking => tokio::task::spawn_blocking(move || fence.wait_sync())
@@ -269,33 +367,39 @@ async fn job(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
                 })
             }),
     };
-    let total = received.elapsed();
-    if let Err(err) = waited {
-        return error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string());
-    }
-    let queued_us = match started.load(Ordering::SeqCst) {
-        // Host: the work said when it started.
-        started_us if started_us != u64::MAX => started_us,
-        // CUDA: what the request took beyond the work itself.
-        _ => u64::try_from(total.saturating_sub(job.work).as_micros()).unwrap_or(u64::MAX),
+    // The profile's stop is before the fence on the same stream: reached
+    // by now, so this await is answered at once.
+    let device = match waited {
+        Ok(()) => state.waiter.wait(profile).await,
+        Err(err) => Err(err),
     };
+    let total = received.elapsed();
+    drop(unqueued);
+    let device = match device {
+        Ok(device) => device,
+        Err(err) => return error(StatusCode::INTERNAL_SERVER_ERROR, err.to_string()),
+    };
+    let (device_us, total_us) = (micros(device), micros(total));
     Json(json!({
         "stream": job.stream,
-        "queued_us": queued_us,
-        "total_us": u64::try_from(total.as_micros()).unwrap_or(u64::MAX),
+        "device_us": device_us,
+        "queued_us": total_us.saturating_sub(device_us),
+        "total_us": total_us,
         "backend": state.backend(),
     }))
     .into_response()
 }
 
-/// Queue the job's work on its stream; a fence after it.
+/// Whole microseconds, saturating.
+fn micros(time: Duration) -> u64 {
+    u64::try_from(time.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// Queue the job's work on `on` between the two points of a profile; a
+/// fence after it. The same for either backend but for the launch.
 #[allow(clippy::result_large_err)]
-fn launch(
-    state: &AppState,
-    job: &Job,
-    started: &Arc<AtomicU64>,
-    received: Instant,
-) -> Result<AnyFence, Response> {
+fn launch(state: &AppState, on: &JobStream, job: &Job) -> Result<(AnyFence, AnyProfile), Response> {
+    let (stream, profiler) = (&on.stream, &on.profiler);
     let refused = |err: ServerError| {
         let status = if err.is_faulted() {
             StatusCode::INTERNAL_SERVER_ERROR
@@ -304,39 +408,18 @@ fn launch(
         };
         error(status, err.to_string())
     };
-    match &state.streams {
-        Streams::Host(streams) => {
-            let stream = &streams[job.stream];
-            let (work, fault, started) = (job.work, job.fault, started.clone());
-            stream
-                .launch(move || {
-                    let queued = u64::try_from(received.elapsed().as_micros()).unwrap_or(0);
-                    started.store(queued, Ordering::SeqCst);
-                    assert!(!fault, "a fault injected by the request");
-                    if !work.is_zero() {
-                        std::thread::sleep(work);
-                    }
-                })
-                .map_err(refused)?;
-            Ok(stream.fence().into())
-        }
-        #[cfg(feature = "cuda")]
-        Streams::Cuda(gpu) => {
-            if job.fault {
-                // A CUDA fault poisons the whole context, every stream with it.
-                return Err(error(
-                    StatusCode::BAD_REQUEST,
-                    "\"fault\" is for host streams only: on CUDA it would fault every stream",
-                ));
-            }
-            let stream = &gpu.streams[job.stream];
-            gpu.sleep.launch(stream, job.work).map_err(refused)?;
-            Ok(device_events::cuda::fence(stream).into())
-        }
+    let start = profiler.start(stream).map_err(refused)?;
+    match state.launcher.launch(stream, job) {
+        Ok(()) => {}
+        Err(Refused::Stream(err)) => return Err(refused(err)),
+        Err(Refused::BadRequest(why)) => return Err(error(StatusCode::BAD_REQUEST, why)),
     }
+    let profile = profiler.stop(start, stream).map_err(refused)?;
+    Ok((stream.fence(), profile))
 }
 
 async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {
+    let staging = state.staging.stats();
     Json(json!({
         "backend": state.backend(),
         "wait_by": format!("{:?}", state.wait_by),
@@ -345,6 +428,11 @@ async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {
             "peak_threads": state.waiter.peak_threads(),
             "pending": state.waiter.pending(),
         },
+        "profiler": {
+            "created": state.streams.iter().map(|on| on.profiler.created()).sum::<usize>(),
+            "pooled": state.streams.iter().map(|on| on.profiler.pooled()).sum::<usize>(),
+        },
+        "staging": format!("{staging:?}"),
         "process_threads": process_threads(),
     }))
 }
@@ -366,32 +454,26 @@ pub fn process_threads() -> usize {
 mod gpu {
     use std::sync::Arc;
 
-    use device_events::cuda::cudarc::driver::{CudaContext, CudaStream};
+    use device_events::cuda::cudarc::driver::CudaContext;
     use device_events::cuda::{self, SleepKernel};
-    use device_events::ServerError;
+    use device_events::{AnyStream, ServerError};
 
-    /// Device 0's streams and a kernel of known length.
+    /// Device 0's context and a kernel of known length.
     pub struct Gpu {
         _ctx: Arc<CudaContext>,
-        /// The streams jobs run on.
-        pub streams: Vec<Arc<CudaStream>>,
         /// Work of a known length.
         pub sleep: SleepKernel,
     }
 
     impl Gpu {
-        /// Device 0's context, `streams` streams and the sleep kernel.
-        pub fn open(streams: usize) -> Result<Self, ServerError> {
+        /// Device 0's context, the sleep kernel, and `streams` streams.
+        pub fn open(streams: usize) -> Result<(Self, Vec<AnyStream>), ServerError> {
             let ctx = cuda::context(0)?;
             let sleep = SleepKernel::new(&ctx)?;
             let streams = (0..streams)
-                .map(|_| ctx.new_stream())
+                .map(|_| ctx.new_stream().map(AnyStream::from))
                 .collect::<Result<_, _>>()?;
-            Ok(Self {
-                _ctx: ctx,
-                streams,
-                sleep,
-            })
+            Ok((Self { _ctx: ctx, sleep }, streams))
         }
     }
 }
@@ -421,7 +503,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!(
             "listening on http://{} ({} streams, {}, waiting by {wait_by:?})",
             listener.local_addr()?,
-            state.stream_count(),
+            state.streams.len(),
             state.backend()
         );
         let ctrl_c = async {

@@ -18,10 +18,16 @@ export DEVICE_EVENTS_FAKE_CUDA=1
 # thread binds again. The crate must work under both.
 for strict in 0 1; do
     FAKE_CUDA_STRICT_REBIND=$strict \
-        cargo test --test cuda --test cuda_binding --test cuda_faults --test cuda_contexts --test cuda_capture --test any_stream
+        cargo test --test cuda --test cuda_binding --test cuda_faults --test cuda_contexts --test cuda_capture --test any_stream --test http_service
 done
 cargo test --test cuda_exit --test cuda_elapsed --test cuda_record_order
 cargo run --example fences
 cargo run --example join_streams
 cargo run --example tokio_service
+# The HTTP service starts on the fake driver's streams (tests/http_service.rs
+# serves it requests) and stops cleanly on Ctrl-C.
+cargo build --example http_service
+started=$(timeout --preserve-status -s INT 5 "${CARGO_TARGET_DIR:-target}/debug/examples/http_service" 0)
+echo "$started"
+grep -q "Cuda" <<<"$started" || { echo "http_service did not start on the fake driver's streams"; exit 1; }
 cargo test --doc

@@ -31,7 +31,8 @@
 //! wait (each with a warning logged through the [`log`] crate, targets
 //! `device_events::*`; tracing users forward them with `tracing-log`), and
 //! driver faults come back as [`ServerError`], never as a panic or a hang.
-//! [`AnyFence`] holds a fence of either backend, and [`AnyStream`] a stream.
+//! [`AnyFence`] holds a fence of either backend, [`AnyStream`] a stream, and
+//! [`AnyProfiler`] times either.
 //!
 //! How the waiter serves awaits (lanes, one thread per busy stream, the
 //! poller, cancellation) is described once, in [`Waiter`]'s docs (its
@@ -62,6 +63,7 @@
 //! | `waiter` | [`Waiter`]: threads, lanes, hand-off, the futures | any backend, the profiler, the drop queue, `any_fence` |
 //! | `any_fence`, `any_stream` | [`AnyFence`] and [`AnyStream`]: a fence and a stream of either backend, built on fences and the waiter | the profiler, the drop queue |
 //! | `profiler`, `drop_queue` | [`EventProfiler`], [`drop_queue::DropQueue`] and its `Fence` trait (implemented there for [`EventFence`] and [`AnyFence`]): built on fences and the waiter | one another |
+//! | `any_profiler` | [`AnyProfiler`]: an [`EventProfiler`] per backend behind [`AnyStream`] | the drop queue |
 //!
 //! `loom` (the waiter's locks and threads, swapped for loom's in its models),
 //! `fault_log` (warn once per faulted stream), `own_threads` (which
@@ -122,6 +124,9 @@ pub mod drop_queue;
 #[cfg(multi_threading)]
 mod profiler;
 
+#[cfg(multi_threading)]
+mod any_profiler;
+
 mod fault_log;
 mod fork;
 mod idle_pool;
@@ -133,6 +138,8 @@ mod shards;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};
+#[cfg(multi_threading)]
+pub use any_profiler::{AnyProfile, AnyProfileFuture, AnyProfileStart, AnyProfiler};
 pub use any_stream::AnyStream;
 pub use api::{EventApi, EventFlags};
 #[cfg(feature = "cuda")]

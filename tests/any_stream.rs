@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::Gate;
 use device_events::host::HostStream;
-use device_events::{AnyFence, AnyStream, ServerError};
+use device_events::{AnyFence, AnyProfiler, AnyStream, ServerError};
 
 /// What a run of [`pipeline`] saw.
 struct Seen {
@@ -46,6 +46,55 @@ async fn pipeline(
         first_done_before_second,
         results: (first.await, second),
     }
+}
+
+/// Times `rounds` stages of `length` on `stream` with one profiler, each
+/// read as the other is (by `.await`, then `wait_sync`): the device times,
+/// and the events the profiler made in all. Written once for either backend:
+/// `launch` queues a stage of a given length.
+fn time_stages(
+    stream: &AnyStream,
+    rounds: usize,
+    length: Duration,
+    launch: impl Fn(&AnyStream, Duration) -> Result<(), ServerError>,
+) -> (Vec<Duration>, usize) {
+    let profiler = AnyProfiler::new();
+    let times = (0..rounds)
+        .map(|round| {
+            let start = profiler.start(stream).expect("start recorded");
+            assert_eq!(start.backend(), stream.backend());
+            launch(stream, length).expect("stage launched");
+            let profile = profiler.stop(start, stream).expect("stop recorded");
+            if round % 2 == 0 {
+                futures::executor::block_on(profile.wait())
+            } else {
+                profile.wait_sync()
+            }
+            .expect("a device time")
+        })
+        .collect();
+    (times, profiler.created())
+}
+
+/// What [`time_stages`] must see: every stage timed at no less than its
+/// length (device time includes the whole stage), two events made for all
+/// rounds (each read gives its two back before the next round).
+fn check_stage_times(times: &[Duration], created: usize, length: Duration) {
+    for time in times {
+        assert!(*time >= length, "a {length:?} stage timed at {time:?}");
+    }
+    assert_eq!(created, 2, "the profiler reuses its two events every round");
+}
+
+#[test]
+fn a_profiler_written_once_times_host_stages() {
+    let stream = AnyStream::from(HostStream::new().unwrap());
+    let length = Duration::from_millis(2);
+    let (times, created) = time_stages(&stream, 4, length, |stream, length| match stream {
+        AnyStream::Host(host) => host.launch(move || std::thread::sleep(length)),
+        _ => unreachable!("a host stream here"),
+    });
+    check_stage_times(&times, created, length);
 }
 
 #[test]
@@ -128,6 +177,53 @@ mod cuda {
         );
         assert_eq!(seen.results, (Ok(()), Ok(())));
         two.synchronize().unwrap();
+    }
+
+    #[test]
+    fn the_same_profiler_code_times_cuda_stages() {
+        let Some((ctx, sleep)) = gpu("the_same_profiler_code_times_cuda_stages") else {
+            return;
+        };
+        let stream = AnyStream::from(ctx.new_stream().unwrap());
+        let length = Duration::from_millis(2);
+        let (times, created) = time_stages(&stream, 4, length, |stream, length| match stream {
+            AnyStream::Cuda(cuda) => sleep.launch(cuda, length),
+            _ => unreachable!("a CUDA stream here"),
+        });
+        check_stage_times(&times, created, length);
+    }
+
+    #[test]
+    fn a_profile_cannot_stop_on_a_stream_of_the_other_backend() {
+        let Some((ctx, _)) = gpu("a_profile_cannot_stop_on_a_stream_of_the_other_backend") else {
+            return;
+        };
+        let cuda_stream = AnyStream::from(ctx.new_stream().unwrap());
+        let host_stream = AnyStream::from(HostStream::new().unwrap());
+        let profiler = AnyProfiler::new();
+        for (from, to) in [(&cuda_stream, &host_stream), (&host_stream, &cuda_stream)] {
+            let before = profiler.created();
+            let start = profiler.start(from).unwrap();
+            let err = profiler.stop(start, to).unwrap_err();
+            assert!(
+                matches!(err, ServerError::InvalidArgument { .. }),
+                "{err:?}"
+            );
+            let message = err.to_string();
+            assert!(
+                message.contains("Cuda") && message.contains("Host"),
+                "the error names both backends: {message}"
+            );
+            // Nothing was recorded on `to`, and the start's event is back
+            // in its pool, so a good measurement after makes one event more
+            // (its stop) at most.
+            let start = profiler.start(from).unwrap();
+            profiler.stop(start, from).unwrap().wait_sync().unwrap();
+            assert!(
+                profiler.created() <= before + 2,
+                "the refused start's event went back to the pool"
+            );
+        }
     }
 
     fn one_stream(stream: &AnyStream) -> &Arc<device_events::cuda::cudarc::driver::CudaStream> {

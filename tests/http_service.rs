@@ -9,6 +9,7 @@ mod http_service;
 use std::sync::Arc;
 use std::time::Duration;
 
+use device_events::drop_queue::Rejected;
 use http_service::{AppState, WaitBy};
 use serde_json::Value;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -52,7 +53,11 @@ struct Service {
 }
 
 async fn start(wait_by: WaitBy) -> Service {
-    let state = Arc::new(AppState::host(2, wait_by).expect("host streams"));
+    start_with(AppState::host(2, wait_by).expect("host streams")).await
+}
+
+async fn start_with(state: AppState) -> Service {
+    let state = Arc::new(state);
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("address");
     let (stop, stopped) = oneshot::channel::<()>();
@@ -65,6 +70,16 @@ async fn start(wait_by: WaitBy) -> Service {
         stop: Some(stop),
         served,
     }
+}
+
+/// A job of `work_us` answered: its device time at least the work's
+/// length, and the request's time its device time and the rest.
+fn check_times(body: &Value, work_us: u64) {
+    let device = body["device_us"].as_u64().unwrap();
+    let queued = body["queued_us"].as_u64().unwrap();
+    let total = body["total_us"].as_u64().unwrap();
+    assert!(device >= work_us, "{body}");
+    assert_eq!(device + queued, total, "{body}");
 }
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -90,8 +105,7 @@ fn good_jobs_are_answered_by_await_and_by_spawn_blocking() {
             assert_eq!(status, 200, "{body}");
             assert_eq!(body["stream"], 1);
             assert_eq!(body["backend"], "Host");
-            assert!(body["total_us"].as_u64().unwrap() >= 2000, "{body}");
-            assert!(body["queued_us"].as_u64().is_some(), "{body}");
+            check_times(&body, 2000);
             let (status, body) = request(
                 service.address,
                 "POST",
@@ -104,6 +118,10 @@ fn good_jobs_are_answered_by_await_and_by_spawn_blocking() {
             assert_eq!(status, 200, "{stats}");
             assert_eq!(stats["waiter"]["pending"], 0);
             assert!(stats["process_threads"].as_u64().unwrap() > 0, "{stats}");
+            // Two jobs, each timed with a start and a stop event; the
+            // second job's stream may be either, so two or four events.
+            let created = stats["profiler"]["created"].as_u64().unwrap();
+            assert!(created == 2 || created == 4, "{stats}");
             assert_eq!(stats["wait_by"], format!("{wait_by:?}"));
         }
     });
@@ -213,9 +231,64 @@ fn shutdown_lets_a_request_in_flight_finish_then_stops_the_waiter() {
         .unwrap();
         let gone = service.state.waiter.wait(late.fence()).await;
         assert_eq!(gone, Err(device_events::ServerError::WaiterGone));
+        // So was the staging queue, shared by every handler: closed, it
+        // hands a buffer back rather than keep it.
+        let refused = service
+            .state
+            .staging
+            .push(late.fence().into(), Default::default());
+        assert!(matches!(refused, Err(Rejected::Closed(..))), "{refused:?}");
         drop(open);
         // The listener is gone: nothing answers any more.
         let refused = TcpStream::connect(address).await;
         assert!(refused.is_err(), "still accepting after shutdown");
+    });
+}
+
+/// The same service on CUDA streams (the fake driver in
+/// `scripts/fake-cuda.sh`, or a GPU): only the launch differs.
+#[cfg(feature = "cuda")]
+#[test]
+fn the_same_service_runs_on_cuda_streams() {
+    let state = match AppState::cuda(2, WaitBy::Await) {
+        Ok(state) => state,
+        Err(err) if std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|value| value == "1") => {
+            panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
+        }
+        Err(err) => {
+            eprintln!("skipping the_same_service_runs_on_cuda_streams: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            return;
+        }
+    };
+    runtime().block_on(async {
+        let mut service = start_with(state).await;
+        for stream in [0, 1] {
+            let (status, body) = request(
+                service.address,
+                "POST",
+                "/jobs",
+                &format!(r#"{{"work_us": 2000, "stream": {stream}}}"#),
+            )
+            .await;
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(body["backend"], "Cuda");
+            assert_eq!(body["stream"], stream);
+            check_times(&body, 2000);
+        }
+        // A fault would take every stream of the device with it: refused.
+        let (status, body) = request(
+            service.address,
+            "POST",
+            "/jobs",
+            r#"{"work_us": 10, "fault": true}"#,
+        )
+        .await;
+        assert_eq!(status, 400, "{body}");
+        let (status, stats) = request(service.address, "GET", "/stats", "").await;
+        assert_eq!(status, 200, "{stats}");
+        assert_eq!(stats["backend"], "Cuda");
+        assert_eq!(stats["waiter"]["pending"], 0);
+        service.stop.take().unwrap().send(()).unwrap();
+        service.served.await.unwrap().unwrap();
     });
 }

@@ -63,6 +63,19 @@ const LAYERS: &[(&str, &[&str])] = &[
         "drop_queue",
         &["backend", "event", "fence", "waiter", "any_fence"],
     ),
+    // Either backend's profiler, on the profiler and `AnyStream`.
+    (
+        "any_profiler",
+        &[
+            "backend",
+            "event",
+            "fence",
+            "waiter",
+            "any_fence",
+            "any_stream",
+            "profiler",
+        ],
+    ),
 ];
 
 /// Names a layer may import from a module it may not import otherwise:

@@ -203,8 +203,9 @@ impl Waiter {
 
     /// A future that resolves once the device has reached `target`, served by
     /// this waiter: an [`EventFence`] (a [`FenceFuture`]), a
-    /// [`Profile`](crate::Profile) (its device time) or an
-    /// [`AnyFence`](crate::AnyFence). The one spelling of "wait for this,
+    /// [`Profile`](crate::Profile) (its device time), an
+    /// [`AnyFence`](crate::AnyFence) or an [`AnyProfile`](crate::AnyProfile).
+    /// The one spelling of "wait for this,
     /// on that waiter"; `target.await` is the same on [`Waiter::global()`].
     pub fn wait<T: Awaitable>(&self, target: T) -> T::Future {
         target.wait_on(self)
@@ -290,8 +291,9 @@ impl fmt::Debug for Waiter {
     }
 }
 
-/// What [`Waiter::wait`] accepts: [`EventFence`], [`Profile`](crate::Profile)
-/// and [`AnyFence`](crate::AnyFence). Sealed: implemented in this crate only.
+/// What [`Waiter::wait`] accepts: [`EventFence`], [`Profile`](crate::Profile),
+/// [`AnyFence`](crate::AnyFence) and [`AnyProfile`](crate::AnyProfile).
+/// Sealed: implemented in this crate only.
 pub trait Awaitable: sealed::Sealed {
     /// The future [`Waiter::wait`] returns for it.
     type Future: std::future::Future;
