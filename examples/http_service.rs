@@ -1,7 +1,8 @@
 //! An HTTP service as tokio users build one (axum on a multi-thread runtime):
 //! `POST /jobs` launches work on one of a set of streams, times it with a
 //! profiler and awaits its fence; `GET /stats` reports the waiter, the
-//! profiler, the drop queue and the process's threads. CUDA streams (with
+//! profiler, the drop queue and the process's threads, and `GET /metrics`
+//! the same in the Prometheus text format. CUDA streams (with
 //! `SleepKernel`) when a GPU is present, host streams otherwise: the service
 //! holds `AnyStream`s, and only launching a job's work is written per
 //! backend (`Launcher::launch`).
@@ -13,11 +14,13 @@
 //! curl -s -X POST localhost:3000/jobs -H 'content-type: application/json' \
 //!      -d '{"work_us": 2000, "stream": "any"}'
 //! curl -s localhost:3000/stats
+//! curl -s localhost:3000/metrics
 //! ```
 //!
-//! A job is `{"work_us": N, "stream": "any" | K, "fault": false}`: `N`
-//! microseconds of device work (0 to 10 s) on stream `K` (or the next one,
-//! round robin). The answer is `{"stream", "device_us", "queued_us",
+//! A job is `{"work_us": N, "stream": "any" | K, "fault": false,
+//! "timeout_ms": T}`: `N` microseconds of device work (0 to 10 s) on stream
+//! `K` (or the next one, round robin), waited for up to `T` ms (504 after
+//! that; no limit when absent). The answer is `{"stream", "device_us", "queued_us",
 //! "total_us", "backend"}`: the device time of the work (from the
 //! profiler), the rest of the request's time (mostly waiting behind earlier
 //! work on its stream), and the whole request. The request's body stands
@@ -57,6 +60,9 @@ pub const STREAMS: usize = 4;
 pub const MAX_WORK: Duration = Duration::from_secs(10);
 /// How long shutdown lets requests in flight finish.
 pub const SHUTDOWN_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a wait may be pending before the waiter reports it stuck: past
+/// the longest job, with room for a queue of them.
+pub const STUCK_AFTER: Duration = Duration::from_secs(30);
 /// How many staging buffers may wait for their fences at once.
 pub const STAGING_BUFFERS: usize = 1024;
 
@@ -162,7 +168,10 @@ impl AppState {
         Ok(Self {
             streams,
             launcher,
-            waiter: Waiter::builder().thread_name("http-waiter").build(),
+            waiter: Waiter::builder()
+                .thread_name("http-waiter")
+                .stuck_after(STUCK_AFTER)
+                .build(),
             staging: DropQueue::new(STAGING_BUFFERS)?,
             wait_by,
             next: AtomicUsize::new(0),
@@ -229,6 +238,7 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/jobs", post(job))
         .route("/stats", get(stats))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -277,6 +287,8 @@ struct Job {
     work: Duration,
     stream: usize,
     fault: bool,
+    /// How long the request waits for its work before it gives up (504).
+    timeout: Option<Duration>,
 }
 
 // The error is the response itself, sent as it is.
@@ -334,10 +346,23 @@ fn parse_job(state: &AppState, body: &[u8]) -> Result<Job, Response> {
             ))
         }
     };
+    let timeout = match value.get("timeout_ms") {
+        None => None,
+        Some(ms) => match ms.as_u64() {
+            Some(ms) => Some(Duration::from_millis(ms)),
+            None => {
+                return Err(error(
+                    StatusCode::BAD_REQUEST,
+                    format!("\"timeout_ms\" must be a whole number of milliseconds, got {ms}"),
+                ))
+            }
+        },
+    };
     Ok(Job {
         work: Duration::from_micros(work_us),
         stream,
         fault,
+        timeout,
     })
 }
 
@@ -357,15 +382,31 @@ async fn job(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     // handler. Refused (full, or closed by shutdown), the handler keeps it
     // until its own wait below is over.
     let unqueued = state.staging.push(stream.stream.fence(), body).err();
-    let waited = match state.wait_by {
-        WaitBy::Await => state.waiter.wait(fence).await,
-        WaitBy::SpawnBlocking => tokio::task::spawn_blocking(move || fence.wait_sync())
-            .await
-            .unwrap_or_else(|err| {
-                Err(ServerError::WaiterPanicked {
-                    message: err.to_string(),
-                })
-            }),
+    let waited = async {
+        match state.wait_by {
+            WaitBy::Await => state.waiter.wait(fence).await,
+            WaitBy::SpawnBlocking => tokio::task::spawn_blocking(move || fence.wait_sync())
+                .await
+                .unwrap_or_else(|err| {
+                    Err(ServerError::WaiterPanicked {
+                        message: err.to_string(),
+                    })
+                }),
+        }
+    };
+    // Given up on at the timeout: the wait's future is dropped, which the
+    // waiter counts as cancelled (the work itself runs on).
+    let waited = match job.timeout {
+        None => waited.await,
+        Some(timeout) => match tokio::time::timeout(timeout, waited).await {
+            Ok(waited) => waited,
+            Err(_) => {
+                return error(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    format!("the work did not finish within {timeout:?}"),
+                )
+            }
+        },
     };
     // The profile's stop is before the fence on the same stream: reached
     // by now, so this await is answered at once.
@@ -432,9 +473,161 @@ async fn stats(State(state): State<Arc<AppState>>) -> Json<Value> {
             "created": state.streams.iter().map(|on| on.profiler.created()).sum::<usize>(),
             "pooled": state.streams.iter().map(|on| on.profiler.pooled()).sum::<usize>(),
         },
-        "staging": format!("{staging:?}"),
+        "staging": {
+            "pushed": staging.pushed,
+            "dropped": staging.dropped,
+            "leaked": staging.leaked,
+            "pending": staging.pending,
+        },
         "process_threads": process_threads(),
     }))
+}
+
+/// `GET /metrics`: the waiter's, the drop queue's and the profilers' stats
+/// in the Prometheus text format (version 0.0.4).
+async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    let text = prometheus_text(&state);
+    ([("content-type", "text/plain; version=0.0.4")], text).into_response()
+}
+
+/// The stats as Prometheus metrics, `device_events_*`.
+pub fn prometheus_text(state: &AppState) -> String {
+    use std::fmt::Write as _;
+    let waiter = state.waiter.stats();
+    let staging = state.staging.stats();
+    let created: u64 = state
+        .streams
+        .iter()
+        .map(|on| on.profiler.stats().created)
+        .sum();
+    let pooled: usize = state
+        .streams
+        .iter()
+        .map(|on| on.profiler.stats().pooled)
+        .sum();
+    let mut out = String::new();
+    let mut metric = |name: &str, kind: &str, help: &str, value: u64| {
+        let _ = writeln!(out, "# HELP device_events_{name} {help}");
+        let _ = writeln!(out, "# TYPE device_events_{name} {kind}");
+        let _ = writeln!(out, "device_events_{name} {value}");
+    };
+    let gauges: [(&str, &str, usize); 5] = [
+        (
+            "waiter_threads",
+            "Waiter threads alive now.",
+            waiter.threads,
+        ),
+        (
+            "waiter_peak_threads",
+            "The most waiter threads alive at once.",
+            waiter.peak_threads,
+        ),
+        (
+            "waiter_pending",
+            "Waits handed to the waiter and not finished.",
+            waiter.pending,
+        ),
+        (
+            "waiter_cancelled_held",
+            "Waits cancelled but still held by a blocked waiter thread.",
+            waiter.cancelled_held,
+        ),
+        (
+            "waiter_stuck_streams",
+            "Streams whose oldest wait is pending past stuck_after.",
+            waiter.stuck,
+        ),
+    ];
+    for (name, help, value) in gauges {
+        metric(name, "gauge", help, value as u64);
+    }
+    let counters = [
+        (
+            "waiter_ready_at_first_poll_total",
+            "Awaits answered at their first poll.",
+            waiter.ready_at_first_poll,
+        ),
+        (
+            "waiter_handed_off_total",
+            "Waits handed to the waiter's threads.",
+            waiter.handed_off,
+        ),
+        (
+            "waiter_resolved_total",
+            "Handed-off waits resolved Ok.",
+            waiter.resolved,
+        ),
+        (
+            "waiter_failed_total",
+            "Handed-off waits resolved with an error.",
+            waiter.failed,
+        ),
+        (
+            "waiter_cancelled_total",
+            "Handed-off waits whose future was dropped first.",
+            waiter.cancelled,
+        ),
+        (
+            "drop_queue_pushed_total",
+            "Values pushed to the staging drop queue.",
+            staging.pushed,
+        ),
+        (
+            "drop_queue_dropped_total",
+            "Values dropped after their fence passed.",
+            staging.dropped,
+        ),
+        (
+            "drop_queue_leaked_total",
+            "Values leaked because their fence failed.",
+            staging.leaked,
+        ),
+        (
+            "profiler_events_created_total",
+            "Timing events the profilers created.",
+            created,
+        ),
+    ];
+    for (name, help, value) in counters {
+        metric(name, "counter", help, value);
+    }
+    metric(
+        "drop_queue_pending",
+        "gauge",
+        "Values waiting for their fence.",
+        staging.pending as u64,
+    );
+    metric(
+        "profiler_events_pooled",
+        "gauge",
+        "Idle timing events in the profilers' pools.",
+        pooled as u64,
+    );
+    let name = "device_events_waiter_wake_latency_seconds";
+    let _ = writeln!(
+        out,
+        "# HELP {name} Handed-off waits, from hand-off to the task's wake."
+    );
+    let _ = writeln!(out, "# TYPE {name} histogram");
+    let mut cumulative = 0;
+    for (bound, count) in waiter.wake_latency.buckets() {
+        cumulative += count;
+        if let Some(bound) = bound {
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{}\"}} {cumulative}",
+                bound.as_secs_f64()
+            );
+        }
+    }
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {cumulative}");
+    let _ = writeln!(
+        out,
+        "{name}_sum {}",
+        waiter.wake_latency.sum().as_secs_f64()
+    );
+    let _ = writeln!(out, "{name}_count {cumulative}");
+    out
 }
 
 /// The process's thread count, from `/proc` (0 where there is none).

@@ -128,6 +128,7 @@ plant profiler-swaps-context "a profiler used on another context swaps its event
 plant unwinding-thread-not-given-back "a waiter thread that unwinds is not given back by its guard" lib
 plant wait-put-back-at-its-sequence "a wait put back at its sequence, not where it was placed (and not told)" await_faults
 plant lane-thread-resolves-unreached-wait "a lane thread resolves the wait it takes next without a query showing it reached" lib properties
+plant cancel-counts-a-delivered-wait "a future dropped after its result came is counted cancelled too" lib
 
 # The host backend: as strict as CUDA where a test's meaning depends on it.
 plant host-record-releases-earlier-waits "a record reached at once releases waits on earlier records" lib event

@@ -13,8 +13,8 @@ use futures::future::FusedFuture;
 use crate::cuda::{Cuda, CudaStreamHandle};
 use crate::host::Host;
 use crate::{
-    AnyStream, EventApi, EventProfiler, Profile, ProfileFuture, ProfileStart, ServerError, Waiter,
-    DEFAULT_PROFILER_CAPACITY,
+    AnyStream, EventApi, EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats,
+    ServerError, Waiter, DEFAULT_PROFILER_CAPACITY,
 };
 
 /// Measures device time between two points of an [`AnyStream`], whichever
@@ -158,6 +158,15 @@ impl AnyProfiler {
         #[cfg(not(feature = "cuda"))]
         let cuda = 0;
         cuda + self.host.created()
+    }
+
+    /// [`created`](Self::created) and [`pooled`](Self::pooled) together,
+    /// both backends.
+    pub fn stats(&self) -> ProfilerStats {
+        ProfilerStats {
+            created: self.created() as u64,
+            pooled: self.pooled(),
+        }
     }
 }
 

@@ -150,12 +150,12 @@ pub use event::Event;
 pub use fence::EventFence;
 #[cfg(multi_threading)]
 pub use profiler::{
-    EventProfiler, Profile, ProfileFuture, ProfileStart, DEFAULT_PROFILER_CAPACITY,
+    EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats, DEFAULT_PROFILER_CAPACITY,
 };
 #[cfg(multi_threading)]
 pub use waiter::{
-    Awaitable, FenceFuture, Waiter, WaiterBuilder, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS,
-    MAX_SPIN_BUDGET, MAX_THREADS_LIMIT,
+    Awaitable, FenceFuture, LatencyHistogram, StuckWait, Waiter, WaiterBuilder, WaiterStats,
+    DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, LATENCY_BUCKETS, MAX_SPIN_BUDGET, MAX_THREADS_LIMIT,
 };
 
 /// The README's examples, compiled and run as doctests.

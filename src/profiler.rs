@@ -64,6 +64,19 @@ struct EventPool<A: EventApi> {
     created: AtomicUsize,
 }
 
+/// What a profiler holds and has made: [`EventProfiler::stats`],
+/// [`AnyProfiler::stats`](crate::AnyProfiler::stats).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct ProfilerStats {
+    /// Timing events created since the profiler was made (a loop that
+    /// stops growing this allocates no events).
+    pub created: u64,
+    /// Idle events in its pool now.
+    pub pooled: usize,
+}
+
 /// A started measurement; pass it to [`EventProfiler::stop`]. Dropping it
 /// returns its event to the pool.
 #[must_use = "a profile start measures nothing until it is stopped"]
@@ -151,6 +164,14 @@ impl<A: EventApi> EventProfiler<A> {
     /// this allocates no events).
     pub fn created(&self) -> usize {
         self.pool.created.load(Ordering::Relaxed)
+    }
+
+    /// [`created`](Self::created) and [`pooled`](Self::pooled) together.
+    pub fn stats(&self) -> ProfilerStats {
+        ProfilerStats {
+            created: self.created() as u64,
+            pooled: self.pooled(),
+        }
     }
 }
 
@@ -354,6 +375,10 @@ impl<A: EventApi> Waitable for PairWait<A> {
             Some(pair) => pair.wait_both(),
             None => Ok(()),
         }
+    }
+
+    fn stream_name(&self) -> String {
+        format!("{} stream {:?}", A::BACKEND, self.stream)
     }
 }
 

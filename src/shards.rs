@@ -21,7 +21,6 @@ pub(crate) fn hash_address(address: usize) -> u64 {
 /// The calling thread's shard among `shards` (a power of two): threads are
 /// spread over the shards in the order they first ask, so a few threads
 /// each get their own.
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
 pub(crate) fn home(shards: usize) -> usize {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {

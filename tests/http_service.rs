@@ -1,6 +1,7 @@
 //! The HTTP service example (`examples/http_service.rs`), started in-process
 //! on a loopback port and driven over HTTP/1.1: good jobs, each kind of bad
-//! input, a faulted stream, and shutdown with a request in flight.
+//! input, a faulted stream, timeouts and `/metrics`, and shutdown with a
+//! request in flight.
 
 #[path = "../examples/http_service.rs"]
 #[allow(dead_code, unreachable_pub)]
@@ -139,6 +140,10 @@ fn bad_input_gets_a_4xx_with_the_reason() {
             (r#"{"work_us": 1.5}"#, "whole number"),
             (r#"{"stream": 0}"#, "missing \"work_us\""),
             (r#"{"work_us": 10, "fault": "yes"}"#, "\"fault\" must be"),
+            (
+                r#"{"work_us": 10, "timeout_ms": -1}"#,
+                "\"timeout_ms\" must be",
+            ),
             (r#"{"work_us": 10"#, "malformed JSON"),
             ("not json at all", "malformed JSON"),
         ];
@@ -290,5 +295,100 @@ fn the_same_service_runs_on_cuda_streams() {
         assert_eq!(stats["waiter"]["pending"], 0);
         service.stop.take().unwrap().send(()).unwrap();
         service.served.await.unwrap().unwrap();
+    });
+}
+
+/// One metric's value from `/metrics` text.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|line| {
+            let (key, value) = line.split_once(' ')?;
+            (key == name).then(|| value.parse().expect("a number"))
+        })
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
+/// `GET /metrics`: the text and its status.
+async fn metrics_text(address: std::net::SocketAddr) -> String {
+    let mut connection = TcpStream::connect(address).await.expect("connect");
+    connection
+        .write_all(b"GET /metrics HTTP/1.1\r\nhost: test\r\nconnection: close\r\n\r\n")
+        .await
+        .expect("send");
+    let mut response = String::new();
+    connection
+        .read_to_string(&mut response)
+        .await
+        .expect("read");
+    assert!(response.starts_with("HTTP/1.1 200"), "{response}");
+    assert!(response.contains("text/plain; version=0.0.4"), "{response}");
+    response.split("\r\n\r\n").nth(1).unwrap().to_owned()
+}
+
+#[test]
+fn metrics_move_as_requests_are_served_and_cancelled() {
+    runtime().block_on(async {
+        let service = start(WaitBy::Await).await;
+        let before = metrics_text(service.address).await;
+        for name in [
+            "device_events_waiter_resolved_total",
+            "device_events_waiter_cancelled_total",
+            "device_events_waiter_handed_off_total",
+            "device_events_drop_queue_pushed_total",
+        ] {
+            assert_eq!(metric(&before, name), 0.0, "{name}");
+        }
+        // Three jobs held long enough to be handed off, each answered.
+        for _ in 0..3 {
+            let (status, body) = request(
+                service.address,
+                "POST",
+                "/jobs",
+                r#"{"work_us": 5000, "stream": 0}"#,
+            )
+            .await;
+            assert_eq!(status, 200, "{body}");
+        }
+        // One given up on at its timeout: its wait is cancelled.
+        let (status, body) = request(
+            service.address,
+            "POST",
+            "/jobs",
+            r#"{"work_us": 300000, "stream": 1, "timeout_ms": 20}"#,
+        )
+        .await;
+        assert_eq!(status, 504, "{body}");
+        let after = metrics_text(service.address).await;
+        let moved = |name: &str| metric(&after, name) - metric(&before, name);
+        // The staging buffer's fence is another wait, on the drop queue's
+        // own thread, not the service's waiter.
+        assert_eq!(moved("device_events_drop_queue_pushed_total"), 4.0);
+        assert_eq!(
+            moved("device_events_waiter_cancelled_total"),
+            1.0,
+            "{after}"
+        );
+        let resolved = moved("device_events_waiter_resolved_total");
+        let handed_off = moved("device_events_waiter_handed_off_total");
+        let ready = moved("device_events_waiter_ready_at_first_poll_total");
+        // Each served job awaited its fence (handed off: 5 ms of work) and
+        // then its profile (ready by then, or handed off and resolved).
+        assert!(resolved >= 3.0, "{after}");
+        assert_eq!(handed_off, resolved + 1.0, "the cancelled one: {after}");
+        assert_eq!(ready + handed_off, 3.0 * 2.0 + 1.0, "{after}");
+        assert_eq!(
+            metric(&after, "device_events_waiter_wake_latency_seconds_count"),
+            resolved,
+            "{after}"
+        );
+        assert_eq!(
+            metric(
+                &after,
+                "device_events_waiter_wake_latency_seconds_bucket{le=\"+Inf\"}"
+            ),
+            resolved
+        );
+        assert_eq!(metric(&after, "device_events_waiter_failed_total"), 0.0);
+        assert_eq!(metric(&after, "device_events_waiter_stuck_streams"), 0.0);
     });
 }

@@ -84,8 +84,11 @@ pub struct DropQueue<F: Fence, T: Send + 'static> {
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
-/// What a [`DropQueue`] has done.
+/// What a [`DropQueue`] has done (counters, since it was made) and holds
+/// (gauges): [`DropQueue::stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
 pub struct DropQueueStats {
     /// Values accepted by `push`.
     pub pushed: u64,

@@ -88,7 +88,10 @@ impl<W: Waitable> Handoff<W> {
                     self.state = State::Waiting(handed);
                     Poll::Pending
                 }
-                FirstPoll::Resolved(result) => Poll::Ready(result),
+                FirstPoll::Resolved(result) => {
+                    self.pool.get().counters.ready_at_first_poll();
+                    Poll::Ready(result)
+                }
             },
             State::Waiting(handed) if handed.is_forked() => {
                 Poll::Ready(Err(ServerError::WaiterForked))
@@ -168,10 +171,9 @@ impl<W: Waitable> Drop for Handoff<W> {
             if handed.is_forked() {
                 return;
             }
-            handed.slot.cancel();
-            self.pool
-                .get()
-                .withdraw(handed.lane, handed.placed, &handed.slot);
+            let pool = self.pool.get();
+            handed.slot.cancel(&pool.counters);
+            pool.withdraw(handed.lane, handed.placed, &handed.slot);
         }
     }
 }

@@ -13,6 +13,7 @@ use super::permits::Permits;
 use super::pool::{Config, Pool};
 use super::shard::Wait;
 use super::slot::Slot;
+use super::stats::Counters;
 use super::waitable::LaneKey;
 use crate::loom::{thread, Arc, Condvar, Mutex};
 use crate::ServerError;
@@ -102,6 +103,7 @@ fn pool_keeping(max_threads: usize, keep_alive: Duration) -> Pool {
         thread_name: "loom-waiter".to_owned(),
         spin_budget: Duration::ZERO,
         resolvers: 1,
+        stuck_after: None,
     })
 }
 
@@ -152,7 +154,7 @@ fn loom_slot_completion_is_never_lost() {
         let slot = Arc::new(Slot::new(waker.clone()));
         let completer = {
             let slot = slot.clone();
-            thread::spawn(move || slot.complete(Ok(())))
+            thread::spawn(move || slot.complete(Ok(()), &Counters::default()))
         };
         let mut cx = Context::from_waker(&waker);
         let first = slot.poll(&mut cx);
@@ -173,13 +175,22 @@ fn loom_slot_cancel_races_completion() {
     loom::model(|| {
         let (waker, wakes) = counting_waker();
         let slot = Arc::new(Slot::new(waker));
+        let counters = Arc::new(Counters::default());
         let completer = {
-            let slot = slot.clone();
-            thread::spawn(move || slot.complete(Err(ServerError::WaiterGone)))
+            let (slot, counters) = (slot.clone(), counters.clone());
+            thread::spawn(move || slot.complete(Err(ServerError::WaiterGone), &counters))
         };
-        slot.cancel();
+        slot.cancel(&counters);
         completer.join().unwrap();
         assert!(slot.is_cancelled());
+        // Whichever came first is counted, and only it.
+        let counts = counters.read();
+        assert_eq!(
+            (counts.failed + counts.cancelled, counts.resolved),
+            (1, 0),
+            "one outcome counted"
+        );
+        assert_eq!(counts.wake_latency.count(), counts.failed);
         assert!(wakes.0.load(Ordering::SeqCst) <= 1);
         let (noop, _) = counting_waker();
         let mut cx = Context::from_waker(&noop);
@@ -228,7 +239,7 @@ fn loom_pool_cancelled_wait_is_dropped_and_counted() {
         let task = Task::new();
         let slot = submit(&pool, &reached, 1, &task.waker);
         let device = finish_on_a_thread(&reached);
-        slot.cancel(); // the future was dropped
+        slot.cancel(&Counters::default()); // the future was dropped
         device.join().unwrap();
         while pool.pending() != 0 {
             thread::yield_now();

@@ -25,6 +25,8 @@ mod sched;
 mod servers;
 mod shard;
 mod slot;
+mod stats;
+mod stuck;
 mod waitable;
 
 use std::fmt;
@@ -35,6 +37,8 @@ pub use future::FenceFuture;
 pub(crate) use handoff::Handoff;
 use handoff::PoolRef;
 use pool::{Config, Pool};
+pub use stats::{LatencyHistogram, WaiterStats, LATENCY_BUCKETS};
+pub use stuck::StuckWait;
 pub(crate) use waitable::{LaneKey, Waitable};
 
 use crate::loom::RwLock;
@@ -247,6 +251,64 @@ impl Waiter {
         self.pool.pending()
     }
 
+    /// A snapshot of what this waiter holds (gauges) and has done since it
+    /// was made (counters, and a histogram of wake latencies), read without
+    /// stopping it: the counters from per-thread stripes, the gauges under
+    /// each lock in turn. See [`WaiterStats`].
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    /// use device_events::Waiter;
+    ///
+    /// let waiter = Waiter::builder().build();
+    /// let stream = HostStream::new()?;
+    /// stream.launch(|| std::thread::sleep(std::time::Duration::from_millis(5)))?;
+    /// futures::executor::block_on(waiter.wait(stream.fence()))?;
+    /// let stats = waiter.stats();
+    /// assert_eq!(stats.ready_at_first_poll + stats.handed_off, 1);
+    /// assert_eq!(stats.resolved, stats.handed_off);
+    /// println!("p99 wake: {:?}", stats.wake_latency.percentile(99.0));
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    pub fn stats(&self) -> WaiterStats {
+        let counts = self.pool.counters.read();
+        let (pending, cancelled_held) = self.pool.pending_and_cancelled_held();
+        WaiterStats {
+            threads: self.threads(),
+            peak_threads: self.peak_threads(),
+            pending,
+            cancelled_held,
+            stuck: self.pool.check_stuck().len(),
+            ready_at_first_poll: counts.ready_at_first_poll,
+            handed_off: counts.handed_off,
+            resolved: counts.resolved,
+            failed: counts.failed,
+            cancelled: counts.cancelled,
+            wake_latency: counts.wake_latency,
+        }
+    }
+
+    /// The waits pending longer than
+    /// [`stuck_after`](WaiterBuilder::stuck_after), one per stream (its
+    /// oldest), with how long each has waited and how many waits are queued
+    /// behind it: for a health endpoint. Empty when `stuck_after` is off.
+    /// Reading it also logs the ones not reported before.
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    /// use device_events::Waiter;
+    /// use std::time::Duration;
+    ///
+    /// let waiter = Waiter::builder().stuck_after(Duration::from_secs(5)).build();
+    /// let stream = HostStream::new()?;
+    /// futures::executor::block_on(waiter.wait(stream.fence()))?;
+    /// assert!(waiter.stuck().is_empty(), "nothing waited 5 s");
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    pub fn stuck(&self) -> Vec<StuckWait> {
+        self.pool.check_stuck()
+    }
+
     /// Resolve every pending wait with [`ServerError::WaiterGone`], refuse
     /// new ones the same way, and let the threads exit. Waits a thread is
     /// blocked on resolve at once too (the thread lets go of them, and exits,
@@ -335,6 +397,7 @@ impl Default for WaiterBuilder {
                 thread_name: "device-events-waiter".to_owned(),
                 spin_budget: Duration::ZERO,
                 resolvers: std::thread::available_parallelism().map_or(4, usize::from),
+                stuck_after: None,
             },
         }
     }
@@ -372,6 +435,24 @@ impl WaiterBuilder {
     /// (longer values are clamped): the spin runs on the executor's thread.
     pub fn spin_budget(mut self, spin_budget: Duration) -> Self {
         self.config.spin_budget = spin_budget.min(MAX_SPIN_BUDGET);
+        self
+    }
+
+    /// Report waits pending longer than `after`: each is logged once (a
+    /// warning naming its stream, how long it has waited and how many
+    /// waits are queued behind it), its end is logged once (at info level),
+    /// and [`Waiter::stuck`] lists those pending now. Off by default (a
+    /// kernel may rightly run for minutes: only the service knows how long
+    /// is too long); zero turns it off.
+    ///
+    /// It adds no thread: the waiter looks for stuck waits when a wait is
+    /// handed off or its poller ends a round (at most four times per
+    /// `after`), and whenever [`Waiter::stuck`] or [`Waiter::stats`] is
+    /// read, so a service that serves them to a health check or a metrics
+    /// scrape is told at that check at the latest. While on, each stream
+    /// that becomes busy costs its name (the `Debug` of its handle).
+    pub fn stuck_after(mut self, after: Duration) -> Self {
+        self.config.stuck_after = (!after.is_zero()).then_some(after);
         self
     }
 

@@ -14,6 +14,8 @@ use super::permits::Permits;
 use super::sched::{Action, Sched};
 use super::shard::{Lane, Owner, Shard, Wait, SHARDS};
 use super::slot::Slot;
+use super::stats::Counters;
+use super::stuck::StuckClock;
 use super::waitable::LaneKey;
 use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
@@ -28,6 +30,9 @@ pub(crate) struct Config {
     /// How many lane threads may resolve waits at once (see [`Permits`]):
     /// the machine's cores.
     pub(crate) resolvers: usize,
+    /// How long a wait may be pending before it is reported stuck; `None`:
+    /// never (see `stuck.rs`).
+    pub(crate) stuck_after: Option<Duration>,
 }
 
 impl Config {
@@ -95,6 +100,10 @@ pub(crate) struct Shared {
     pub(super) work: Condvar,
     /// Lane threads querying their batches, at most one per core.
     pub(super) resolving: Permits,
+    /// What the waiter has done, for [`Waiter::stats`](super::Waiter::stats).
+    pub(crate) counters: Counters,
+    /// When stuck waits are next looked for on the busy paths.
+    pub(super) stuck_clock: StuckClock,
     /// The process generation this pool was made in ([`crate::fork`]). In a
     /// forked child its threads are gone (only the forking thread is
     /// copied), so it refuses waits there rather than queue them for
@@ -129,6 +138,8 @@ impl Pool {
                 sched: Mutex::new(Sched::default()),
                 work: Condvar::new(),
                 fork_generation: crate::fork::generation(),
+                counters: Counters::default(),
+                stuck_clock: StuckClock::new(),
                 #[cfg(test)]
                 plants: Plants::new(),
                 #[cfg(test)]
@@ -153,6 +164,7 @@ impl Pool {
             return Err(invalid);
         }
         let key = wait.lane;
+        let handed_at = wait.slot.handed_at();
         let mut shard = self.shard(key);
         if shard.shut && !crate::plant::planted("submit-enters-drained-shard") {
             drop(shard);
@@ -160,6 +172,9 @@ impl Pool {
             return Err(ServerError::WaiterGone);
         }
         shard.wait_added();
+        // Counted before any thread can take it, so its outcome is counted
+        // after.
+        self.counters.handed_off();
         let (placed, new_lane) = self.insert(&mut shard, wait);
         let action = if new_lane {
             self.queue_lane(key)
@@ -168,6 +183,7 @@ impl Pool {
         };
         drop(shard);
         self.act(action);
+        self.check_stuck_if_due(handed_at);
         Ok((key, placed))
     }
 
@@ -216,7 +232,8 @@ impl Pool {
         // Dropped (destroying their events) and woken outside the lock.
         cancelled.into_iter().for_each(contain::drop);
         for wait in gone {
-            wait.slot.complete(Err(ServerError::WaiterGone));
+            wait.slot
+                .complete(Err(ServerError::WaiterGone), &self.counters);
             contain::drop(wait);
         }
         action
@@ -293,7 +310,7 @@ impl Pool {
         }
         let slots = gone.iter().map(|wait| &wait.slot).chain(&blocked);
         for slot in slots {
-            slot.complete(Err(ServerError::WaiterGone));
+            slot.complete(Err(ServerError::WaiterGone), &self.counters);
         }
         gone.into_iter().for_each(contain::drop);
     }
@@ -319,13 +336,26 @@ impl Shared {
         self.fork_generation
     }
 
-    /// [`Shard::insert`], counting the lane it makes, if it makes one.
+    /// [`Shard::insert`], counting the lane it makes, if it makes one, and
+    /// naming it when stuck waits are looked for.
     fn insert(&self, shard: &mut Shard, wait: Wait) -> (u64, bool) {
+        let key = wait.lane;
+        let name = (self.config.stuck_after.is_some() && !shard.lanes.contains_key(&key))
+            .then(|| contain::backend(|| Ok(wait.waitable.stream_name())))
+            .map(|name| name.unwrap_or_else(|err| format!("a stream ({err})")));
         let (placed, new_lane) = shard.insert(wait);
         if new_lane {
             self.lanes.fetch_add(1, Ordering::SeqCst);
+            if let (Some(lane), Some(name)) = (shard.lanes.get_mut(&key), name) {
+                lane.name = Some(name);
+            }
         }
         (placed, new_lane)
+    }
+
+    /// Every shard, for a look over all lanes.
+    pub(super) fn shards(&self) -> &[Mutex<Shard>] {
+        &self.shards
     }
 
     /// A new lane needs a server: queue it and decide who serves it
@@ -449,7 +479,7 @@ impl Shared {
         let mut shard = self.shard(key);
         if shard.finish_blocked(key, slot) {
             drop(shard);
-            slot.complete(result);
+            slot.complete(result, &self.counters);
         }
     }
 
@@ -469,7 +499,7 @@ impl Shared {
         let next = shard.take_oldest(key, owner);
         drop(shard);
         if ours {
-            slot.complete(result);
+            slot.complete(result, &self.counters);
         }
         next
     }
@@ -517,13 +547,19 @@ impl Shared {
     /// Waits handed to the pool and not finished, summed over the shards;
     /// none in a forked child.
     pub(crate) fn pending(&self) -> usize {
+        self.pending_and_cancelled_held().0
+    }
+
+    /// [`Shared::pending`], and those of its waits whose future was dropped
+    /// while a lane thread is blocked on them, read shard by shard.
+    pub(crate) fn pending_and_cancelled_held(&self) -> (usize, usize) {
         if self.is_forked() {
-            return 0;
+            return (0, 0);
         }
-        self.shards
-            .iter()
-            .map(|shard| Checked::lock(shard).pending())
-            .sum()
+        self.shards.iter().fold((0, 0), |(pending, held), shard| {
+            let shard = Checked::lock(shard);
+            (pending + shard.pending(), held + shard.cancelled_held())
+        })
     }
 
     /// A spawn a test refused, if it planted one.

@@ -26,6 +26,7 @@ pub(super) fn pool(name: &str, max_threads: usize, keep_alive: Duration) -> Pool
         thread_name: name.to_owned(),
         spin_budget: Duration::ZERO,
         resolvers: 1,
+        stuck_after: None,
     })
 }
 

@@ -152,7 +152,7 @@ impl Pool {
         };
         for key in keys {
             for wait in self.remove_queued_lane(key) {
-                wait.slot.complete(Err(failure.clone()));
+                wait.slot.complete(Err(failure.clone()), &self.counters);
                 contain::drop(wait);
             }
         }
@@ -352,8 +352,8 @@ impl Pool {
             let mut failed = failed.into_iter().peekable();
             for (index, wait) in batch.waits.iter().enumerate() {
                 match failed.next_if(|(at, _)| *at == index) {
-                    Some((_, err)) => wait.slot.complete(Err(err)),
-                    None => wait.slot.complete(Ok(())),
+                    Some((_, err)) => wait.slot.complete(Err(err), &self.counters),
+                    None => wait.slot.complete(Ok(()), &self.counters),
                 }
             }
             batch.waits.drain(..).for_each(contain::drop);
@@ -415,6 +415,9 @@ impl Pool {
                 progressed |= round.resolved > 0;
                 round.more
             });
+            if guard.pool.config.stuck_after.is_some() {
+                guard.pool.check_stuck_if_due(std::time::Instant::now());
+            }
             if progressed {
                 backoff = POLL_BACKOFF_MIN;
             } else {
@@ -439,7 +442,7 @@ impl Pool {
             }
             for wait in batch.waits.drain(..) {
                 // A no-op for waits it had already resolved.
-                wait.slot.complete(Err(failure()));
+                wait.slot.complete(Err(failure()), &self.counters);
                 contain::drop(wait);
             }
         }
@@ -485,7 +488,7 @@ impl Pool {
             self.act(action);
         }
         for slot in blocked {
-            slot.complete(Err(failure()));
+            slot.complete(Err(failure()), &self.counters);
         }
     }
 }

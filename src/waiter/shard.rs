@@ -45,6 +45,8 @@ pub(super) struct Lane {
     /// The slot of the wait this lane's thread is blocked on, so shutdown
     /// can resolve it without waiting for the block to end.
     pub(super) blocked_on: Option<Arc<Slot>>,
+    /// The stream's name for stuck-wait reports; set only when they are on.
+    pub(super) name: Option<String>,
 }
 
 /// Who serves a lane. A lane is created `Queued`; a thread or the poller
@@ -107,6 +109,16 @@ impl Shard {
     /// Waits handed to this shard and not finished.
     pub(super) fn pending(&self) -> usize {
         self.pending
+    }
+
+    /// Waits a lane thread is blocked on whose future was dropped (a slot's
+    /// lock under the shard's: the lock order allows it).
+    pub(super) fn cancelled_held(&self) -> usize {
+        self.lanes
+            .values()
+            .filter_map(|lane| lane.blocked_on.as_ref())
+            .filter(|slot| slot.is_cancelled())
+            .count()
     }
 
     /// Put `wait` in its lane at its place or, if that is taken, the next

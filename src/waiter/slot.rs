@@ -9,19 +9,28 @@
 //! back in its lane somewhere else than where it was first placed.
 
 use std::task::{Context, Poll, Waker};
+use std::time::Instant;
 
 use super::contain;
+use super::stats::Counters;
 use crate::loom::Mutex;
 use crate::ServerError;
 
 pub(crate) struct Slot {
     state: Mutex<SlotState>,
+    /// When the wait was handed off, for the waiter's wake latencies.
+    handed_at: Instant,
 }
 
 struct SlotState {
     result: Option<Result<(), ServerError>>,
+    /// A result was left here (and maybe taken since): the first stands.
+    done: bool,
     waker: Option<Waker>,
     cancelled: bool,
+    /// What to call the wait once it has been reported stuck, to log its
+    /// end once: by whichever comes first, its result or its future's drop.
+    stuck: Option<String>,
     /// Where in its lane the wait sits, when that is no longer the place
     /// its submit returned: it was taken out and its place was taken by
     /// another wait meanwhile (two streams whose keys collide). `None`
@@ -34,28 +43,42 @@ impl Slot {
         Self {
             state: Mutex::new(SlotState {
                 result: None,
+                done: false,
+                stuck: None,
                 waker: Some(waker),
                 cancelled: false,
                 moved_to: None,
             }),
+            handed_at: Instant::now(),
         }
     }
 
-    /// Leave `result` for the future and wake it; a no-op once cancelled or
-    /// completed (the first result stands). A waker that panics costs only
-    /// its own wake-up: the panic is logged and goes no further.
-    pub(crate) fn complete(&self, result: Result<(), ServerError>) {
-        let waker = {
+    /// Leave `result` for the future and wake it, counting it in
+    /// `counters`; a no-op once cancelled or completed (the first result
+    /// stands). A waker that panics costs only its own wake-up: the panic is
+    /// logged and goes no further.
+    pub(crate) fn complete(&self, result: Result<(), ServerError>, counters: &Counters) {
+        let (waker, stuck) = {
             let mut state = self.state.lock();
-            if state.cancelled || state.result.is_some() {
+            if state.cancelled || state.done {
                 return;
             }
+            counters.delivered(result.is_ok(), self.handed_at);
+            let stuck = state
+                .stuck
+                .take()
+                .map(|what| (what, format!("ended ({result:?})")));
+            state.done = true;
             state.result = Some(result);
-            state.waker.take()
+            (state.waker.take(), stuck)
         };
-        // Woken outside the lock: a waker may run the task inline.
+        // Woken, then logged, outside the lock: a waker may run the task
+        // inline.
         if let Some(waker) = waker {
             contain::wake(waker);
+        }
+        if let Some((what, how)) = stuck {
+            self.log_end(&what, &how);
         }
     }
 
@@ -72,15 +95,45 @@ impl Slot {
         Poll::Pending
     }
 
-    /// The future was dropped: nobody wants the result any more.
-    pub(crate) fn cancel(&self) {
-        let waker = {
+    /// The future was dropped: nobody wants the result any more. Counted in
+    /// `counters` unless its result had come.
+    pub(crate) fn cancel(&self, counters: &Counters) {
+        let (waker, stuck) = {
             let mut state = self.state.lock();
+            let done = state.done && !crate::plant::planted("cancel-counts-a-delivered-wait");
+            if !done && !state.cancelled {
+                counters.cancelled();
+            }
             state.cancelled = true;
             state.result = None;
-            state.waker.take()
+            (state.waker.take(), state.stuck.take())
         };
         drop(waker);
+        if let Some(what) = stuck {
+            self.log_end(&what, "was given up (its future dropped)");
+        }
+    }
+
+    /// When the wait was handed off.
+    pub(crate) fn handed_at(&self) -> Instant {
+        self.handed_at
+    }
+
+    /// Note that the wait was reported stuck, as `what`; false if it was
+    /// already, or has ended.
+    pub(crate) fn report_stuck(&self, what: String) -> bool {
+        let mut state = self.state.lock();
+        if state.stuck.is_some() || state.done || state.cancelled {
+            return false;
+        }
+        state.stuck = Some(what);
+        true
+    }
+
+    /// The one line for the end of a wait reported stuck.
+    fn log_end(&self, what: &str, how: &str) {
+        let waited = self.handed_at.elapsed();
+        contain::log(|| log::info!("{what}, reported stuck, {how} after {waited:?}"));
     }
 
     pub(crate) fn is_cancelled(&self) -> bool {
@@ -107,6 +160,7 @@ mod tests {
     use std::task::{Context, Poll, Wake, Waker};
 
     use super::Slot;
+    use crate::waiter::stats::Counters;
     use crate::ServerError;
 
     struct Counting(AtomicUsize);
@@ -126,8 +180,8 @@ mod tests {
     fn the_first_result_stands() {
         let (waker, wakes) = counting();
         let slot = Slot::new(waker.clone());
-        slot.complete(Ok(()));
-        slot.complete(Err(ServerError::WaiterGone));
+        slot.complete(Ok(()), &Counters::default());
+        slot.complete(Err(ServerError::WaiterGone), &Counters::default());
         assert_eq!(wakes.0.load(Ordering::SeqCst), 1, "woken once");
         let mut cx = Context::from_waker(&waker);
         assert_eq!(slot.poll(&mut cx), Poll::Ready(Ok(())));
@@ -138,9 +192,9 @@ mod tests {
         let (waker, wakes) = counting();
         let slot = Slot::new(waker.clone());
         assert!(!slot.is_cancelled());
-        slot.cancel();
+        slot.cancel(&Counters::default());
         assert!(slot.is_cancelled());
-        slot.complete(Ok(()));
+        slot.complete(Ok(()), &Counters::default());
         assert_eq!(
             wakes.0.load(Ordering::SeqCst),
             0,
@@ -159,12 +213,37 @@ mod tests {
             }
         }
         let slot = Slot::new(Waker::from(StdArc::new(Panicking)));
-        slot.complete(Ok(())); // does not unwind
+        slot.complete(Ok(()), &Counters::default()); // does not unwind
         let (waker, _) = counting();
         assert_eq!(
             slot.poll(&mut Context::from_waker(&waker)),
             Poll::Ready(Ok(()))
         );
+    }
+
+    #[test]
+    fn each_wait_counts_one_outcome_whichever_comes_first() {
+        let counters = Counters::default();
+        let (waker, _) = counting();
+        // Its result came, then its future was dropped unpolled: resolved.
+        let delivered = Slot::new(waker.clone());
+        delivered.complete(Ok(()), &counters);
+        delivered.cancel(&counters);
+        // Dropped first, then the device got there: cancelled.
+        let dropped = Slot::new(waker.clone());
+        dropped.cancel(&counters);
+        dropped.complete(Ok(()), &counters);
+        dropped.cancel(&counters);
+        // Failed, then failed again (shutdown after a fault): one failure.
+        let failed = Slot::new(waker);
+        failed.complete(Err(ServerError::WaiterGone), &counters);
+        failed.complete(Err(ServerError::WaiterGone), &counters);
+        let counts = counters.read();
+        assert_eq!(
+            (counts.resolved, counts.cancelled, counts.failed),
+            (1, 1, 1)
+        );
+        assert_eq!(counts.wake_latency.count(), 2);
     }
 
     #[test]

@@ -38,6 +38,10 @@ pub(crate) trait Waitable: Send + 'static {
     /// Block the calling thread until reached (sleeping in the driver). The
     /// caller drops the waitable afterwards, apart from the wait.
     fn block(&self) -> Result<(), ServerError>;
+    /// The stream, as its backend shows it, for stuck-wait reports.
+    fn stream_name(&self) -> String {
+        format!("{:?}", self.lane())
+    }
 }
 
 impl LaneKey {
@@ -73,5 +77,9 @@ impl<A: EventApi> Waitable for EventFence<A> {
 
     fn block(&self) -> Result<(), ServerError> {
         EventFence::block(self)
+    }
+
+    fn stream_name(&self) -> String {
+        format!("{} stream {:?}", A::BACKEND, self.stream())
     }
 }

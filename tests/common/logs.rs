@@ -41,6 +41,11 @@ pub fn warnings_containing(needle: &str) -> Vec<String> {
     containing(log::Level::Warn, needle)
 }
 
+/// Info lines logged so far whose text contains `needle`.
+pub fn infos_containing(needle: &str) -> Vec<String> {
+    containing(log::Level::Info, needle)
+}
+
 /// Errors logged so far whose text contains `needle`.
 pub fn errors_containing(needle: &str) -> Vec<String> {
     containing(log::Level::Error, needle)
