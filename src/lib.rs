@@ -46,7 +46,11 @@
 //! [`keep_alive`](WaiterBuilder::keep_alive) (default
 //! [`DEFAULT_KEEP_ALIVE`]), [`thread_name`](WaiterBuilder::thread_name), and
 //! [`spin_budget`](WaiterBuilder::spin_budget) (default zero, at most
-//! [`MAX_SPIN_BUDGET`]).
+//! [`MAX_SPIN_BUDGET`]), and [`stuck_after`](WaiterBuilder::stuck_after)
+//! (off by default). [`Waiter::stats`] tells what a waiter is doing
+//! ([`WaiterStats`]), [`Waiter::stuck`] which streams have not finished in
+//! `stuck_after`; with the `serde` feature every stats type is
+//! `Serialize`.
 //!
 //! # Architecture
 //!

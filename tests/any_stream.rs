@@ -205,15 +205,7 @@ mod cuda {
             let before = profiler.created();
             let start = profiler.start(from).unwrap();
             let err = profiler.stop(start, to).unwrap_err();
-            assert!(
-                matches!(err, ServerError::InvalidArgument { .. }),
-                "{err:?}"
-            );
-            let message = err.to_string();
-            assert!(
-                message.contains("Cuda") && message.contains("Host"),
-                "the error names both backends: {message}"
-            );
+            check_names_both_backends(&err);
             // Nothing was recorded on `to`, and the start's event is back
             // in its pool, so a good measurement after makes one event more
             // (its stop) at most.
@@ -224,6 +216,19 @@ mod cuda {
                 "the refused start's event went back to the pool"
             );
         }
+    }
+
+    /// A refusal to mix the backends: an `InvalidArgument` naming both.
+    fn check_names_both_backends(err: &ServerError) {
+        assert!(
+            matches!(err, ServerError::InvalidArgument { .. }),
+            "{err:?}"
+        );
+        let message = err.to_string();
+        assert!(
+            message.contains("Cuda") && message.contains("Host"),
+            "the error names both backends: {message}"
+        );
     }
 
     fn one_stream(stream: &AnyStream) -> &Arc<device_events::cuda::cudarc::driver::CudaStream> {
@@ -245,15 +250,7 @@ mod cuda {
             (host_stream.fence(), &cuda_stream),
         ] {
             let err = fence.wait_async(on).unwrap_err();
-            assert!(
-                matches!(err, ServerError::InvalidArgument { .. }),
-                "{err:?}"
-            );
-            let message = err.to_string();
-            assert!(
-                message.contains("Cuda") && message.contains("Host"),
-                "the error names both backends: {message}"
-            );
+            check_names_both_backends(&err);
             // The fence is still good for everything else.
             futures::executor::block_on(fence.wait()).unwrap();
         }
