@@ -47,7 +47,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use device_events::drop_queue::DropQueue;
+use device_events::drop_queue::{DropQueue, Rejected};
 use device_events::host::HostContext;
 use device_events::{AnyFence, AnyProfile, AnyProfiler, AnyStream, ServerError, Waiter};
 use serde_json::{json, Value};
@@ -380,7 +380,8 @@ async fn job(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     // The body stands for a staging buffer the work reads: it must live
     // until the work is done, and the drop queue keeps it so, off this
     // handler. Refused (full, or closed by shutdown), the handler keeps it
-    // until its own wait below is over.
+    // until its own wait below is over, or, if it gives up waiting, hands it
+    // on to be kept until then.
     let unqueued = state.staging.push(stream.stream.fence(), body).err();
     let waited = async {
         match state.wait_by {
@@ -401,10 +402,13 @@ async fn job(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         Some(timeout) => match tokio::time::timeout(timeout, waited).await {
             Ok(waited) => waited,
             Err(_) => {
+                if let Some(refused) = unqueued {
+                    keep_until_done(refused);
+                }
                 return error(
                     StatusCode::GATEWAY_TIMEOUT,
                     format!("the work did not finish within {timeout:?}"),
-                )
+                );
             }
         },
     };
@@ -429,6 +433,19 @@ async fn job(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
         "backend": state.backend(),
     }))
     .into_response()
+}
+
+/// Keep a staging buffer the drop queue refused, whose request gave up
+/// waiting for its work, until that work is done, then drop it (or leak it
+/// if the work failed, as the queue does). On the runtime's blocking pool:
+/// it is rare (a full queue and a timeout at once), and a runtime that shuts
+/// down waits for a blocking task it has started, where it would drop an
+/// async task, and the buffer with it, while the device may still read it.
+fn keep_until_done(refused: Rejected<AnyFence, Bytes>) {
+    tokio::task::spawn_blocking(move || {
+        // A failure is logged by the queue's code, its buffer leaked.
+        let _ = refused.wait_then_drop();
+    });
 }
 
 /// Whole microseconds, saturating.
@@ -534,7 +551,7 @@ pub fn prometheus_text(state: &AppState) -> String {
         ),
         (
             "waiter_stuck_streams",
-            "Streams whose oldest wait is pending past stuck_after.",
+            "Streams whose oldest wait has gone past stuck_after with none of their waits ending.",
             waiter.stuck,
         ),
     ];

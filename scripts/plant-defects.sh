@@ -129,6 +129,8 @@ plant unwinding-thread-not-given-back "a waiter thread that unwinds is not given
 plant wait-put-back-at-its-sequence "a wait put back at its sequence, not where it was placed (and not told)" await_faults
 plant lane-thread-resolves-unreached-wait "a lane thread resolves the wait it takes next without a query showing it reached" lib properties
 plant cancel-counts-a-delivered-wait "a future dropped after its result came is counted cancelled too" lib
+plant stall-timed-from-hand-off "a stuck wait is timed from its hand-off, not from its stream's last progress" waiter_stats
+plant blocked-wait-end-not-progress "the end of a wait a lane thread blocked on is not its stream's progress" waiter_stats
 
 # The host backend: as strict as CUDA where a test's meaning depends on it.
 plant host-record-releases-earlier-waits "a record reached at once releases waits on earlier records" lib event

@@ -338,13 +338,14 @@ fn metrics_move_as_requests_are_served_and_cancelled() {
         ] {
             assert_eq!(metric(&before, name), 0.0, "{name}");
         }
-        // Three jobs held long enough to be handed off, each answered.
+        // Three jobs, each answered; 20 ms of work, so mostly handed off (one
+        // whose handler stalled as long finds its fence ready instead).
         for _ in 0..3 {
             let (status, body) = request(
                 service.address,
                 "POST",
                 "/jobs",
-                r#"{"work_us": 5000, "stream": 0}"#,
+                r#"{"work_us": 20000, "stream": 0}"#,
             )
             .await;
             assert_eq!(status, 200, "{body}");
@@ -371,9 +372,9 @@ fn metrics_move_as_requests_are_served_and_cancelled() {
         let resolved = moved("device_events_waiter_resolved_total");
         let handed_off = moved("device_events_waiter_handed_off_total");
         let ready = moved("device_events_waiter_ready_at_first_poll_total");
-        // Each served job awaited its fence (handed off: 5 ms of work) and
-        // then its profile (ready by then, or handed off and resolved).
-        assert!(resolved >= 3.0, "{after}");
+        // Each served job awaited its fence and then its profile (each ready
+        // at its first poll, or handed off and resolved).
+        assert!(resolved >= 1.0, "{after}");
         assert_eq!(handed_off, resolved + 1.0, "the cancelled one: {after}");
         assert_eq!(ready + handed_off, 3.0 * 2.0 + 1.0, "{after}");
         assert_eq!(

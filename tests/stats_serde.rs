@@ -7,7 +7,7 @@ mod common;
 use common::Gate;
 use device_events::drop_queue::DropQueue;
 use device_events::host::{Host, HostStream};
-use device_events::{AnyProfiler, AnyStream, EventFence, EventProfiler, Waiter};
+use device_events::{AnyProfiler, AnyStream, EventFence, Waiter};
 use serde_json::{json, Value};
 use std::time::Duration;
 
@@ -36,8 +36,9 @@ fn waiter_stats_and_stuck_waits_serialize() {
         !waiter.stuck().is_empty()
     });
     let stuck = serde_json::to_value(&waiter.stuck()[0]).unwrap();
-    assert_eq!(keys(&stuck), ["behind", "stream", "waited"]);
+    assert_eq!(keys(&stuck), ["behind", "given_up", "stream", "waited"]);
     assert_eq!(stuck["behind"], 0);
+    assert_eq!(stuck["given_up"], false);
     gate.open();
     futures::executor::block_on(future).unwrap();
     let stats = serde_json::to_value(waiter.stats()).unwrap();
@@ -75,17 +76,7 @@ fn drop_queue_and_profiler_stats_serialize() {
         stats,
         json!({"pushed": 1, "dropped": 1, "leaked": 0, "handed_back": 0, "pending": 0, "queued": 0})
     );
-    let profiler = EventProfiler::<Host>::new();
-    let start = profiler.start(stream.handle()).unwrap();
-    profiler
-        .stop(start, stream.handle())
-        .unwrap()
-        .wait_sync()
-        .unwrap();
-    assert_eq!(
-        serde_json::to_value(profiler.stats()).unwrap(),
-        json!({"created": 2, "pooled": 2})
-    );
+    // `ProfilerStats`, as `EventProfiler::stats` returns it too.
     let any = AnyProfiler::new();
     let stream = AnyStream::from(stream);
     let start = any.start(&stream).unwrap();

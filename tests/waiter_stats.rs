@@ -218,15 +218,24 @@ fn wake_latency_percentiles_follow_a_controlled_delay() {
     assert!(stats.wake_latency.sum() >= delay * 5, "{stats:?}");
 }
 
-#[test]
-fn a_stream_held_past_stuck_after_is_listed_and_logged_once_and_its_end_once() {
+/// A waiter of its own that reports waits stuck after `after`, named
+/// `name`, and the needle that finds its log lines (and no other test's).
+fn stuck_waiter(name: &str, after: Duration) -> (Waiter, String) {
     capture();
-    let name = "stuck-listed-waiter";
-    let after = Duration::from_millis(30);
     let waiter = Waiter::builder()
         .thread_name(name)
         .stuck_after(after)
         .build();
+    (waiter, format!("waiter {name:?}"))
+}
+
+// Long enough that the test's own steps (a few hand-offs in a row) never
+// take it, even on a loaded machine; a stall is then only what a test holds.
+const STUCK_AFTER: Duration = Duration::from_millis(250);
+
+#[test]
+fn a_stream_held_past_stuck_after_is_listed_and_logged_once_and_its_end_once() {
+    let (waiter, needle) = stuck_waiter("stuck-listed-waiter", STUCK_AFTER);
     let stream = HostStream::new().unwrap();
     let other = HostStream::new().unwrap();
     let gate = Gate::hold(&stream);
@@ -238,18 +247,19 @@ fn a_stream_held_past_stuck_after_is_listed_and_logged_once_and_its_end_once() {
     for _ in 0..3 {
         let stuck = waiter.stuck();
         assert_eq!(stuck.len(), 1, "{stuck:?}");
-        assert!(stuck[0].waited >= after, "{stuck:?}");
+        assert!(stuck[0].waited >= STUCK_AFTER, "{stuck:?}");
         assert_eq!(stuck[0].behind, 2, "two waits behind the oldest: {stuck:?}");
+        assert!(!stuck[0].given_up, "{stuck:?}");
         assert!(stuck[0].stream.starts_with("Host stream"), "{stuck:?}");
     }
     assert_eq!(waiter.stats().stuck, 1);
     // A stream that is not held is never listed.
     futures::executor::block_on(waiter.wait(other.fence())).unwrap();
     assert_eq!(waiter.stuck().len(), 1);
-    let needle = format!("waiter {name:?}");
     let warned = warnings_containing(&needle);
     assert_eq!(warned.len(), 1, "one warning while stuck: {warned:?}");
     assert!(warned[0].contains("2 more queued behind it"), "{warned:?}");
+    assert!(infos_containing(&needle).is_empty(), "not ended yet");
     gate.open();
     let results = futures::executor::block_on(futures::future::join_all(futures));
     assert!(results.iter().all(Result::is_ok));
@@ -266,60 +276,110 @@ fn a_stream_held_past_stuck_after_is_listed_and_logged_once_and_its_end_once() {
 }
 
 #[test]
-fn a_stuck_wait_given_up_logs_its_end_once() {
-    capture();
-    let name = "stuck-dropped-waiter";
-    let waiter = Waiter::builder()
-        .thread_name(name)
-        .stuck_after(Duration::from_millis(10))
-        .build();
+fn a_stream_held_on_a_given_up_wait_is_still_reported_with_the_waits_behind_it() {
+    // As a service whose timeouts are shorter than `stuck_after` does: the
+    // first wait is given up at once, and later ones queue behind it.
+    let (waiter, needle) = stuck_waiter("stuck-given-up-waiter", STUCK_AFTER);
     let stream = HostStream::new().unwrap();
     let gate = Gate::hold(&stream);
-    let futures = handed_off(&waiter, &stream, 1);
+    // Given up on before a lane thread took it, a wait just leaves; given
+    // up on while one is blocked on it, it holds the stream's lane.
+    eventually(LIMIT, "a lane thread is blocked on a given-up wait", || {
+        drop(handed_off(&waiter, &stream, 1));
+        waiter.stats().cancelled_held == 1
+    });
+    let behind = handed_off(&waiter, &stream, 2);
     eventually(LIMIT, "the held stream is listed", || {
         !waiter.stuck().is_empty()
     });
-    drop(futures);
-    let needle = format!("waiter {name:?}");
-    let ended = infos_containing(&needle);
-    assert_eq!(ended.len(), 1, "{ended:?}");
-    assert!(ended[0].contains("given up"), "{ended:?}");
+    let stuck = waiter.stuck();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert!(stuck[0].given_up, "{stuck:?}");
+    assert_eq!(stuck[0].behind, 2, "{stuck:?}");
+    let warned = warnings_containing(&needle);
+    assert_eq!(warned.len(), 1, "{warned:?}");
+    assert!(warned[0].contains("future was dropped"), "{warned:?}");
+    assert!(warned[0].contains("2 more queued behind it"), "{warned:?}");
+    // Every future given up: the stream is held still, and listed.
+    drop(behind);
+    let stuck = waiter.stuck();
+    assert_eq!((stuck.len(), stuck[0].behind), (1, 0), "{stuck:?}");
+    assert!(infos_containing(&needle).is_empty(), "still held");
     gate.open();
     eventually(LIMIT, "the held wait is let go", || {
         waiter.stats().pending == 0
     });
-    assert_eq!(infos_containing(&needle).len(), 1, "logged once: {ended:?}");
+    let ended = infos_containing(&needle);
+    assert_eq!(ended.len(), 1, "{ended:?}");
+    assert!(ended[0].contains("its future dropped"), "{ended:?}");
+    assert!(waiter.stuck().is_empty());
     assert_eq!(warnings_containing(&needle).len(), 1);
 }
 
 #[test]
+fn a_long_backlog_on_a_stream_that_keeps_finishing_work_is_never_reported() {
+    // Each of 12 items takes a twelfth of the time all take: every wait is
+    // handed off at once, so the later ones are pending far longer than
+    // `stuck_after`, while the stream ends one about every 100 ms.
+    let after = Duration::from_millis(500);
+    let (waiter, needle) = stuck_waiter("stuck-backlog-waiter", after);
+    let stream = HostStream::new().unwrap();
+    let steps: Vec<(Gate, FenceFuture<Host>)> = (0..12)
+        .map(|_| {
+            let gate = Gate::hold(&stream);
+            let mut future = waiter.wait(stream.fence());
+            assert!(poll_once(&mut future).is_pending());
+            (gate, future)
+        })
+        .collect();
+    let started = std::time::Instant::now();
+    for (gate, future) in steps {
+        std::thread::sleep(after / 5);
+        gate.open();
+        futures::executor::block_on(future).unwrap();
+        let stuck = waiter.stuck();
+        assert!(stuck.is_empty(), "{stuck:?}");
+    }
+    assert!(
+        started.elapsed() > after * 2,
+        "the backlog outlived stuck_after"
+    );
+    assert!(warnings_containing(&needle).is_empty());
+}
+
+#[test]
 fn without_stuck_after_nothing_is_listed() {
-    let waiter = Waiter::builder().build();
+    let off = Waiter::builder().build();
+    let zero = Waiter::builder().stuck_after(Duration::ZERO).build();
+    let on = Waiter::builder()
+        .stuck_after(Duration::from_millis(10))
+        .build();
     let stream = HostStream::new().unwrap();
     let gate = Gate::hold(&stream);
-    let futures = handed_off(&waiter, &stream, 1);
-    assert!(waiter.stuck().is_empty());
-    assert_eq!(waiter.stats().stuck, 0);
+    let futures: Vec<_> = [&off, &zero, &on]
+        .into_iter()
+        .flat_map(|waiter| handed_off(waiter, &stream, 1))
+        .collect();
+    // Held long enough that the waiter watching it lists it.
+    eventually(LIMIT, "the watching waiter lists the stream", || {
+        !on.stuck().is_empty()
+    });
+    for waiter in [&off, &zero] {
+        assert!(waiter.stuck().is_empty());
+        assert_eq!(waiter.stats().stuck, 0);
+    }
+    assert_eq!(on.stats().stuck, 1);
     gate.open();
     futures::executor::block_on(futures::future::join_all(futures));
-    // Zero turns it off too.
-    let off = Waiter::builder().stuck_after(Duration::ZERO).build();
-    assert!(off.stuck().is_empty());
 }
 
 #[test]
 fn hand_offs_on_other_streams_report_a_stuck_one_without_being_asked() {
-    capture();
-    let name = "stuck-busy-waiter";
-    let waiter = Waiter::builder()
-        .thread_name(name)
-        .stuck_after(Duration::from_millis(10))
-        .build();
+    let (waiter, needle) = stuck_waiter("stuck-busy-waiter", Duration::from_millis(10));
     let stuck = HostStream::new().unwrap();
     let busy = HostStream::new().unwrap();
     let gate = Gate::hold(&stuck);
     let futures = handed_off(&waiter, &stuck, 1);
-    let needle = format!("waiter {name:?}");
     // Nobody reads `stuck()` or the stats: the hand-offs of another
     // stream's work find it.
     eventually(LIMIT, "a hand-off reports the stuck stream", || {
@@ -332,4 +392,47 @@ fn hand_offs_on_other_streams_report_a_stuck_one_without_being_asked() {
     assert_eq!(warnings_containing(&needle).len(), 1);
     gate.open();
     futures::executor::block_on(futures::future::join_all(futures));
+}
+
+#[test]
+fn streams_past_max_threads_are_reported_and_their_ends_logged() {
+    // One lane thread, blocked on the first stream: the second is polled.
+    capture();
+    let name = "stuck-polled-waiter";
+    let waiter = Waiter::builder()
+        .thread_name(name)
+        .max_threads(1)
+        .stuck_after(STUCK_AFTER)
+        .build();
+    let needle = format!("waiter {name:?}");
+    let streams = [HostStream::new().unwrap(), HostStream::new().unwrap()];
+    let gates: Vec<Gate> = streams.iter().map(Gate::hold).collect();
+    let futures: Vec<_> = streams
+        .iter()
+        .flat_map(|stream| handed_off(&waiter, stream, 2))
+        .collect();
+    eventually(LIMIT, "both streams are listed", || {
+        waiter.stuck().len() == 2
+    });
+    let stuck = waiter.stuck();
+    assert!(stuck.iter().all(|wait| wait.behind == 1), "{stuck:?}");
+    let stats = waiter.stats();
+    assert_eq!(
+        (stats.threads, stats.stuck),
+        (2, 2),
+        "a lane thread and the poller"
+    );
+    assert_eq!(warnings_containing(&needle).len(), 2);
+    gates.into_iter().for_each(Gate::open);
+    let results = futures::executor::block_on(futures::future::join_all(futures));
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    let ended = infos_containing(&needle);
+    assert_eq!(ended.len(), 2, "{ended:?}");
+    assert!(
+        ended.iter().all(|line| line.contains("ended (Ok(()))")),
+        "{ended:?}"
+    );
+    let stats = waiter.stats();
+    assert_eq!((stats.resolved, stats.stuck), (4, 0), "{stats:?}");
+    check_accounts(&stats);
 }

@@ -21,6 +21,13 @@ fn is_panicked(result: &Result<(), ServerError>) -> bool {
     matches!(result, Err(ServerError::WaiterPanicked { .. }))
 }
 
+/// The pool's counts of waits handed off, resolved and failed: each wait
+/// counted once, whichever path ended it.
+fn outcomes(pool: &Pool) -> (u64, u64, u64) {
+    let counts = pool.counters.read();
+    (counts.handed_off, counts.resolved, counts.failed)
+}
+
 #[test]
 fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
     let pool = pool(4);
@@ -41,6 +48,11 @@ fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
     eventually("no thread counted and no wait pending", || {
         pool.threads() == 0 && pool.pending() == 0
     });
+    assert_eq!(
+        outcomes(&pool),
+        (4, 3, 1),
+        "the unwound thread's wait failed"
+    );
 }
 
 #[test]
@@ -63,6 +75,7 @@ fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
     eventually("no thread counted and no wait pending", || {
         pool.threads() == 0 && pool.pending() == 0
     });
+    assert_eq!(outcomes(&pool), (3, 2, 1), "the poller's batch failed");
 }
 
 #[test]
@@ -76,6 +89,7 @@ fn a_refused_lane_thread_leaves_its_lane_to_the_poller() {
     eventually("no thread counted and no wait pending", || {
         pool.threads() == 0 && pool.pending() == 0
     });
+    assert_eq!(outcomes(&pool), (1, 1, 0), "resolved by the poller");
 }
 
 #[test]
@@ -90,7 +104,9 @@ fn with_no_thread_at_all_the_waits_fail_instead_of_hanging() {
     ));
     assert_eq!(pool.pending(), 0);
     assert_eq!(pool.threads(), 0);
+    assert_eq!(outcomes(&pool), (1, 0, 1), "failed for want of a thread");
     // The next wait starts a thread again.
     let device = Device::reached();
     assert_eq!(result_of(&submit(&pool, &device, 0, 2)), Ok(()));
+    assert_eq!(outcomes(&pool), (2, 1, 1));
 }

@@ -288,11 +288,12 @@ impl Waiter {
         }
     }
 
-    /// The waits pending longer than
-    /// [`stuck_after`](WaiterBuilder::stuck_after), one per stream (its
-    /// oldest), with how long each has waited and how many waits are queued
-    /// behind it: for a health endpoint. Empty when `stuck_after` is off.
-    /// Reading it also logs the ones not reported before.
+    /// The streams whose oldest pending wait has gone longer than
+    /// [`stuck_after`](WaiterBuilder::stuck_after) without the stream ending
+    /// a wait, one entry per stream, with how long, how many waits are
+    /// queued behind it, and whether its own future was given up: for a
+    /// health endpoint. Empty when `stuck_after` is off. Reading it also
+    /// logs the ones not reported before.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -438,19 +439,27 @@ impl WaiterBuilder {
         self
     }
 
-    /// Report waits pending longer than `after`: each is logged once (a
-    /// warning naming its stream, how long it has waited and how many
-    /// waits are queued behind it), its end is logged once (at info level),
-    /// and [`Waiter::stuck`] lists those pending now. Off by default (a
-    /// kernel may rightly run for minutes: only the service knows how long
-    /// is too long); zero turns it off.
+    /// Report streams stuck for longer than `after`: each stall is logged
+    /// once (a warning naming the stream, how long its oldest wait has
+    /// waited and how many waits are queued behind it), its end is logged
+    /// once (at info level), and [`Waiter::stuck`] lists those stuck now.
+    /// Off by default (a kernel may rightly run for minutes: only the
+    /// service knows how long is too long); zero turns it off.
+    ///
+    /// A wait is timed from its hand-off, or from the end of the wait before
+    /// it on its stream if that came later: a stream with a long queue that
+    /// keeps finishing work is not stuck, however long its last wait has
+    /// been queued. A wait whose future was dropped (a timeout) still holds
+    /// its stream: the stall goes on, and is reported, until the device
+    /// gets past it.
     ///
     /// It adds no thread: the waiter looks for stuck waits when a wait is
     /// handed off or its poller ends a round (at most four times per
     /// `after`), and whenever [`Waiter::stuck`] or [`Waiter::stats`] is
     /// read, so a service that serves them to a health check or a metrics
-    /// scrape is told at that check at the latest. While on, each stream
-    /// that becomes busy costs its name (the `Debug` of its handle).
+    /// scrape is told at that check at the latest. While on, each hand-off
+    /// costs its stream's name (the `Debug` of its handle, formatted before
+    /// any lock is taken), and each wait a server ends, a read of the clock.
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self

@@ -15,7 +15,7 @@ use super::sched::{Action, Sched};
 use super::shard::{Lane, Owner, Shard, Wait, SHARDS};
 use super::slot::Slot;
 use super::stats::Counters;
-use super::stuck::StuckClock;
+use super::stuck::{LaneWatch, StuckClock};
 use super::waitable::LaneKey;
 use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
@@ -156,12 +156,17 @@ impl Pool {
     ///
     /// [`ServerError::WaiterGone`] after [`Pool::shutdown`];
     /// [`ServerError::WaiterForked`] in a forked child. The wait is dropped.
-    pub(crate) fn submit(&self, wait: Wait) -> Result<(LaneKey, u64), ServerError> {
+    pub(crate) fn submit(&self, mut wait: Wait) -> Result<(LaneKey, u64), ServerError> {
         if self.is_forked() {
             return Err(ServerError::WaiterForked);
         }
         if let Some(invalid) = self.config.invalid() {
             return Err(invalid);
+        }
+        if self.config.stuck_after.is_some() {
+            // The backend's `Debug`, called before any lock is taken.
+            let name = contain::backend(|| Ok(wait.waitable.stream_name()));
+            wait.stream_name = Some(name.unwrap_or_else(|err| format!("a stream ({err})")));
         }
         let key = wait.lane;
         let handed_at = wait.slot.handed_at();
@@ -200,7 +205,16 @@ impl Pool {
     /// marks the slot cancelled before it takes the shard lock to withdraw,
     /// so under this lock a wait is either seen cancelled or withdrawn later
     /// (at its place, which is where it goes back).
-    pub(super) fn settle(&self, key: LaneKey, rest: Vec<Wait>, resolved: usize) -> Action {
+    ///
+    /// When `resolved` is not 0, the lane's stream made progress; `first`
+    /// is how the oldest of them ended (`None`: reached).
+    pub(super) fn settle(
+        &self,
+        key: LaneKey,
+        rest: Vec<Wait>,
+        resolved: usize,
+        first: Option<&ServerError>,
+    ) -> Action {
         let mut shard = self.shard(key);
         shard.batch_settled(resolved + rest.len());
         let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
@@ -226,6 +240,9 @@ impl Pool {
             }
             if new_lane && !crate::plant::planted("lane-made-in-settle-not-queued") {
                 action = self.queue_lane(key);
+            }
+            if resolved > 0 {
+                shard.progressed(key, first);
             }
         }
         drop(shard);
@@ -337,17 +354,20 @@ impl Shared {
     }
 
     /// [`Shard::insert`], counting the lane it makes, if it makes one, and
-    /// naming it when stuck waits are looked for.
+    /// giving it a watch when stuck waits are looked for (named by the
+    /// wait's stream, worked out before the lock).
     fn insert(&self, shard: &mut Shard, wait: Wait) -> (u64, bool) {
         let key = wait.lane;
-        let name = (self.config.stuck_after.is_some() && !shard.lanes.contains_key(&key))
-            .then(|| contain::backend(|| Ok(wait.waitable.stream_name())))
-            .map(|name| name.unwrap_or_else(|err| format!("a stream ({err})")));
+        let watch =
+            (self.config.stuck_after.is_some() && !shard.lanes.contains_key(&key)).then(|| {
+                let name = wait.stream_name.clone().unwrap_or_default();
+                LaneWatch::new(&self.config.thread_name, name, wait.slot.handed_at())
+            });
         let (placed, new_lane) = shard.insert(wait);
         if new_lane {
             self.lanes.fetch_add(1, Ordering::SeqCst);
-            if let (Some(lane), Some(name)) = (shard.lanes.get_mut(&key), name) {
-                lane.name = Some(name);
+            if let Some(lane) = shard.lanes.get_mut(&key) {
+                lane.watch = watch;
             }
         }
         (placed, new_lane)
@@ -477,7 +497,7 @@ impl Shared {
         result: Result<(), ServerError>,
     ) {
         let mut shard = self.shard(key);
-        if shard.finish_blocked(key, slot) {
+        if shard.finish_blocked(key, slot, &result) {
             drop(shard);
             slot.complete(result, &self.counters);
         }
@@ -495,7 +515,7 @@ impl Shared {
         result: Result<(), ServerError>,
     ) -> Option<Wait> {
         let mut shard = self.shard(key);
-        let ours = shard.finish_blocked(key, slot);
+        let ours = shard.finish_blocked(key, slot, &result);
         let next = shard.take_oldest(key, owner);
         drop(shard);
         if ours {
@@ -512,9 +532,12 @@ impl Shared {
     /// Remove `key`'s lane from `shard` (its lock held), keeping the count
     /// of lanes.
     pub(super) fn remove_lane(&self, shard: &mut Shard, key: LaneKey) -> Option<Lane> {
-        let lane = shard.lanes.remove(&key)?;
+        let mut lane = shard.lanes.remove(&key)?;
         let before = self.lanes.fetch_sub(1, Ordering::SeqCst);
         assert!(before > 0, "the count of lanes underflowed");
+        if let Some(watch) = &mut lane.watch {
+            watch.removed();
+        }
         Some(lane)
     }
 
@@ -524,7 +547,12 @@ impl Shared {
         let lanes = std::mem::take(&mut shard.lanes);
         let before = self.lanes.fetch_sub(lanes.len(), Ordering::SeqCst);
         assert!(before >= lanes.len(), "the count of lanes underflowed");
-        lanes.into_values()
+        lanes.into_values().map(|mut lane| {
+            if let Some(watch) = &mut lane.watch {
+                watch.removed();
+            }
+            lane
+        })
     }
 
     /// Threads alive now; none in a forked child (the parent's are not

@@ -344,7 +344,11 @@ impl Pool {
             let more = !rest.is_empty();
             resolved += reached;
             limit = (limit * 2).min(BATCH);
-            let action = self.settle(key, rest, reached);
+            let first = match failed.first() {
+                Some((0, err)) => Some(err),
+                _ => None,
+            };
+            let action = self.settle(key, rest, reached, first);
             batch.out = false;
             self.act(action);
             // Woken outside the lock, oldest first; then each wait (and its

@@ -6,8 +6,10 @@ use std::collections::{btree_map, BTreeMap};
 
 use super::checked::Invariants;
 use super::slot::Slot;
+use super::stuck::LaneWatch;
 use super::waitable::{LaneKey, Waitable};
 use crate::loom::Arc;
+use crate::ServerError;
 
 /// How many shards the lanes are spread over: a power of two. Two under
 /// loom, whose models use lanes 0 and 1, one in each.
@@ -45,8 +47,9 @@ pub(super) struct Lane {
     /// The slot of the wait this lane's thread is blocked on, so shutdown
     /// can resolve it without waiting for the block to end.
     pub(super) blocked_on: Option<Arc<Slot>>,
-    /// The stream's name for stuck-wait reports; set only when they are on.
-    pub(super) name: Option<String>,
+    /// Its stream's progress, for stuck-wait reports; kept only when they
+    /// are on.
+    pub(super) watch: Option<LaneWatch>,
 }
 
 /// Who serves a lane. A lane is created `Queued`; a thread or the poller
@@ -79,6 +82,10 @@ pub(crate) struct Wait {
     /// takes it out and puts it back puts it here, where its future's
     /// withdraw looks for it.
     placed: u64,
+    /// Its stream, as its backend shows it: worked out before the wait is
+    /// handed off (never under a lock), and only when stuck waits are
+    /// looked for, to name a lane it makes.
+    pub(super) stream_name: Option<String>,
 }
 
 impl Wait {
@@ -90,6 +97,7 @@ impl Wait {
             slot,
             lane,
             placed,
+            stream_name: None,
         }
     }
 }
@@ -193,22 +201,45 @@ impl Shard {
         take_off(&mut self.out, count, "count of waits out");
     }
 
-    /// A lane thread's block on `slot`'s wait in lane `key` ended: unless
-    /// shutdown has resolved it meanwhile, count it finished. Whether it was
-    /// still the thread's to resolve.
-    pub(super) fn finish_blocked(&mut self, key: LaneKey, slot: &Arc<Slot>) -> bool {
-        let ours = self
+    /// A lane thread's block on `slot`'s wait in lane `key` ended with
+    /// `result`: unless shutdown has resolved it meanwhile, count it
+    /// finished, and its stream as progressed. Whether it was still the
+    /// thread's to resolve.
+    pub(super) fn finish_blocked(
+        &mut self,
+        key: LaneKey,
+        slot: &Arc<Slot>,
+        result: &Result<(), ServerError>,
+    ) -> bool {
+        let Some(lane) = self.lanes.get_mut(&key) else {
+            return false;
+        };
+        if lane
+            .blocked_on
+            .take_if(|blocked| Arc::ptr_eq(blocked, slot))
+            .is_none()
+        {
+            return false;
+        }
+        if let Some(watch) = &mut lane.watch {
+            if !crate::plant::planted("blocked-wait-end-not-progress") {
+                watch.progressed(result.as_ref().err(), slot.is_cancelled());
+            }
+        }
+        self.waits_finished(1);
+        true
+    }
+
+    /// The server of lane `key` ended its oldest waits, the first with
+    /// `failed` (none: reached): its stream made progress.
+    pub(super) fn progressed(&mut self, key: LaneKey, failed: Option<&ServerError>) {
+        if let Some(watch) = self
             .lanes
             .get_mut(&key)
-            .and_then(|lane| {
-                lane.blocked_on
-                    .take_if(|blocked| Arc::ptr_eq(blocked, slot))
-            })
-            .is_some();
-        if ours {
-            self.waits_finished(1);
+            .and_then(|lane| lane.watch.as_mut())
+        {
+            watch.progressed(failed, false);
         }
-        ours
     }
 }
 

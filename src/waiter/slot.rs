@@ -28,9 +28,6 @@ struct SlotState {
     done: bool,
     waker: Option<Waker>,
     cancelled: bool,
-    /// What to call the wait once it has been reported stuck, to log its
-    /// end once: by whichever comes first, its result or its future's drop.
-    stuck: Option<String>,
     /// Where in its lane the wait sits, when that is no longer the place
     /// its submit returned: it was taken out and its place was taken by
     /// another wait meanwhile (two streams whose keys collide). `None`
@@ -44,7 +41,6 @@ impl Slot {
             state: Mutex::new(SlotState {
                 result: None,
                 done: false,
-                stuck: None,
                 waker: Some(waker),
                 cancelled: false,
                 moved_to: None,
@@ -58,27 +54,19 @@ impl Slot {
     /// stands). A waker that panics costs only its own wake-up: the panic is
     /// logged and goes no further.
     pub(crate) fn complete(&self, result: Result<(), ServerError>, counters: &Counters) {
-        let (waker, stuck) = {
+        let waker = {
             let mut state = self.state.lock();
             if state.cancelled || state.done {
                 return;
             }
             counters.delivered(result.is_ok(), self.handed_at);
-            let stuck = state
-                .stuck
-                .take()
-                .map(|what| (what, format!("ended ({result:?})")));
             state.done = true;
             state.result = Some(result);
-            (state.waker.take(), stuck)
+            state.waker.take()
         };
-        // Woken, then logged, outside the lock: a waker may run the task
-        // inline.
+        // Woken outside the lock: a waker may run the task inline.
         if let Some(waker) = waker {
             contain::wake(waker);
-        }
-        if let Some((what, how)) = stuck {
-            self.log_end(&what, &how);
         }
     }
 
@@ -98,7 +86,7 @@ impl Slot {
     /// The future was dropped: nobody wants the result any more. Counted in
     /// `counters` unless its result had come.
     pub(crate) fn cancel(&self, counters: &Counters) {
-        let (waker, stuck) = {
+        let waker = {
             let mut state = self.state.lock();
             let done = state.done && !crate::plant::planted("cancel-counts-a-delivered-wait");
             if !done && !state.cancelled {
@@ -106,34 +94,15 @@ impl Slot {
             }
             state.cancelled = true;
             state.result = None;
-            (state.waker.take(), state.stuck.take())
+            state.waker.take()
         };
+        // Dropped outside the lock: a waker's drop is code we do not own.
         drop(waker);
-        if let Some(what) = stuck {
-            self.log_end(&what, "was given up (its future dropped)");
-        }
     }
 
     /// When the wait was handed off.
     pub(crate) fn handed_at(&self) -> Instant {
         self.handed_at
-    }
-
-    /// Note that the wait was reported stuck, as `what`; false if it was
-    /// already, or has ended.
-    pub(crate) fn report_stuck(&self, what: String) -> bool {
-        let mut state = self.state.lock();
-        if state.stuck.is_some() || state.done || state.cancelled {
-            return false;
-        }
-        state.stuck = Some(what);
-        true
-    }
-
-    /// The one line for the end of a wait reported stuck.
-    fn log_end(&self, what: &str, how: &str) {
-        let waited = self.handed_at.elapsed();
-        contain::log(|| log::info!("{what}, reported stuck, {how} after {waited:?}"));
     }
 
     pub(crate) fn is_cancelled(&self) -> bool {
