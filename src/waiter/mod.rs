@@ -209,8 +209,8 @@ impl Waiter {
     /// this waiter: an [`EventFence`] (a [`FenceFuture`]), a
     /// [`Profile`](crate::Profile) (its device time), an
     /// [`AnyFence`](crate::AnyFence) or an [`AnyProfile`](crate::AnyProfile).
-    /// The one spelling of "wait for this,
-    /// on that waiter"; `target.await` is the same on [`Waiter::global()`].
+    /// The one spelling of "wait for this, on that waiter"; `target.await`
+    /// is the same on [`Waiter::global()`].
     pub fn wait<T: Awaitable>(&self, target: T) -> T::Future {
         target.wait_on(self)
     }

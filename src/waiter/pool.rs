@@ -241,7 +241,7 @@ impl Pool {
             if new_lane && !crate::plant::planted("lane-made-in-settle-not-queued") {
                 action = self.queue_lane(key);
             }
-            if resolved > 0 {
+            if resolved > 0 && self.config.stuck_after.is_some() {
                 shard.progressed(key, first);
             }
         }

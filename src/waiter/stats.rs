@@ -30,9 +30,10 @@ pub struct WaiterStats {
     /// Waits whose future was dropped but that a lane thread is still
     /// blocked on: they leave `pending` when the device reaches them.
     pub cancelled_held: usize,
-    /// Streams whose oldest wait has been pending longer than
-    /// [`stuck_after`](super::WaiterBuilder::stuck_after) (0 when that is
-    /// off); [`Waiter::stuck`](super::Waiter::stuck) lists them.
+    /// Streams whose oldest wait has gone longer than
+    /// [`stuck_after`](super::WaiterBuilder::stuck_after) without the
+    /// stream ending a wait (0 when that is off);
+    /// [`Waiter::stuck`](super::Waiter::stuck) lists them.
     pub stuck: usize,
     /// Awaits answered at their first poll, without a hand-off: the fence
     /// was reached (or failed, or the waiter refused it) when first asked.
@@ -74,7 +75,9 @@ pub struct LatencyHistogram {
 impl LatencyHistogram {
     /// How many durations it holds.
     pub fn count(&self) -> u64 {
-        self.buckets.iter().sum()
+        self.buckets
+            .iter()
+            .fold(0u64, |count, &bucket| count.saturating_add(bucket))
     }
 
     /// The durations it holds, added up (for a mean, or a Prometheus
@@ -102,15 +105,17 @@ impl LatencyHistogram {
             return None;
         }
         // The rank of the duration wanted, 1-based: at least the first.
-        let rank = ((percentile / 100.0 * count as f64).ceil() as u64).max(1);
+        // Clamped to the count too: past 2^53 the float may round above it.
+        let rank = ((percentile / 100.0 * count as f64).ceil() as u64).clamp(1, count);
         let mut seen = 0;
         for (index, &bucket) in self.buckets.iter().enumerate() {
-            seen += bucket;
+            seen = bucket.saturating_add(seen);
             if seen >= rank {
                 return Some(Self::upper_bound(index).unwrap_or(Duration::MAX));
             }
         }
-        unreachable!("the rank is at most the count")
+        // Not reached: the rank is at most the count, which `seen` ends at.
+        Some(Duration::MAX)
     }
 
     /// The bucket `duration` falls in.
@@ -289,6 +294,20 @@ mod tests {
         let bounds: Vec<_> = histogram.buckets().map(|(bound, _)| bound).collect();
         assert_eq!(bounds[0], Some(Duration::from_micros(1)));
         assert_eq!(bounds[LATENCY_BUCKETS - 1], None);
+    }
+
+    #[test]
+    fn counts_past_what_a_float_holds_exactly_do_not_panic() {
+        // 2^54 - 1 is odd: as a float it rounds up, past the count.
+        let mut buckets = [0; LATENCY_BUCKETS];
+        buckets[3] = (1 << 54) - 1;
+        let histogram = LatencyHistogram::from_buckets(buckets);
+        assert_eq!(histogram.percentile(100.0), Some(Duration::from_micros(8)));
+        // More than a u64 holds, added up: the count saturates.
+        buckets[4] = u64::MAX;
+        let histogram = LatencyHistogram::from_buckets(buckets);
+        assert_eq!(histogram.count(), u64::MAX);
+        assert_eq!(histogram.percentile(50.0), Some(Duration::from_micros(16)));
     }
 
     #[test]
