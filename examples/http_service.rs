@@ -437,10 +437,13 @@ async fn job(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
 
 /// Keep a staging buffer the drop queue refused, whose request gave up
 /// waiting for its work, until that work is done, then drop it (or leak it
-/// if the work failed, as the queue does). On the runtime's blocking pool:
-/// it is rare (a full queue and a timeout at once), and a runtime that shuts
-/// down waits for a blocking task it has started, where it would drop an
-/// async task, and the buffer with it, while the device may still read it.
+/// if the work failed, as the queue does). On the runtime's blocking pool,
+/// where each such buffer holds a thread until its work is done: it is rare
+/// (a full queue and a timeout at once), and a runtime that shuts down waits
+/// for a blocking task it has started, where it would drop an async task,
+/// and the buffer with it, while the device may still read it. (One not
+/// started yet when the runtime shuts down is dropped all the same: on a
+/// hung device, size the queue so that it is not full.)
 fn keep_until_done(refused: Rejected<AnyFence, Bytes>) {
     tokio::task::spawn_blocking(move || {
         // A failure is logged by the queue's code, its buffer leaked.

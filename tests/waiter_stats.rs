@@ -436,3 +436,57 @@ fn streams_past_max_threads_are_reported_and_their_ends_logged() {
     assert_eq!((stats.resolved, stats.stuck), (4, 0), "{stats:?}");
     check_accounts(&stats);
 }
+
+#[test]
+fn a_polled_stream_whose_waits_are_all_given_up_stops_being_watched() {
+    // One lane thread, blocked on the first stream: the second is polled,
+    // so a wait given up on it leaves its queue.
+    capture();
+    let name = "stuck-polled-given-up-waiter";
+    let waiter = Waiter::builder()
+        .thread_name(name)
+        .max_threads(1)
+        .stuck_after(STUCK_AFTER)
+        .build();
+    let needle = format!("waiter {name:?}");
+    let (first, polled) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    let gates = [Gate::hold(&first), Gate::hold(&polled)];
+    let blocked = handed_off(&waiter, &first, 1);
+    let mut queued = handed_off(&waiter, &polled, 2);
+    eventually(LIMIT, "both streams are listed", || {
+        waiter.stuck().len() == 2
+    });
+    // The polled stream's entry: two waits, one behind the oldest.
+    let polled_entry = |waiter: &Waiter, name: &str| {
+        let stuck = waiter.stuck();
+        stuck.into_iter().find(|wait| wait.stream == name)
+    };
+    let before = waiter.stuck();
+    let entry = before.iter().find(|wait| wait.behind == 1);
+    let before = entry.expect("the polled stream, one wait behind").clone();
+    // The oldest given up: the stall goes on for the one behind it, from
+    // the same start, and is not reported again.
+    drop(queued.remove(0));
+    let after = polled_entry(&waiter, &before.stream).expect("still listed");
+    assert_eq!(after.behind, 0, "{after:?}");
+    assert!(after.waited >= before.waited, "{before:?} then {after:?}");
+    assert_eq!(warnings_containing(&needle).len(), 2);
+    // The last given up: nothing waits on the stream, which is no longer
+    // watched, and its stall's end is logged once.
+    drop(queued);
+    eventually(LIMIT, "the polled stream's stall ends", || {
+        !infos_containing(&needle).is_empty()
+    });
+    assert!(polled_entry(&waiter, &before.stream).is_none());
+    let left = infos_containing(&needle);
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(left[0].contains("left the waiter"), "{left:?}");
+    gates.into_iter().for_each(Gate::open);
+    futures::executor::block_on(futures::future::join_all(blocked));
+    assert_eq!(warnings_containing(&needle).len(), 2);
+    assert_eq!(
+        infos_containing(&needle).len(),
+        2,
+        "and the first stream's end"
+    );
+}

@@ -27,6 +27,8 @@ mod shard;
 mod slot;
 mod stats;
 mod stuck;
+#[cfg(all(test, not(device_events_loom)))]
+mod stuck_tests;
 mod waitable;
 
 use std::fmt;

@@ -15,7 +15,7 @@ use super::sched::{Action, Sched};
 use super::shard::{Lane, Owner, Shard, Wait, SHARDS};
 use super::slot::Slot;
 use super::stats::Counters;
-use super::stuck::{LaneWatch, StuckClock};
+use super::stuck::{LaneWatch, StuckReports};
 use super::waitable::LaneKey;
 use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
@@ -102,8 +102,9 @@ pub(crate) struct Shared {
     pub(super) resolving: Permits,
     /// What the waiter has done, for [`Waiter::stats`](super::Waiter::stats).
     pub(crate) counters: Counters,
-    /// When stuck waits are next looked for on the busy paths.
-    pub(super) stuck_clock: StuckClock,
+    /// When stuck waits are next looked for on the busy paths, and the
+    /// lines about them to log.
+    pub(super) stuck: StuckReports,
     /// The process generation this pool was made in ([`crate::fork`]). In a
     /// forked child its threads are gone (only the forking thread is
     /// copied), so it refuses waits there rather than queue them for
@@ -139,7 +140,7 @@ impl Pool {
                 work: Condvar::new(),
                 fork_generation: crate::fork::generation(),
                 counters: Counters::default(),
-                stuck_clock: StuckClock::new(),
+                stuck: StuckReports::new(),
                 #[cfg(test)]
                 plants: Plants::new(),
                 #[cfg(test)]
@@ -163,14 +164,18 @@ impl Pool {
         if let Some(invalid) = self.config.invalid() {
             return Err(invalid);
         }
-        if self.config.stuck_after.is_some() {
-            // The backend's `Debug`, called before any lock is taken.
-            let name = contain::backend(|| Ok(wait.waitable.stream_name()));
-            wait.stream_name = Some(name.unwrap_or_else(|err| format!("a stream ({err})")));
-        }
         let key = wait.lane;
         let handed_at = wait.slot.handed_at();
         let mut shard = self.shard(key);
+        if self.config.stuck_after.is_some() && !shard.lanes.contains_key(&key) {
+            // The wait makes its lane, which needs its stream's name: the
+            // backend's `Debug`, called with no lock held.
+            drop(shard);
+            let name = contain::backend(|| Ok(wait.waitable.stream_name()));
+            let name = name.unwrap_or_else(|err| format!("a stream ({err})"));
+            wait.stream_name = Some(name.into());
+            shard = self.shard(key);
+        }
         if shard.shut && !crate::plant::planted("submit-enters-drained-shard") {
             drop(shard);
             drop(wait);
@@ -180,7 +185,7 @@ impl Pool {
         // Counted before any thread can take it, so its outcome is counted
         // after.
         self.counters.handed_off();
-        let (placed, new_lane) = self.insert(&mut shard, wait);
+        let (placed, new_lane) = self.insert(&mut shard, wait, &mut None);
         let action = if new_lane {
             self.queue_lane(key)
         } else {
@@ -217,6 +222,7 @@ impl Pool {
     ) -> Action {
         let mut shard = self.shard(key);
         shard.batch_settled(resolved + rest.len());
+        let mut parked = shard.batch_returned(key, resolved + rest.len());
         let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
         if crate::plant::planted("settle-miscounts-cancelled") {
@@ -236,16 +242,17 @@ impl Pool {
             self.put_back.fetch_add(rest.len(), Ordering::SeqCst);
             let mut new_lane = false;
             for wait in rest {
-                new_lane |= self.insert(&mut shard, wait).1;
+                new_lane |= self.insert(&mut shard, wait, &mut parked).1;
             }
             if new_lane && !crate::plant::planted("lane-made-in-settle-not-queued") {
                 action = self.queue_lane(key);
             }
-            if resolved > 0 && self.config.stuck_after.is_some() {
-                shard.progressed(key, first);
+            if self.config.stuck_after.is_some() {
+                self.settle_watch(&mut shard, key, parked, resolved, first);
             }
         }
         drop(shard);
+        self.log_stuck_lines();
         // Dropped (destroying their events) and woken outside the lock.
         cancelled.into_iter().for_each(contain::drop);
         for wait in gone {
@@ -254,6 +261,41 @@ impl Pool {
             contain::drop(wait);
         }
         action
+    }
+
+    /// The end of [`Pool::settle`] for stuck-wait reports, under the
+    /// shard's lock: a watch `parked` for the lane (it was removed while the
+    /// batch was out) goes on in a lane made since, or ends here if there
+    /// is none; and `resolved` waits ended are the stream's progress.
+    fn settle_watch(
+        &self,
+        shard: &mut Shard,
+        key: LaneKey,
+        parked: Option<LaneWatch>,
+        resolved: usize,
+        first: Option<&ServerError>,
+    ) {
+        let lane = shard.lanes.get_mut(&key);
+        match (lane.and_then(|lane| lane.watch.as_mut()), parked) {
+            // Made by a wait handed off meanwhile: the stall goes on in it,
+            // unless that lane's own was reported already.
+            (Some(watch), Some(parked)) if !watch.reported() => *watch = parked,
+            (Some(_), Some(parked)) => parked.removed(&self.stuck),
+            (None, Some(mut parked)) if resolved > 0 => {
+                parked.progressed(first, false, &self.stuck);
+            }
+            (None, Some(parked)) => parked.removed(&self.stuck),
+            (_, None) => {}
+        }
+        if resolved > 0 {
+            let watch = shard
+                .lanes
+                .get_mut(&key)
+                .and_then(|lane| lane.watch.as_mut());
+            if let Some(watch) = watch {
+                watch.progressed(first, false, &self.stuck);
+            }
+        }
     }
 
     /// The future of the wait placed at `placed` in lane `key` was dropped:
@@ -325,6 +367,7 @@ impl Pool {
             }
             shard.waits_finished(gone.len() + blocked.len() - before);
         }
+        self.log_stuck_lines();
         let slots = gone.iter().map(|wait| &wait.slot).chain(&blocked);
         for slot in slots {
             slot.complete(Err(ServerError::WaiterGone), &self.counters);
@@ -353,16 +396,29 @@ impl Shared {
         self.fork_generation
     }
 
-    /// [`Shard::insert`], counting the lane it makes, if it makes one, and
-    /// giving it a watch when stuck waits are looked for (named by the
-    /// wait's stream, worked out before the lock).
-    fn insert(&self, shard: &mut Shard, wait: Wait) -> (u64, bool) {
+    /// [`Shard::insert`], counting the lane it makes, if it makes one.
+    /// When stuck waits are looked for, a lane it makes gets a watch (named
+    /// by the wait's stream, worked out before the lock; or the watch
+    /// `parked` for it), and a lane it wakes from idle starts its wait now.
+    fn insert(&self, shard: &mut Shard, wait: Wait, parked: &mut Option<LaneWatch>) -> (u64, bool) {
         let key = wait.lane;
-        let watch =
-            (self.config.stuck_after.is_some() && !shard.lanes.contains_key(&key)).then(|| {
-                let name = wait.stream_name.clone().unwrap_or_default();
-                LaneWatch::new(&self.config.thread_name, name, wait.slot.handed_at())
-            });
+        let handed_at = wait.slot.handed_at();
+        let watching = self.config.stuck_after.is_some();
+        let watch = (watching && !shard.lanes.contains_key(&key)).then(|| {
+            parked.take().unwrap_or_else(|| {
+                // A wait put back with no name of its own: its lane's key.
+                let name = wait.stream_name.clone();
+                let name = name.unwrap_or_else(|| format!("a stream ({key:?})").into());
+                LaneWatch::new(name, handed_at)
+            })
+        });
+        if watching {
+            if let Some(lane) = shard.lanes.get_mut(&key).filter(|lane| lane.is_idle()) {
+                if let Some(watch) = &mut lane.watch {
+                    watch.woke(handed_at);
+                }
+            }
+        }
         let (placed, new_lane) = shard.insert(wait);
         if new_lane {
             self.lanes.fetch_add(1, Ordering::SeqCst);
@@ -409,6 +465,8 @@ impl Shared {
             .map(|lane| lane.waits.into_values().collect())
             .unwrap_or_default();
         shard.waits_finished(waits.len());
+        drop(shard);
+        self.log_stuck_lines();
         waits
     }
 
@@ -449,6 +507,8 @@ impl Shared {
             Some(lane) if !lane.waits.is_empty() => true,
             Some(_) => {
                 self.remove_lane(&mut shard, key);
+                drop(shard);
+                self.log_stuck_lines();
                 false
             }
             None => false,
@@ -481,6 +541,8 @@ impl Shared {
         if lane.waits.is_empty() {
             if owner == Owner::Poller {
                 self.remove_lane(&mut shard, key);
+                drop(shard);
+                self.log_stuck_lines();
             }
             return false;
         }
@@ -497,8 +559,9 @@ impl Shared {
         result: Result<(), ServerError>,
     ) {
         let mut shard = self.shard(key);
-        if shard.finish_blocked(key, slot, &result) {
+        if shard.finish_blocked(key, slot, &result, &self.stuck) {
             drop(shard);
+            self.log_stuck_lines();
             slot.complete(result, &self.counters);
         }
     }
@@ -515,9 +578,10 @@ impl Shared {
         result: Result<(), ServerError>,
     ) -> Option<Wait> {
         let mut shard = self.shard(key);
-        let ours = shard.finish_blocked(key, slot, &result);
+        let ours = shard.finish_blocked(key, slot, &result, &self.stuck);
         let next = shard.take_oldest(key, owner);
         drop(shard);
+        self.log_stuck_lines();
         if ours {
             slot.complete(result, &self.counters);
         }
@@ -535,24 +599,35 @@ impl Shared {
         let mut lane = shard.lanes.remove(&key)?;
         let before = self.lanes.fetch_sub(1, Ordering::SeqCst);
         assert!(before > 0, "the count of lanes underflowed");
-        if let Some(watch) = &mut lane.watch {
-            watch.removed();
+        if let Some(watch) = lane.watch.take() {
+            // Waits of it out in a batch may come back: kept until then.
+            if lane.out > 0 && !crate::plant::planted("removed-lane-watch-not-parked") {
+                shard.parked.push((key, watch));
+            } else {
+                watch.removed(&self.stuck);
+            }
         }
         Some(lane)
     }
 
     /// Remove every lane of `shard` (its lock held; shutdown), keeping the
     /// count of lanes.
-    fn remove_all_lanes(&self, shard: &mut Shard) -> impl Iterator<Item = Lane> {
+    fn remove_all_lanes(&self, shard: &mut Shard) -> Vec<Lane> {
         let lanes = std::mem::take(&mut shard.lanes);
         let before = self.lanes.fetch_sub(lanes.len(), Ordering::SeqCst);
         assert!(before >= lanes.len(), "the count of lanes underflowed");
-        lanes.into_values().map(|mut lane| {
-            if let Some(watch) = &mut lane.watch {
-                watch.removed();
-            }
-            lane
-        })
+        for (_, watch) in shard.parked.drain(..) {
+            watch.removed(&self.stuck);
+        }
+        lanes
+            .into_values()
+            .map(|mut lane| {
+                if let Some(watch) = lane.watch.take() {
+                    watch.removed(&self.stuck);
+                }
+                lane
+            })
+            .collect()
     }
 
     /// Threads alive now; none in a forked child (the parent's are not

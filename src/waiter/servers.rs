@@ -443,6 +443,10 @@ impl Pool {
                 let mut shard = self.shard(key);
                 shard.batch_settled(batch.waits.len());
                 shard.waits_finished(batch.waits.len());
+                // Failed below: a parked watch's stall ends with them.
+                if let Some(parked) = shard.batch_returned(key, batch.waits.len()) {
+                    parked.removed(&self.stuck);
+                }
             }
             for wait in batch.waits.drain(..) {
                 // A no-op for waits it had already resolved.
@@ -491,6 +495,7 @@ impl Pool {
             drop(shard);
             self.act(action);
         }
+        self.log_stuck_lines();
         for slot in blocked {
             slot.complete(Err(failure()), &self.counters);
         }

@@ -6,7 +6,7 @@ use std::collections::{btree_map, BTreeMap};
 
 use super::checked::Invariants;
 use super::slot::Slot;
-use super::stuck::LaneWatch;
+use super::stuck::{LaneWatch, StuckReports};
 use super::waitable::{LaneKey, Waitable};
 use crate::loom::Arc;
 use crate::ServerError;
@@ -30,6 +30,9 @@ pub(super) const SHARDS: usize = if cfg!(device_events_loom) { 2 } else { 16 };
 ///   pool counts lanes over all shards as they are made and removed.
 /// - **shut**: set by shutdown when it drains the shard; no lane is made in
 ///   it after.
+/// - **out**: a lane's count of its waits out in a batch is part of the
+///   shard's: the lanes' counts add up to at most `out` (the waits of a
+///   lane removed while they were out are counted by the shard alone).
 #[derive(Default)]
 pub(super) struct Shard {
     /// Ordered, so iteration (and a loom model) is deterministic.
@@ -38,6 +41,9 @@ pub(super) struct Shard {
     /// Waits taken out of their lanes to query and not settled yet.
     out: usize,
     pub(super) shut: bool,
+    /// The watches of lanes removed while some of their waits were out in
+    /// a batch: taken back when the batch is settled (see `stuck.rs`).
+    pub(super) parked: Vec<(LaneKey, LaneWatch)>,
 }
 
 #[derive(Default)]
@@ -50,6 +56,15 @@ pub(super) struct Lane {
     /// Its stream's progress, for stuck-wait reports; kept only when they
     /// are on.
     pub(super) watch: Option<LaneWatch>,
+    /// Its waits out in a server's batch, not settled yet.
+    pub(super) out: usize,
+}
+
+impl Lane {
+    /// Nothing in it: no wait queued, blocked on, or out in a batch.
+    pub(super) fn is_idle(&self) -> bool {
+        self.waits.is_empty() && self.blocked_on.is_none() && self.out == 0
+    }
 }
 
 /// Who serves a lane. A lane is created `Queued`; a thread or the poller
@@ -83,9 +98,9 @@ pub(crate) struct Wait {
     /// withdraw looks for it.
     placed: u64,
     /// Its stream, as its backend shows it: worked out before the wait is
-    /// handed off (never under a lock), and only when stuck waits are
-    /// looked for, to name a lane it makes.
-    pub(super) stream_name: Option<String>,
+    /// handed off (never under a lock), only when stuck waits are looked
+    /// for and its lane is not there, to name the lane it makes.
+    pub(super) stream_name: Option<std::sync::Arc<str>>,
 }
 
 impl Wait {
@@ -192,6 +207,7 @@ impl Shard {
             };
             batch.push(wait);
         }
+        lane.out += batch.len();
         self.out += batch.len();
     }
 
@@ -210,6 +226,7 @@ impl Shard {
         key: LaneKey,
         slot: &Arc<Slot>,
         result: &Result<(), ServerError>,
+        reports: &StuckReports,
     ) -> bool {
         let Some(lane) = self.lanes.get_mut(&key) else {
             return false;
@@ -223,23 +240,26 @@ impl Shard {
         }
         if let Some(watch) = &mut lane.watch {
             if !crate::plant::planted("blocked-wait-end-not-progress") {
-                watch.progressed(result.as_ref().err(), slot.is_cancelled());
+                watch.progressed(result.as_ref().err(), slot.is_cancelled(), reports);
             }
         }
         self.waits_finished(1);
         true
     }
 
-    /// The server of lane `key` ended its oldest waits, the first with
-    /// `failed` (none: reached): its stream made progress.
-    pub(super) fn progressed(&mut self, key: LaneKey, failed: Option<&ServerError>) {
-        if let Some(watch) = self
-            .lanes
-            .get_mut(&key)
-            .and_then(|lane| lane.watch.as_mut())
-        {
-            watch.progressed(failed, false);
+    /// `count` waits of lane `key` came back from a batch (settled, or
+    /// failed by a guard). They were its lane's: if that lane was removed
+    /// meanwhile, its watch was parked, and is returned; otherwise the lane
+    /// counts them back (a lane made since by a new wait is another, whose
+    /// own count they are not in).
+    pub(super) fn batch_returned(&mut self, key: LaneKey, count: usize) -> Option<LaneWatch> {
+        if let Some(at) = self.parked.iter().position(|(parked, _)| *parked == key) {
+            return Some(self.parked.swap_remove(at).1);
         }
+        if let Some(lane) = self.lanes.get_mut(&key) {
+            lane.out = lane.out.saturating_sub(count);
+        }
+        None
     }
 }
 
@@ -269,6 +289,12 @@ impl Invariants for Shard {
         assert!(
             !self.shut || self.lanes.is_empty(),
             "a lane in a shard shut down"
+        );
+        let lanes_out: usize = self.lanes.values().map(|lane| lane.out).sum();
+        assert!(
+            lanes_out <= self.out,
+            "a shard's lanes count {lanes_out} waits out, more than it has ({})",
+            self.out
         );
     }
 }

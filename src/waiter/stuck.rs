@@ -4,24 +4,35 @@
 //! and logged once, and the end of its stall is logged once.
 //!
 //! Stalls are told apart from backlogs by the stream's progress, not by a
-//! wait's age: a wait is measured from its hand-off or from the end of the
-//! wait before it on its stream, whichever is later. A healthy stream with a
-//! long queue ends a wait every so often and is never reported, however old
-//! its queued waits are. A stream held on a wait whose future was dropped is
-//! still held: its stall goes on, and is reported, until the device moves.
+//! wait's age: the stall is timed from the hand-off that found the stream
+//! idle, or from the end of the last wait on it, whichever is later. A
+//! healthy stream with a long queue ends a wait every so often and is never
+//! reported, however old its queued waits are. A wait given up (its future
+//! dropped) while a thread is blocked on it still holds the stream: the
+//! stall goes on, and is reported, until the device moves. One given up
+//! while queued leaves the queue; the stall goes on, from the same start,
+//! for the waits behind it. A stream with no wait left is no longer
+//! watched.
 //!
 //! No thread of its own: the check runs when a wait is handed off or the
 //! poller ends a round (each at most a few times per `stuck_after`), and
 //! whenever the list or the stats are read. Each lane keeps its watch under
-//! its shard's lock, and both lines are logged under that lock, so a stall's
-//! end is never logged before its warning.
+//! its shard's lock; the lines about a stall are made there, in order, and
+//! logged after the lock is let go, one thread at a time, so a stall's end
+//! never comes before its warning and no lock is held while a logger runs.
+//! A lane removed while some of its waits are out in a batch leaves its
+//! watch with its shard until the batch is settled, so the stall goes on if
+//! they come back.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::checked::Checked;
 use super::contain;
 use super::pool::Shared;
+use crate::loom::Mutex;
 use crate::ServerError;
 
 /// A stream whose oldest pending wait has gone longer than its waiter's
@@ -33,15 +44,15 @@ use crate::ServerError;
 pub struct StuckWait {
     /// The stream, as its backend shows it (`Debug` of its handle).
     pub stream: String,
-    /// How long its oldest wait has been pending without the stream ending
-    /// any wait: since that wait's hand-off, or since the wait before it on
-    /// the stream ended, whichever is later.
+    /// How long the stream has gone without ending a wait while one was
+    /// pending on it: since its oldest pending wait was handed off to an
+    /// idle stream, or since the wait before it ended.
     pub waited: Duration,
-    /// Waits handed off on the same stream after it, queued behind it.
+    /// Waits queued behind the oldest, on the same stream.
     pub behind: usize,
-    /// Whether the future of the oldest wait was dropped (a timeout gave up
-    /// on it): the stream is still held on it, and the waits behind it
-    /// with it.
+    /// Whether the future of the wait a thread is blocked on was dropped (a
+    /// timeout gave up on it): the stream is still held on it, and the
+    /// waits behind it with it.
     pub given_up: bool,
 }
 
@@ -50,79 +61,133 @@ pub struct StuckWait {
 /// been reported.
 pub(crate) struct LaneWatch {
     /// The stream, as its backend shows it.
-    stream: String,
-    /// The waiter's thread name, for log lines.
-    waiter: String,
-    /// When the lane was made (its first wait's hand-off), or when its
-    /// server last ended a wait.
+    stream: Arc<str>,
+    /// When the lane last went from idle to waited on (a hand-off), or when
+    /// its server last ended a wait.
     since: Instant,
     /// The stall since `since` was warned about; its end is due a line.
     reported: bool,
 }
 
+/// A line about a stall, made under its lane's shard lock (so a stall's
+/// lines are in order) and logged once no lock is held (a logger is code
+/// the crate does not own: it may block, or call back into the waiter).
+enum StuckLine {
+    Stuck {
+        stream: Arc<str>,
+        wait: StuckWait,
+    },
+    Ended {
+        stream: Arc<str>,
+        stalled: Duration,
+        failed: Option<ServerError>,
+        given_up: bool,
+    },
+    Left {
+        stream: Arc<str>,
+        stalled: Duration,
+    },
+}
+
+/// The pool's stuck-wait bookkeeping: when the busy paths look next, and
+/// the lines waiting to be logged, in the order they were made.
+pub(crate) struct StuckReports {
+    epoch: Instant,
+    next_check: AtomicU64,
+    log: Mutex<LineQueue>,
+    /// Lines made so far, by kind (stuck, ended, left), for unit tests.
+    #[cfg(test)]
+    pub(crate) made: [std::sync::atomic::AtomicUsize; 3],
+}
+
+#[derive(Default)]
+struct LineQueue {
+    lines: VecDeque<StuckLine>,
+    /// A thread is logging this queue's lines: others leave theirs to it,
+    /// so they come out in order.
+    logging: bool,
+}
+
+impl StuckReports {
+    pub(crate) fn new() -> Self {
+        Self {
+            epoch: Instant::now(),
+            next_check: AtomicU64::new(0),
+            log: Mutex::new(LineQueue::default()),
+            #[cfg(test)]
+            made: Default::default(),
+        }
+    }
+
+    fn push(&self, line: StuckLine) {
+        #[cfg(test)]
+        {
+            let kind = match line {
+                StuckLine::Stuck { .. } => 0,
+                StuckLine::Ended { .. } => 1,
+                StuckLine::Left { .. } => 2,
+            };
+            self.made[kind].fetch_add(1, Ordering::SeqCst);
+        }
+        self.log.lock().lines.push_back(line);
+    }
+}
+
 impl LaneWatch {
     /// The watch of a lane made for a wait on `stream` handed off at
-    /// `since`, in waiter `waiter`.
-    pub(crate) fn new(waiter: &str, stream: String, since: Instant) -> Self {
+    /// `since`.
+    pub(crate) fn new(stream: Arc<str>, since: Instant) -> Self {
         Self {
             stream,
-            waiter: waiter.to_owned(),
             since,
             reported: false,
         }
     }
 
-    /// The lane's server ended its oldest wait with `result` (`given_up`:
-    /// its future had been dropped): the stream made progress. The end of a
-    /// reported stall is logged, once.
-    pub(crate) fn progressed(&mut self, result: Option<&ServerError>, given_up: bool) {
+    /// A wait handed off at `handed_at` came to the lane while it was idle
+    /// (nothing in it, blocked on or out): unless a reported stall goes
+    /// on, the stream's wait starts now.
+    pub(crate) fn woke(&mut self, handed_at: Instant) {
+        if !self.reported {
+            self.since = self.since.max(handed_at);
+        }
+    }
+
+    /// The lane's server ended its oldest wait (`failed`: with that error;
+    /// `given_up`: its future had been dropped): the stream made progress.
+    /// The end of a reported stall is due its line.
+    pub(crate) fn progressed(
+        &mut self,
+        failed: Option<&ServerError>,
+        given_up: bool,
+        reports: &StuckReports,
+    ) {
         let now = Instant::now();
         if std::mem::take(&mut self.reported) {
-            let stalled = now.saturating_duration_since(self.since);
-            let result: Result<(), &ServerError> = result.map_or(Ok(()), Err);
-            let given_up = if given_up { ", its future dropped" } else { "" };
-            contain::log(|| {
-                log::info!(
-                    "waiter {:?}: the wait on {}, reported stuck, ended ({result:?}){given_up} \
-                     after {stalled:?}",
-                    self.waiter,
-                    self.stream
-                );
+            reports.push(StuckLine::Ended {
+                stream: self.stream.clone(),
+                stalled: now.saturating_duration_since(self.since),
+                failed: failed.cloned(),
+                given_up,
             });
         }
         self.since = now;
     }
 
     /// The lane is gone with no wait on it left to end (each was given up,
-    /// failed, or shut down): a reported stall ends here, logged once.
-    pub(crate) fn removed(&mut self) {
-        if std::mem::take(&mut self.reported) {
-            let stalled = self.since.elapsed();
-            contain::log(|| {
-                log::info!(
-                    "waiter {:?}: the wait on {}, reported stuck, left the waiter with no wait \
-                     on its stream after {stalled:?}",
-                    self.waiter,
-                    self.stream
-                );
+    /// failed, or shut down): a reported stall ends here.
+    pub(crate) fn removed(self, reports: &StuckReports) {
+        if self.reported {
+            reports.push(StuckLine::Left {
+                stream: self.stream,
+                stalled: self.since.elapsed(),
             });
         }
     }
-}
 
-/// When the next check on the hand-off and poller paths is due, in
-/// nanoseconds since `epoch`.
-pub(crate) struct StuckClock {
-    epoch: Instant,
-    next_check: AtomicU64,
-}
-
-impl StuckClock {
-    pub(crate) fn new() -> Self {
-        Self {
-            epoch: Instant::now(),
-            next_check: AtomicU64::new(0),
-        }
+    /// Whether its stall has been reported.
+    pub(crate) fn reported(&self) -> bool {
+        self.reported
     }
 }
 
@@ -141,49 +206,66 @@ impl Shared {
         for shard in self.shards() {
             let mut shard = Checked::lock(shard);
             for lane in shard.lanes.values_mut() {
+                // The oldest: blocked on, queued, or out in a batch (then
+                // all are out, and counted behind the first).
                 let (head, behind) = match (&lane.blocked_on, lane.waits.first_key_value()) {
-                    (Some(slot), _) => (slot, lane.waits.len()),
-                    (None, Some((_, oldest))) => (&oldest.slot, lane.waits.len() - 1),
+                    (Some(slot), _) => (Some(slot), lane.waits.len()),
+                    (None, Some((_, oldest))) => (Some(&oldest.slot), lane.waits.len() - 1),
+                    (None, None) if lane.out > 0 => (None, lane.out - 1),
                     (None, None) => continue,
                 };
                 let Some(watch) = lane.watch.as_mut() else {
                     continue;
                 };
-                let mut since = watch.since.max(head.handed_at());
-                if crate::plant::planted("stall-timed-from-hand-off") {
-                    since = head.handed_at();
-                }
+                let since = match head {
+                    Some(head) if crate::plant::planted("stall-timed-from-hand-off") => {
+                        head.handed_at()
+                    }
+                    _ => watch.since,
+                };
                 let waited = now.saturating_duration_since(since);
                 if waited < after {
                     continue;
                 }
-                let wait = StuckWait {
-                    stream: watch.stream.clone(),
-                    waited,
-                    behind,
-                    given_up: head.is_cancelled(),
-                };
-                if !std::mem::replace(&mut watch.reported, true) {
-                    let given_up = if wait.given_up {
-                        " (its future was dropped, and the stream is still held on it)"
-                    } else {
-                        ""
-                    };
-                    contain::log(|| {
-                        log::warn!(
-                            "waiter {:?}: a wait on {} has been pending for {:?} (stuck_after \
-                             {after:?}){given_up}, with {} more queued behind it",
-                            self.config.thread_name,
-                            wait.stream,
-                            wait.waited,
-                            wait.behind
-                        );
-                    });
+                let given_up = lane
+                    .blocked_on
+                    .as_ref()
+                    .is_some_and(|slot| slot.is_cancelled());
+                stuck.push(self.report(watch, waited, behind, given_up));
+            }
+            // Lanes removed while their waits are out in a batch.
+            for (_, watch) in &mut shard.parked {
+                let waited = now.saturating_duration_since(watch.since);
+                if waited >= after {
+                    stuck.push(self.report(watch, waited, 0, false));
                 }
-                stuck.push(wait);
             }
         }
+        self.log_stuck_lines();
         stuck
+    }
+
+    /// The entry for a stalled lane's `watch`; the first makes its line.
+    fn report(
+        &self,
+        watch: &mut LaneWatch,
+        waited: Duration,
+        behind: usize,
+        given_up: bool,
+    ) -> StuckWait {
+        let wait = StuckWait {
+            stream: watch.stream.to_string(),
+            waited,
+            behind,
+            given_up,
+        };
+        if !std::mem::replace(&mut watch.reported, true) {
+            self.stuck.push(StuckLine::Stuck {
+                stream: watch.stream.clone(),
+                wait: wait.clone(),
+            });
+        }
+        wait
     }
 
     /// [`Shared::check_stuck`] if a check is due at `now`: at most one per
@@ -192,20 +274,80 @@ impl Shared {
         let Some(after) = self.config.stuck_after else {
             return;
         };
-        let clock = &self.stuck_clock;
-        let at = u64::try_from(now.saturating_duration_since(clock.epoch).as_nanos())
+        let reports = &self.stuck;
+        let at = u64::try_from(now.saturating_duration_since(reports.epoch).as_nanos())
             .unwrap_or(u64::MAX);
-        let due = clock.next_check.load(Ordering::Relaxed);
+        let due = reports.next_check.load(Ordering::Relaxed);
         if at < due {
             return;
         }
         let next = at.saturating_add(u64::try_from((after / 4).as_nanos()).unwrap_or(u64::MAX));
-        if clock
+        if reports
             .next_check
             .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
             .is_ok()
         {
             self.check_stuck();
+        }
+    }
+
+    /// Log the stuck-wait lines made so far, in order, with no lock held:
+    /// called after a shard's lock is let go, by whoever may have made one.
+    /// One thread logs at a time; a line made meanwhile is logged by it.
+    pub(crate) fn log_stuck_lines(&self) {
+        let Some(after) = self.config.stuck_after else {
+            return;
+        };
+        {
+            let mut queue = self.stuck.log.lock();
+            if queue.logging || queue.lines.is_empty() {
+                return;
+            }
+            queue.logging = true;
+        }
+        loop {
+            let line = {
+                let mut queue = self.stuck.log.lock();
+                let Some(line) = queue.lines.pop_front() else {
+                    queue.logging = false;
+                    return;
+                };
+                line
+            };
+            let waiter = &self.config.thread_name;
+            contain::log(|| match line {
+                StuckLine::Stuck { stream, wait } => {
+                    let given_up = if wait.given_up {
+                        " (its future was dropped, and the stream is still held on it)"
+                    } else {
+                        ""
+                    };
+                    log::warn!(
+                        "waiter {waiter:?}: a wait on {stream} has been pending for {:?} \
+                         (stuck_after {after:?}){given_up}, with {} more queued behind it",
+                        wait.waited,
+                        wait.behind
+                    );
+                }
+                StuckLine::Ended {
+                    stream,
+                    stalled,
+                    failed,
+                    given_up,
+                } => {
+                    let result: Result<(), ServerError> = failed.map_or(Ok(()), Err);
+                    let given_up = if given_up { ", its future dropped" } else { "" };
+                    log::info!(
+                        "waiter {waiter:?}: the wait on {stream}, reported stuck, ended \
+                         ({result:?}){given_up} after {stalled:?}"
+                    );
+                }
+                StuckLine::Left { stream, stalled } => log::info!(
+                    "waiter {waiter:?}: the wait on {stream}, reported stuck, left the waiter \
+                     after {stalled:?}: every wait on its stream was given up, failed or shut \
+                     down"
+                ),
+            });
         }
     }
 }

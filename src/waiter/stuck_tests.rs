@@ -1,0 +1,129 @@
+//! Stuck-wait reports across the lane algorithm's rarer steps, seen in the
+//! lines a pool makes (counted per pool, so tests beside these move none):
+//! a lane taken back from the poller while its only wait is out in the
+//! poller's batch is removed and made again, and its stall must go on,
+//! neither ended nor reported twice.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::mock_device::Device;
+use super::pool::{Config, Pool};
+use super::pool_tests_support::{eventually, result_of, submit};
+use super::shard::Wait;
+use super::slot::Slot;
+use super::waitable::{LaneKey, Waitable};
+use crate::ServerError;
+
+const STUCK_AFTER: Duration = Duration::from_millis(20);
+
+/// A fence whose queries a test can hold inside the call (keeping the
+/// poller's batch out), and which is reached when the test says.
+#[derive(Default)]
+struct Held {
+    reached: AtomicBool,
+    /// Queries wait while this is set; `entered` counts those that did.
+    hold: AtomicBool,
+    entered: AtomicUsize,
+}
+
+struct HeldFence(Arc<Held>);
+
+impl Waitable for HeldFence {
+    fn lane(&self) -> LaneKey {
+        LaneKey::for_tests(1)
+    }
+
+    fn sequence(&self) -> u64 {
+        1
+    }
+
+    fn query(&self) -> Result<bool, ServerError> {
+        if self.0.hold.load(Ordering::SeqCst) {
+            self.0.entered.fetch_add(1, Ordering::SeqCst);
+            while self.0.hold.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+        Ok(self.0.reached.load(Ordering::SeqCst))
+    }
+
+    fn block(&self) -> Result<(), ServerError> {
+        while !self.0.reached.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    fn stream_name(&self) -> String {
+        "the held stream".to_owned()
+    }
+}
+
+/// Lines made so far: (stuck, ended, left).
+fn lines(pool: &Pool) -> (usize, usize, usize) {
+    let [stuck, ended, left] = &pool.stuck.made;
+    let read = |count: &AtomicUsize| count.load(Ordering::SeqCst);
+    (read(stuck), read(ended), read(left))
+}
+
+#[test]
+fn a_stall_goes_on_through_a_lane_made_again_after_a_take_back() {
+    let pool = Pool::new(Config {
+        max_threads: 1,
+        keep_alive: Duration::from_secs(5),
+        thread_name: "stuck-take-back-test".to_owned(),
+        spin_budget: Duration::ZERO,
+        resolvers: 1,
+        stuck_after: Some(STUCK_AFTER),
+    });
+    // The one lane thread blocks on lane 0; lane 1 goes to the poller.
+    let device = Arc::new(Device::default());
+    let blocked = submit(&pool, &device, 0, 1);
+    eventually("the lane thread blocks", || {
+        device.blocked.load(Ordering::SeqCst) == 1
+    });
+    let held = Arc::new(Held::default());
+    let slot = Arc::new(Slot::new(futures::task::noop_waker()));
+    let handed_at = Instant::now();
+    let wait = Wait::new(
+        Box::new(HeldFence(held.clone())),
+        slot.clone(),
+        LaneKey::for_tests(1),
+    );
+    pool.submit(wait).expect("submitted");
+    eventually("both streams are reported", || {
+        pool.check_stuck().len() == 2
+    });
+    assert_eq!(lines(&pool), (2, 0, 0));
+    // The poller takes lane 1's wait out, and is held inside its query.
+    held.hold.store(true, Ordering::SeqCst);
+    eventually("the poller's query is held", || {
+        held.entered.load(Ordering::SeqCst) == 1
+    });
+    // Lane 0 ends: the thread takes lane 1 back from the poller, finds it
+    // empty (its wait is out), and removes it.
+    device.finish();
+    assert_eq!(result_of(&blocked), Ok(()));
+    eventually("both lanes are gone", || pool.lanes() == 0);
+    assert_eq!(lines(&pool), (2, 1, 0), "lane 0's end; lane 1 goes on");
+    // Still listed while its wait is out.
+    let stuck = pool.check_stuck();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    // The query answers "not yet": the wait goes back, to a lane made again.
+    held.hold.store(false, Ordering::SeqCst);
+    eventually("the wait is back in a lane", || pool.lanes() == 1);
+    let stuck = pool.check_stuck();
+    assert_eq!(stuck.len(), 1, "{stuck:?}");
+    assert_eq!(stuck[0].stream, "the held stream");
+    assert!(
+        stuck[0].waited + Duration::from_millis(1) >= handed_at.elapsed() - STUCK_AFTER,
+        "timed from its hand-off still, not from the lane made again: {stuck:?}"
+    );
+    assert_eq!(lines(&pool), (2, 1, 0), "neither ended nor reported again");
+    held.reached.store(true, Ordering::SeqCst);
+    assert_eq!(result_of(&slot), Ok(()));
+    eventually("its end is logged", || lines(&pool) == (2, 2, 0));
+    assert!(pool.check_stuck().is_empty());
+}
