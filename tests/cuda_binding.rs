@@ -9,13 +9,14 @@
 //! instead. The fake driver's hooks (`fakeCudaLiveEvents`,
 //! `fakeCudaPrimaryRetains`) add leak and retain checks there; on a real
 //! driver those checks are skipped.
-// FFI to the fake driver's test hooks (dlopen/dlsym), each with a SAFETY note.
+// The fake driver's hooks through `common::fake_driver`; one raw driver call
+// through cudarc (`cuCtxSetCurrent`), with a SAFETY note.
 #![allow(unsafe_code)]
 #![cfg(feature = "cuda")]
 
 mod common;
 
-use std::ffi::{c_int, CStr};
+use std::ffi::c_int;
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
@@ -24,66 +25,37 @@ use device_events::cuda::cudarc::driver::{sys, CudaContext};
 use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
 use device_events::{Event, EventApi, EventFence, EventFlags, Waiter};
 
+use common::fake_driver;
+
 const LONG: Duration = Duration::from_millis(200);
 
 fn required() -> bool {
     std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|value| value == "1")
 }
 
-type Hook = unsafe extern "C" fn(c_int) -> c_int;
-
-/// A test hook of the fake driver, or `None` on a real one.
-fn fake_hook(name: &CStr) -> Option<Hook> {
-    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
-    // loaded (the backend was used before this is called); the name is a
-    // NUL-terminated literal.
-    let library =
-        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if library.is_null() {
-        return None;
-    }
-    // SAFETY: `library` is a live handle; `name` is NUL-terminated.
-    let symbol = unsafe { libc::dlsym(library, name.as_ptr()) };
-    if symbol.is_null() {
-        return None;
-    }
-    // SAFETY: the fake driver defines both hooks as `int hook(int device)`.
-    Some(unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
-}
-
 /// The fake driver's count of live events on `device`, or `None` on a real
 /// driver. `scripts/fake-cuda.sh` sets `DEVICE_EVENTS_FAKE_CUDA=1`, so the
-/// checks cannot silently skip there.
+/// checks cannot silently skip there (`fake_driver::call` panics instead).
 fn live_events(device: c_int) -> Option<c_int> {
-    assert!(
-        std::env::var("DEVICE_EVENTS_FAKE_CUDA").map_or(true, |fake| fake != "1")
-            || fake_hook(c"fakeCudaLiveEvents").is_some(),
-        "DEVICE_EVENTS_FAKE_CUDA=1 but the fake driver's hooks were not found"
-    );
-    // SAFETY: the hook takes a device number and only reads a counter.
-    fake_hook(c"fakeCudaLiveEvents").map(|hook| unsafe { hook(device) })
+    fake_driver::call(c"fakeCudaLiveEvents", device)
 }
 
 fn events_created(device: c_int) -> Option<c_int> {
-    // SAFETY: as above.
-    fake_hook(c"fakeCudaEventsCreated").map(|hook| unsafe { hook(device) })
+    fake_driver::call(c"fakeCudaEventsCreated", device)
 }
 
 /// Make the fake driver's next `cuEventQuery` return `status`; false on a
 /// real driver.
 fn fail_next_query(status: c_int) -> bool {
-    // SAFETY: as above; the hook only stores the number.
-    fake_hook(c"fakeCudaFailNextQuery").is_some_and(|hook| unsafe { hook(status) } == 0)
+    fake_driver::call(c"fakeCudaFailNextQuery", status) == Some(0)
 }
 
 fn context_switches(device: c_int) -> Option<c_int> {
-    // SAFETY: as above.
-    fake_hook(c"fakeCudaContextSwitches").map(|hook| unsafe { hook(device) })
+    fake_driver::call(c"fakeCudaContextSwitches", device)
 }
 
 fn primary_retains(device: c_int) -> Option<c_int> {
-    // SAFETY: as above.
-    fake_hook(c"fakeCudaPrimaryRetains").map(|hook| unsafe { hook(device) })
+    fake_driver::call(c"fakeCudaPrimaryRetains", device)
 }
 
 /// The context current on the calling thread, as the driver reports it.

@@ -11,12 +11,14 @@
 //! sharing the process would change. Skips without a GPU;
 //! `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead. `scripts/fake-cuda.sh`
 //! runs it against the fake driver in both of its rebinding modes.
-// FFI to the fake driver's test hooks (dlopen/dlsym), and raw driver calls
+// The fake driver's hooks through `common::fake_driver`; raw driver calls
 // through cudarc, each with a SAFETY note.
 #![allow(unsafe_code)]
 #![cfg(feature = "cuda")]
 
-use std::ffi::{c_int, CStr};
+mod common;
+
+use std::ffi::c_int;
 use std::sync::Arc;
 
 use device_events::cuda::cudarc::driver::result;
@@ -24,40 +26,20 @@ use device_events::cuda::cudarc::driver::{sys, CudaContext, CudaStream};
 use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
 use device_events::{status, Event, EventFlags};
 
+use common::fake_driver;
+
 fn required() -> bool {
     std::env::var("DEVICE_EVENTS_REQUIRE_CUDA").is_ok_and(|value| value == "1")
 }
 
-type Hook = unsafe extern "C" fn(c_int) -> c_int;
-
-/// A test hook of the fake driver, or `None` on a real one (checked to be
-/// there when `DEVICE_EVENTS_FAKE_CUDA=1`).
-fn fake_hook(name: &CStr) -> Option<Hook> {
-    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
-    // loaded (the backend was used before this is called); the name is a
-    // NUL-terminated literal.
-    let library =
-        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    // SAFETY: `library` is a live handle (checked); `name` is NUL-terminated.
-    let symbol = (!library.is_null())
-        .then(|| unsafe { libc::dlsym(library, name.as_ptr()) })
-        .filter(|symbol| !symbol.is_null());
-    assert!(
-        symbol.is_some() || std::env::var("DEVICE_EVENTS_FAKE_CUDA").map_or(true, |f| f != "1"),
-        "DEVICE_EVENTS_FAKE_CUDA=1 but the fake driver's hook {name:?} was not found"
-    );
-    // SAFETY: the fake driver defines its hooks as `int hook(int device)`.
-    symbol.map(|symbol| unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
-}
-
+/// The fake driver's count of live events on `device`, or `None` on a real
+/// driver (checked to be there when `DEVICE_EVENTS_FAKE_CUDA=1`).
 fn live_events(device: c_int) -> Option<c_int> {
-    // SAFETY: the hook takes a device number and only reads a counter.
-    fake_hook(c"fakeCudaLiveEvents").map(|hook| unsafe { hook(device) })
+    fake_driver::call(c"fakeCudaLiveEvents", device)
 }
 
 fn primary_retains(device: c_int) -> Option<c_int> {
-    // SAFETY: as above.
-    fake_hook(c"fakeCudaPrimaryRetains").map(|hook| unsafe { hook(device) })
+    fake_driver::call(c"fakeCudaPrimaryRetains", device)
 }
 
 /// The context current on the calling thread, as a number.

@@ -9,11 +9,12 @@
 //! process with the fake built without `_v2` first on `LD_LIBRARY_PATH`
 //! (needs `cc`). On a real driver the measurements run without the counts.
 //! Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
-// FFI to the fake driver's test hooks (dlopen/dlsym), each with a SAFETY note.
-#![allow(unsafe_code)]
+// The fake driver's hooks through `common::fake_driver`.
 #![cfg(all(feature = "cuda", target_os = "linux"))]
 
-use std::ffi::{c_int, CStr};
+mod common;
+
+use std::ffi::c_int;
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::Arc;
@@ -23,41 +24,14 @@ use device_events::cuda::cudarc::driver::CudaContext;
 use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
 use device_events::{status, Event, EventFlags, EventProfiler, ServerError};
 
-type Hook = unsafe extern "C" fn(c_int) -> c_int;
-
-/// A test hook of the fake driver, or `None` on a real one.
-fn fake_hook(name: &CStr) -> Option<Hook> {
-    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
-    // loaded (the backend was used before this is called); the name is a
-    // NUL-terminated literal.
-    let library =
-        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if library.is_null() {
-        return None;
-    }
-    // SAFETY: `library` is a live handle; `name` is NUL-terminated.
-    let symbol = unsafe { libc::dlsym(library, name.as_ptr()) };
-    if symbol.is_null() {
-        return None;
-    }
-    // SAFETY: the fake driver defines its hooks as `int hook(int)`.
-    Some(unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
-}
-
-fn is_fake() -> bool {
-    std::env::var("DEVICE_EVENTS_FAKE_CUDA").is_ok_and(|fake| fake == "1")
-}
+use common::fake_driver::{self, is_fake};
 
 /// The fake's calls so far to `[cuEventElapsedTime, cuEventElapsedTime_v2]`,
 /// or `None` on a real driver.
 fn elapsed_calls() -> Option<[c_int; 2]> {
-    let hook = fake_hook(c"fakeCudaElapsedCalls");
-    assert!(
-        !is_fake() || hook.is_some(),
-        "DEVICE_EVENTS_FAKE_CUDA=1 but the fake driver's hooks were not found"
-    );
-    // SAFETY: the hook takes 0 or 1 and reads a counter.
-    hook.map(|hook| [0, 1].map(|v2| unsafe { hook(v2) }))
+    let legacy = fake_driver::call(c"fakeCudaElapsedCalls", 0)?;
+    let v2 = fake_driver::call(c"fakeCudaElapsedCalls", 1)?;
+    Some([legacy, v2])
 }
 
 /// Device `ordinal`'s context and a sleep kernel, or `None` (skipping).

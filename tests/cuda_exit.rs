@@ -15,11 +15,11 @@
 //!   child exits cleanly and logged no warning or error.
 //!
 //! Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
-// FFI to the fake driver's test hooks (dlopen/dlsym), each with a SAFETY note.
-#![allow(unsafe_code)]
+// The fake driver's hooks through `common::fake_driver`.
 #![cfg(all(feature = "cuda", target_os = "linux"))]
 
-use std::ffi::{c_int, CStr};
+mod common;
+
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -28,26 +28,7 @@ use device_events::cuda::cudarc::driver::CudaContext;
 use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
 use device_events::{status, Event, EventApi, EventFlags, EventProfiler, ServerError};
 
-type Hook = unsafe extern "C" fn(c_int) -> c_int;
-
-/// A test hook of the fake driver, or `None` on a real one.
-fn fake_hook(name: &CStr) -> Option<Hook> {
-    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
-    // loaded (the backend was used before this is called); the name is a
-    // NUL-terminated literal.
-    let library =
-        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if library.is_null() {
-        return None;
-    }
-    // SAFETY: `library` is a live handle; `name` is NUL-terminated.
-    let symbol = unsafe { libc::dlsym(library, name.as_ptr()) };
-    if symbol.is_null() {
-        return None;
-    }
-    // SAFETY: the fake driver defines its hooks as `int hook(int)`.
-    Some(unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
-}
+use common::fake_driver;
 
 const CASE: &str = "DEVICE_EVENTS_EXIT_CASE";
 
@@ -171,31 +152,25 @@ fn teardown(
     pending: device_events::cuda::CudaFence,
 ) {
     let handle = CudaStreamHandle::new(stream);
-    let hook = |name: &CStr| fake_hook(name).expect("the fake driver's teardown hooks");
-    let (start_teardown, calls_after) =
-        if std::env::var("DEVICE_EVENTS_FAKE_CUDA").is_ok_and(|fake| fake == "1") {
-            (
-                hook(c"fakeCudaTeardown"),
-                hook(c"fakeCudaCallsAfterTeardown"),
-            )
-        } else {
-            eprintln!("skipping the teardown case: a real driver has no teardown hook");
-            eprintln!("teardown checked");
-            return;
-        };
+    if !fake_driver::is_fake() {
+        eprintln!("skipping the teardown case: a real driver has no teardown hook");
+        eprintln!("teardown checked");
+        return;
+    }
+    // On the fake driver `call` answers, or panics where a hook is missing.
+    let calls_after =
+        || fake_driver::call(c"fakeCudaCallsAfterTeardown", 0).expect("on the fake driver");
     let doomed = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
     let waiting = std::thread::spawn(move || futures::executor::block_on(pending.wait()));
 
-    // SAFETY: the hook takes an unused int and sets the fake's flag.
-    unsafe { start_teardown(0) };
+    fake_driver::call(c"fakeCudaTeardown", 0);
     let err = waiting.join().unwrap().unwrap_err();
     assert!(err.is_shut_down(), "{err}");
     assert_eq!(err.code(), Some(status::DEINITIALIZED), "{err}");
     assert!(err.to_string().contains("shut down"), "{err}");
 
     // From here on nothing reaches the driver, and each call says why.
-    // SAFETY: the hook reads a counter.
-    let reached = unsafe { calls_after(0) };
+    let reached = calls_after();
     assert!(reached >= 1, "the pending wait never asked the driver");
     let fence = cuda::fence(stream);
     assert!(fence.is_resolved_at_creation());
@@ -211,8 +186,7 @@ fn teardown(
     }
     assert!(cuda::context(0).unwrap_err().is_shut_down());
     drop(doomed);
-    // SAFETY: as above.
-    let reached_since = unsafe { calls_after(0) } - reached;
+    let reached_since = calls_after() - reached;
     assert_eq!(
         reached_since, 0,
         "calls reached the driver after its teardown"

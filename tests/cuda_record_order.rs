@@ -8,35 +8,17 @@
 //! number of its last one (`fakeCudaLastRecordNumber`); on a real driver the
 //! fences are made and awaited, without the order check. Skips without a
 //! GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
-// FFI to the fake driver's test hook (dlopen/dlsym), with a SAFETY note.
-#![allow(unsafe_code)]
+// The fake driver's hook through `common::fake_driver`.
 #![cfg(all(feature = "cuda", target_os = "linux"))]
 
-use std::ffi::{c_int, CStr};
+mod common;
+
+use std::ffi::c_int;
 use std::sync::{Arc, Barrier};
 
 use device_events::cuda::{self, CudaFence};
 
-type Hook = unsafe extern "C" fn(c_int) -> c_int;
-
-/// A test hook of the fake driver, or `None` on a real one.
-fn fake_hook(name: &CStr) -> Option<Hook> {
-    // SAFETY: dlopen with RTLD_NOLOAD only looks up a library cudarc already
-    // loaded (the backend was used before this is called); the name is a
-    // NUL-terminated literal.
-    let library =
-        unsafe { libc::dlopen(c"libcuda.so".as_ptr(), libc::RTLD_NOW | libc::RTLD_NOLOAD) };
-    if library.is_null() {
-        return None;
-    }
-    // SAFETY: `library` is a live handle; `name` is NUL-terminated.
-    let symbol = unsafe { libc::dlsym(library, name.as_ptr()) };
-    if symbol.is_null() {
-        return None;
-    }
-    // SAFETY: the fake driver defines its hooks as `int hook(int)`.
-    Some(unsafe { std::mem::transmute::<*mut libc::c_void, Hook>(symbol) })
-}
+use common::fake_driver;
 
 /// Fences per thread: enough that records of the two threads interleave
 /// many times over.
@@ -54,12 +36,11 @@ fn two_threads_fencing_one_stream_get_sequences_in_record_order() {
             return;
         }
     };
-    let last_record = fake_hook(c"fakeCudaLastRecordNumber");
-    assert!(
-        std::env::var("DEVICE_EVENTS_FAKE_CUDA").map_or(true, |fake| fake != "1")
-            || last_record.is_some(),
-        "DEVICE_EVENTS_FAKE_CUDA=1 but the fake driver's hooks were not found"
-    );
+    // The calling thread's last record number, or `None` on a real driver.
+    let last_record = || fake_driver::call(c"fakeCudaLastRecordNumber", 0);
+    // Up front, before the threads: on the fake driver this panics if the
+    // hook is missing.
+    last_record();
     let start = Arc::new(Barrier::new(2));
     let threads: Vec<_> = (0..2)
         .map(|_| {
@@ -72,8 +53,7 @@ fn two_threads_fencing_one_stream_get_sequences_in_record_order() {
                     .map(|_| {
                         let fence = cuda::fence(&stream);
                         assert!(!fence.is_resolved_at_creation(), "{fence:?} not recorded");
-                        // SAFETY: the hook reads a thread-local number.
-                        let record = last_record.map(|hook| unsafe { hook(0) });
+                        let record = last_record();
                         (fence.sequence(), record, fence)
                     })
                     .collect::<Vec<(u64, Option<c_int>, CudaFence)>>()

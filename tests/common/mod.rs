@@ -1,7 +1,10 @@
 //! Shared test helpers: a fault-injecting backend over the host backend, a log
-//! capture, a gate that holds a stream's worker, and the CUDA tests' device.
+//! capture, a gate that holds a stream's worker, the CUDA tests' device and
+//! the fake CUDA driver's test hooks.
 #![allow(dead_code)] // each test binary uses a different part
 
+#[cfg(feature = "cuda")]
+pub mod fake_driver;
 pub mod faulty;
 #[cfg(feature = "cuda")]
 pub mod gpu;
