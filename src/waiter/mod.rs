@@ -448,20 +448,28 @@ impl WaiterBuilder {
     /// Off by default (a kernel may rightly run for minutes: only the
     /// service knows how long is too long); zero turns it off.
     ///
-    /// A wait is timed from its hand-off, or from the end of the wait before
-    /// it on its stream if that came later: a stream with a long queue that
-    /// keeps finishing work is not stuck, however long its last wait has
-    /// been queued. A wait whose future was dropped (a timeout) still holds
+    /// A stall is timed from the hand-off that found its stream idle, or
+    /// from the end of the last wait on it, whichever is later: a stream
+    /// with a long queue that keeps finishing work is not stuck, however
+    /// long its last wait has been queued. A wait given up (its future
+    /// dropped, as by a timeout) while a thread is blocked on it still holds
     /// its stream: the stall goes on, and is reported, until the device
-    /// gets past it.
+    /// gets past it. One given up while queued leaves the queue, and the
+    /// stall goes on for the waits behind it; a stream with no wait left is
+    /// no longer watched (its stall's end is logged then).
+    ///
+    /// The lines are logged with no lock of the waiter's held, in order, by
+    /// one thread at a time: a logger may block, or read the waiter's
+    /// stats, without holding up or deadlocking the waiter.
     ///
     /// It adds no thread: the waiter looks for stuck waits when a wait is
     /// handed off or its poller ends a round (at most four times per
     /// `after`), and whenever [`Waiter::stuck`] or [`Waiter::stats`] is
     /// read, so a service that serves them to a health check or a metrics
-    /// scrape is told at that check at the latest. While on, each hand-off
-    /// costs its stream's name (the `Debug` of its handle, formatted before
-    /// any lock is taken), and each wait a server ends, a read of the clock.
+    /// scrape is told at that check at the latest. While on, each stream
+    /// that becomes busy costs its name (the `Debug` of its handle,
+    /// formatted with no lock held), and each wait a server ends, a read of
+    /// the clock.
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self

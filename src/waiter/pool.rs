@@ -15,7 +15,7 @@ use super::sched::{Action, Sched};
 use super::shard::{Lane, Owner, Shard, Wait, SHARDS};
 use super::slot::Slot;
 use super::stats::Counters;
-use super::stuck::{LaneWatch, StuckReports};
+use super::stuck::StuckReports;
 use super::waitable::LaneKey;
 use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
@@ -74,8 +74,9 @@ pub(crate) struct Pool {
 ///   on cancellation.
 ///
 /// Lock order: a shard, then the scheduler; never two shards at once, and
-/// no shard while holding the scheduler. A wait's [`Slot`] lock comes last
-/// of all, and nothing is locked while it is held. Both kinds of lock are
+/// no shard while holding the scheduler. A wait's [`Slot`] lock and the
+/// queue of stuck-wait lines ([`StuckReports`]) come last of all, and
+/// nothing is locked while either is held. Both kinds of lock are
 /// taken through [`Checked`], which checks their invariants as they are let
 /// go (debug and loom builds).
 ///
@@ -130,11 +131,14 @@ impl Deref for Pool {
 
 impl Pool {
     pub(crate) fn new(config: Config) -> Self {
+        let watching = config.stuck_after.is_some();
         Self {
             shared: Arc::new(Shared {
                 resolving: Permits::new(config.resolvers),
                 config,
-                shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+                shards: (0..SHARDS)
+                    .map(|_| Mutex::new(Shard::new(watching)))
+                    .collect(),
                 lanes: AtomicUsize::new(0),
                 sched: Mutex::new(Sched::default()),
                 work: Condvar::new(),
@@ -167,9 +171,9 @@ impl Pool {
         let key = wait.lane;
         let handed_at = wait.slot.handed_at();
         let mut shard = self.shard(key);
-        if self.config.stuck_after.is_some() && !shard.lanes.contains_key(&key) {
-            // The wait makes its lane, which needs its stream's name: the
-            // backend's `Debug`, called with no lock held.
+        if self.config.stuck_after.is_some() && shard.stream_name(key).is_none() {
+            // The wait makes a lane for a stream the shard has no name for:
+            // the backend's `Debug`, called with no lock held.
             drop(shard);
             let name = contain::backend(|| Ok(wait.waitable.stream_name()));
             let name = name.unwrap_or_else(|err| format!("a stream ({err})"));
@@ -185,7 +189,7 @@ impl Pool {
         // Counted before any thread can take it, so its outcome is counted
         // after.
         self.counters.handed_off();
-        let (placed, new_lane) = self.insert(&mut shard, wait, &mut None);
+        let (placed, new_lane) = self.insert(&mut shard, wait);
         let action = if new_lane {
             self.queue_lane(key)
         } else {
@@ -221,8 +225,8 @@ impl Pool {
         first: Option<&ServerError>,
     ) -> Action {
         let mut shard = self.shard(key);
-        shard.batch_settled(resolved + rest.len());
-        let mut parked = shard.batch_returned(key, resolved + rest.len());
+        let count = resolved + rest.len();
+        shard.batch_settled(count);
         let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
         if crate::plant::planted("settle-miscounts-cancelled") {
@@ -242,14 +246,24 @@ impl Pool {
             self.put_back.fetch_add(rest.len(), Ordering::SeqCst);
             let mut new_lane = false;
             for wait in rest {
-                new_lane |= self.insert(&mut shard, wait, &mut parked).1;
+                new_lane |= self.insert(&mut shard, wait).1;
             }
             if new_lane && !crate::plant::planted("lane-made-in-settle-not-queued") {
                 action = self.queue_lane(key);
             }
-            if self.config.stuck_after.is_some() {
-                self.settle_watch(&mut shard, key, parked, resolved, first);
+        }
+        // Counted back after any put back are in their lane again: a stall
+        // parked meanwhile goes on in it, or ends here.
+        let mut ended = shard.batch_returned(key, count);
+        if resolved > 0 {
+            let lane = shard.lanes.get_mut(&key);
+            let watch = lane.and_then(|lane| lane.watch.as_mut());
+            if let Some(watch) = watch.or(ended.as_mut()) {
+                watch.progressed(first, false, &self.stuck);
             }
+        }
+        if let Some(ended) = ended {
+            ended.removed(&self.stuck);
         }
         drop(shard);
         self.log_stuck_lines();
@@ -261,41 +275,6 @@ impl Pool {
             contain::drop(wait);
         }
         action
-    }
-
-    /// The end of [`Pool::settle`] for stuck-wait reports, under the
-    /// shard's lock: a watch `parked` for the lane (it was removed while the
-    /// batch was out) goes on in a lane made since, or ends here if there
-    /// is none; and `resolved` waits ended are the stream's progress.
-    fn settle_watch(
-        &self,
-        shard: &mut Shard,
-        key: LaneKey,
-        parked: Option<LaneWatch>,
-        resolved: usize,
-        first: Option<&ServerError>,
-    ) {
-        let lane = shard.lanes.get_mut(&key);
-        match (lane.and_then(|lane| lane.watch.as_mut()), parked) {
-            // Made by a wait handed off meanwhile: the stall goes on in it,
-            // unless that lane's own was reported already.
-            (Some(watch), Some(parked)) if !watch.reported() => *watch = parked,
-            (Some(_), Some(parked)) => parked.removed(&self.stuck),
-            (None, Some(mut parked)) if resolved > 0 => {
-                parked.progressed(first, false, &self.stuck);
-            }
-            (None, Some(parked)) => parked.removed(&self.stuck),
-            (_, None) => {}
-        }
-        if resolved > 0 {
-            let watch = shard
-                .lanes
-                .get_mut(&key)
-                .and_then(|lane| lane.watch.as_mut());
-            if let Some(watch) = watch {
-                watch.progressed(first, false, &self.stuck);
-            }
-        }
     }
 
     /// The future of the wait placed at `placed` in lane `key` was dropped:
@@ -397,34 +376,10 @@ impl Shared {
     }
 
     /// [`Shard::insert`], counting the lane it makes, if it makes one.
-    /// When stuck waits are looked for, a lane it makes gets a watch (named
-    /// by the wait's stream, worked out before the lock; or the watch
-    /// `parked` for it), and a lane it wakes from idle starts its wait now.
-    fn insert(&self, shard: &mut Shard, wait: Wait, parked: &mut Option<LaneWatch>) -> (u64, bool) {
-        let key = wait.lane;
-        let handed_at = wait.slot.handed_at();
-        let watching = self.config.stuck_after.is_some();
-        let watch = (watching && !shard.lanes.contains_key(&key)).then(|| {
-            parked.take().unwrap_or_else(|| {
-                // A wait put back with no name of its own: its lane's key.
-                let name = wait.stream_name.clone();
-                let name = name.unwrap_or_else(|| format!("a stream ({key:?})").into());
-                LaneWatch::new(name, handed_at)
-            })
-        });
-        if watching {
-            if let Some(lane) = shard.lanes.get_mut(&key).filter(|lane| lane.is_idle()) {
-                if let Some(watch) = &mut lane.watch {
-                    watch.woke(handed_at);
-                }
-            }
-        }
+    fn insert(&self, shard: &mut Shard, wait: Wait) -> (u64, bool) {
         let (placed, new_lane) = shard.insert(wait);
         if new_lane {
             self.lanes.fetch_add(1, Ordering::SeqCst);
-            if let Some(lane) = shard.lanes.get_mut(&key) {
-                lane.watch = watch;
-            }
         }
         (placed, new_lane)
     }
@@ -561,8 +516,8 @@ impl Shared {
         let mut shard = self.shard(key);
         if shard.finish_blocked(key, slot, &result, &self.stuck) {
             drop(shard);
-            self.log_stuck_lines();
             slot.complete(result, &self.counters);
+            self.log_stuck_lines();
         }
     }
 
@@ -581,10 +536,11 @@ impl Shared {
         let ours = shard.finish_blocked(key, slot, &result, &self.stuck);
         let next = shard.take_oldest(key, owner);
         drop(shard);
-        self.log_stuck_lines();
         if ours {
             slot.complete(result, &self.counters);
         }
+        // Logged once the future is woken: a logger may be slow.
+        self.log_stuck_lines();
         next
     }
 
@@ -600,11 +556,9 @@ impl Shared {
         let before = self.lanes.fetch_sub(1, Ordering::SeqCst);
         assert!(before > 0, "the count of lanes underflowed");
         if let Some(watch) = lane.watch.take() {
-            // Waits of it out in a batch may come back: kept until then.
-            if lane.out > 0 && !crate::plant::planted("removed-lane-watch-not-parked") {
-                shard.parked.push((key, watch));
-            } else {
-                watch.removed(&self.stuck);
+            // Parked if waits of it out in a batch may come back.
+            if let Some(ended) = shard.lane_removed(key, watch, lane.out) {
+                ended.removed(&self.stuck);
             }
         }
         Some(lane)
@@ -616,14 +570,14 @@ impl Shared {
         let lanes = std::mem::take(&mut shard.lanes);
         let before = self.lanes.fetch_sub(lanes.len(), Ordering::SeqCst);
         assert!(before >= lanes.len(), "the count of lanes underflowed");
-        for (_, watch) in shard.parked.drain(..) {
-            watch.removed(&self.stuck);
-        }
         lanes
-            .into_values()
-            .map(|mut lane| {
+            .into_iter()
+            .map(|(key, mut lane)| {
                 if let Some(watch) = lane.watch.take() {
-                    watch.removed(&self.stuck);
+                    // Parked if waits of it out in a batch will come back.
+                    if let Some(ended) = shard.lane_removed(key, watch, lane.out) {
+                        ended.removed(&self.stuck);
+                    }
                 }
                 lane
             })

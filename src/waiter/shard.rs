@@ -2,7 +2,7 @@
 //! [`Wait`]s in them. Work on streams in different shards never touches the
 //! same lock.
 
-use std::collections::{btree_map, BTreeMap};
+use std::collections::{btree_map, BTreeMap, VecDeque};
 
 use super::checked::Invariants;
 use super::slot::Slot;
@@ -30,10 +30,10 @@ pub(super) const SHARDS: usize = if cfg!(device_events_loom) { 2 } else { 16 };
 ///   pool counts lanes over all shards as they are made and removed.
 /// - **shut**: set by shutdown when it drains the shard; no lane is made in
 ///   it after.
-/// - **out**: a lane's count of its waits out in a batch is part of the
-///   shard's: the lanes' counts add up to at most `out` (the waits of a
-///   lane removed while they were out are counted by the shard alone).
-#[derive(Default)]
+/// - **out**: while stuck waits are looked for (`watching`), each wait out
+///   in a batch is counted by its key's lane too, or, if that lane was
+///   removed while it was out, by the key's entry in `parked`: the lanes'
+///   and the parked counts add up to `out`.
 pub(super) struct Shard {
     /// Ordered, so iteration (and a loom model) is deterministic.
     pub(super) lanes: BTreeMap<LaneKey, Lane>,
@@ -41,9 +41,26 @@ pub(super) struct Shard {
     /// Waits taken out of their lanes to query and not settled yet.
     out: usize,
     pub(super) shut: bool,
-    /// The watches of lanes removed while some of their waits were out in
-    /// a batch: taken back when the batch is settled (see `stuck.rs`).
-    pub(super) parked: Vec<(LaneKey, LaneWatch)>,
+    /// Stuck waits are looked for: lanes keep watches and count their
+    /// waits out.
+    watching: bool,
+    /// Lanes removed while some of their waits were out in a batch, at most
+    /// one per key: their stall and their count out, taken over by the next
+    /// lane made for the key, or ended when the last of them comes back.
+    pub(super) parked: Vec<Parked>,
+    /// The names of streams whose lanes were removed lately, newest last:
+    /// a stream that goes idle between its waits is named once.
+    names: VecDeque<(LaneKey, std::sync::Arc<str>)>,
+}
+
+/// How many names of idle streams a shard keeps.
+const NAMES: usize = 8;
+
+/// A lane removed while some of its waits were out in a batch.
+pub(super) struct Parked {
+    pub(super) key: LaneKey,
+    pub(super) watch: LaneWatch,
+    out: usize,
 }
 
 #[derive(Default)]
@@ -118,6 +135,19 @@ impl Wait {
 }
 
 impl Shard {
+    /// An empty shard; `watching` when stuck waits are looked for.
+    pub(super) fn new(watching: bool) -> Self {
+        Self {
+            lanes: BTreeMap::new(),
+            pending: 0,
+            out: 0,
+            shut: false,
+            watching,
+            parked: Vec::new(),
+            names: VecDeque::new(),
+        }
+    }
+
     /// A wait was handed to this shard.
     pub(super) fn wait_added(&mut self) {
         self.pending += 1;
@@ -150,7 +180,41 @@ impl Shard {
     /// that had to move is told so in its slot, where its withdraw looks.
     /// Returns where it went, and whether it made a new lane, which the
     /// caller must count and queue before it lets go of the shard.
+    ///
+    /// When stuck waits are looked for, a lane it makes gets a watch: the
+    /// one parked for its key (with its count of waits out), or a new one,
+    /// named by the wait's stream (worked out before the lock) or by the
+    /// shard's memory of it; and a lane it wakes from idle starts its
+    /// stall's clock again.
     pub(super) fn insert(&mut self, mut wait: Wait) -> (u64, bool) {
+        let key = wait.lane;
+        if self.watching && !self.lanes.contains_key(&key) {
+            let (watch, out) = self.take_parked(key).unwrap_or_else(|| {
+                let name = wait.stream_name.take().or_else(|| self.stream_name(key));
+                // Put back with no name of its own: its lane's key.
+                let name = name.unwrap_or_else(|| format!("a stream ({key:?})").into());
+                (LaneWatch::new(name, wait.slot.handed_at()), 0)
+            });
+            let lane = Lane {
+                watch: Some(watch),
+                out,
+                ..Lane::default()
+            };
+            self.lanes.insert(key, lane);
+            return (self.insert_in_lane(wait).0, true);
+        }
+        if self.watching {
+            if let Some(lane) = self.lanes.get_mut(&key).filter(|lane| lane.is_idle()) {
+                if let Some(watch) = &mut lane.watch {
+                    watch.woke(wait.slot.handed_at());
+                }
+            }
+        }
+        self.insert_in_lane(wait)
+    }
+
+    /// Put `wait` in its lane, made if missing (see [`Shard::insert`]).
+    fn insert_in_lane(&mut self, mut wait: Wait) -> (u64, bool) {
         let mut new_lane = false;
         let lane = self.lanes.entry(wait.lane).or_insert_with(|| {
             new_lane = true;
@@ -207,7 +271,9 @@ impl Shard {
             };
             batch.push(wait);
         }
-        lane.out += batch.len();
+        if self.watching {
+            lane.out += batch.len();
+        }
         self.out += batch.len();
     }
 
@@ -247,19 +313,65 @@ impl Shard {
         true
     }
 
-    /// `count` waits of lane `key` came back from a batch (settled, or
-    /// failed by a guard). They were its lane's: if that lane was removed
-    /// meanwhile, its watch was parked, and is returned; otherwise the lane
-    /// counts them back (a lane made since by a new wait is another, whose
-    /// own count they are not in).
+    /// `count` waits of `key` came back from a batch (settled, or failed by
+    /// a guard; any put back are in their lane again): whoever counts the
+    /// key's waits out, its lane or its parked entry, counts them back. The
+    /// watch of a parked entry whose last waits these were is returned: no
+    /// lane holds its stall any more, and it ends with them.
     pub(super) fn batch_returned(&mut self, key: LaneKey, count: usize) -> Option<LaneWatch> {
-        if let Some(at) = self.parked.iter().position(|(parked, _)| *parked == key) {
-            return Some(self.parked.swap_remove(at).1);
+        if !self.watching {
+            return None;
         }
         if let Some(lane) = self.lanes.get_mut(&key) {
-            lane.out = lane.out.saturating_sub(count);
+            take_off(&mut lane.out, count, "lane's count of waits out");
+            return None;
         }
-        None
+        let at = self.parked.iter().position(|parked| parked.key == key)?;
+        take_off(&mut self.parked[at].out, count, "parked count of waits out");
+        (self.parked[at].out == 0).then(|| self.parked.swap_remove(at).watch)
+    }
+
+    /// Lane `key`, just removed, with its `watch` and its waits `out`:
+    /// parked if some are out, its name kept either way. The watch is
+    /// returned if it is not parked (the stall ends).
+    pub(super) fn lane_removed(
+        &mut self,
+        key: LaneKey,
+        watch: LaneWatch,
+        out: usize,
+    ) -> Option<LaneWatch> {
+        self.names.retain(|(named, _)| *named != key);
+        if self.names.len() == NAMES {
+            self.names.pop_front();
+        }
+        self.names.push_back((key, watch.stream().clone()));
+        if out > 0 && !crate::plant::planted("removed-lane-watch-not-parked") {
+            self.parked.push(Parked { key, watch, out });
+            return None;
+        }
+        Some(watch)
+    }
+
+    /// The parked stall and count out of `key`, for the lane made for it
+    /// now.
+    pub(super) fn take_parked(&mut self, key: LaneKey) -> Option<(LaneWatch, usize)> {
+        let at = self.parked.iter().position(|parked| parked.key == key)?;
+        let parked = self.parked.swap_remove(at);
+        Some((parked.watch, parked.out))
+    }
+
+    /// The name of stream `key` if this shard knows it: from a lane now, a
+    /// parked one, or one removed lately.
+    pub(super) fn stream_name(&self, key: LaneKey) -> Option<std::sync::Arc<str>> {
+        if let Some(watch) = self.lanes.get(&key).and_then(|lane| lane.watch.as_ref()) {
+            return Some(watch.stream().clone());
+        }
+        let parked = self.parked.iter().find(|parked| parked.key == key);
+        if let Some(parked) = parked {
+            return Some(parked.watch.stream().clone());
+        }
+        let named = self.names.iter().rev().find(|(named, _)| *named == key);
+        named.map(|(_, name)| name.clone())
     }
 }
 
@@ -290,11 +402,15 @@ impl Invariants for Shard {
             !self.shut || self.lanes.is_empty(),
             "a lane in a shard shut down"
         );
-        let lanes_out: usize = self.lanes.values().map(|lane| lane.out).sum();
-        assert!(
-            lanes_out <= self.out,
-            "a shard's lanes count {lanes_out} waits out, more than it has ({})",
-            self.out
-        );
+        if self.watching {
+            let lanes: usize = self.lanes.values().map(|lane| lane.out).sum();
+            let parked: usize = self.parked.iter().map(|parked| parked.out).sum();
+            assert_eq!(
+                lanes + parked,
+                self.out,
+                "a shard's lanes ({lanes}) and parked lanes ({parked}) count other than its \
+                 waits out"
+            );
+        }
     }
 }

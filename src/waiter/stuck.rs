@@ -25,7 +25,7 @@
 //! they come back.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -95,6 +95,9 @@ pub(crate) struct StuckReports {
     epoch: Instant,
     next_check: AtomicU64,
     log: Mutex<LineQueue>,
+    /// Whether `log` has lines: read without its lock, so the paths that
+    /// end waits look at no lock when there is nothing to log.
+    has_lines: AtomicBool,
     /// Lines made so far, by kind (stuck, ended, left), for unit tests.
     #[cfg(test)]
     pub(crate) made: [std::sync::atomic::AtomicUsize; 3],
@@ -114,6 +117,7 @@ impl StuckReports {
             epoch: Instant::now(),
             next_check: AtomicU64::new(0),
             log: Mutex::new(LineQueue::default()),
+            has_lines: AtomicBool::new(false),
             #[cfg(test)]
             made: Default::default(),
         }
@@ -129,7 +133,9 @@ impl StuckReports {
             };
             self.made[kind].fetch_add(1, Ordering::SeqCst);
         }
-        self.log.lock().lines.push_back(line);
+        let mut queue = self.log.lock();
+        queue.lines.push_back(line);
+        self.has_lines.store(true, Ordering::Release);
     }
 }
 
@@ -185,9 +191,9 @@ impl LaneWatch {
         }
     }
 
-    /// Whether its stall has been reported.
-    pub(crate) fn reported(&self) -> bool {
-        self.reported
+    /// The stream's name.
+    pub(crate) fn stream(&self) -> &Arc<str> {
+        &self.stream
     }
 }
 
@@ -206,13 +212,19 @@ impl Shared {
         for shard in self.shards() {
             let mut shard = Checked::lock(shard);
             for lane in shard.lanes.values_mut() {
-                // The oldest: blocked on, queued, or out in a batch (then
-                // all are out, and counted behind the first).
-                let (head, behind) = match (&lane.blocked_on, lane.waits.first_key_value()) {
-                    (Some(slot), _) => (Some(slot), lane.waits.len()),
-                    (None, Some((_, oldest))) => (Some(&oldest.slot), lane.waits.len() - 1),
-                    (None, None) if lane.out > 0 => (None, lane.out - 1),
+                // The oldest: blocked on, or the first queued or out in a
+                // batch; the rest are behind it.
+                let queued = lane.waits.len() + lane.out;
+                let head = match (&lane.blocked_on, lane.waits.first_key_value()) {
+                    (Some(slot), _) => Some(slot),
+                    (None, Some((_, oldest))) => Some(&oldest.slot),
+                    (None, None) if lane.out > 0 => None,
                     (None, None) => continue,
+                };
+                let behind = if lane.blocked_on.is_some() {
+                    queued
+                } else {
+                    queued - 1
                 };
                 let Some(watch) = lane.watch.as_mut() else {
                     continue;
@@ -234,10 +246,10 @@ impl Shared {
                 stuck.push(self.report(watch, waited, behind, given_up));
             }
             // Lanes removed while their waits are out in a batch.
-            for (_, watch) in &mut shard.parked {
-                let waited = now.saturating_duration_since(watch.since);
+            for parked in &mut shard.parked {
+                let waited = now.saturating_duration_since(parked.watch.since);
                 if waited >= after {
-                    stuck.push(self.report(watch, waited, 0, false));
+                    stuck.push(self.report(&mut parked.watch, waited, 0, false));
                 }
             }
         }
@@ -298,6 +310,11 @@ impl Shared {
         let Some(after) = self.config.stuck_after else {
             return;
         };
+        // Set under the queue's lock by whoever pushes a line, who calls
+        // this after: a line pushed after this look is logged by its maker.
+        if !self.stuck.has_lines.load(Ordering::Acquire) {
+            return;
+        }
         {
             let mut queue = self.stuck.log.lock();
             if queue.logging || queue.lines.is_empty() {
@@ -310,6 +327,7 @@ impl Shared {
                 let mut queue = self.stuck.log.lock();
                 let Some(line) = queue.lines.pop_front() else {
                     queue.logging = false;
+                    self.stuck.has_lines.store(false, Ordering::Release);
                     return;
                 };
                 line

@@ -127,3 +127,48 @@ fn a_stall_goes_on_through_a_lane_made_again_after_a_take_back() {
     eventually("its end is logged", || lines(&pool) == (2, 2, 0));
     assert!(pool.check_stuck().is_empty());
 }
+
+#[test]
+fn a_lane_made_while_an_old_batch_is_out_counts_both_batches_back() {
+    use super::checked::Invariants;
+    use super::shard::Shard;
+
+    let key = LaneKey::for_tests(1);
+    let wait = || {
+        let fence = HeldFence(Arc::new(Held::default()));
+        let slot = Arc::new(Slot::new(futures::task::noop_waker()));
+        let mut wait = Wait::new(Box::new(fence), slot, key);
+        wait.stream_name = Some("the held stream".into());
+        wait
+    };
+    let mut shard = Shard::new(true);
+    // The poller's batch of one is out; its lane is removed meanwhile (a
+    // thread took it back and found it empty): its stall is parked.
+    shard.wait_added();
+    shard.insert(wait());
+    let mut first = Vec::new();
+    shard.take_batch(key, 1, &mut first);
+    let lane = shard.lanes.remove(&key).expect("the lane");
+    let watch = lane.watch.expect("watched");
+    assert!(shard.lane_removed(key, watch, lane.out).is_none(), "parked");
+    shard.check_invariants();
+    // Two new waits make the lane again, which takes the parked stall over,
+    // and a lane thread takes both out in a batch of its own.
+    for _ in 0..2 {
+        shard.wait_added();
+        shard.insert(wait());
+    }
+    assert!(shard.parked.is_empty());
+    let mut second = Vec::new();
+    shard.take_batch(key, 2, &mut second);
+    shard.check_invariants();
+    // The second batch comes back first, then the first: each counted back
+    // by the lane, and no stall ends while the lane holds it.
+    for batch in [second, first] {
+        shard.batch_settled(batch.len());
+        assert!(shard.batch_returned(key, batch.len()).is_none());
+        shard.waits_finished(batch.len());
+        shard.check_invariants();
+    }
+    assert_eq!(shard.lanes[&key].out, 0);
+}
