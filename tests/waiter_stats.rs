@@ -14,7 +14,7 @@ use std::time::Duration;
 use common::logs::{capture, infos_containing, warnings_containing};
 use common::{eventually, faultable_stream, Gate};
 use device_events::host::{Host, HostStream};
-use device_events::{FenceFuture, ServerError, Waiter, WaiterStats};
+use device_events::{FenceFuture, ServerError, Waiter, WaiterBuilder, WaiterStats};
 use futures::task::noop_waker_ref;
 
 const LIMIT: Duration = Duration::from_secs(30);
@@ -221,11 +221,18 @@ fn wake_latency_percentiles_follow_a_controlled_delay() {
 /// A waiter of its own that reports waits stuck after `after`, named
 /// `name`, and the needle that finds its log lines (and no other test's).
 fn stuck_waiter(name: &str, after: Duration) -> (Waiter, String) {
+    stuck_waiter_from(Waiter::builder(), name, after)
+}
+
+/// A waiter with one lane thread: with it blocked on one stream, the
+/// poller serves the others.
+fn one_thread_stuck_waiter(name: &str) -> (Waiter, String) {
+    stuck_waiter_from(Waiter::builder().max_threads(1), name, STUCK_AFTER)
+}
+
+fn stuck_waiter_from(builder: WaiterBuilder, name: &str, after: Duration) -> (Waiter, String) {
     capture();
-    let waiter = Waiter::builder()
-        .thread_name(name)
-        .stuck_after(after)
-        .build();
+    let waiter = builder.thread_name(name).stuck_after(after).build();
     (waiter, format!("waiter {name:?}"))
 }
 
@@ -407,14 +414,7 @@ fn hand_offs_on_other_streams_report_a_stuck_one_without_being_asked() {
 #[test]
 fn streams_past_max_threads_are_reported_and_their_ends_logged() {
     // One lane thread, blocked on the first stream: the second is polled.
-    capture();
-    let name = "stuck-polled-waiter";
-    let waiter = Waiter::builder()
-        .thread_name(name)
-        .max_threads(1)
-        .stuck_after(STUCK_AFTER)
-        .build();
-    let needle = format!("waiter {name:?}");
+    let (waiter, needle) = one_thread_stuck_waiter("stuck-polled-waiter");
     let streams = [HostStream::new().unwrap(), HostStream::new().unwrap()];
     let gates: Vec<Gate> = streams.iter().map(Gate::hold).collect();
     let futures: Vec<_> = streams
@@ -451,14 +451,7 @@ fn streams_past_max_threads_are_reported_and_their_ends_logged() {
 fn a_polled_stream_whose_waits_are_all_given_up_stops_being_watched() {
     // One lane thread, blocked on the first stream: the second is polled,
     // so a wait given up on it leaves its queue.
-    capture();
-    let name = "stuck-polled-given-up-waiter";
-    let waiter = Waiter::builder()
-        .thread_name(name)
-        .max_threads(1)
-        .stuck_after(STUCK_AFTER)
-        .build();
-    let needle = format!("waiter {name:?}");
+    let (waiter, needle) = one_thread_stuck_waiter("stuck-polled-given-up-waiter");
     let (first, polled) = (HostStream::new().unwrap(), HostStream::new().unwrap());
     let gates = [Gate::hold(&first), Gate::hold(&polled)];
     let blocked = handed_off(&waiter, &first, 1);
