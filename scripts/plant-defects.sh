@@ -131,6 +131,7 @@ plant lane-thread-resolves-unreached-wait "a lane thread resolves the wait it ta
 plant cancel-counts-a-delivered-wait "a future dropped after its result came is counted cancelled too" lib
 plant stall-timed-from-hand-off "a stuck wait is timed from its hand-off, not from its stream's last progress" waiter_stats
 plant blocked-wait-end-not-progress "the end of a wait a lane thread blocked on is not its stream's progress" waiter_stats
+plant idle-thread-does-not-look-for-stuck "an idle lane thread sleeps its whole keep-alive without looking for stuck streams" waiter_stats
 plant removed-lane-watch-not-parked "a lane removed while its wait is out in a batch ends its stall, and is reported again when made again" lib
 
 # The host backend: as strict as CUDA where a test's meaning depends on it.

@@ -171,7 +171,7 @@ impl Pool {
         let key = wait.lane;
         let handed_at = wait.slot.handed_at();
         let mut shard = self.shard(key);
-        if self.config.stuck_after.is_some() && shard.stream_name(key).is_none() {
+        if self.config.stuck_after.is_some() && !shard.knows_stream(key) {
             // The wait makes a lane for a stream the shard has no name for:
             // the backend's `Debug`, called with no lock held.
             drop(shard);
@@ -255,11 +255,11 @@ impl Pool {
         // Counted back after any put back are in their lane again: a stall
         // parked meanwhile goes on in it, or ends here.
         let mut ended = shard.batch_returned(key, count);
-        if resolved > 0 {
+        if resolved > 0 && self.config.stuck_after.is_some() {
             let lane = shard.lanes.get_mut(&key);
             let watch = lane.and_then(|lane| lane.watch.as_mut());
             if let Some(watch) = watch.or(ended.as_mut()) {
-                watch.progressed(first, false, &self.stuck);
+                watch.progressed(first, || false, &self.stuck);
             }
         }
         if let Some(ended) = ended {

@@ -5,12 +5,13 @@
 //! [`Waiter`](super::Waiter)'s docs.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use super::contain;
 use super::pool::Pool;
 use super::sched::Action;
 use super::shard::{Owner, Wait};
+use super::stuck::check_interval;
 use super::waitable::LaneKey;
 use crate::loom::thread;
 use crate::{ErrorSource, ServerError};
@@ -37,6 +38,13 @@ struct Resolved {
 }
 
 /// A batch of waits a server has taken out of a lane to query.
+/// How long an idle lane thread waits ([`Pool::idle_wait`]), and whether
+/// its keep-alive is over when that wait times out.
+struct IdleWait {
+    wait: Duration,
+    is_last: bool,
+}
+
 #[derive(Default)]
 struct Batch {
     waits: Vec<Wait>,
@@ -210,6 +218,9 @@ impl Pool {
         // poller since it last slept: once per wake-up is enough, as the
         // poller wakes an idle thread each round it has lanes.
         let mut looked_at_poller = false;
+        // While stuck streams are looked for: since when this thread has
+        // been idle with no wake-up but its own timeouts.
+        let mut idle_since = None;
         let mut sched = self.sched();
         loop {
             if !sched.withdrawn.is_empty() {
@@ -246,15 +257,51 @@ impl Pool {
                 return None;
             }
             sched.go_idle();
-            let (guard, timeout) = sched.wait_timeout(&self.work, self.config.keep_alive);
+            let idle_for = self.idle_wait(&mut idle_since);
+            let (guard, timeout) = sched.wait_timeout(&self.work, idle_for.wait);
             sched = guard;
             sched.woke();
-            timed_out = timeout;
+            timed_out = timeout && idle_for.is_last;
+            if timeout && !timed_out {
+                // Woken to look for stuck streams (a stream may hang with
+                // nothing else handed off), with no lock held; then the
+                // queues again, and idle for the rest of the keep-alive.
+                drop(sched);
+                if !crate::plant::planted("idle-thread-does-not-look-for-stuck") {
+                    self.check_stuck_if_due(Instant::now());
+                }
+                sched = self.sched();
+                looked_at_poller = false;
+                continue;
+            }
+            idle_since = None;
             if timed_out && crate::plant::planted("idle-thread-leaves-without-looking") {
                 sched.lane_thread_left();
                 return None;
             }
             looked_at_poller = false;
+        }
+    }
+
+    /// How long an idle lane thread waits for work before it wakes on its
+    /// own: its keep-alive; or, while stuck streams are looked for, no
+    /// longer than [`check_interval`] at a time, counted from `idle_since`
+    /// (set at the first of these waits), so that its whole keep-alive is
+    /// the same.
+    fn idle_wait(&self, idle_since: &mut Option<Instant>) -> IdleWait {
+        let keep_alive = self.config.keep_alive;
+        let Some(after) = self.config.stuck_after else {
+            return IdleWait {
+                wait: keep_alive,
+                is_last: true,
+            };
+        };
+        let since = *idle_since.get_or_insert_with(Instant::now);
+        let left = keep_alive.saturating_sub(since.elapsed());
+        let interval = check_interval(after);
+        IdleWait {
+            wait: left.min(interval),
+            is_last: left <= interval,
         }
     }
 

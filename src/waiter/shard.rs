@@ -63,6 +63,13 @@ pub(super) struct Parked {
     out: usize,
 }
 
+impl Parked {
+    /// Its waits out in a batch: at least one while it is parked.
+    pub(super) fn out(&self) -> usize {
+        self.out
+    }
+}
+
 #[derive(Default)]
 pub(super) struct Lane {
     pub(super) waits: BTreeMap<u64, Wait>,
@@ -306,7 +313,7 @@ impl Shard {
         }
         if let Some(watch) = &mut lane.watch {
             if !crate::plant::planted("blocked-wait-end-not-progress") {
-                watch.progressed(result.as_ref().err(), slot.is_cancelled(), reports);
+                watch.progressed(result.as_ref().err(), || slot.is_cancelled(), reports);
             }
         }
         self.waits_finished(1);
@@ -358,6 +365,14 @@ impl Shard {
         let at = self.parked.iter().position(|parked| parked.key == key)?;
         let parked = self.parked.swap_remove(at);
         Some((parked.watch, parked.out))
+    }
+
+    /// Whether this shard knows stream `key`'s name (see
+    /// [`Shard::stream_name`]).
+    pub(super) fn knows_stream(&self, key: LaneKey) -> bool {
+        self.lanes.contains_key(&key)
+            || self.parked.iter().any(|parked| parked.key == key)
+            || self.names.iter().any(|(named, _)| *named == key)
     }
 
     /// The name of stream `key` if this shard knows it: from a lane now, a

@@ -146,8 +146,11 @@ const STRIPES: usize = 16;
 /// The counters behind [`WaiterStats`], striped by thread.
 ///
 /// Each wait's outcome is counted with release ordering after its hand-off
-/// was counted, and [`Counters::read`] reads the outcomes (acquire) before
-/// the hand-offs: so a snapshot never shows more outcomes than hand-offs.
+/// was counted, and its wake latency with release ordering after its
+/// outcome; [`Counters::read`] reads the latencies (acquire), then the
+/// outcomes (acquire), then the hand-offs: so a snapshot never shows more
+/// latencies than outcomes, nor more outcomes than hand-offs. At rest (no
+/// wait ending) the latencies are exactly the resolved and failed waits.
 pub(crate) struct Counters {
     stripes: Box<[Stripe]>,
 }
@@ -205,11 +208,11 @@ impl Counters {
     pub(crate) fn delivered(&self, ok: bool, since: Instant) {
         let stripe = self.stripe();
         let took = since.elapsed();
-        stripe.latency[LatencyHistogram::bucket_of(took)].fetch_add(1, Ordering::Relaxed);
-        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
-        stripe.latency_sum_nanos.fetch_add(nanos, Ordering::Relaxed);
         let outcome = if ok { &stripe.resolved } else { &stripe.failed };
         outcome.fetch_add(1, Ordering::Release);
+        let nanos = u64::try_from(took.as_nanos()).unwrap_or(u64::MAX);
+        stripe.latency_sum_nanos.fetch_add(nanos, Ordering::Relaxed);
+        stripe.latency[LatencyHistogram::bucket_of(took)].fetch_add(1, Ordering::Release);
     }
 
     /// A handed-off wait's future was dropped before its result came.
@@ -225,17 +228,17 @@ impl Counters {
                 .map(|stripe| field(stripe).load(Ordering::Acquire))
                 .sum()
         };
-        let resolved = sum(|stripe| &stripe.resolved);
-        let failed = sum(|stripe| &stripe.failed);
-        let cancelled = sum(|stripe| &stripe.cancelled);
-        let mut buckets = [0; LATENCY_BUCKETS];
+        let mut buckets = [0u64; LATENCY_BUCKETS];
         let mut sum_nanos = 0u64;
         for stripe in self.stripes.iter() {
             for (total, count) in buckets.iter_mut().zip(&stripe.latency) {
-                *total += count.load(Ordering::Relaxed);
+                *total = total.saturating_add(count.load(Ordering::Acquire));
             }
             sum_nanos = sum_nanos.saturating_add(stripe.latency_sum_nanos.load(Ordering::Relaxed));
         }
+        let resolved = sum(|stripe| &stripe.resolved);
+        let failed = sum(|stripe| &stripe.failed);
+        let cancelled = sum(|stripe| &stripe.cancelled);
         Counts {
             ready_at_first_poll: sum(|stripe| &stripe.ready_at_first_poll),
             handed_off: sum(|stripe| &stripe.handed_off),
@@ -330,5 +333,36 @@ mod tests {
         assert_eq!(counts.failed, 800);
         assert_eq!(counts.ready_at_first_poll, 8000);
         assert_eq!(counts.wake_latency.count(), 8000);
+    }
+
+    #[test]
+    fn a_snapshot_taken_while_waits_end_never_shows_more_than_has_happened() {
+        let counters = Counters::default();
+        let writing = std::sync::atomic::AtomicUsize::new(4);
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| {
+                    for round in 0..20_000 {
+                        counters.handed_off();
+                        counters.delivered(round % 3 != 0, Instant::now());
+                    }
+                    writing.fetch_sub(1, Ordering::SeqCst);
+                });
+            }
+            let mut snapshots = 0u64;
+            while writing.load(Ordering::SeqCst) > 0 || snapshots == 0 {
+                let counts = counters.read();
+                let outcomes = counts.resolved + counts.failed;
+                assert!(
+                    counts.wake_latency.count() <= outcomes,
+                    "{} latencies, {outcomes} outcomes",
+                    counts.wake_latency.count()
+                );
+                assert!(outcomes <= counts.handed_off, "{outcomes} outcomes");
+                snapshots += 1;
+            }
+        });
+        let counts = counters.read();
+        assert_eq!(counts.wake_latency.count(), counts.resolved + counts.failed);
     }
 }

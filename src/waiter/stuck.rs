@@ -160,12 +160,13 @@ impl LaneWatch {
     }
 
     /// The lane's server ended its oldest wait (`failed`: with that error;
-    /// `given_up`: its future had been dropped): the stream made progress.
-    /// The end of a reported stall is due its line.
+    /// `given_up`: whether its future had been dropped, asked only for a
+    /// reported stall): the stream made progress. The end of a reported
+    /// stall is due its line.
     pub(crate) fn progressed(
         &mut self,
         failed: Option<&ServerError>,
-        given_up: bool,
+        given_up: impl FnOnce() -> bool,
         reports: &StuckReports,
     ) {
         let now = Instant::now();
@@ -174,7 +175,7 @@ impl LaneWatch {
                 stream: self.stream.clone(),
                 stalled: now.saturating_duration_since(self.since),
                 failed: failed.cloned(),
-                given_up,
+                given_up: given_up(),
             });
         }
         self.since = now;
@@ -195,6 +196,14 @@ impl LaneWatch {
     pub(crate) fn stream(&self) -> &Arc<str> {
         &self.stream
     }
+}
+
+/// How often the busy paths (hand-offs, poller rounds) and idle lane
+/// threads look for stuck streams: four times per `stuck_after`, so a stall
+/// is found within a quarter of it, but never more than once a millisecond,
+/// so a tiny `stuck_after` does not make every hand-off scan every shard.
+pub(crate) fn check_interval(after: Duration) -> Duration {
+    (after / 4).max(Duration::from_millis(1))
 }
 
 impl Shared {
@@ -249,7 +258,9 @@ impl Shared {
             for parked in &mut shard.parked {
                 let waited = now.saturating_duration_since(parked.watch.since);
                 if waited >= after {
-                    stuck.push(self.report(&mut parked.watch, waited, 0, false));
+                    // Its waits are all out: the oldest of them and the rest.
+                    let behind = parked.out() - 1;
+                    stuck.push(self.report(&mut parked.watch, waited, behind, false));
                 }
             }
         }
@@ -281,7 +292,7 @@ impl Shared {
     }
 
     /// [`Shared::check_stuck`] if a check is due at `now`: at most one per
-    /// quarter of `stuck_after`, whichever thread comes first.
+    /// [`check_interval`], whichever thread comes first.
     pub(crate) fn check_stuck_if_due(&self, now: Instant) {
         let Some(after) = self.config.stuck_after else {
             return;
@@ -293,7 +304,8 @@ impl Shared {
         if at < due {
             return;
         }
-        let next = at.saturating_add(u64::try_from((after / 4).as_nanos()).unwrap_or(u64::MAX));
+        let interval = u64::try_from(check_interval(after).as_nanos()).unwrap_or(u64::MAX);
+        let next = at.saturating_add(interval);
         if reports
             .next_check
             .compare_exchange(due, next, Ordering::Relaxed, Ordering::Relaxed)
