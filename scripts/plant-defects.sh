@@ -144,6 +144,8 @@ plant dropped-flush-future-leaves-waker "a dropped flush future leaves its waker
 plant shutdown-now-uncounted "shutdown_now does not count what it hands back" drop_queue
 
 # The waiter's loom models.
+plant_loom line-logger-stops-after-letting-go "the thread logging stuck-wait lines stops in a second hold of the lock, so a line queued in between is never logged" \
+    loom_queued_lines_are_each_logged_once_in_order
 plant_loom idle-thread-leaves-without-looking "an idle thread leaves on a timeout without looking at the queues" \
     loom_an_idle_thread_timing_out_races_a_submit
 plant_loom lane-made-in-settle-not-queued "a lane made afresh in settle is not queued" \

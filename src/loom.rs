@@ -19,7 +19,7 @@ use std::sync as imp;
 #[cfg(device_events_loom)]
 use loom::sync as imp;
 
-pub(crate) use imp::atomic::AtomicUsize;
+pub(crate) use imp::atomic::{AtomicBool, AtomicUsize};
 pub(crate) use imp::Arc;
 
 #[cfg(not(device_events_loom))]

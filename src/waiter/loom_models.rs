@@ -8,6 +8,7 @@ use std::time::Duration;
 use loom::sync::atomic::{AtomicUsize, Ordering};
 
 use super::handoff::{Handoff, PoolRef};
+use super::line_queue::LineQueue;
 use super::mock_device::{Device, MockFence};
 use super::permits::Permits;
 use super::pool::{Config, Pool};
@@ -198,6 +199,35 @@ fn loom_slot_cancel_races_completion() {
             slot.poll(&mut cx).is_pending(),
             "a cancelled slot keeps no result"
         );
+    });
+}
+
+#[test]
+fn loom_queued_lines_are_each_logged_once_in_order() {
+    // Two threads each queue two lines and log, as the waiter's paths that
+    // make stuck-wait lines do: whoever logs, every line comes out once,
+    // each thread's in the order it queued them.
+    loom::model(|| {
+        let queue = Arc::new(LineQueue::new());
+        let logged = Arc::new(Mutex::new(Vec::new()));
+        let makers: Vec<_> = (0..2)
+            .map(|maker| {
+                let (queue, logged) = (queue.clone(), logged.clone());
+                thread::spawn(move || {
+                    for line in 0..2 {
+                        queue.push((maker, line));
+                        queue.log(|made| logged.lock().push(made));
+                    }
+                })
+            })
+            .collect();
+        makers.into_iter().for_each(|maker| maker.join().unwrap());
+        let logged = logged.lock();
+        assert_eq!(logged.len(), 4, "each line logged once: {:?}", *logged);
+        for maker in 0..2 {
+            let lines: Vec<_> = logged.iter().filter(|made| made.0 == maker).collect();
+            assert_eq!(lines, [&(maker, 0), &(maker, 1)], "in order");
+        }
     });
 }
 

@@ -13,6 +13,7 @@ mod guard_tests;
 mod handoff;
 #[cfg(all(test, not(device_events_loom)))]
 mod lane_cost_tests;
+mod line_queue;
 #[cfg(all(test, device_events_loom))]
 mod loom_models;
 #[cfg(test)]
@@ -463,13 +464,18 @@ impl WaiterBuilder {
     /// stats, without holding up or deadlocking the waiter.
     ///
     /// It adds no thread: the waiter looks for stuck waits when a wait is
-    /// handed off or its poller ends a round (at most four times per
-    /// `after`), and whenever [`Waiter::stuck`] or [`Waiter::stats`] is
-    /// read, so a service that serves them to a health check or a metrics
-    /// scrape is told at that check at the latest. While on, each stream
-    /// that becomes busy costs its name (the `Debug` of its handle,
-    /// formatted with no lock held), and each wait a server ends, a read of
-    /// the clock.
+    /// handed off, when its poller ends a round, and when an idle lane
+    /// thread wakes on its own timeout (together at most four times per
+    /// `after`, and at most once a millisecond), and whenever
+    /// [`Waiter::stuck`] or [`Waiter::stats`] is read. So a stream that
+    /// hangs while another thread is idle is warned about within a quarter
+    /// of `after` past it; one that hangs while every thread is blocked and
+    /// nothing is handed off is found by the next read of those two, and a
+    /// service that serves them to a health check or a metrics scrape is
+    /// told at that check at the latest. While on, an idle lane thread wakes
+    /// four times per `after` (up to its keep-alive), each stream that
+    /// becomes busy costs its name (the `Debug` of its handle, formatted
+    /// with no lock held), and each wait a server ends, a read of the clock.
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self

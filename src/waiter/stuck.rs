@@ -14,8 +14,9 @@
 //! for the waits behind it. A stream with no wait left is no longer
 //! watched.
 //!
-//! No thread of its own: the check runs when a wait is handed off or the
-//! poller ends a round (each at most a few times per `stuck_after`), and
+//! No thread of its own: the check runs when a wait is handed off, when
+//! the poller ends a round, and when an idle lane thread wakes on its own
+//! timeout (all together at most once per [`check_interval`]), and
 //! whenever the list or the stats are read. Each lane keeps its watch under
 //! its shard's lock; the lines about a stall are made there, in order, and
 //! logged after the lock is let go, one thread at a time, so a stall's end
@@ -24,15 +25,14 @@
 //! watch with its shard until the batch is settled, so the stall goes on if
 //! they come back.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::checked::Checked;
 use super::contain;
+use super::line_queue::LineQueue;
 use super::pool::Shared;
-use crate::loom::Mutex;
 use crate::ServerError;
 
 /// A stream whose oldest pending wait has gone longer than its waiter's
@@ -94,21 +94,10 @@ enum StuckLine {
 pub(crate) struct StuckReports {
     epoch: Instant,
     next_check: AtomicU64,
-    log: Mutex<LineQueue>,
-    /// Whether `log` has lines: read without its lock, so the paths that
-    /// end waits look at no lock when there is nothing to log.
-    has_lines: AtomicBool,
+    lines: LineQueue<StuckLine>,
     /// Lines made so far, by kind (stuck, ended, left), for unit tests.
     #[cfg(test)]
     pub(crate) made: [std::sync::atomic::AtomicUsize; 3],
-}
-
-#[derive(Default)]
-struct LineQueue {
-    lines: VecDeque<StuckLine>,
-    /// A thread is logging this queue's lines: others leave theirs to it,
-    /// so they come out in order.
-    logging: bool,
 }
 
 impl StuckReports {
@@ -116,8 +105,7 @@ impl StuckReports {
         Self {
             epoch: Instant::now(),
             next_check: AtomicU64::new(0),
-            log: Mutex::new(LineQueue::default()),
-            has_lines: AtomicBool::new(false),
+            lines: LineQueue::new(),
             #[cfg(test)]
             made: Default::default(),
         }
@@ -133,9 +121,7 @@ impl StuckReports {
             };
             self.made[kind].fetch_add(1, Ordering::SeqCst);
         }
-        let mut queue = self.log.lock();
-        queue.lines.push_back(line);
-        self.has_lines.store(true, Ordering::Release);
+        self.lines.push(line);
     }
 }
 
@@ -322,29 +308,8 @@ impl Shared {
         let Some(after) = self.config.stuck_after else {
             return;
         };
-        // Set under the queue's lock by whoever pushes a line, who calls
-        // this after: a line pushed after this look is logged by its maker.
-        if !self.stuck.has_lines.load(Ordering::Acquire) {
-            return;
-        }
-        {
-            let mut queue = self.stuck.log.lock();
-            if queue.logging || queue.lines.is_empty() {
-                return;
-            }
-            queue.logging = true;
-        }
-        loop {
-            let line = {
-                let mut queue = self.stuck.log.lock();
-                let Some(line) = queue.lines.pop_front() else {
-                    queue.logging = false;
-                    self.stuck.has_lines.store(false, Ordering::Release);
-                    return;
-                };
-                line
-            };
-            let waiter = &self.config.thread_name;
+        let waiter = &self.config.thread_name;
+        self.stuck.lines.log(|line| {
             contain::log(|| match line {
                 StuckLine::Stuck { stream, wait } => {
                     let given_up = if wait.given_up {
@@ -378,6 +343,6 @@ impl Shared {
                      down"
                 ),
             });
-        }
+        });
     }
 }
