@@ -241,6 +241,41 @@ fn stream_name(stream: &HostStream) -> String {
     format!("Host stream {:?}", stream.handle())
 }
 
+/// New streams, each held by a gate, with waits on them handed off to a
+/// waiter.
+struct HeldStreams {
+    /// Kept alive while their waits are out.
+    _streams: Vec<HostStream>,
+    gates: Vec<Gate>,
+    futures: Vec<FenceFuture<Host>>,
+}
+
+/// `streams` streams held, with `each` waits on each handed off to
+/// `waiter`.
+fn held_streams(waiter: &Waiter, streams: usize, each: usize) -> HeldStreams {
+    let streams: Vec<HostStream> = (0..streams).map(|_| HostStream::new().unwrap()).collect();
+    let gates = streams.iter().map(Gate::hold).collect();
+    let futures = streams
+        .iter()
+        .flat_map(|stream| handed_off(waiter, stream, each))
+        .collect();
+    HeldStreams {
+        _streams: streams,
+        gates,
+        futures,
+    }
+}
+
+/// The warnings naming `needle` (a waiter) that are about `stream`.
+fn warnings_about(needle: &str, stream: &HostStream) -> Vec<String> {
+    let name = stream_name(stream);
+    let lines = warnings_containing(needle);
+    lines
+        .into_iter()
+        .filter(|line| line.contains(&name))
+        .collect()
+}
+
 /// Shut `waiter` down and wait for its threads to leave: no line about its
 /// stalls can come after, so counting them then shows any made twice.
 fn settle(waiter: &Waiter) {
@@ -417,14 +452,7 @@ fn hand_offs_on_other_streams_report_a_stuck_one_without_being_asked() {
     let futures = handed_off(&waiter, &stuck, 1);
     // Only the held stream's lines: a test thread stalled 10 ms between a
     // hand-off on `busy` and its end gets `busy` reported too.
-    let about_stuck = || {
-        let lines = warnings_containing(&needle);
-        let name = stream_name(&stuck);
-        lines
-            .into_iter()
-            .filter(|line| line.contains(&name))
-            .count()
-    };
+    let about_stuck = || warnings_about(&needle, &stuck).len();
     // Nobody reads `stuck()` or the stats: the hand-offs of another
     // stream's work find it.
     eventually(LIMIT, "a hand-off reports the stuck stream", || {
@@ -443,12 +471,11 @@ fn hand_offs_on_other_streams_report_a_stuck_one_without_being_asked() {
 fn streams_past_max_threads_are_reported_and_their_ends_logged() {
     // One lane thread, blocked on the first stream: the second is polled.
     let (waiter, needle) = one_thread_stuck_waiter("stuck-polled-waiter");
-    let streams = [HostStream::new().unwrap(), HostStream::new().unwrap()];
-    let gates: Vec<Gate> = streams.iter().map(Gate::hold).collect();
-    let futures: Vec<_> = streams
-        .iter()
-        .flat_map(|stream| handed_off(&waiter, stream, 2))
-        .collect();
+    let HeldStreams {
+        _streams,
+        gates,
+        futures,
+    } = held_streams(&waiter, 2, 2);
     eventually(LIMIT, "both streams are listed", || {
         waiter.stuck().len() == 2
     });
@@ -538,12 +565,11 @@ fn an_idle_lane_thread_reports_a_stream_held_with_nothing_else_handed_off() {
     // stream is held: only an idle lane thread's own timeouts can find it.
     let (waiter, needle) = stuck_waiter("stuck-idle-thread-waiter", STUCK_AFTER);
     // Two lane threads, left idle: one takes the held stream, one stays.
-    let warm = [HostStream::new().unwrap(), HostStream::new().unwrap()];
-    let gates: Vec<Gate> = warm.iter().map(Gate::hold).collect();
-    let futures: Vec<_> = warm
-        .iter()
-        .flat_map(|stream| handed_off(&waiter, stream, 1))
-        .collect();
+    let HeldStreams {
+        _streams,
+        gates,
+        futures,
+    } = held_streams(&waiter, 2, 1);
     eventually(LIMIT, "a lane thread per stream", || {
         waiter.stats().threads == 2
     });
@@ -553,13 +579,7 @@ fn an_idle_lane_thread_reports_a_stream_held_with_nothing_else_handed_off() {
     let gate = Gate::hold(&held);
     let future = handed_off(&waiter, &held, 1);
     let name = stream_name(&held);
-    let about_held = || {
-        let lines = warnings_containing(&needle);
-        lines
-            .into_iter()
-            .filter(|line| line.contains(&name))
-            .count()
-    };
+    let about_held = || warnings_about(&needle, &held).len();
     eventually(LIMIT, "an idle thread reports the held stream", || {
         about_held() > 0
     });

@@ -461,7 +461,10 @@ impl WaiterBuilder {
     ///
     /// The lines are logged with no lock of the waiter's held, in order, by
     /// one thread at a time: a logger may block, or read the waiter's
-    /// stats, without holding up or deadlocking the waiter.
+    /// stats, without holding up or deadlocking the waiter. That thread may
+    /// be a waiter thread, or the one that found the stall: a task's, in
+    /// the first poll of a future that hands a wait off, or one reading
+    /// [`Waiter::stuck`] or [`Waiter::stats`].
     ///
     /// It adds no thread: the waiter looks for stuck waits when a wait is
     /// handed off, when its poller ends a round, and when an idle lane
