@@ -131,6 +131,7 @@ plant lane-thread-resolves-unreached-wait "a lane thread resolves the wait it ta
 plant cancel-counts-a-delivered-wait "a future dropped after its result came is counted cancelled too" lib
 plant stall-timed-from-hand-off "a stuck wait is timed from its hand-off, not from its stream's last progress" waiter_stats
 plant blocked-wait-end-not-progress "the end of a wait a lane thread blocked on is not its stream's progress" waiter_stats
+plant hand-off-does-not-look-for-stuck "a hand-off never looks for stuck streams" waiter_stats
 plant idle-thread-does-not-look-for-stuck "an idle lane thread sleeps its whole keep-alive without looking for stuck streams" waiter_stats
 plant removed-lane-watch-not-parked "a lane removed while its wait is out in a batch ends its stall, and is reported again when made again" lib
 
@@ -145,6 +146,8 @@ plant shutdown-now-uncounted "shutdown_now does not count what it hands back" dr
 
 # The waiter's loom models.
 plant_loom line-logger-stops-after-letting-go "the thread logging stuck-wait lines stops in a second hold of the lock, so a line queued in between is never logged" \
+    loom_queued_lines_are_each_logged_once_in_order
+plant_loom line-maker-logs-a-lone-line-itself "a thread whose line is alone in the queue logs it outside the logging turn, so it may come out before an older one" \
     loom_queued_lines_are_each_logged_once_in_order
 plant_loom idle-thread-leaves-without-looking "an idle thread leaves on a timeout without looking at the queues" \
     loom_an_idle_thread_timing_out_races_a_submit

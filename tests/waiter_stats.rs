@@ -445,7 +445,11 @@ fn without_stuck_after_nothing_is_listed() {
 
 #[test]
 fn hand_offs_on_other_streams_report_a_stuck_one_without_being_asked() {
-    let (waiter, needle) = stuck_waiter("stuck-busy-waiter", Duration::from_millis(10));
+    // No keep-alive: a lane thread leaves as soon as it is idle, so no idle
+    // thread's own timeouts find the stuck stream, only the hand-offs.
+    let builder = Waiter::builder().keep_alive(Duration::ZERO);
+    let (waiter, needle) =
+        stuck_waiter_from(builder, "stuck-busy-waiter", Duration::from_millis(10));
     let stuck = HostStream::new().unwrap();
     let busy = HostStream::new().unwrap();
     let gate = Gate::hold(&stuck);
@@ -570,9 +574,6 @@ fn an_idle_lane_thread_reports_a_stream_held_with_nothing_else_handed_off() {
         gates,
         futures,
     } = held_streams(&waiter, 2, 1);
-    eventually(LIMIT, "a lane thread per stream", || {
-        waiter.stats().threads == 2
-    });
     gates.into_iter().for_each(Gate::open);
     futures::executor::block_on(futures::future::join_all(futures));
     let held = HostStream::new().unwrap();
@@ -589,7 +590,11 @@ fn an_idle_lane_thread_reports_a_stream_held_with_nothing_else_handed_off() {
         .unwrap();
     settle(&waiter);
     assert_eq!(about_held(), 1, "{:?}", warnings_containing(&needle));
-    let ended = infos_containing(&needle);
+    // Only the held stream's: on a loaded machine a warm-up stream may be
+    // held long enough to be reported too.
+    let ended: Vec<String> = infos_containing(&needle)
+        .into_iter()
+        .filter(|line| line.contains(&name))
+        .collect();
     assert_eq!(ended.len(), 1, "{ended:?}");
-    assert!(ended[0].contains(&name), "{ended:?}");
 }

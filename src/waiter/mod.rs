@@ -467,18 +467,21 @@ impl WaiterBuilder {
     /// [`Waiter::stuck`] or [`Waiter::stats`].
     ///
     /// It adds no thread: the waiter looks for stuck waits when a wait is
-    /// handed off, when its poller ends a round, and when an idle lane
-    /// thread wakes on its own timeout (together at most four times per
-    /// `after`, and at most once a millisecond), and whenever
-    /// [`Waiter::stuck`] or [`Waiter::stats`] is read. So a stream that
-    /// hangs while another thread is idle is warned about within a quarter
-    /// of `after` past it; one that hangs while every thread is blocked and
-    /// nothing is handed off is found by the next read of those two, and a
-    /// service that serves them to a health check or a metrics scrape is
-    /// told at that check at the latest. While on, an idle lane thread wakes
-    /// four times per `after` (up to its keep-alive), each stream that
-    /// becomes busy costs its name (the `Debug` of its handle, formatted
-    /// with no lock held), and each wait a server ends, a read of the clock.
+    /// handed off, when its poller ends a round, and when the idle lane
+    /// thread that holds the idle watch (one at a time) wakes on its own
+    /// timeout: together at most once per quarter of `after`, and at most
+    /// once a millisecond. It also looks whenever [`Waiter::stuck`] or
+    /// [`Waiter::stats`] is read. So a stream that hangs while another lane
+    /// thread is idle is warned about within a quarter of `after` past it,
+    /// if that thread's [`keep_alive`](WaiterBuilder::keep_alive) lasts that
+    /// long. One that hangs while no thread is idle and nothing is handed off
+    /// is found by the next read of those two: a service that serves them to
+    /// a health check or a metrics scrape is told at that check at the
+    /// latest. While on, the idle thread holding the watch wakes once per
+    /// quarter of `after` (at most once a millisecond) until its keep-alive
+    /// ends, each stream that becomes busy costs its name (the `Debug` of
+    /// its handle, formatted with no lock held), and each wait a server
+    /// ends, a read of the clock.
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self

@@ -37,14 +37,16 @@ struct Resolved {
     more: bool,
 }
 
-/// A batch of waits a server has taken out of a lane to query.
-/// How long an idle lane thread waits ([`Pool::idle_wait`]), and whether
-/// its keep-alive is over when that wait times out.
+/// How long an idle lane thread waits ([`Pool::idle_wait`]), whether its
+/// keep-alive is over when that wait times out, and whether it holds the
+/// idle watch for stuck streams meanwhile.
 struct IdleWait {
     wait: Duration,
     is_last: bool,
+    watching: bool,
 }
 
+/// A batch of waits a server has taken out of a lane to query.
 #[derive(Default)]
 struct Batch {
     waits: Vec<Wait>,
@@ -219,8 +221,11 @@ impl Pool {
         // poller wakes an idle thread each round it has lanes.
         let mut looked_at_poller = false;
         // While stuck streams are looked for: since when this thread has
-        // been idle with no wake-up but its own timeouts.
+        // been idle with no wake-up but its own timeouts, and whether it
+        // woke from one as the idle watch, to look for them before it
+        // sleeps again.
         let mut idle_since = None;
+        let mut look_for_stuck = false;
         let mut sched = self.sched();
         loop {
             if !sched.withdrawn.is_empty() {
@@ -256,16 +261,11 @@ impl Pool {
                 sched.lane_thread_left();
                 return None;
             }
-            sched.go_idle();
-            let idle_for = self.idle_wait(&mut idle_since);
-            let (guard, timeout) = sched.wait_timeout(&self.work, idle_for.wait);
-            sched = guard;
-            sched.woke();
-            timed_out = timeout && idle_for.is_last;
-            if timeout && !timed_out {
-                // Woken to look for stuck streams (a stream may hang with
-                // nothing else handed off), with no lock held; then the
-                // queues again, and idle for the rest of the keep-alive.
+            if std::mem::take(&mut look_for_stuck) {
+                // The queues first (above): no work waits on this look. Then
+                // stuck streams (one may hang with nothing else handed off),
+                // with no lock held; then the queues again, and idle for the
+                // rest of the keep-alive.
                 drop(sched);
                 if !crate::plant::planted("idle-thread-does-not-look-for-stuck") {
                     self.check_stuck_if_due(Instant::now());
@@ -274,7 +274,26 @@ impl Pool {
                 looked_at_poller = false;
                 continue;
             }
-            idle_since = None;
+            sched.go_idle();
+            let idle_for = self.idle_wait(&mut idle_since);
+            let (guard, timeout) = sched.wait_timeout(&self.work, idle_for.wait);
+            sched = guard;
+            sched.woke();
+            if idle_for.watching {
+                self.stuck.end_idle_watch();
+                if !timeout && sched.wake_idle() {
+                    // Woken, likely for work: another idle thread takes the
+                    // watch over, or it would sleep its whole keep-alive.
+                    drop(sched);
+                    self.act(Action::WakeIdleThread);
+                    sched = self.sched();
+                }
+            }
+            timed_out = timeout && idle_for.is_last;
+            look_for_stuck = timeout && !timed_out;
+            if !timeout {
+                idle_since = None;
+            }
             if timed_out && crate::plant::planted("idle-thread-leaves-without-looking") {
                 sched.lane_thread_left();
                 return None;
@@ -284,24 +303,34 @@ impl Pool {
     }
 
     /// How long an idle lane thread waits for work before it wakes on its
-    /// own: its keep-alive; or, while stuck streams are looked for, no
-    /// longer than [`check_interval`] at a time, counted from `idle_since`
-    /// (set at the first of these waits), so that its whole keep-alive is
-    /// the same.
+    /// own: its keep-alive. While stuck streams are looked for, the idle
+    /// thread that takes the idle watch (one at a time, so that many idle
+    /// threads do not all wake) waits no longer than [`check_interval`] at
+    /// a time, and each wait is counted from `idle_since` (set at the first
+    /// of them), so that its whole keep-alive is the same.
     fn idle_wait(&self, idle_since: &mut Option<Instant>) -> IdleWait {
         let keep_alive = self.config.keep_alive;
+        let whole = IdleWait {
+            wait: keep_alive,
+            is_last: true,
+            watching: false,
+        };
         let Some(after) = self.config.stuck_after else {
-            return IdleWait {
-                wait: keep_alive,
-                is_last: true,
-            };
+            return whole;
         };
         let since = *idle_since.get_or_insert_with(Instant::now);
         let left = keep_alive.saturating_sub(since.elapsed());
+        if !self.stuck.take_idle_watch() {
+            return IdleWait {
+                wait: left,
+                ..whole
+            };
+        }
         let interval = check_interval(after);
         IdleWait {
             wait: left.min(interval),
             is_last: left <= interval,
+            watching: true,
         }
     }
 

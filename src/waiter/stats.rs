@@ -220,7 +220,8 @@ impl Counters {
         self.stripe().cancelled.fetch_add(1, Ordering::Release);
     }
 
-    /// The counts, outcomes first (see the type's docs).
+    /// The counts: latencies, then outcomes, then the rest (see the type's
+    /// docs for why in that order).
     pub(crate) fn read(&self) -> Counts {
         let sum = |field: fn(&Stripe) -> &AtomicU64| -> u64 {
             self.stripes

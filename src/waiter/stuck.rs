@@ -15,8 +15,9 @@
 //! watched.
 //!
 //! No thread of its own: the check runs when a wait is handed off, when
-//! the poller ends a round, and when an idle lane thread wakes on its own
-//! timeout (all together at most once per [`check_interval`]), and
+//! the poller ends a round, and when the idle lane thread holding the idle
+//! watch wakes on its own timeout (all together at most once per
+//! [`check_interval`]), and
 //! whenever the list or the stats are read. Each lane keeps its watch under
 //! its shard's lock; the lines about a stall are made there, in order, and
 //! logged after the lock is let go, one thread at a time, so a stall's end
@@ -25,7 +26,7 @@
 //! watch with its shard until the batch is settled, so the stall goes on if
 //! they come back.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -94,6 +95,10 @@ enum StuckLine {
 pub(crate) struct StuckReports {
     epoch: Instant,
     next_check: AtomicU64,
+    /// An idle lane thread holds the idle watch: it wakes on its own every
+    /// [`check_interval`] to look for stuck streams, and the other idle
+    /// threads sleep their whole keep-alive.
+    idle_watch: AtomicBool,
     lines: LineQueue<StuckLine>,
     /// Lines made so far, by kind (stuck, ended, left), for unit tests.
     #[cfg(test)]
@@ -105,10 +110,23 @@ impl StuckReports {
         Self {
             epoch: Instant::now(),
             next_check: AtomicU64::new(0),
+            idle_watch: AtomicBool::new(false),
             lines: LineQueue::new(),
             #[cfg(test)]
             made: Default::default(),
         }
+    }
+
+    /// Take the idle watch if no idle thread holds it.
+    pub(crate) fn take_idle_watch(&self) -> bool {
+        self.idle_watch
+            .compare_exchange(false, true, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+    }
+
+    /// The idle thread holding the idle watch woke: another may take it.
+    pub(crate) fn end_idle_watch(&self) {
+        self.idle_watch.store(false, Ordering::Relaxed);
     }
 
     fn push(&self, line: StuckLine) {
