@@ -39,6 +39,8 @@ fn waiter_stats_and_stuck_waits_serialize() {
     assert_eq!(keys(&stuck), ["behind", "given_up", "stream", "waited"]);
     assert_eq!(stuck["behind"], 0);
     assert_eq!(stuck["given_up"], false);
+    // As serde writes a `Duration`, which `StuckWait::waited` documents.
+    assert_eq!(keys(&stuck["waited"]), ["nanos", "secs"]);
     gate.open();
     futures::executor::block_on(future).unwrap();
     let stats = serde_json::to_value(waiter.stats()).unwrap();

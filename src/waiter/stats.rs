@@ -48,13 +48,25 @@ pub struct WaiterStats {
     /// Handed-off waits whose future was dropped before their result came.
     pub cancelled: u64,
     /// How long `resolved` and `failed` waits took from hand-off to the
-    /// wake of their task.
+    /// wake of their task: the device's work still to do when the wait was
+    /// handed off (its first poll found the fence not reached), plus the
+    /// time the waiter took to see the fence reached and wake the task. So
+    /// for work of a known length it is that length plus the wake-up; a
+    /// tail far above the work's own length means slow wake-ups (an
+    /// overloaded host, or more busy streams than `max_threads`).
     pub wake_latency: LatencyHistogram,
 }
 
 /// Counts of durations in log2 buckets of microseconds: bucket 0 holds those
 /// under 1 µs, bucket `i` those from `2^(i-1)` µs up to `2^i` µs, and the last
 /// everything from `2^(LATENCY_BUCKETS - 2)` µs (about 18 minutes) on.
+///
+/// [`buckets`](LatencyHistogram::buckets) gives each bucket's count with its
+/// upper bound, not added up: a Prometheus histogram (whose `le` buckets are
+/// cumulative) sums them in order, as `examples/http_service.rs` does. With
+/// the `serde` feature it serializes as
+/// `{"buckets": [32 counts, bucket 0 first], "sum_nanos": <the durations
+/// added up, in nanoseconds>}`.
 ///
 /// ```
 /// use device_events::LatencyHistogram;

@@ -43,11 +43,15 @@ use crate::ServerError;
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct StuckWait {
-    /// The stream, as its backend shows it (`Debug` of its handle).
+    /// The stream, as the waiter names it in its log lines: the backend's
+    /// name and the `Debug` of the stream's handle, as in `Host stream
+    /// HostStreamHandle(3)`.
     pub stream: String,
     /// How long the stream has gone without ending a wait while one was
     /// pending on it: since its oldest pending wait was handed off to an
-    /// idle stream, or since the wait before it ended.
+    /// idle stream, or since the wait before it ended. With the `serde`
+    /// feature it serializes as serde writes a `Duration`:
+    /// `{"secs": u64, "nanos": u32}`.
     pub waited: Duration,
     /// Waits queued behind the oldest, on the same stream.
     pub behind: usize,
