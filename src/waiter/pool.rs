@@ -171,7 +171,7 @@ impl Pool {
         let key = wait.lane;
         let handed_at = wait.slot.handed_at();
         let mut shard = self.shard(key);
-        if self.config.stuck_after.is_some() && !shard.knows_stream(key) {
+        if self.config.stuck_after.is_some() && shard.stream_name(key).is_none() {
             // The wait makes a lane for a stream the shard has no name for:
             // the backend's `Debug`, called with no lock held.
             drop(shard);

@@ -197,7 +197,10 @@ impl Shard {
         let key = wait.lane;
         if self.watching && !self.lanes.contains_key(&key) {
             let (watch, out) = self.take_parked(key).unwrap_or_else(|| {
-                let name = wait.stream_name.take().or_else(|| self.stream_name(key));
+                let name = wait
+                    .stream_name
+                    .take()
+                    .or_else(|| self.stream_name(key).cloned());
                 // Put back with no name of its own: its lane's key.
                 let name = name.unwrap_or_else(|| format!("a stream ({key:?})").into());
                 (LaneWatch::new(name, wait.slot.handed_at()), 0)
@@ -367,26 +370,18 @@ impl Shard {
         Some((parked.watch, parked.out))
     }
 
-    /// Whether this shard knows stream `key`'s name (see
-    /// [`Shard::stream_name`]).
-    pub(super) fn knows_stream(&self, key: LaneKey) -> bool {
-        self.lanes.contains_key(&key)
-            || self.parked.iter().any(|parked| parked.key == key)
-            || self.names.iter().any(|(named, _)| *named == key)
-    }
-
     /// The name of stream `key` if this shard knows it: from a lane now, a
     /// parked one, or one removed lately.
-    pub(super) fn stream_name(&self, key: LaneKey) -> Option<std::sync::Arc<str>> {
+    pub(super) fn stream_name(&self, key: LaneKey) -> Option<&std::sync::Arc<str>> {
         if let Some(watch) = self.lanes.get(&key).and_then(|lane| lane.watch.as_ref()) {
-            return Some(watch.stream().clone());
+            return Some(watch.stream());
         }
         let parked = self.parked.iter().find(|parked| parked.key == key);
         if let Some(parked) = parked {
-            return Some(parked.watch.stream().clone());
+            return Some(parked.watch.stream());
         }
         let named = self.names.iter().rev().find(|(named, _)| *named == key);
-        named.map(|(_, name)| name.clone())
+        named.map(|(_, name)| name)
     }
 }
 
