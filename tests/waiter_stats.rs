@@ -266,10 +266,10 @@ fn held_streams(waiter: &Waiter, streams: usize, each: usize) -> HeldStreams {
     }
 }
 
-/// The warnings naming `needle` (a waiter) that are about `stream`.
-fn warnings_about(needle: &str, stream: &HostStream) -> Vec<String> {
+/// The lines `of_kind` naming `needle` (a waiter) that are about `stream`.
+fn lines_about(of_kind: fn(&str) -> Vec<String>, needle: &str, stream: &HostStream) -> Vec<String> {
     let name = stream_name(stream);
-    let lines = warnings_containing(needle);
+    let lines = of_kind(needle);
     lines
         .into_iter()
         .filter(|line| line.contains(&name))
@@ -456,7 +456,7 @@ fn hand_offs_on_other_streams_report_a_stuck_one_without_being_asked() {
     let futures = handed_off(&waiter, &stuck, 1);
     // Only the held stream's lines: a test thread stalled 10 ms between a
     // hand-off on `busy` and its end gets `busy` reported too.
-    let about_stuck = || warnings_about(&needle, &stuck).len();
+    let about_stuck = || lines_about(warnings_containing, &needle, &stuck).len();
     // Nobody reads `stuck()` or the stats: the hand-offs of another
     // stream's work find it.
     eventually(LIMIT, "a hand-off reports the stuck stream", || {
@@ -579,8 +579,7 @@ fn an_idle_lane_thread_reports_a_stream_held_with_nothing_else_handed_off() {
     let held = HostStream::new().unwrap();
     let gate = Gate::hold(&held);
     let future = handed_off(&waiter, &held, 1);
-    let name = stream_name(&held);
-    let about_held = || warnings_about(&needle, &held).len();
+    let about_held = || lines_about(warnings_containing, &needle, &held).len();
     eventually(LIMIT, "an idle thread reports the held stream", || {
         about_held() > 0
     });
@@ -592,9 +591,6 @@ fn an_idle_lane_thread_reports_a_stream_held_with_nothing_else_handed_off() {
     assert_eq!(about_held(), 1, "{:?}", warnings_containing(&needle));
     // Only the held stream's: on a loaded machine a warm-up stream may be
     // held long enough to be reported too.
-    let ended: Vec<String> = infos_containing(&needle)
-        .into_iter()
-        .filter(|line| line.contains(&name))
-        .collect();
+    let ended = lines_about(infos_containing, &needle, &held);
     assert_eq!(ended.len(), 1, "{ended:?}");
 }
