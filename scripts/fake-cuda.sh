@@ -18,7 +18,7 @@ export DEVICE_EVENTS_FAKE_CUDA=1
 # thread binds again. The crate must work under both.
 for strict in 0 1; do
     FAKE_CUDA_STRICT_REBIND=$strict \
-        cargo test --test cuda --test cuda_binding --test cuda_faults --test cuda_contexts --test cuda_capture --test any_stream --test http_service
+        cargo test --test cuda --test cuda_binding --test cuda_faults --test cuda_contexts --test cuda_capture --test cuda_fence_pool --test any_stream --test http_service
 done
 cargo test --test cuda_exit --test cuda_elapsed --test cuda_record_order
 cargo run --example fences

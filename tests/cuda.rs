@@ -7,7 +7,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use device_events::cuda::{self, Cuda, CudaStreamHandle};
+use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
 use device_events::{Event, EventApi, EventFence, EventFlags, ServerError};
 
 use common::gpu::{gpu, required};
@@ -374,4 +374,24 @@ fn a_cudarc_stream_makes_its_own_fence() {
     assert!(!fence.is_complete().unwrap(), "the kernel is still running");
     futures::executor::block_on(async { stream.fence().await }).unwrap();
     assert!(fence.is_complete().unwrap());
+}
+
+/// The binary's kernel (`common::gpu`) is the context's shared one: asked
+/// for again, on any thread, it is not loaded again (a load would stall the
+/// other tests' work).
+#[test]
+fn a_shared_sleep_kernel_is_loaded_once_per_context() {
+    let Some((ctx, loaded)) = gpu("a_shared_sleep_kernel_is_loaded_once_per_context") else {
+        return;
+    };
+    let again = std::thread::spawn({
+        let ctx = ctx.clone();
+        move || SleepKernel::shared(&ctx).unwrap()
+    })
+    .join()
+    .unwrap();
+    assert!(std::ptr::eq(loaded, &*again), "one kernel for the context");
+    let stream = ctx.new_stream().unwrap();
+    again.launch(&stream, Duration::from_millis(1)).unwrap();
+    cuda::fence(&stream).wait_sync().unwrap();
 }

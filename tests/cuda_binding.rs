@@ -93,8 +93,38 @@ fn contexts_threads_and_devices() {
         1 => eprintln!(
             "one device: the two-device checks need a second GPU (the fake driver has two)"
         ),
-        _ => one_waiter_serves_two_devices(&ctx),
+        _ => {
+            a_context_made_by_the_crate_leaves_the_thread_as_found(&ctx);
+            one_waiter_serves_two_devices(&ctx);
+        }
     }
+}
+
+/// `cuda::context` making a device's context (cudarc binds the context it
+/// makes to the calling thread) leaves the thread's own current context, or
+/// none, current.
+fn a_context_made_by_the_crate_leaves_the_thread_as_found(ctx: &Arc<CudaContext>) {
+    let theirs = ctx.cu_ctx() as usize;
+    let ctx = ctx.clone();
+    std::thread::spawn(move || {
+        for bound in [false, true] {
+            if bound {
+                ctx.bind_to_thread().unwrap();
+            }
+            if let Some(retains) = primary_retains(1) {
+                assert_eq!(retains, 0, "device 1's context is made anew");
+            }
+            let other = cuda::context(1).unwrap();
+            assert_eq!(
+                current().map(|current| current as usize),
+                bound.then_some(theirs),
+                "the thread's current context is as it was"
+            );
+            drop(other);
+        }
+    })
+    .join()
+    .unwrap();
 }
 
 /// cudarc's drops store failures in the context for the user's next cudarc

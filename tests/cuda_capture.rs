@@ -9,6 +9,7 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::Duration;
@@ -18,11 +19,14 @@ use device_events::cuda::cudarc::driver::sys::{
 };
 use device_events::cuda::cudarc::driver::CudaStream;
 use device_events::cuda::{self, Cuda, CudaStreamHandle};
+use device_events::drop_queue::{DropQueue, DropQueueStats};
 use device_events::{status, EventApi, ServerError, Waiter};
 
+use common::fake_driver;
 use common::gpu::gpu;
 
 const GLOBAL: CUstreamCaptureMode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
+const RELAXED: CUstreamCaptureMode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
 
 /// End the capture on `stream`: the graph's instantiation, or the driver's
 /// error (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` for a broken capture).
@@ -191,4 +195,236 @@ fn a_drop_queue_leaks_a_value_whose_fence_was_recorded_during_capture() {
     let stats = queue.stats();
     assert_eq!((stats.dropped, stats.leaked), (0, 1), "{stats:?}");
     assert_eq!(Arc::strong_count(&dropped), 2, "the value was not dropped");
+}
+
+/// A value that counts its drop in `dropped`.
+struct Staged(Arc<AtomicUsize>);
+
+impl Drop for Staged {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Push a value behind `fence` into a drop queue and settle it: how many
+/// values the queue dropped (the rest it kept, leaked).
+fn dropped_behind(fence: device_events::cuda::CudaFence) -> (usize, DropQueueStats) {
+    let dropped = Arc::new(AtomicUsize::new(0));
+    let queue = DropQueue::new(4).unwrap();
+    assert!(queue.push(fence, Staged(dropped.clone())).is_ok());
+    queue.flush();
+    let stats = queue.stats();
+    (dropped.load(Ordering::SeqCst), stats)
+}
+
+/// A capture another thread ends right after the record took the fence
+/// into it (the fake driver makes that race in the call): the fence knows
+/// it may be in the graph, and its value is kept, never freed.
+#[test]
+fn a_capture_ended_during_the_record_never_frees_the_fences_value() {
+    let Some((ctx, sleep)) = gpu("a_capture_ended_during_the_record_never_frees_the_fences_value")
+    else {
+        return;
+    };
+    if !fake_driver::is_fake() {
+        eprintln!("a real driver: the race inside cuEventRecord needs the fake driver's hook");
+        return;
+    }
+    let stream = ctx.new_stream().unwrap();
+    stream.begin_capture(RELAXED).unwrap();
+    sleep.launch(&stream, Duration::from_millis(1)).unwrap();
+    fake_driver::call(c"fakeCudaCaptureInNextRecord", 1);
+    let fence = cuda::fence(&stream);
+    assert_ne!(fake_driver::call(c"fakeCudaLastRecordCapture", 0), Some(0));
+    assert_eq!(
+        stream.capture_status().unwrap(),
+        CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE,
+        "the capture ended inside the record"
+    );
+    let err = fence.is_complete().unwrap_err();
+    assert!(err.is_stream_capture(), "{err}");
+    let (dropped, stats) = dropped_behind(fence);
+    assert_eq!(
+        (dropped, stats.dropped, stats.leaked),
+        (0, 0, 1),
+        "{stats:?}"
+    );
+}
+
+/// A whole capture begun and ended (on another thread) inside the record:
+/// nothing before or after the call shows it, and the driver's answer for
+/// the event (`CUDA_ERROR_INVALID_VALUE`) is read as "may be captured".
+#[test]
+fn a_whole_capture_inside_the_record_never_frees_the_fences_value() {
+    let Some((ctx, _)) = gpu("a_whole_capture_inside_the_record_never_frees_the_fences_value")
+    else {
+        return;
+    };
+    if !fake_driver::is_fake() {
+        eprintln!("a real driver: the race inside cuEventRecord needs the fake driver's hook");
+        return;
+    }
+    let stream = ctx.new_stream().unwrap();
+    fake_driver::call(c"fakeCudaCaptureInNextRecord", 2);
+    let fence = cuda::fence(&stream);
+    assert_ne!(fake_driver::call(c"fakeCudaLastRecordCapture", 0), Some(0));
+    let err = fence.is_complete().unwrap_err();
+    assert!(err.is_stream_capture(), "{err}");
+    assert!(
+        err.to_string().contains("CUDA_ERROR_INVALID_VALUE"),
+        "{err}"
+    );
+    let (dropped, stats) = dropped_behind(fence);
+    assert_eq!(
+        (dropped, stats.dropped, stats.leaked),
+        (0, 0, 1),
+        "{stats:?}"
+    );
+}
+
+/// One thread begins and ends relaxed captures of a stream while another
+/// records fences on it and queues a value behind each: no value whose
+/// fence's record a capture took is ever dropped. On the fake driver each
+/// record's capture is known (`fakeCudaLastRecordCapture`); on a GPU the
+/// race runs and must neither hang nor panic.
+#[test]
+fn fences_recorded_beside_captures_begun_and_ended_never_free_a_captured_value() {
+    let Some((ctx, _)) = gpu("fences_recorded_beside_captures_never_free_a_captured_value") else {
+        return;
+    };
+    const FENCES: usize = 3000;
+    let stream = ctx.new_stream().unwrap();
+    let queue = Arc::new(DropQueue::new(FENCES).unwrap());
+    let recording = Arc::new(AtomicBool::new(true));
+    let captured_dropped = Arc::new(AtomicUsize::new(0));
+    let other_dropped = Arc::new(AtomicUsize::new(0));
+    let recorder = {
+        let (stream, queue, recording) = (stream.clone(), queue.clone(), recording.clone());
+        let (captured_dropped, other_dropped) = (captured_dropped.clone(), other_dropped.clone());
+        std::thread::spawn(move || {
+            let mut captured = 0usize;
+            for _ in 0..FENCES {
+                let fence = cuda::fence(&stream);
+                let in_capture =
+                    fake_driver::call(c"fakeCudaLastRecordCapture", 0).is_some_and(|id| id != 0);
+                captured += usize::from(in_capture);
+                let counter = if in_capture {
+                    captured_dropped.clone()
+                } else {
+                    other_dropped.clone()
+                };
+                assert!(queue.push(fence, Staged(counter)).is_ok());
+            }
+            recording.store(false, Ordering::SeqCst);
+            captured
+        })
+    };
+    let mut captures = 0usize;
+    while recording.load(Ordering::SeqCst) {
+        stream.begin_capture(RELAXED).unwrap();
+        std::thread::yield_now();
+        // Ended by this thread, which began it; the graph is never launched.
+        let _ = stream.end_capture(CUgraphInstantiate_flags(0)).unwrap();
+        captures += 1;
+        // Outside a capture as long as inside, so that records land on both
+        // sides of a capture's begin and end.
+        std::thread::yield_now();
+    }
+    let captured = recorder.join().unwrap();
+    queue.flush();
+    let stats = queue.stats();
+    eprintln!("{FENCES} fences beside {captures} captures, {captured} taken by one: {stats:?}");
+    assert_eq!(
+        captured_dropped.load(Ordering::SeqCst),
+        0,
+        "values behind fences a capture took were dropped: {stats:?}"
+    );
+    assert_eq!(stats.dropped + stats.leaked, FENCES as u64, "{stats:?}");
+    if fake_driver::is_fake() {
+        assert!(
+            captured > 0,
+            "no record raced a capture: the test proves nothing"
+        );
+        assert!(
+            stats.dropped > 0,
+            "fences outside any capture pass: {stats:?}"
+        );
+    }
+}
+
+/// Two captures going on at once: a fence of one is refused to the other's
+/// stream before the driver, which would merge and invalidate both.
+#[test]
+fn a_fence_of_another_capture_is_refused_and_both_captures_stay_intact() {
+    let Some((ctx, sleep)) = gpu("a_fence_of_another_capture_is_refused") else {
+        return;
+    };
+    let first = ctx.new_stream().unwrap();
+    let second = ctx.new_stream().unwrap();
+    first.begin_capture(GLOBAL).unwrap();
+    second.begin_capture(GLOBAL).unwrap();
+    sleep.launch(&first, Duration::from_millis(1)).unwrap();
+    let fence = cuda::fence(&first);
+    let err = fence
+        .wait_async(CudaStreamHandle::new(&second))
+        .unwrap_err();
+    assert_eq!(err.code(), Some(status::STREAM_CAPTURE_MERGE), "{err}");
+    assert!(err.to_string().contains("another capture"), "{err}");
+    drop(fence);
+    end(&second).expect("the waiting stream's capture is intact");
+    end(&first).expect("the fence's capture is intact");
+}
+
+/// A fence recorded in a capture that has ended marks a place in a graph:
+/// a stream that is not capturing is refused a wait on it, with no host
+/// wait in its place.
+#[test]
+fn a_wait_on_a_fence_of_an_ended_capture_is_refused() {
+    let Some((ctx, sleep)) = gpu("a_wait_on_a_fence_of_an_ended_capture_is_refused") else {
+        return;
+    };
+    let capturing = ctx.new_stream().unwrap();
+    let other = ctx.new_stream().unwrap();
+    capturing.begin_capture(GLOBAL).unwrap();
+    sleep.launch(&capturing, Duration::from_millis(1)).unwrap();
+    let fence = cuda::fence(&capturing);
+    end(&capturing).expect("the capture is intact");
+    let err = fence.wait_async(CudaStreamHandle::new(&other)).unwrap_err();
+    assert_eq!(err.code(), Some(status::CAPTURED_EVENT), "{err}");
+    assert!(err.to_string().contains("capture that has ended"), "{err}");
+    // While the capture goes on, a stream that is not capturing may wait on
+    // it: it joins the capture (a fork), as the driver allows.
+    capturing.begin_capture(GLOBAL).unwrap();
+    let fence = cuda::fence(&capturing);
+    fence.wait_async(CudaStreamHandle::new(&other)).unwrap();
+    cuda::fence(&other)
+        .wait_async(CudaStreamHandle::new(&capturing))
+        .unwrap();
+    end(&capturing).expect("the joined capture is intact");
+}
+
+/// The legacy default stream orders with every blocking stream of its
+/// context, so a fence or a wait on it while one of them captures would be
+/// an implicit dependency on the capture: refused, and the capture left
+/// intact.
+#[test]
+fn the_legacy_stream_is_refused_fences_and_waits_while_a_blocking_stream_captures() {
+    let Some((ctx, sleep)) = gpu("the_legacy_stream_is_refused_fences_and_waits") else {
+        return;
+    };
+    let legacy = ctx.default_stream();
+    let before = cuda::fence(&ctx.new_stream().unwrap());
+    // The per-thread default stream is a blocking one.
+    let blocking = ctx.per_thread_stream();
+    blocking.begin_capture(GLOBAL).unwrap();
+    sleep.launch(&blocking, Duration::from_millis(1)).unwrap();
+    let fence = cuda::fence(&legacy);
+    let err = fence.wait_sync().unwrap_err();
+    assert!(err.is_stream_capture(), "{err}");
+    let err = before
+        .wait_async(CudaStreamHandle::new(&legacy))
+        .unwrap_err();
+    assert!(err.is_stream_capture(), "{err}");
+    end(&blocking).expect("the blocking stream's capture is intact");
+    cuda::fence(&legacy).wait_sync().unwrap();
 }

@@ -10,7 +10,7 @@ use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use device_events::cuda::{self, Cuda, CudaStreamHandle, FaultKernel, SleepKernel};
-use device_events::{EventFence, EventProfiler, ServerError, Waiter};
+use device_events::{Event, EventApi, EventFence, EventFlags, EventProfiler, ServerError, Waiter};
 
 /// A wait that has not resolved after this long counts as hung. Generous on
 /// purpose: the driver reports the fault within a second.
@@ -64,6 +64,9 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
     let stream = ctx.new_stream().unwrap();
     let other = ctx.new_stream().unwrap();
     let waiter = Waiter::builder().build();
+    // Recorded before anything faults: its event stays valid.
+    let earlier = Event::<Cuda>::new(CudaStreamHandle::new(&other), EventFlags::FENCE).unwrap();
+    earlier.record(CudaStreamHandle::new(&other)).unwrap();
 
     // Pending: recorded behind the faulting kernel, itself behind 200 ms of
     // work, so every wait below starts before the fault happens.
@@ -115,6 +118,19 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
     let target = CudaStreamHandle::new(&other);
     let (result, _) = resolves("later wait_async", move || later.wait_async(target));
     assert_faulted("later wait_async", result);
+    // A fault found while checking for a capture names the call made.
+    let err = earlier
+        .wait_async(CudaStreamHandle::new(&other))
+        .unwrap_err();
+    assert!(
+        err.is_faulted() && err.to_string().contains("(cuStreamWaitEvent)"),
+        "{err}"
+    );
+    let err = Cuda::stream_synchronize(CudaStreamHandle::new(&stream)).unwrap_err();
+    assert!(
+        err.is_faulted() && err.to_string().contains("(cuStreamSynchronize)"),
+        "{err}"
+    );
     let handle = CudaStreamHandle::new(&stream);
     let (result, _) = resolves("a new fence on the poisoned stream", move || {
         EventFence::<Cuda>::new(handle).wait_sync()

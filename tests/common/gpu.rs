@@ -20,12 +20,13 @@ pub fn required() -> bool {
 /// test loading its own kernel while another's sleep runs would end that
 /// sleep's wait early and fail the tests that check work is still running.
 pub fn gpu(test: &str) -> Option<(Arc<CudaContext>, &'static SleepKernel)> {
-    static LOADED: OnceLock<Result<(Arc<CudaContext>, SleepKernel), ServerError>> = OnceLock::new();
+    type Loaded = Result<(Arc<CudaContext>, Arc<SleepKernel>), ServerError>;
+    static LOADED: OnceLock<Loaded> = OnceLock::new();
     let loaded = LOADED.get_or_init(|| {
-        cuda::context(0).and_then(|ctx| SleepKernel::new(&ctx).map(|kernel| (ctx, kernel)))
+        cuda::context(0).and_then(|ctx| SleepKernel::shared(&ctx).map(|kernel| (ctx, kernel)))
     });
     match loaded {
-        Ok((ctx, kernel)) => Some((ctx.clone(), kernel)),
+        Ok((ctx, kernel)) => Some((ctx.clone(), &**kernel)),
         Err(err) if required() => {
             panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
         }

@@ -72,8 +72,10 @@
  * - cuEventRecord numbers the records of each stream (see "Record order").
  *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
- * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device) and
- * fakeCudaFailNextQuery(status), found by the tests with dlsym.
+ * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device),
+ * fakeCudaFailNextQuery(status), and the capture races of "Stream capture"
+ * (fakeCudaCaptureInNextRecord, fakeCudaLastRecordCapture), found by the
+ * tests with dlsym.
  *
  * It validates nothing of PTX or of real hardware; scripts/fake-cuda.sh
  * builds it and runs the CUDA tests against it.
@@ -103,6 +105,7 @@ enum {
     STREAM_CAPTURE_INVALIDATED = 901,
     STREAM_CAPTURE_MERGE = 902,
     STREAM_CAPTURE_ISOLATION = 905,
+    STREAM_CAPTURE_IMPLICIT = 906,
     CAPTURED_EVENT = 907,
     STREAM_CAPTURE_WRONG_THREAD = 908,
 };
@@ -344,10 +347,27 @@ static int64_t ready_at(const stream_t *s) {
  * - cuStreamEndCapture of a capture begun in a mode other than RELAXED must
  *   come from the thread that began it (CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD).
  *   A graph launched later runs its captured sleeps back to back.
+ * - cuStreamGetCaptureInfo_v2 gives the status and the capture's id, "unique
+ *   over the lifetime of the process", valid only while the status is
+ *   ACTIVE; its other outputs are optional. It and cuStreamIsCapturing,
+ *   called on the legacy stream while a blocking stream of its context
+ *   captures, return CUDA_ERROR_STREAM_CAPTURE_IMPLICIT ("If called on
+ *   CU_STREAM_LEGACY (the NULL stream) while a stream not created with
+ *   CU_STREAM_NON_BLOCKING is capturing"); so do records, waits, launches
+ *   and synchronizes there ("a disallowed implicit dependency on a current
+ *   capture sequence from cudaStreamLegacy", CUresult), invalidating that
+ *   capture (the strict reading: a capture the crate breaks fails a test).
+ * - Races another thread could make, made repeatable (test hooks):
+ *   fakeCudaCaptureInNextRecord(1) ends, right after the calling thread's
+ *   next captured cuEventRecord, the capture that took it (as a thread
+ *   ending it then would); (2) begins a relaxed capture of the stream just
+ *   before the next record and ends it just after, all inside the call.
+ *   fakeCudaLastRecordCapture() is the capture id that took the calling
+ *   thread's last record (0: none), the truth for a test to check against.
  */
 enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALIDATED = 2, CAPTURE_ENDED = 3 };
 enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
-#define CAPTURES 1024
+#define CAPTURES 65536
 
 typedef struct {
     int state;
@@ -390,6 +410,25 @@ static int unsafe_call(void) {
         }
     }
     return prohibited ? STREAM_CAPTURE_UNSUPPORTED : SUCCESS;
+}
+
+/* The capture a blocking stream of `s`'s context makes, when `s` is the
+ * legacy stream (see above), or 0. Called with the lock held. */
+static int implicit_capture(const stream_t *s) {
+    if (s->kind != LEGACY) return 0;
+    for (const stream_t *o = s->ctx->streams; o; o = o->next)
+        if (blocking(o) && ongoing(o->capture)) return o->capture;
+    return 0;
+}
+
+/* Work or a wait on `s` (the legacy stream) that would depend on a capture
+ * implicitly: CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, invalidating it. Called
+ * with the lock held. */
+static int implicit_dependency(const stream_t *s) {
+    int id = implicit_capture(s);
+    if (id == 0) return SUCCESS;
+    invalidate(id);
+    return STREAM_CAPTURE_IMPLICIT;
 }
 
 /* A query or synchronize of `e`: refused if its last record was captured.
@@ -453,6 +492,7 @@ int cuGetErrorName(int error, const char **name) {
     case STREAM_CAPTURE_INVALIDATED: *name = "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED"; break;
     case STREAM_CAPTURE_MERGE: *name = "CUDA_ERROR_STREAM_CAPTURE_MERGE"; break;
     case STREAM_CAPTURE_ISOLATION: *name = "CUDA_ERROR_STREAM_CAPTURE_ISOLATION"; break;
+    case STREAM_CAPTURE_IMPLICIT: *name = "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT"; break;
     case CAPTURED_EVENT: *name = "CUDA_ERROR_CAPTURED_EVENT"; break;
     case STREAM_CAPTURE_WRONG_THREAD: *name = "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD"; break;
     default: return INVALID_VALUE;
@@ -528,6 +568,17 @@ int cuDevicePrimaryCtxRelease_v2(int device) {
         c->streams = NULL;
         c->generation++;
     }
+    pthread_mutex_unlock(&lock);
+    return SUCCESS;
+}
+
+int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active) {
+    if (deinitialized()) return DEINITIALIZED;
+    if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
+    if (flags == NULL || active == NULL) return INVALID_VALUE;
+    pthread_mutex_lock(&lock);
+    *flags = 0;
+    *active = contexts[device].retains > 0;
     pthread_mutex_unlock(&lock);
     return SUCCESS;
 }
@@ -644,6 +695,7 @@ int cuStreamSynchronize(void *stream) {
         invalidate(s->capture);
         status = STREAM_CAPTURE_UNSUPPORTED;
     }
+    if (status == SUCCESS) status = implicit_dependency(s);
     if (status == SUCCESS) status = unsafe_call();
     int64_t until = s ? ready_at(s) : 0;
     ctx_t *c = current;
@@ -685,10 +737,33 @@ int cuEventCreate(void **event, unsigned flags) {
  * record, so a test can compare a fence's sequence with its record's
  * place. */
 static __thread int last_record;
+/* The capture that took this thread's last record, and the race to make in
+ * its next one (see "Stream capture"). */
+static __thread int last_record_capture;
+static __thread int capture_in_next_record;
 
 int fakeCudaLastRecordNumber(int unused) {
     (void)unused;
     return last_record;
+}
+
+int fakeCudaLastRecordCapture(int unused) {
+    (void)unused;
+    return last_record_capture;
+}
+
+int fakeCudaCaptureInNextRecord(int race) {
+    capture_in_next_record = race;
+    return 0;
+}
+
+/* End capture `id` as cuStreamEndCapture does (its graph is dropped).
+ * Called with the lock held. */
+static void end_capture(ctx_t *c, int id) {
+    captures[id].state = CAPTURE_ENDED;
+    if (c->legacy.capture == id) c->legacy.capture = 0;
+    for (stream_t *o = c->streams; o; o = o->next)
+        if (o->capture == id) o->capture = 0;
 }
 /* ---- end of record order ---- */
 
@@ -702,8 +777,16 @@ int cuEventRecord(void *event, void *stream) {
     const ctx_t *stream_ctx = is_default ? current : ((stream_t *)stream)->ctx;
     int status = stream_ctx != NULL && stream_ctx != e->ctx ? INVALID_HANDLE
                                                               : usable(e->ctx, e->generation);
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s != NULL && s->ctx == e->ctx) status = implicit_dependency(s);
+    int race = status == SUCCESS ? capture_in_next_record : 0;
+    if (race == 2 && s != NULL && s->ctx == e->ctx && !ongoing(s->capture) && s->kind != LEGACY &&
+        next_capture < CAPTURES) {
+        int id = next_capture++;
+        captures[id] = (capture_t){.state = CAPTURE_ACTIVE, .mode = MODE_RELAXED, .owner = pthread_self()};
+        s->capture = id;
+    }
     if (status == SUCCESS) {
-        stream_t *s = stream_of(stream);
         int captured = s == NULL || s->ctx != e->ctx ? 0 : captured_work(s, 0);
         if (s == NULL || s->ctx != e->ctx) {
             status = INVALID_HANDLE;
@@ -713,11 +796,17 @@ int cuEventRecord(void *event, void *stream) {
             e->capture = s->capture;
             e->recorded = 1;
             e->at = INT64_MAX;
+            last_record_capture = s->capture;
+            if (race != 0) {
+                end_capture(s->ctx, s->capture);
+                capture_in_next_record = 0;
+            }
         } else {
             e->capture = 0;
             e->at = ready_at(s);
             e->recorded = 1;
             last_record = ++s->records;
+            last_record_capture = 0;
         }
     }
     pthread_mutex_unlock(&lock);
@@ -828,6 +917,7 @@ int cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
     /* The event may be another context's, even another device's. */
     if (status == SUCCESS && (e->ctx->retains == 0 || e->ctx->generation != e->generation))
         status = INVALID_HANDLE;
+    if (status == SUCCESS) status = implicit_dependency(s);
     int handled = status == SUCCESS ? capture_wait(s, e) : 0;
     if (handled < 0) status = -handled;
     if (status == SUCCESS && !handled && e->recorded) s->busy_until = max64(s->busy_until, e->at);
@@ -890,6 +980,7 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
     int status = usable(f->module->ctx, f->module->generation);
     stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
     if (status == SUCCESS && (s == NULL || s->ctx != f->module->ctx)) status = INVALID_HANDLE;
+    if (status == SUCCESS) status = implicit_dependency(s);
     int captured = status == SUCCESS ? captured_work(s, f->kind == SLEEP_NS ? (int64_t)argument : 0) : 0;
     if (captured < 0) status = -captured;
     if (status == SUCCESS && !captured) {
@@ -944,25 +1035,35 @@ int cuStreamEndCapture(void *stream, void **graph) {
             if (g == NULL) status = INVALID_VALUE;
             else *g = (graph_t){current, c->duration};
         }
-        c->state = CAPTURE_ENDED;
-        current->legacy.capture = current->legacy.capture == id ? 0 : current->legacy.capture;
-        for (stream_t *o = current->streams; o; o = o->next)
-            if (o->capture == id) o->capture = 0;
+        end_capture(current, id);
     }
     pthread_mutex_unlock(&lock);
     if (graph) *graph = g;
     return status;
 }
 
-int cuStreamIsCapturing(void *stream, int *capture_status) {
+int cuStreamGetCaptureInfo_v2(void *stream, int *capture_status, unsigned long long *id,
+                              void **graph, const void **dependencies, size_t *count) {
+    if (capture_status == NULL) return INVALID_VALUE;
     pthread_mutex_lock(&lock);
     int status = current_usable();
     stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
     if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
-    if (status == SUCCESS)
+    if (status == SUCCESS && implicit_capture(s) != 0) status = STREAM_CAPTURE_IMPLICIT;
+    if (status == SUCCESS) {
         *capture_status = ongoing(s->capture) ? captures[s->capture].state : CAPTURE_NONE;
+        if (id != NULL && *capture_status == CAPTURE_ACTIVE) *id = (unsigned long long)s->capture;
+        /* The fake keeps no graph nodes: the optional outputs say "none". */
+        if (graph != NULL) *graph = NULL;
+        if (dependencies != NULL) *dependencies = NULL;
+        if (count != NULL) *count = 0;
+    }
     pthread_mutex_unlock(&lock);
     return status;
+}
+
+int cuStreamIsCapturing(void *stream, int *capture_status) {
+    return cuStreamGetCaptureInfo_v2(stream, capture_status, NULL, NULL, NULL, NULL);
 }
 
 int cuThreadExchangeStreamCaptureMode(int *mode) {

@@ -146,6 +146,32 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     })
 }
 
+/// Run `make`, a cudarc call that binds a context to the calling thread and
+/// leaves it bound (`CudaContext::new` does), then make the thread's previous
+/// context current again, as [`Bound`] does: threads not the crate's are left
+/// as found. On the crate's own threads the new binding stays.
+///
+/// # Errors
+///
+/// The driver's, when it is not loaded or the current context cannot be
+/// asked; `make`'s own result is returned as it is.
+pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerError> {
+    let driver = driver()?;
+    if crate::own_threads::is_own() {
+        return Ok(make());
+    }
+    let previous = driver.ctx_get_current()?;
+    let made = make();
+    if !crate::plant::planted("cuda-previous-context-not-restored") {
+        if let Err(err) = driver.ctx_restore(previous) {
+            log::debug!(
+                "the thread's previous CUDA context could not be made current again: {err}"
+            );
+        }
+    }
+    Ok(made)
+}
+
 /// Put one of the crate's own threads in the relaxed capture mode, once: its
 /// queries and waits must never invalidate a user's graph capture (see
 /// [`Bound::relaxed`]). No executor or user code runs there but what the drop

@@ -21,7 +21,7 @@
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__CTX.html>
 //! - status codes and which are sticky (`CUresult`), event flags
 //!   (`CUevent_flags`): <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html>
-//! - stream capture (`cuStreamIsCapturing`,
+//! - stream capture (`cuStreamGetCaptureInfo`,
 //!   `cuThreadExchangeStreamCaptureMode`, the capture statuses 900 to 908):
 //!   the stream management page above and the status page below
 //! - modules and launches (`cuModuleLoadData`, `cuLaunchKernel`):
@@ -63,7 +63,8 @@ pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuStreamDestroy_v2",
     "cuStreamSynchronize",
     "cuStreamWaitEvent",
-    "cuStreamIsCapturing",
+    "cuStreamGetCaptureInfo_v2",
+    "cuDevicePrimaryCtxGetState",
     "cuThreadExchangeStreamCaptureMode",
     "cuEventCreate",
     "cuEventRecord",
@@ -124,8 +125,22 @@ struct Api {
     ctx_get_id: Option<unsafe extern "C" fn(sys::CUcontext, *mut u64) -> Status>,
     stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
     stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
-    /// The capture status as the `int` the C enum is.
-    stream_is_capturing: unsafe extern "C" fn(sys::CUstream, *mut c_int) -> Status,
+    /// `cuStreamGetCaptureInfo_v2` (CUDA 11.3; the name CUDA 12 headers map
+    /// `cuStreamGetCaptureInfo` to, exported by later drivers too): the
+    /// capture status as the `int` the C enum is, and the capture's id; the
+    /// graph and dependency outputs are optional, and left null.
+    #[allow(clippy::type_complexity)]
+    stream_capture_info: unsafe extern "C" fn(
+        sys::CUstream,
+        *mut c_int,
+        *mut u64,
+        *mut sys::CUgraph,
+        *mut *const sys::CUgraphNode,
+        *mut usize,
+    ) -> Status,
+    /// `cuDevicePrimaryCtxGetState`: the primary context's flags and whether
+    /// it is active.
+    primary_ctx_state: unsafe extern "C" fn(sys::CUdevice, *mut c_uint, *mut c_int) -> Status,
     /// The capture mode as the `int` the C enum is.
     thread_exchange_capture_mode: unsafe extern "C" fn(*mut c_int) -> Status,
     module_load_data: unsafe extern "C" fn(*mut sys::CUmodule, *const c_void) -> Status,
@@ -260,7 +275,8 @@ fn load() -> Result<Loaded, ServerError> {
         ctx_get_id,
         stream_wait_event: entry!("cuStreamWaitEvent"),
         stream_synchronize: entry!("cuStreamSynchronize"),
-        stream_is_capturing: entry!("cuStreamIsCapturing"),
+        stream_capture_info: entry!("cuStreamGetCaptureInfo_v2"),
+        primary_ctx_state: entry!("cuDevicePrimaryCtxGetState"),
         thread_exchange_capture_mode: entry!("cuThreadExchangeStreamCaptureMode"),
         module_load_data: entry!("cuModuleLoadData"),
         module_get_function: entry!("cuModuleGetFunction"),
@@ -489,6 +505,20 @@ pub(super) const CAPTURE_MODE_RELAXED: c_int = 2;
 
 /// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_NONE`, not capturing.
 const CAPTURE_STATUS_NONE: c_int = 0;
+/// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_ACTIVE`.
+const CAPTURE_STATUS_ACTIVE: c_int = 1;
+
+/// A stream's capture state, from [`Driver::stream_capture`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Capture {
+    /// Not capturing: work runs.
+    None,
+    /// Capturing, in the capture of this id ("unique over the lifetime of
+    /// the process", `cuStreamGetCaptureInfo`).
+    Active(u64),
+    /// In a capture an error invalidated, not yet ended (no id is given).
+    Invalidated,
+}
 
 /// `cuEventCreate` flags.
 const EVENT_BLOCKING_SYNC: c_uint = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
@@ -718,18 +748,56 @@ impl Driver {
         })
     }
 
-    /// `cuStreamIsCapturing`: whether `stream` is capturing a graph (an
-    /// invalidated capture that has not ended counts: its stream is still in
-    /// capture mode).
-    pub(super) fn stream_is_capturing(self, stream: &CudaStream) -> Result<bool, ServerError> {
-        self.live("cuStreamIsCapturing")?;
+    /// `cuStreamGetCaptureInfo`: whether `stream` is capturing a graph, and
+    /// in which capture. `call` names the caller's own call in an error (a
+    /// fault found here is the user's record or wait failing, not a capture
+    /// query of theirs). On the legacy default stream while a blocking
+    /// stream of its context captures, the driver answers
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` ("If called on CU_STREAM_LEGACY
+    /// (the NULL stream) while a stream not created with
+    /// CU_STREAM_NON_BLOCKING is capturing"): an error to report.
+    pub(super) fn stream_capture(
+        self,
+        call: &'static str,
+        stream: &CudaStream,
+    ) -> Result<Capture, ServerError> {
+        self.live(call)?;
         let mut status = CAPTURE_STATUS_NONE;
+        let mut id = 0u64;
         // SAFETY: the stream is live, borrowed from its owner for the call;
-        // `status` is a valid place for the enum's `int`.
-        self.check("cuStreamIsCapturing", unsafe {
-            (self.api.stream_is_capturing)(stream.cu_stream(), &mut status)
+        // `status` and `id` are valid places for the enum's `int` and the
+        // `cuuint64_t`; the three other outputs are optional (null).
+        self.check(call, unsafe {
+            (self.api.stream_capture_info)(
+                stream.cu_stream(),
+                &mut status,
+                &mut id,
+                ptr::null_mut(),
+                ptr::null_mut(),
+                ptr::null_mut(),
+            )
         })?;
-        Ok(status != CAPTURE_STATUS_NONE)
+        // "A valid id is returned only if [...] captureStatus is set to
+        // CU_STREAM_CAPTURE_STATUS_ACTIVE".
+        Ok(match status {
+            CAPTURE_STATUS_NONE => Capture::None,
+            CAPTURE_STATUS_ACTIVE => Capture::Active(id),
+            _ => Capture::Invalidated,
+        })
+    }
+
+    /// `cuDevicePrimaryCtxGetState`: whether the primary context of `device`
+    /// is active (retained by someone, this process's other libraries
+    /// included).
+    pub(super) fn primary_ctx_active(self, device: sys::CUdevice) -> Result<bool, ServerError> {
+        self.live("cuDevicePrimaryCtxGetState")?;
+        let (mut flags, mut active) = (0, 0);
+        // SAFETY: a device handle is a plain number the driver validates;
+        // `flags` and `active` are valid places for the outputs.
+        self.check("cuDevicePrimaryCtxGetState", unsafe {
+            (self.api.primary_ctx_state)(device, &mut flags, &mut active)
+        })?;
+        Ok(active != 0)
     }
 
     /// `cuThreadExchangeStreamCaptureMode`: set the calling thread's capture

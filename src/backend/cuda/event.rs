@@ -1,15 +1,15 @@
 //! [`CudaEvent`]: the CUDA backend's raw event, owned.
 
 use std::fmt;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::bind::{bind, HeldContext};
-use super::driver::{driver, invalid_context, refused, RawEvent};
+use super::driver::{driver, invalid_context, refused, Capture, RawEvent};
 use super::fence_pool::FencePool;
-use crate::{EventFlags, ServerError};
+use crate::loom::Mutex;
+use crate::{status, EventFlags, ServerError};
 
 /// The CUDA backend's raw event. It keeps its context alive, and is destroyed
 /// when dropped if [`Cuda::event_destroy`](super::Cuda) did not already.
@@ -31,16 +31,55 @@ pub struct CudaEvent {
     /// `None` only once destroyed or pooled: every path that takes it
     /// consumes the event, but for [`Drop`].
     raw: Option<RawEvent>,
+    /// The pool a fence event goes back to, and the shard it came from.
+    /// Dropped before `ctx`: a pool whose last handle this is destroys its
+    /// idle events through a context object it knows to be alive, and this
+    /// event's may be the last one.
+    pool: Option<(Arc<FencePool>, usize)>,
     /// Dropped after the event is destroyed (fields drop after `Drop`),
     /// leaving the thread's current context as found if it is the last.
     ctx: HeldContext,
-    /// The pool a fence event goes back to, and the shard it came from.
-    pool: Option<(Arc<FencePool>, usize)>,
-    /// Whether its latest record was made while the stream was capturing a
-    /// graph: then it marks a place in the graph, and the driver refuses to
-    /// query or wait on it (and a query invalidates the capture), so this
-    /// crate refuses first (see [`Self::record`]).
-    captured: AtomicBool,
+    /// Where its latest record was made (see [`Self::record`]).
+    recorded: Mutex<Recorded>,
+}
+
+/// Where an event's latest record was made: in a graph capture it marks a
+/// place in the graph, not work that runs, and the driver refuses to query
+/// or wait on it (a query during the capture invalidates the capture; after
+/// it, the driver answers `CUDA_ERROR_INVALID_VALUE`, as measured on an
+/// H200), so this crate refuses first.
+#[derive(Clone, Default)]
+enum Recorded {
+    /// Outside any capture (or never recorded): work that runs.
+    #[default]
+    Outside,
+    /// In the capture of this id, on `stream` (held weakly, to ask whether
+    /// the capture still goes on).
+    InCapture { id: u64, stream: Weak<CudaStream> },
+    /// A capture began or ended on the stream while the record was made
+    /// (another thread's): the record may be in a graph or not, and nothing
+    /// the driver says tells which, so it is treated as captured.
+    Unknown,
+}
+
+impl Recorded {
+    /// From the stream's capture state asked just before and just after the
+    /// record: the same capture on both sides holds the record (ids are
+    /// unique for the process, and a capture that ended never resumes);
+    /// none on both sides means outside, unless a whole capture began and
+    /// ended inside the call (then the driver's later answer,
+    /// `CUDA_ERROR_INVALID_VALUE`, is read as captured: see
+    /// [`CudaEvent::query`]).
+    fn of(before: Capture, after: Capture, stream: &Arc<CudaStream>) -> Self {
+        match (before, after) {
+            (Capture::None, Capture::None) => Self::Outside,
+            (Capture::Active(id), Capture::Active(same)) if id == same => Self::InCapture {
+                id,
+                stream: Arc::downgrade(stream),
+            },
+            _ => Self::Unknown,
+        }
+    }
 }
 
 impl CudaEvent {
@@ -55,9 +94,9 @@ impl CudaEvent {
     pub(super) fn from_raw(raw: RawEvent, ctx: &Arc<CudaContext>) -> Self {
         Self {
             raw: Some(raw),
-            ctx: HeldContext::new(ctx),
             pool: None,
-            captured: AtomicBool::new(false),
+            ctx: HeldContext::new(ctx),
+            recorded: Mutex::default(),
         }
     }
 
@@ -89,69 +128,158 @@ impl CudaEvent {
 
     /// Record at the current end of `stream`; the stream must share the
     /// event's context. On a stream capturing a graph the record is legal
-    /// and becomes a node of the graph: the event is marked captured, which
-    /// is asked of the driver after the record, so a capture that begins
-    /// meanwhile marks it too (failing its waits, not a capture).
-    pub(super) fn record(&self, stream: &CudaStream) -> Result<(), ServerError> {
-        same_context("cuEventRecord", &self.ctx, stream)?;
+    /// and becomes a node of the graph. Which capture (if any) holds it is
+    /// asked of the driver just before and just after the record, so a
+    /// capture another thread begins or ends meanwhile is never missed (see
+    /// [`Recorded::of`]): such a record fails its waits, it never frees a
+    /// value a graph may still read.
+    pub(super) fn record(&self, stream: &Arc<CudaStream>) -> Result<(), ServerError> {
+        const CALL: &str = "cuEventRecord";
+        same_context(CALL, &self.ctx, stream)?;
         let bound = bind(&self.ctx)?;
-        bound.driver().event_record(self.raw(), stream)?;
-        let captured = !crate::plant::planted("cuda-captured-record-not-marked")
-            && bound.driver().stream_is_capturing(stream)?;
-        self.captured.store(captured, Ordering::Relaxed);
+        let driver = bound.driver();
+        let before = driver.stream_capture(CALL, stream)?;
+        driver.event_record(self.raw(), stream)?;
+        let after = driver.stream_capture(CALL, stream)?;
+        let recorded = if crate::plant::planted("cuda-captured-record-not-marked") {
+            Recorded::Outside
+        } else {
+            Recorded::of(before, after, stream)
+        };
+        *self.recorded.lock() = recorded;
         Ok(())
     }
 
-    /// Refused when the latest record was captured: see [`Self::captured`].
+    fn recorded(&self) -> Recorded {
+        self.recorded.lock().clone()
+    }
+
+    /// Refused when the latest record may be in a capture: see [`Recorded`].
     fn not_captured(&self, call: &'static str) -> Result<(), ServerError> {
-        if !self.captured.load(Ordering::Relaxed) {
-            return Ok(());
+        match self.recorded() {
+            Recorded::Outside => Ok(()),
+            Recorded::InCapture { .. } => Err(captured(call)),
+            Recorded::Unknown => Err(maybe_captured(
+                call,
+                "a capture began or ended on the fence's stream (on another thread) while the \
+                 fence was recorded",
+            )),
         }
-        Err(refused(
-            call,
-            sys::CUresult::CUDA_ERROR_CAPTURED_EVENT,
-            "the fence was recorded while its stream was capturing a CUDA graph: it marks a \
-             place in the graph, not work that runs, so it cannot be queried or waited on \
-             (the driver would invalidate the capture); record a fence after launching the \
-             graph instead",
-        ))
+    }
+
+    /// The driver's answer for an event recorded outside any capture, as far
+    /// as the crate could see: `CUDA_ERROR_INVALID_VALUE`, which it gives for
+    /// an event whose capture has ended, may mean that a whole capture began
+    /// and ended on another thread inside the record, so it is reported as
+    /// a capture status (never a reason to fall back and free a value).
+    fn answered<T>(call: &'static str, answer: Result<T, ServerError>) -> Result<T, ServerError> {
+        answer.map_err(|err| {
+            if err.code() != Some(status::INVALID_VALUE) {
+                return err;
+            }
+            maybe_captured(
+                call,
+                "the driver answered CUDA_ERROR_INVALID_VALUE, its answer for an event \
+                 recorded in a capture that has ended",
+            )
+            .with_source(err)
+        })
     }
 
     /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
     pub(super) fn query(&self) -> Result<bool, ServerError> {
         self.not_captured("cuEventQuery")?;
         let bound = bind(&self.ctx)?;
-        bound.relaxed(|driver| driver.event_query(self.raw()))
+        Self::answered(
+            "cuEventQuery",
+            bound.relaxed(|driver| driver.event_query(self.raw())),
+        )
     }
 
     /// Block until reached; sleeps in the driver for a `BLOCKING_SYNC` event.
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
         self.not_captured("cuEventSynchronize")?;
         let bound = bind(&self.ctx)?;
-        bound.relaxed(|driver| driver.event_synchronize(self.raw()))
+        Self::answered(
+            "cuEventSynchronize",
+            bound.relaxed(|driver| driver.event_synchronize(self.raw())),
+        )
     }
 
     /// Make `stream` wait for this event's latest record, on the device. Works
-    /// across contexts. A stream capturing a graph may wait only on an event
-    /// recorded in a capture (the driver joins or refuses the two); one
-    /// recorded outside is refused here, before the driver refuses it with
-    /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` and invalidates the capture.
+    /// across contexts. What the driver would refuse, invalidating captures
+    /// ("Stream capture" in its docs), is refused here first:
+    /// - a capturing stream may wait only on an event recorded in its own
+    ///   capture: one recorded outside is `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`,
+    ///   one of another capture `CUDA_ERROR_STREAM_CAPTURE_MERGE`;
+    /// - a stream not capturing may wait on an event of a capture that goes
+    ///   on (it joins that capture), but not of one that has ended: its
+    ///   record marks a place in a graph, with nothing to wait for;
+    /// - a record whose capture is unknown (see [`Recorded::Unknown`]) is
+    ///   waited on by no stream.
     pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
+        const CALL: &str = "cuStreamWaitEvent";
         let bound = bind(stream.context())?;
-        if !self.captured.load(Ordering::Relaxed)
-            && !crate::plant::planted("cuda-capturing-stream-waits-on-outside-event")
-            && bound.driver().stream_is_capturing(stream)?
-        {
-            return Err(refused(
-                "cuStreamWaitEvent",
-                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
-                "the stream is capturing a CUDA graph and the fence was recorded outside that \
-                 capture: a captured stream can wait only on fences recorded in the same \
-                 capture (the driver would refuse it and invalidate the capture, which is left \
-                 intact); wait before beginning the capture, or on the host",
-            ));
+        let waiting = bound.driver().stream_capture(CALL, stream)?;
+        let refusal = match (self.recorded(), waiting) {
+            (Recorded::Outside, Capture::None) => None,
+            (Recorded::Outside, _) => (!crate::plant::planted(
+                "cuda-capturing-stream-waits-on-outside-event",
+            ))
+            .then(|| {
+                refused(
+                    CALL,
+                    sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+                    "the stream is capturing a CUDA graph and the fence was recorded outside \
+                         that capture: a captured stream can wait only on fences recorded in the \
+                         same capture (the driver would refuse it and invalidate the capture, \
+                         which is left intact); wait before beginning the capture, or on the host",
+                )
+            }),
+            (Recorded::InCapture { id, .. }, Capture::Active(same)) if id == same => None,
+            (Recorded::InCapture { .. }, Capture::Active(_)) => Some(refused(
+                CALL,
+                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_MERGE,
+                "the stream is capturing a CUDA graph and the fence was recorded in another \
+                 capture: the wait would merge two independent captures (the driver would \
+                 refuse it and invalidate both, which are left intact)",
+            )),
+            // Already invalidated: the driver's answer says so.
+            (Recorded::InCapture { .. }, Capture::Invalidated) => None,
+            (Recorded::InCapture { id, stream: origin }, Capture::None) => {
+                (!self.capture_goes_on(id, &origin)?).then(|| {
+                    refused(
+                        CALL,
+                        sys::CUresult::CUDA_ERROR_CAPTURED_EVENT,
+                        "the fence was recorded in a CUDA graph capture that has ended: it \
+                         marks a place in a graph, not work that runs, so there is nothing to \
+                         wait for; record a fence after launching the graph instead",
+                    )
+                })
+            }
+            (Recorded::Unknown, _) => Some(maybe_captured(
+                CALL,
+                "a capture began or ended on the fence's stream (on another thread) while the \
+                 fence was recorded",
+            )),
+        };
+        match refusal {
+            Some(err) => Err(err),
+            None => bound.driver().stream_wait_event(stream, self.raw()),
         }
-        bound.driver().stream_wait_event(stream, self.raw())
+    }
+
+    /// Whether capture `id`, which `origin` was part of, still goes on: its
+    /// streams stay in it until it ends.
+    fn capture_goes_on(&self, id: u64, origin: &Weak<CudaStream>) -> Result<bool, ServerError> {
+        let Some(origin) = origin.upgrade() else {
+            return Ok(false);
+        };
+        let bound = bind(origin.context())?;
+        Ok(bound
+            .driver()
+            .stream_capture("cuStreamWaitEvent", &origin)?
+            == Capture::Active(id))
     }
 
     /// Milliseconds from `start` to `self`, as the driver measures them;
@@ -213,6 +341,32 @@ impl fmt::Debug for CudaEvent {
         }
         event.finish()
     }
+}
+
+/// A query or wait of an event recorded in a capture, refused.
+fn captured(call: &'static str) -> ServerError {
+    refused(
+        call,
+        sys::CUresult::CUDA_ERROR_CAPTURED_EVENT,
+        "the fence was recorded while its stream was capturing a CUDA graph: it marks a \
+         place in the graph, not work that runs, so it cannot be queried or waited on \
+         (the driver would invalidate the capture); record a fence after launching the \
+         graph instead",
+    )
+}
+
+/// As [`captured`], for a record that may be in a capture: `why` says what
+/// left it in doubt.
+fn maybe_captured(call: &'static str, why: &str) -> ServerError {
+    refused(
+        call,
+        sys::CUresult::CUDA_ERROR_CAPTURED_EVENT,
+        &format!(
+            "the fence may have been recorded into a CUDA graph capture ({why}): it may mark a \
+             place in a graph, which can be launched later, so it is never taken as reached; \
+             record fences on a stream only while no other thread begins or ends a capture of it"
+        ),
+    )
 }
 
 /// The driver refuses a handle of one context used on a stream of another

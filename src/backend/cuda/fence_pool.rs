@@ -2,7 +2,7 @@
 
 use std::sync::{Arc, OnceLock, Weak};
 
-use cudarc::driver::CudaContext;
+use cudarc::driver::{sys, CudaContext};
 
 use super::bind::HeldContext;
 use super::driver::{driver, RawEvent};
@@ -38,11 +38,18 @@ const FENCE_POOL_SHARDS: usize = 8;
 ///
 /// Idle events do not keep the context alive (the pool holds its objects
 /// weakly): when the pool goes, it destroys them through any of its
-/// objects still alive (the driver context then provably is), and
-/// otherwise forgets them, as the driver frees a context's events with it.
+/// objects still alive, or through the device's primary context when that
+/// is provably the same one still alive (something the pool never saw keeps
+/// it: another cudarc object, another library, the CUDA runtime); only a
+/// context that is gone has its events forgotten, as the driver freed them
+/// with it.
 pub(crate) struct FencePool {
     /// The driver's id of the context, when it has `cuCtxGetId`.
     id: Option<u64>,
+    /// The context's device, and its handle, to find it again.
+    ordinal: usize,
+    device: sys::CUdevice,
+    handle: usize,
     /// The context objects whose streams use the pool: any one alive keeps
     /// the driver context alive. Without an id, only the first, whose
     /// allocation (held by the `Weak`) identifies the pool.
@@ -90,6 +97,9 @@ impl FencePool {
         found.unwrap_or_else(|| {
             let pool = Arc::new(Self {
                 id,
+                ordinal: ctx.ordinal(),
+                device: ctx.cu_device(),
+                handle: ctx.cu_ctx() as usize,
                 objects: Mutex::new(vec![Arc::downgrade(ctx)]),
                 idle: IdlePool::new(FENCE_POOL_CAPACITY),
             });
@@ -122,16 +132,41 @@ impl FencePool {
     }
 }
 
+impl FencePool {
+    /// The device's primary context, when it is still the pool's own: active
+    /// (retained by someone), under the same handle and with the same id,
+    /// which a context made again would not have ("unique for the life of
+    /// the program", `cuCtxGetId`). Retained for the call, not made: an
+    /// inactive primary context is not looked at.
+    fn primary_still_alive(&self) -> Option<Arc<CudaContext>> {
+        let id = self.id?;
+        let driver = driver().ok()?;
+        if !driver.primary_ctx_active(self.device).ok()? {
+            return None;
+        }
+        let ctx = super::context(self.ordinal).ok()?;
+        let same = ctx.cu_ctx() as usize == self.handle
+            && matches!(driver.ctx_id(&ctx), Ok(Some(same)) if same == id);
+        if same {
+            return Some(ctx);
+        }
+        // Not the pool's: dropped as a held context, leaving the thread's
+        // current context as found.
+        drop(HeldContext::from(ctx));
+        None
+    }
+}
+
 impl Drop for FencePool {
     fn drop(&mut self) {
         let idle = self.idle.take_all(|_| {});
         if idle.is_empty() {
             return;
         }
-        let alive = self.objects.lock().iter().find_map(Weak::upgrade);
-        let Some(ctx) = alive else {
-            // No object of the context is known alive: if none is, the
-            // context is gone, and the driver freed its events with it.
+        let known = self.objects.lock().iter().find_map(Weak::upgrade);
+        let Some(ctx) = known.or_else(|| self.primary_still_alive()) else {
+            // The context is gone (or cannot be told from one made later),
+            // and the driver freed its events with it.
             return;
         };
         // Held, so that if it is the last handle, the thread's current

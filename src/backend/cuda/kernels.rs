@@ -4,13 +4,14 @@
 //! one entry of the PTX loaded into a context.
 
 use std::ffi::CStr;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use cudarc::driver::{CudaContext, CudaStream};
 
 use super::bind::{bind, HeldContext};
 use super::driver::{invalid_context, Function};
+use crate::loom::Mutex;
 use crate::ServerError;
 
 /// `sleep_ns` spins one GPU thread on `%globaltimer` until the given number
@@ -79,7 +80,10 @@ impl Kernel {
     /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx` and find `name`.
     fn load(ctx: &Arc<CudaContext>, ptx: &CStr, name: &CStr) -> Result<Self, ServerError> {
         let bound = bind(ctx)?;
-        let module = bound.driver().module_load_data(ptx)?;
+        // In the relaxed capture mode: a load can synchronize the context, a
+        // call the driver prohibits (and which invalidates the capture) on a
+        // thread in the global mode while any thread captures in it.
+        let module = bound.relaxed(|driver| driver.module_load_data(ptx))?;
         let function = bound.driver().module_get_function(&module, name)?;
         Ok(Self {
             function,
@@ -181,6 +185,46 @@ impl SleepKernel {
         Ok(Self {
             kernel: load(ctx, c"sleep_ns")?,
         })
+    }
+
+    /// The kernel loaded into `ctx`'s context, shared: loaded on the first
+    /// call, and the same `Arc` for every later call while any is alive, so
+    /// servers (or tests) that each need the kernel load it once per
+    /// context, not once each (a load can stall every other thread's calls
+    /// on the context, as [`new`](Self::new) says).
+    ///
+    /// ```no_run
+    /// use device_events::cuda::{self, SleepKernel};
+    /// use std::sync::Arc;
+    ///
+    /// let ctx = cuda::context(0)?;
+    /// let first = SleepKernel::shared(&ctx)?;
+    /// let again = SleepKernel::shared(&ctx)?;
+    /// assert!(Arc::ptr_eq(&first, &again));
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As [`new`](Self::new), for the first call (or the first after every
+    /// `Arc` of it was dropped).
+    pub fn shared(ctx: &Arc<CudaContext>) -> Result<Arc<Self>, ServerError> {
+        // Keyed by the context's handle: a live kernel holds its context,
+        // so no other context can have that handle meanwhile. Held over the
+        // load, so that callers racing for one context load it once.
+        static SHARED: OnceLock<Mutex<Vec<Weak<SleepKernel>>>> = OnceLock::new();
+        let mut shared = SHARED.get_or_init(Mutex::default).lock();
+        shared.retain(|kernel| kernel.strong_count() > 0);
+        let found = shared
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|kernel| kernel.kernel.ctx.cu_ctx() == ctx.cu_ctx());
+        if let Some(kernel) = found {
+            return Ok(kernel);
+        }
+        let kernel = Arc::new(Self::new(ctx)?);
+        shared.push(Arc::downgrade(&kernel));
+        Ok(kernel)
     }
 
     /// Queue `duration` of device-side spinning on `stream`.

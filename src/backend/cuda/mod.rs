@@ -129,7 +129,9 @@ pub fn device_count() -> Result<usize, ServerError> {
 ///
 /// While a context returned for `ordinal` is alive, later calls return the
 /// same `Arc`: cudarc makes a new `CudaContext` on every `CudaContext::new`,
-/// and each one's first stream synchronizes the whole device.
+/// and each one's first stream synchronizes the whole device. Unlike
+/// `CudaContext::new`, it leaves the calling thread's current context as it
+/// found it.
 ///
 /// ```
 /// match device_events::cuda::context(0) {
@@ -159,7 +161,8 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
     {
         return Ok(ctx);
     }
-    let ctx = CudaContext::new(ordinal)?;
+    // cudarc binds the context it makes to the calling thread, and leaves it.
+    let ctx = bind::keeping_current(|| CudaContext::new(ordinal))??;
     if contexts.len() <= ordinal {
         contexts.resize_with(ordinal + 1, Weak::new);
     }
@@ -217,7 +220,7 @@ impl EventApi for Cuda {
     }
 
     fn event_record(event: &CudaEvent, stream: CudaStreamHandle) -> Result<(), ServerError> {
-        event.record(&*stream.resolve("cuEventRecord")?)
+        event.record(&stream.resolve("cuEventRecord")?)
     }
 
     /// Under the stream's sequence lock (`PerStream::record_in_order`).

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaStream};
 
 use super::bind::bind;
-use super::driver::refused;
+use super::driver::{refused, Capture};
 use super::fence_pool::FencePool;
 use crate::backend::registry::Registry;
 use crate::loom::Mutex;
@@ -177,7 +177,10 @@ impl CudaStreamHandle {
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
     let bound = bind(stream.context())?;
     if !crate::plant::planted("cuda-capturing-stream-synchronized")
-        && bound.driver().stream_is_capturing(stream)?
+        && bound
+            .driver()
+            .stream_capture("cuStreamSynchronize", stream)?
+            != Capture::None
     {
         return Err(refused(
             "cuStreamSynchronize",
