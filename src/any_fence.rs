@@ -17,7 +17,8 @@ use crate::{AnyStream, EventApi, EventFence, FenceFuture, ServerError, Waiter};
 /// A fence of either backend, to hold, wait on and `.await` alike.
 ///
 /// Made with `From` (or `.into()`) from an `EventFence<Cuda>` or an
-/// `EventFence<Host>`, or by [`AnyStream::fence`]. A device-side wait
+/// `EventFence<Host>`, or by [`AnyStream::fence`] (or
+/// [`AnyStream::try_fence`]). A device-side wait
 /// ([`wait_async`](Self::wait_async)) takes an [`AnyStream`] of the fence's
 /// own backend.
 ///
@@ -105,15 +106,54 @@ impl AnyFence {
     /// stream of the other backend (a device cannot wait on another
     /// backend's event).
     pub fn wait_async(&self, on: &AnyStream) -> Result<(), ServerError> {
+        match self.paired(on, "AnyFence::wait_async")? {
+            #[cfg(feature = "cuda")]
+            Paired::Cuda(fence, stream) => fence.wait_async(stream),
+            Paired::Host(fence, stream) => fence.wait_async(stream),
+        }
+    }
+
+    /// Make `on` wait for this fence on the device, or return the driver's
+    /// refusal, with no host wait; see [`EventFence::try_wait_async`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`EventFence::try_wait_async`]; and
+    /// [`ServerError::InvalidArgument`] when `on` is a stream of the other
+    /// backend.
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    /// use device_events::{AnyFence, AnyStream};
+    ///
+    /// let producer = AnyStream::from(HostStream::new()?);
+    /// let consumer = AnyStream::from(HostStream::new()?);
+    /// let fence: AnyFence = producer.fence();
+    /// fence.try_wait_async(&consumer)?;
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    pub fn try_wait_async(&self, on: &AnyStream) -> Result<(), ServerError> {
+        match self.paired(on, "AnyFence::try_wait_async")? {
+            #[cfg(feature = "cuda")]
+            Paired::Cuda(fence, stream) => fence.try_wait_async(stream),
+            Paired::Host(fence, stream) => fence.try_wait_async(stream),
+        }
+    }
+
+    /// This fence and `on`'s handle, when both are of one backend.
+    fn paired(&self, on: &AnyStream, what: &'static str) -> Result<Paired<'_>, ServerError> {
         match (self, on) {
             #[cfg(feature = "cuda")]
-            (Self::Cuda(fence), AnyStream::Cuda(stream)) => {
-                fence.wait_async(crate::cuda::CudaStreamHandle::new(stream))
+            (Self::Cuda(fence), AnyStream::Cuda(stream)) => Ok(Paired::Cuda(
+                fence,
+                crate::cuda::CudaStreamHandle::new(stream),
+            )),
+            (Self::Host(fence), AnyStream::Host(stream)) => {
+                Ok(Paired::Host(fence, stream.handle()))
             }
-            (Self::Host(fence), AnyStream::Host(stream)) => fence.wait_async(stream.handle()),
             #[allow(unreachable_patterns)]
             _ => Err(ServerError::InvalidArgument {
-                what: "AnyFence::wait_async",
+                what,
                 reason: format!(
                     "a {} fence cannot make a {} stream wait on the device: both must be of \
                      one backend",
@@ -129,6 +169,13 @@ impl AnyFence {
     pub fn wait(self) -> AnyFenceFuture {
         Waiter::global().wait(self)
     }
+}
+
+/// A fence and a stream of one backend, for a device-side wait.
+enum Paired<'a> {
+    #[cfg(feature = "cuda")]
+    Cuda(&'a EventFence<Cuda>, crate::cuda::CudaStreamHandle),
+    Host(&'a EventFence<Host>, crate::host::HostStreamHandle),
 }
 
 impl crate::waiter::sealed::Sealed for AnyFence {}

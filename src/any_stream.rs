@@ -7,7 +7,7 @@ use std::sync::Arc;
 #[cfg(feature = "cuda")]
 use crate::cuda::{self, cudarc::driver::CudaStream, Cuda, CudaStreamHandle};
 use crate::host::{Host, HostStream};
-use crate::{AnyFence, EventApi, ServerError};
+use crate::{AnyFence, EventApi, EventFence, ServerError};
 
 /// A stream of either backend: cheap to clone (one `Arc`), made with `From`
 /// (or `.into()`) from a cudarc `Arc<CudaStream>` or a [`HostStream`].
@@ -75,6 +75,32 @@ impl AnyStream {
             Self::Cuda(stream) => cuda::fence(stream).into(),
             Self::Host(stream) => stream.fence().into(),
         }
+    }
+
+    /// Record a fence at the stream's current position, or return the
+    /// driver's refusal, with no stream synchronize; see
+    /// [`EventFence::try_new`].
+    ///
+    /// # Errors
+    ///
+    /// As for [`EventFence::try_new`].
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    /// use device_events::AnyStream;
+    ///
+    /// let stream = AnyStream::from(HostStream::new()?);
+    /// stream.try_fence()?.wait_sync()?;
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    pub fn try_fence(&self) -> Result<AnyFence, ServerError> {
+        Ok(match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(stream) => {
+                EventFence::<Cuda>::try_new(CudaStreamHandle::new(stream))?.into()
+            }
+            Self::Host(stream) => EventFence::<Host>::try_new(stream.handle())?.into(),
+        })
     }
 
     /// Block until the stream's queued work has finished.

@@ -17,11 +17,7 @@ const REMEMBERED: usize = 4096;
 /// Log `message` (which includes `err`) as a warning, unless `err` is a sticky
 /// fault already warned about for this `stream`: then at debug level.
 pub(crate) fn warn<S: Hash>(backend: &'static str, stream: &S, err: &ServerError, message: &str) {
-    if err.is_shut_down() {
-        // The driver logged its shutdown once; at process exit, every fence
-        // would say so again.
-        log::trace!("{message}");
-    } else if err.is_faulted() && !first_for(backend, stream) {
+    if err.is_faulted() && !first_for(backend, stream) {
         log::debug!("{message} (this stream's fault was warned about before)");
     } else {
         log::warn!("{message}");

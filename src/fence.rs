@@ -16,7 +16,9 @@ use crate::{status, Event, EventApi, ServerError};
 ///
 /// When the driver refuses to create or record the event, the stream is
 /// synchronized on the spot instead, which keeps every guarantee a fence
-/// gives; only when that fails too does the fence hold the error.
+/// gives; only when that fails too does the fence hold the error. A caller
+/// that must not block (one holding a lock) uses [`try_new`](Self::try_new)
+/// and [`try_wait_async`](Self::try_wait_async), which return the refusal.
 ///
 /// # Example
 ///
@@ -58,56 +60,93 @@ impl<A: EventApi> EventFence<A> {
     /// When the driver refuses the event, `stream` is synchronized instead (with
     /// a warning logged), and the fence is already reached. Errors surface when
     /// the fence is waited on. A refusal with a stream-capture status
-    /// ([`ServerError::is_stream_capture`]) is not worked around: the fence
-    /// holds that error.
+    /// ([`ServerError::is_stream_capture`]) or from a driver that was shut
+    /// down ([`ServerError::is_shut_down`]) is not worked around: the fence
+    /// holds that error. [`try_new`](Self::try_new) returns the refusal
+    /// instead.
     pub fn new(stream: A::Stream) -> Self {
-        let sequence;
-        let mut refused = None;
-        let event = match Event::recorded_for_fence(stream) {
-            Ok((event, recorded_at)) => {
-                sequence = recorded_at;
-                Ok(Some(event))
-            }
-            Err(err)
-                if err.is_stream_capture()
-                    && !crate::plant::planted("capture-refusal-synchronizes-stream") =>
-            {
-                // A capture refused the record: synchronizing the capturing
-                // stream would be refused too, and would invalidate the
-                // capture. The fence fails with the driver's answer.
-                sequence = next_sequence();
-                Err(err)
-            }
-            Err(err) => {
-                // Reached (or failed) at creation: never waits in a lane, so
-                // any unique number will do.
-                sequence = next_sequence();
-                crate::fault_log::warn(
-                    A::BACKEND,
-                    &stream,
-                    &err,
-                    &format!(
-                        "a {} fence could not be recorded, synchronizing its stream instead: {err}",
-                        A::BACKEND
-                    ),
-                );
-                // A synchronize that fails too has the refusal as its source,
-                // unless the backend gave it one of its own.
-                let synchronized = A::stream_synchronize(stream)
-                    .map(|()| None)
-                    .map_err(|failed| match failed.error_source() {
-                        Some(_) => failed,
-                        None => failed.with_source(err.clone()),
-                    });
-                refused = Some(Box::new(err));
-                synchronized
-            }
-        };
+        Self::try_new(stream).unwrap_or_else(|err| Self::fall_back(stream, err))
+    }
+
+    /// Record a fence at the current position of `stream`, or return the
+    /// driver's refusal: no fallback, so it never blocks (no stream
+    /// synchronize) and logs nothing, for a caller that records while
+    /// holding a lock.
+    ///
+    /// # Errors
+    ///
+    /// The driver refused to create or record the event (a faulted or
+    /// invalid stream, a capture, a shut-down driver).
+    ///
+    /// ```
+    /// use device_events::host::{Host, HostStream};
+    /// use device_events::EventFence;
+    /// use std::sync::Mutex;
+    ///
+    /// let stream = Mutex::new(HostStream::new()?);
+    /// // Nothing blocks while the lock is held: a refusal comes back.
+    /// let fence = EventFence::<Host>::try_new(stream.lock().unwrap().handle());
+    /// match fence {
+    ///     Ok(fence) => fence.wait_sync()?,
+    ///     // Refused: work around it with the lock let go (or report it).
+    ///     Err(_refused) => stream.lock().unwrap().synchronize()?,
+    /// }
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    pub fn try_new(stream: A::Stream) -> Result<Self, ServerError> {
+        let (event, sequence) = Event::recorded_for_fence(stream)?;
+        Ok(Self {
+            event: Ok(Some(event)),
+            stream,
+            sequence,
+            refused: None,
+        })
+    }
+
+    /// [`new`](Self::new)'s fallback for a refused event: synchronize
+    /// `stream` instead, unless the refusal is one a synchronize cannot
+    /// work around.
+    fn fall_back(stream: A::Stream, err: ServerError) -> Self {
+        // Reached (or failed) at creation: never waits in a lane, so any
+        // unique number will do.
+        let sequence = next_sequence();
+        // A capture refused the record: synchronizing the capturing stream
+        // would be refused too, and would invalidate the capture. A
+        // shut-down driver answers every call the same way. The fence fails
+        // with the driver's answer.
+        if err.is_shut_down()
+            || err.is_stream_capture()
+                && !crate::plant::planted("capture-refusal-synchronizes-stream")
+        {
+            return Self {
+                event: Err(err),
+                stream,
+                sequence,
+                refused: None,
+            };
+        }
+        crate::fault_log::warn(
+            A::BACKEND,
+            &stream,
+            &err,
+            &format!(
+                "a {} fence could not be recorded, synchronizing its stream instead: {err}",
+                A::BACKEND
+            ),
+        );
+        // A synchronize that fails too has the refusal as its source,
+        // unless the backend gave it one of its own.
+        let event = A::stream_synchronize(stream)
+            .map(|()| None)
+            .map_err(|failed| match failed.error_source() {
+                Some(_) => failed,
+                None => failed.with_source(err.clone()),
+            });
         Self {
             event,
             stream,
             sequence,
-            refused,
+            refused: Some(Box::new(err)),
         }
     }
 
@@ -153,14 +192,17 @@ impl<A: EventApi> EventFence<A> {
     /// Nor is a stream-capture status ([`ServerError::is_stream_capture`]):
     /// a capturing `stream` may wait only on a fence recorded in the same
     /// capture, and anything else comes back as that error, with no host
-    /// wait (which would leave the dependency out of the graph).
+    /// wait (which would leave the dependency out of the graph). Nor is a
+    /// shut-down driver ([`ServerError::is_shut_down`]): its error comes back
+    /// at once. [`try_wait_async`](Self::try_wait_async) returns every
+    /// refusal, with no host wait.
     ///
     /// # Errors
     ///
     /// The error the fence holds; the invalid-handle error
     /// ([`status::INVALID_HANDLE`]) for an
-    /// invalid `stream`; a stream-capture error; or, on the fallback path,
-    /// the error of the host wait.
+    /// invalid `stream`; a stream-capture or shut-down error; or, on the
+    /// fallback path, the error of the host wait.
     ///
     /// A fault reaches the waiting stream: when the fenced stream's work
     /// faults before the fence, `stream` is faulted too, its later work does
@@ -192,28 +234,47 @@ impl<A: EventApi> EventFence<A> {
     /// # }).unwrap();
     /// ```
     pub fn wait_async(&self, stream: A::Stream) -> Result<(), ServerError> {
-        let event = match &self.event {
-            Ok(Some(event)) => event,
-            Ok(None) => return Ok(()),
-            Err(err) => return Err(err.clone()),
-        };
-        if let Err(err) = event.wait_async(stream) {
-            // A stream-capture status is not a refusal to work around: a host
-            // wait would not put the dependency in the graph being captured
-            // (and could invalidate the capture).
-            if err.code() == Some(status::INVALID_HANDLE)
-                || err.is_stream_capture()
-                    && !crate::plant::planted("capture-wait-falls-back-to-host")
-            {
-                return Err(err);
+        match (self.try_wait_async(stream), &self.event) {
+            // Only a refused device-side wait falls back, not the held error.
+            (Err(err), Ok(Some(event))) if !refusal_is_final(&err) => {
+                log::warn!(
+                    "a {} stream could not be made to wait on a fence, waiting on the host: {err}",
+                    A::BACKEND
+                );
+                event.wait_sync()
             }
-            log::warn!(
-                "a {} stream could not be made to wait on a fence, waiting on the host: {err}",
-                A::BACKEND
-            );
-            event.wait_sync()?;
+            (result, _) => result,
         }
-        Ok(())
+    }
+
+    /// Make `stream` wait for this fence on the device, or return the
+    /// driver's refusal: [`wait_async`](Self::wait_async) without its host
+    /// wait, so it never blocks the host, for a caller that holds a lock.
+    ///
+    /// # Errors
+    ///
+    /// The error the fence holds, or the driver's refusal of the dependency
+    /// (an invalid or faulted `stream`, a capture, a shut-down driver).
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    ///
+    /// let producer = HostStream::new()?;
+    /// let consumer = HostStream::new()?;
+    /// let fence = producer.fence();
+    /// if let Err(refused) = fence.try_wait_async(consumer.handle()) {
+    ///     // Work around it where blocking is allowed: wait on the host.
+    ///     eprintln!("no device-side wait ({refused}), waiting on the host");
+    ///     fence.wait_sync()?;
+    /// }
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    pub fn try_wait_async(&self, stream: A::Stream) -> Result<(), ServerError> {
+        match &self.event {
+            Ok(Some(event)) => event.wait_async(stream),
+            Ok(None) => Ok(()),
+            Err(err) => Err(err.clone()),
+        }
     }
 
     /// Whether the device has reached this fence, without blocking.
@@ -259,6 +320,17 @@ impl<A: EventApi> EventFence<A> {
     pub fn fallback_cause(&self) -> Option<&ServerError> {
         self.refused.as_deref()
     }
+}
+
+/// Whether this refusal of a device-side wait comes back as it is, with no
+/// host wait standing in: an invalid stream (the caller's bug), a
+/// stream-capture status (a host wait would leave the dependency out of the
+/// graph being captured, and could invalidate the capture), or a shut-down
+/// driver (which refuses the host wait too).
+fn refusal_is_final(err: &ServerError) -> bool {
+    err.code() == Some(status::INVALID_HANDLE)
+        || err.is_shut_down()
+        || err.is_stream_capture() && !crate::plant::planted("capture-wait-falls-back-to-host")
 }
 
 impl<A: EventApi> fmt::Debug for EventFence<A> {

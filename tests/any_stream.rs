@@ -139,6 +139,26 @@ fn a_pipeline_written_once_runs_on_host_streams() {
     futures::executor::block_on(again.fence().wait()).unwrap();
 }
 
+/// The `try_` forms hand a refusal back: a faulted stream's record, and a
+/// device-side wait onto it, where `fence` and `wait_async` work around it.
+#[test]
+fn try_fence_and_try_wait_async_return_the_refusal() {
+    let host = common::faultable_stream();
+    host.launch(|| panic!("a fault before the fences")).unwrap();
+    let _ = host.synchronize();
+    let faulted = AnyStream::from(host);
+    let err = faulted.try_fence().unwrap_err();
+    assert!(err.is_faulted(), "{err}");
+    assert!(faulted.fence().is_resolved_at_creation());
+
+    let good = AnyStream::from(HostStream::new().unwrap());
+    let fence = good.try_fence().unwrap();
+    let err = fence.try_wait_async(&faulted).unwrap_err();
+    assert!(err.is_faulted(), "{err}");
+    // The fallback waits on the host instead.
+    fence.wait_async(&faulted).unwrap();
+}
+
 #[cfg(feature = "cuda")]
 mod cuda {
     use std::sync::Arc;
@@ -251,6 +271,7 @@ mod cuda {
         ] {
             let err = fence.wait_async(on).unwrap_err();
             check_names_both_backends(&err);
+            check_names_both_backends(&fence.try_wait_async(on).unwrap_err());
             // The fence is still good for everything else.
             futures::executor::block_on(fence.wait()).unwrap();
         }

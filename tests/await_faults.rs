@@ -512,3 +512,64 @@ fn lane_threads_are_numbered_apart() {
         .all(|name| name.starts_with("numbered-")));
     assert_ne!(names[0], names[1], "two threads, two names");
 }
+
+/// A future polled again after it completed is an error, not a hang: a
+/// combinator handed futures that were polled once, one of them to its end,
+/// still finishes.
+#[test]
+fn a_future_polled_again_after_it_completed_is_an_error_not_a_hang() {
+    use futures::future::FusedFuture;
+
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let reached = stream.fence();
+    stream.synchronize().unwrap();
+    let gate = Gate::hold(&stream);
+    let mut futures: Vec<_> = std::iter::once(reached)
+        .chain((1..400).map(|_| stream.fence()))
+        .map(|fence| waiter.wait(fence))
+        .collect();
+    let polled: Vec<_> = futures.iter_mut().map(|f| f.now_or_never()).collect();
+    assert_eq!(polled[0], Some(Ok(())));
+    assert!(polled[1..].iter().all(Option::is_none), "held by the gate");
+    assert!(futures[0].is_terminated());
+
+    let again = (&mut futures[0]).now_or_never();
+    assert!(
+        matches!(
+            &again,
+            Some(Err(ServerError::InvalidArgument { reason, .. })) if reason.contains("polled again")
+        ),
+        "{again:?}"
+    );
+    assert!(futures[0].is_terminated());
+
+    gate.open();
+    let joined =
+        std::thread::spawn(move || futures::executor::block_on(futures::future::join_all(futures)));
+    eventually(LIMIT, "join_all finishes", || joined.is_finished());
+    let results = joined.join().unwrap();
+    assert!(results[0].is_err(), "{:?}", results[0]);
+    assert!(results[1..].iter().all(Result::is_ok));
+}
+
+/// A profile's future shares the fence future's hand-off, and its answer to
+/// a poll after completion: an error, not a hang.
+#[test]
+fn a_profile_future_polled_again_after_it_completed_is_an_error_not_a_hang() {
+    let stream = HostStream::new().unwrap();
+    let profiler = device_events::EventProfiler::<device_events::host::Host>::new();
+    let start = profiler.start(stream.handle()).unwrap();
+    let profile = profiler.stop(start, stream.handle()).unwrap();
+    stream.synchronize().unwrap();
+    let mut future = profile.wait();
+    assert!(matches!((&mut future).now_or_never(), Some(Ok(_))));
+    let again = (&mut future).now_or_never();
+    assert!(
+        matches!(
+            &again,
+            Some(Err(ServerError::InvalidArgument { reason, .. })) if reason.contains("polled again")
+        ),
+        "{again:?}"
+    );
+}

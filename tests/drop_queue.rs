@@ -98,7 +98,8 @@ fn a_full_queue_hands_the_value_back() {
             .is_ok());
     }
     match queue.push(EventFence::<Host>::new(stream.handle()), 7) {
-        Err(Rejected::Full(fence, value)) => {
+        Err(Rejected::Full(refused)) => {
+            let (fence, value) = refused.into_inner();
             assert_eq!(value, 7);
             gate.open();
             fence.wait_sync().unwrap();
@@ -775,10 +776,10 @@ fn closing_wakes_a_push_waiting_for_room() {
     assert!(Pin::new(&mut push).poll(&mut cx).is_pending());
     let shutdown = queue.shutdown_async(); // closes now, resolves later
     assert!(flag.0.load(Ordering::SeqCst), "the push was not woken");
-    let Poll::Ready(Err(Rejected::Closed(fence, value))) = Pin::new(&mut push).poll(&mut cx) else {
+    let Poll::Ready(Err(refused @ Rejected::Closed(_))) = Pin::new(&mut push).poll(&mut cx) else {
         panic!("a closed queue took the push");
     };
-    let keeper = std::thread::spawn(move || Rejected::Closed(fence, value).wait_then_drop());
+    let keeper = std::thread::spawn(move || refused.wait_then_drop());
     gate.open();
     keeper.join().unwrap().unwrap();
     futures::executor::block_on(shutdown);
@@ -842,9 +843,10 @@ fn close_refuses_later_pushes_and_still_drops_what_was_queued_after_its_fence() 
             queue.push_async(stream.fence(), counters.staging(1, &progress)),
         ),
     ] {
-        let Err(Rejected::Closed(fence, value)) = refused else {
+        let Err(Rejected::Closed(refused)) = refused else {
             panic!("a push after close is refused as closed");
         };
+        let (fence, value) = refused.into_inner();
         drop(fence);
         std::mem::forget(value); // its work is held: not ours to drop here
     }
@@ -878,12 +880,12 @@ fn a_shared_queue_shuts_down_through_any_handle_and_every_call_resolves() {
     let mut second = Box::pin(handler.shutdown_async());
     assert!(first.as_mut().now_or_never().is_none(), "held");
     assert!(second.as_mut().now_or_never().is_none(), "held");
-    let Err(Rejected::Closed(_, refused)) =
+    let Err(Rejected::Closed(refused)) =
         handler.push(stream.fence(), counters.staging(1, &progress))
     else {
         panic!("closed from the moment shutdown_async was called");
     };
-    std::mem::forget(refused); // its work is held: not ours to drop here
+    std::mem::forget(refused.into_inner().1); // its work is held: not ours to drop here
     gate.open();
     let (first, second) = futures::executor::block_on(futures::future::join(first, second));
     assert_eq!((first.pushed, first.dropped, first.pending), (1, 1, 0));
@@ -891,4 +893,207 @@ fn a_shared_queue_shuts_down_through_any_handle_and_every_call_resolves() {
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
     drop(handler);
     drop(queue); // the thread is gone: returns at once
+}
+
+/// A value that counts its drops.
+struct Counted(Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A full queue's refusal, ignored any way a caller can (`.ok()`, `let _ =`,
+/// `?`), keeps its value: queued past the capacity, and dropped on the
+/// queue's thread once its fence passes.
+#[test]
+fn an_ignored_full_refusal_keeps_its_value_until_its_fence() {
+    fn carried(
+        queue: &DropQueue<EventFence<Host>, Staging>,
+        stream: &HostStream,
+        value: Staging,
+    ) -> Result<(), Box<dyn std::error::Error>> {
+        queue.push(stream.fence(), value)?;
+        Ok(())
+    }
+    let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(1).unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    progress.step_on(&stream);
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    let refused = queue.push(stream.fence(), counters.staging(1, &progress));
+    assert!(matches!(refused, Err(Rejected::Full(..))));
+    refused.ok();
+    let _ = queue.push(stream.fence(), counters.staging(1, &progress));
+    assert!(carried(&queue, &stream, counters.staging(1, &progress)).is_err());
+    assert_eq!(
+        counters.dropped.load(Ordering::SeqCst),
+        0,
+        "dropped before its fence"
+    );
+    let stats = queue.stats();
+    assert_eq!((stats.pushed, stats.pending), (4, 4), "past the capacity");
+    gate.open();
+    queue.flush();
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 4);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+    let stats = queue.shutdown();
+    assert_eq!(
+        (stats.pushed, stats.dropped, stats.leaked, stats.pending),
+        (4, 4, 0, 0)
+    );
+}
+
+/// A closed queue's refusal, ignored, keeps its value too while the
+/// queue's thread still drains what it holds.
+#[test]
+fn an_ignored_closed_refusal_keeps_its_value_until_its_fence() {
+    let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(8).unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    progress.step_on(&stream);
+    // The queue's thread waits on this one, so it cannot exit yet.
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    queue.close();
+    let refused = queue.push(stream.fence(), counters.staging(1, &progress));
+    assert!(matches!(refused, Err(Rejected::Closed(..))));
+    refused.ok();
+    let _ = queue.push_blocking(stream.fence(), counters.staging(1, &progress));
+    let _ = futures::executor::block_on(
+        queue.push_async(stream.fence(), counters.staging(1, &progress)),
+    );
+    assert_eq!(
+        counters.dropped.load(Ordering::SeqCst),
+        0,
+        "dropped before its fence"
+    );
+    assert_eq!(queue.stats().pending, 4);
+    gate.open();
+    let stats = futures::executor::block_on(queue.shutdown_async());
+    assert_eq!(
+        (stats.pushed, stats.dropped, stats.leaked, stats.pending),
+        (4, 4, 0, 0)
+    );
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 4);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
+/// Once the queue's thread has exited, nothing will wait for a refused
+/// value's fence: a value whose fence has not passed is leaked (and
+/// counted), one whose fence has passed is dropped.
+#[test]
+fn an_ignored_refusal_of_a_finished_queue_leaks_an_unpassed_value() {
+    let stream = HostStream::new().unwrap();
+    let queue = DropQueue::new(8).unwrap();
+    futures::executor::block_on(queue.shutdown_async());
+    let drops = Arc::new(AtomicUsize::new(0));
+    let gate = Gate::hold(&stream);
+    queue.push(stream.fence(), Counted(drops.clone())).ok();
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "freed before its fence");
+    let stats = queue.stats();
+    assert_eq!(
+        (stats.pushed, stats.dropped, stats.leaked, stats.pending),
+        (1, 0, 1, 0)
+    );
+    gate.open();
+    let passed = stream.fence();
+    stream.fence().wait_sync().unwrap();
+    queue.push(passed, Counted(drops.clone())).ok();
+    assert_eq!(drops.load(Ordering::SeqCst), 1);
+    let stats = queue.stats();
+    assert_eq!((stats.pushed, stats.dropped, stats.leaked), (2, 1, 1));
+}
+
+/// Dropping a refusal in a task, on the executor's thread, returns while
+/// its fence is pending, and frees nothing.
+#[test]
+fn dropping_a_refusal_blocks_no_thread_while_its_fence_is_pending() {
+    let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let full = DropQueue::new(1).unwrap();
+    let finished = DropQueue::new(1).unwrap();
+    futures::executor::block_on(finished.shutdown_async());
+    let gate = Gate::hold(&stream);
+    let drops = Arc::new(AtomicUsize::new(0));
+    assert!(full.push(stream.fence(), Counted(drops.clone())).is_ok());
+    let refusals = [
+        full.push(stream.fence(), Counted(drops.clone()))
+            .unwrap_err(),
+        finished
+            .push(stream.fence(), Counted(drops.clone()))
+            .unwrap_err(),
+    ];
+    let dropper =
+        std::thread::spawn(move || futures::executor::block_on(async move { drop(refusals) }));
+    common::eventually(Duration::from_secs(20), "the drops returned", || {
+        dropper.is_finished()
+    });
+    dropper.join().unwrap();
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "freed before its fence");
+    assert_eq!(full.stats().pending, 2);
+    assert_eq!(finished.stats().leaked, 1);
+    gate.open();
+    full.flush();
+    assert_eq!(drops.load(Ordering::SeqCst), 2);
+}
+
+/// A push future abandoned after the queue's thread exited does not wait
+/// for its fence where it is dropped either: its value is leaked, counted.
+#[test]
+fn dropping_a_push_to_a_finished_queue_blocks_no_thread() {
+    let stream = HostStream::new().unwrap();
+    let queue = DropQueue::new(1).unwrap();
+    futures::executor::block_on(queue.shutdown_async());
+    let gate = Gate::hold(&stream);
+    let drops = Arc::new(AtomicUsize::new(0));
+    let abandoned = queue.push_async(stream.fence(), Counted(drops.clone()));
+    let dropper =
+        std::thread::spawn(move || futures::executor::block_on(async move { drop(abandoned) }));
+    common::eventually(Duration::from_secs(20), "the drop returned", || {
+        dropper.is_finished()
+    });
+    dropper.join().unwrap();
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "freed before its fence");
+    let stats = queue.stats();
+    assert_eq!((stats.pushed, stats.leaked), (1, 1));
+    gate.open();
+}
+
+/// A panic in a user's fence or value, met when a finished queue takes a
+/// refused value, goes no further than that value.
+#[test]
+fn a_refusal_given_to_a_finished_queue_contains_panics() {
+    let stream = HostStream::new().unwrap();
+    let passed = stream.fence();
+    stream.fence().wait_sync().unwrap();
+    let queries = Arc::new(AtomicUsize::new(0));
+    let drops = Arc::new(AtomicUsize::new(0));
+    let panicky_fences = DropQueue::new(1).unwrap();
+    futures::executor::block_on(panicky_fences.shutdown_async());
+    let fence = PanickyQuery(stream.fence(), queries.clone());
+    panicky_fences.push(fence, Counted(drops.clone())).ok();
+    assert_eq!(queries.load(Ordering::SeqCst), 1);
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "leaked, not dropped");
+    assert_eq!(panicky_fences.stats().leaked, 1);
+
+    let panicky_values = DropQueue::new(1).unwrap();
+    futures::executor::block_on(panicky_values.shutdown_async());
+    let value = Some(PanicsWithPanickyPayload);
+    panicky_values.push(passed, value).ok();
+    let stats = panicky_values.stats();
+    assert_eq!((stats.dropped, stats.leaked), (1, 0));
 }

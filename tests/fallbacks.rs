@@ -281,3 +281,122 @@ fn fences_on_a_faulted_stream_warn_once() {
     let warnings = logs::warnings_containing("warn-once-fault");
     assert_eq!(warnings.len(), 1, "{warnings:?}");
 }
+
+/// `try_new` hands a refused create or record back: no synchronize stands
+/// in, and nothing is logged; `new` on the same stream still falls back.
+#[test]
+fn try_new_returns_the_refusal_without_synchronizing() {
+    logs::capture();
+    for (label, refused) in [
+        ("try-new-no-event", "event_create"),
+        ("try-new-no-record", "event_record"),
+    ] {
+        let stream = HostStream::new().unwrap();
+        inject(
+            stream.handle(),
+            Plan {
+                label,
+                refuse_create: refused == "event_create",
+                refuse_record: refused == "event_record",
+                ..Plan::default()
+            },
+        );
+        let err = EventFence::<Faulty>::try_new(stream.handle()).unwrap_err();
+        assert!(
+            matches!(err, ServerError::Call { call, .. } if call == refused),
+            "{err}"
+        );
+        assert_eq!(faulty::stream_synchronizes(stream.handle()), 0);
+        assert!(logs::warnings_containing(label).is_empty());
+
+        let fence = EventFence::<Faulty>::new(stream.handle());
+        assert!(fence.is_resolved_at_creation());
+        assert_eq!(faulty::stream_synchronizes(stream.handle()), 1);
+    }
+}
+
+/// `try_wait_async` hands a refused device-side wait back: the host does
+/// not wait for the fence (its stream is held, so a host wait would not
+/// return), and nothing is logged.
+#[test]
+fn try_wait_async_returns_the_refusal_without_a_host_wait() {
+    logs::capture();
+    let (producer, gate, progress) = busy_stream();
+    let consumer = HostStream::new().unwrap();
+    inject(
+        consumer.handle(),
+        Plan {
+            label: "try-wait-no-dependency",
+            refuse_stream_wait: true,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(producer.handle());
+    let (sent, returned) = std::sync::mpsc::channel();
+    let target = consumer.handle();
+    std::thread::spawn(move || {
+        let _ = sent.send((fence.try_wait_async(target), fence));
+    });
+    let (result, fence) = returned
+        .recv_timeout(Duration::from_secs(20))
+        .expect("try_wait_async returns while the fenced stream is held");
+    let err = result.unwrap_err();
+    assert!(
+        matches!(
+            err,
+            ServerError::Call {
+                call: "stream_wait_event",
+                ..
+            }
+        ),
+        "{err}"
+    );
+    assert_eq!(faulty::synchronizes(producer.handle()), 0, "no host wait");
+    assert_eq!(progress.get(), 0);
+    assert!(logs::warnings_containing("try-wait-no-dependency").is_empty());
+    gate.open();
+    fence.wait_sync().unwrap();
+}
+
+/// A record refused by a shut-down driver is not worked around: no
+/// synchronize (which the driver would refuse too), and the fence holds the
+/// shutdown.
+#[test]
+fn a_record_refused_at_shutdown_is_held_without_a_synchronize() {
+    let stream = HostStream::new().unwrap();
+    inject(
+        stream.handle(),
+        Plan {
+            label: "shut-down-record",
+            refuse_record: true,
+            shut_down: true,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(stream.handle());
+    assert_eq!(faulty::stream_synchronizes(stream.handle()), 0);
+    assert!(fence.fallback_cause().is_none());
+    let err = fence.wait_sync().unwrap_err();
+    assert!(err.is_shut_down(), "{err}");
+}
+
+/// A device-side wait refused by a shut-down driver comes back at once: no
+/// host wait.
+#[test]
+fn a_device_wait_refused_at_shutdown_returns_without_a_host_wait() {
+    let producer = HostStream::new().unwrap();
+    let consumer = HostStream::new().unwrap();
+    inject(
+        consumer.handle(),
+        Plan {
+            label: "shut-down-stream-wait",
+            refuse_stream_wait: true,
+            shut_down: true,
+            ..Plan::default()
+        },
+    );
+    let fence = EventFence::<Faulty>::new(producer.handle());
+    let err = fence.wait_async(consumer.handle()).unwrap_err();
+    assert!(err.is_shut_down(), "{err}");
+    assert_eq!(faulty::synchronizes(producer.handle()), 0, "no host wait");
+}

@@ -73,9 +73,8 @@ impl<F, T> Drop for Progress<F, T> {
 /// # Cancel safety
 ///
 /// Dropping it before it resolved queues the value all the same, past the
-/// capacity (or, once the queue's thread has exited, waits for its fence on
-/// the dropping thread, then drops it): the value is never dropped before its
-/// fence.
+/// capacity, without blocking, as a dropped [`Rejected`] does: the value is
+/// never dropped before its fence.
 #[must_use = "futures do nothing unless you .await or poll them; dropping this one queues \
               its value all the same"]
 pub struct PushFuture<F: Fence, T: Send + 'static> {
@@ -114,7 +113,7 @@ impl<F: Fence, T: Send + 'static> Future for PushFuture<F, T> {
         };
         let result = if closed {
             drop(state);
-            Err(Rejected::Closed(fence, value))
+            Err(Rejected::closed(this.shared.clone(), fence, value))
         } else {
             this.shared.enqueue(state, fence, value);
             Ok(())

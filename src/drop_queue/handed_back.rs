@@ -3,36 +3,80 @@
 
 use std::fmt;
 use std::ops::Deref;
+use std::sync::Arc;
 
 use super::fence::{settle, Fence};
+use super::shared::Adopt;
 use crate::ServerError;
 
-/// Why a push was refused; the fence and value come back, and the value
-/// must be kept alive until the fence passes.
+/// Why a push was refused, with the fence and value ([`Refused`]).
 ///
-/// Dropping it drops the value **at once**, while the device may still read
-/// it: wait for the fence first, with [`wait_then_drop`](Self::wait_then_drop),
-/// or take both back with [`into_inner`](Self::into_inner). To never hold a
-/// refused value, push with [`DropQueue::push_blocking`](super::DropQueue::push_blocking) or
-/// [`DropQueue::push_async`](super::DropQueue::push_async), which wait for room.
+/// Take both back with [`into_inner`](Self::into_inner) (then keeping the
+/// value alive until the fence passes is the caller's job), or wait for the
+/// fence here with [`wait_then_drop`](Self::wait_then_drop). Ignored
+/// (dropped, `.ok()`, carried away by `?`), it never frees the value early
+/// and never blocks: its drop queues the value all the same, past the
+/// capacity, even while the queue closes. Once the queue's thread has
+/// exited, it drops the value if the fence has passed, and otherwise leaks
+/// it (counted in [`leaked`](super::DropQueueStats::leaked)). To never hold
+/// a refused value, push with
+/// [`DropQueue::push_blocking`](super::DropQueue::push_blocking) or
+/// [`DropQueue::push_async`](super::DropQueue::push_async), which wait for
+/// room.
 ///
-/// It is an error (`Display` and [`std::error::Error`]); propagating it with
-/// `?` drops the value wherever the error ends, so do that only with values
-/// no device work reads.
-#[must_use = "dropping a Rejected drops its value now, while the device may still read it: \
-              call wait_then_drop() or into_inner()"]
+/// ```
+/// use device_events::drop_queue::{DropQueue, Rejected};
+/// use device_events::host::HostStream;
+///
+/// let stream = HostStream::new()?;
+/// let (done, copied) = std::sync::mpsc::channel::<()>();
+/// stream.launch(move || {
+///     let _ = copied.recv(); // a copy that still reads the buffers
+/// })?;
+/// let queue = DropQueue::new(1)?;
+/// queue.push(stream.fence(), vec![0u8; 64])?;
+/// let refused = queue.push(stream.fence(), vec![1u8; 64]);
+/// assert!(matches!(refused, Err(Rejected::Full(_))));
+/// drop(refused); // not freed: queued past the capacity
+/// assert_eq!(queue.stats().pending, 2);
+/// drop(done);
+/// queue.flush();
+/// assert_eq!(queue.stats().dropped, 2);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[must_use = "dropping a Rejected queues its value past the queue's capacity; \
+              into_inner() takes it back"]
 pub enum Rejected<F, T> {
     /// `capacity` values are already waiting.
-    Full(F, T),
+    Full(Refused<F, T>),
     /// The queue is shutting down.
-    Closed(F, T),
+    Closed(Refused<F, T>),
+}
+
+/// The fence and value of a refused push: [`Rejected`] says why.
+///
+/// Dropped, it gives them to the queue as [`Rejected`] says.
+pub struct Refused<F, T> {
+    /// The fence and value, until taken back or given to the queue.
+    entry: Option<(F, T)>,
+    queue: Arc<dyn Adopt<F, T>>,
 }
 
 impl<F, T> Rejected<F, T> {
+    /// A full queue's refusal; dropped, it gives the entry to `queue`.
+    pub(super) fn full(queue: Arc<dyn Adopt<F, T>>, fence: F, value: T) -> Self {
+        Self::Full(Refused::new(queue, fence, value))
+    }
+
+    /// A closed queue's refusal; dropped, it gives the entry to `queue`.
+    pub(super) fn closed(queue: Arc<dyn Adopt<F, T>>, fence: F, value: T) -> Self {
+        Self::Closed(Refused::new(queue, fence, value))
+    }
+
     /// The fence and value that were refused.
     pub fn into_inner(self) -> (F, T) {
         match self {
-            Self::Full(fence, value) | Self::Closed(fence, value) => (fence, value),
+            Self::Full(refused) | Self::Closed(refused) => refused.into_inner(),
         }
     }
 }
@@ -48,6 +92,32 @@ impl<F: Fence, T> Rejected<F, T> {
     pub fn wait_then_drop(self) -> Result<(), ServerError> {
         let (fence, value) = self.into_inner();
         settle(fence, value)
+    }
+}
+
+impl<F, T> Refused<F, T> {
+    fn new(queue: Arc<dyn Adopt<F, T>>, fence: F, value: T) -> Self {
+        Self {
+            entry: Some((fence, value)),
+            queue,
+        }
+    }
+
+    /// The fence and value, for the caller to keep alive until the fence
+    /// passes.
+    pub fn into_inner(mut self) -> (F, T) {
+        let Some(entry) = self.entry.take() else {
+            unreachable!("only into_inner and the drop take the entry")
+        };
+        entry
+    }
+}
+
+impl<F, T> Drop for Refused<F, T> {
+    fn drop(&mut self) {
+        if let Some((fence, value)) = self.entry.take() {
+            self.queue.adopt(fence, value);
+        }
     }
 }
 
@@ -139,5 +209,11 @@ impl<F, T> fmt::Debug for Rejected<F, T> {
             Self::Full(..) => "Rejected::Full",
             Self::Closed(..) => "Rejected::Closed",
         })
+    }
+}
+
+impl<F, T> fmt::Debug for Refused<F, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Refused").finish_non_exhaustive()
     }
 }

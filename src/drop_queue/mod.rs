@@ -11,8 +11,8 @@
 //! settled once its fence passes; `queue.rs`, the [`DropQueue`] handle and
 //! its stats; `shared.rs`, the state the handle, the queue's thread and the
 //! futures share, and the thread itself; `futures.rs`, [`PushFuture`] and
-//! [`Progress`]; `handed_back.rs`, [`Rejected`] and [`HandedBack`], the
-//! values given back to the caller.
+//! [`Progress`]; `handed_back.rs`, [`Rejected`] (with [`Refused`]) and
+//! [`HandedBack`], the values given back to the caller.
 
 mod fence;
 mod futures;
@@ -22,5 +22,5 @@ mod shared;
 
 pub use fence::Fence;
 pub use futures::{Progress, PushFuture};
-pub use handed_back::{HandedBack, Rejected};
+pub use handed_back::{HandedBack, Refused, Rejected};
 pub use queue::{DropQueue, DropQueueStats, DEFAULT_DROP_QUEUE_CAPACITY};

@@ -21,7 +21,8 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///   pushed before it, even one on another stream. Where streams run at
 ///   different paces, give each its own queue: a slow stream then holds back
 ///   (and fills) only its own.
-/// - Memory is bounded: at most `capacity` values wait at once.
+/// - Memory is bounded: at most `capacity` values wait at once, but for
+///   those of refusals and push futures dropped unanswered.
 ///   [`push_blocking`](Self::push_blocking) waits for room and
 ///   [`push_async`](Self::push_async) awaits it, so a caller never holds a
 ///   refused value; [`push`](Self::push) never blocks, and hands a refused
@@ -30,8 +31,9 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///   push hands it back (and [`Rejected::wait_then_drop`] keeps the promise
 ///   for the caller), [`shutdown_now`](Self::shutdown_now) hands back what
 ///   has not passed in a [`HandedBack`] whose drop waits for each fence, and
-///   a [`push_async`](Self::push_async) future dropped before it resolved
-///   queues its value all the same.
+///   a [`Rejected`] or [`push_async`](Self::push_async) future dropped
+///   unanswered queues its value all the same, past the capacity (once the
+///   thread has exited, it leaks a value whose fence has not passed).
 /// - A fence whose wait fails is not given up at once: an [`EventFence`](crate::EventFence)
 ///   then synchronizes its stream, and if the stream is idle its value is
 ///   dropped as usual (the driver may merely have refused the wait while a
@@ -90,15 +92,18 @@ pub struct DropQueue<F: Fence, T: Send + 'static> {
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct DropQueueStats {
-    /// Values accepted by `push`.
+    /// Values taken in: accepted by a push, or given with a dropped
+    /// [`Rejected`] or [`PushFuture`].
     pub pushed: u64,
     /// Values dropped after their fence passed.
     pub dropped: u64,
-    /// Values leaked because their fence failed.
+    /// Values leaked because their fence failed, or had not passed when
+    /// given to a queue whose thread had exited.
     pub leaked: u64,
     /// Values handed back unpassed by [`DropQueue::shutdown_now`].
     pub handed_back: u64,
-    /// Values waiting now (queued or being waited on).
+    /// Values waiting now (queued or being waited on); more than the
+    /// capacity while values given with a dropped [`Rejected`] wait.
     pub pending: usize,
     /// Of those, the ones the queue's thread has not taken up yet.
     pub queued: usize,
@@ -140,14 +145,15 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// [`Rejected::Full`] when `capacity` values are waiting, and
     /// [`Rejected::Closed`] while shutting down; both hand back the fence and
     /// the value, which the caller must keep alive until the fence passes
-    /// ([`Rejected::wait_then_drop`]).
+    /// ([`Rejected::wait_then_drop`]), or drop the refusal to queue the
+    /// value all the same.
     pub fn push(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
         let state = self.shared.lock();
         if state.closing {
-            return Err(Rejected::Closed(fence, value));
+            return Err(Rejected::closed(self.shared.clone(), fence, value));
         }
         if state.pending() >= state.capacity {
-            return Err(Rejected::Full(fence, value));
+            return Err(Rejected::full(self.shared.clone(), fence, value));
         }
         self.shared.enqueue(state, fence, value);
         Ok(())
@@ -174,7 +180,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         let own_thread = self.on_own_thread();
         loop {
             if state.closing && !own_thread {
-                return Err(Rejected::Closed(fence, value));
+                return Err(Rejected::closed(self.shared.clone(), fence, value));
             }
             if state.pending() < state.capacity || own_thread {
                 self.shared.enqueue(state, fence, value);
@@ -191,9 +197,8 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// # Cancel safety
     ///
     /// Dropping the future before it resolved does not drop the value
-    /// early: it is queued all the same (past the capacity), or, once the
-    /// queue's thread has exited, its fence is waited for on the dropping
-    /// thread before it is dropped.
+    /// early, nor block: it is queued all the same (past the capacity), as
+    /// a dropped [`Rejected`] queues it.
     ///
     /// # Errors
     ///

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use std::task::Waker;
 use std::thread::ThreadId;
 
-use super::fence::{settle, Fence};
+use super::fence::{drop_value, settle, Fence};
 use super::queue::DropQueueStats;
 use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::panics;
@@ -157,19 +157,37 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
         self.changed.notify_all();
     }
 
-    /// Take in a value whose push was abandoned (its future dropped): queued
-    /// past the capacity, even while closing, as long as the queue's thread
-    /// will still see it; once that thread has exited, waited for here.
+    /// Take in a value whose push was refused or abandoned (its
+    /// [`Rejected`](super::Rejected) or future dropped): queued past the
+    /// capacity, even while closing, as long as the queue's thread will
+    /// still see it. Once that thread has exited, dropped here if its fence
+    /// has passed, and otherwise leaked: the dropping thread may be an
+    /// executor's, and must not wait.
     pub(super) fn adopt(&self, fence: F, value: T) {
-        let mut state = self.lock();
-        if state.exited {
-            state.stats.pushed += 1;
-            drop(state);
-            let dropped = settle(fence, value).is_ok();
-            self.lock().count_settled(dropped);
-        } else {
+        let state = self.lock();
+        if !state.exited {
             self.enqueue(state, fence, value);
+            return;
         }
+        drop(state);
+        let passed = matches!(panics::catch(|| fence.is_passed()), Ok(Ok(true)));
+        if passed {
+            drop_value(value);
+        } else {
+            panics::log(|| {
+                log::warn!(
+                    "a value was given to a drop queue whose thread has exited, before its \
+                     fence passed; leaking it rather than freeing memory the device may \
+                     still read"
+                );
+            });
+            std::mem::forget(value);
+        }
+        let _ = panics::drop_caught(fence);
+        // Both at once: a reader never sees the value in no count.
+        let mut state = self.lock();
+        state.stats.pushed += 1;
+        state.count_settled(passed);
     }
 
     /// The queue's thread: wait for each fence in push order, then drop its
@@ -204,6 +222,19 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
     /// The thread's last act: say it exits, and wake who awaits that.
     pub(super) fn exit(&self) {
         self.update_and_wake(|state| state.exited = true);
+    }
+}
+
+/// What a [`Rejected`](super::Rejected)'s drop needs of its queue, without
+/// the bounds the queue puts on `F` and `T`.
+pub(super) trait Adopt<F, T>: Send + Sync {
+    /// As [`Shared::adopt`].
+    fn adopt(&self, fence: F, value: T);
+}
+
+impl<F: Fence, T: Send + 'static> Adopt<F, T> for Shared<F, T> {
+    fn adopt(&self, fence: F, value: T) {
+        Shared::adopt(self, fence, value);
     }
 }
 

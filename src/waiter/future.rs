@@ -23,9 +23,11 @@ use crate::{EventApi, EventFence, ServerError};
 ///
 /// The fence's error (see [`EventFence::wait_sync`]), a fault of the stream,
 /// [`ServerError::WaiterPanicked`] if a backend call panicked,
-/// [`ServerError::WaiterGone`] if the waiter was shut down first, or
+/// [`ServerError::WaiterGone`] if the waiter was shut down first,
 /// [`ServerError::WaiterForked`] if the waiter was made (or the wait handed
-/// to it) before this process forked.
+/// to it) before this process forked, or [`ServerError::InvalidArgument`]
+/// if polled again once it completed (rather than hang:
+/// [`FusedFuture::is_terminated`] tells when not to poll).
 ///
 /// # Cancel safety
 ///
@@ -36,8 +38,6 @@ use crate::{EventApi, EventFence, ServerError};
 /// thread, so timeouts retried on a stuck stream pile nothing up. The one
 /// exception is the wait a waiter thread is blocked on right then: that
 /// thread drops it when its block ends. The stream's work is not affected.
-///
-/// Polling again after the future has completed returns `Poll::Pending`.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct FenceFuture<A: EventApi> {
     handoff: Handoff<EventFence<A>>,

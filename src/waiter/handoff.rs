@@ -103,7 +103,12 @@ impl<W: Waitable> Handoff<W> {
                     Poll::Pending
                 }
             },
-            State::Done => Poll::Pending,
+            // A silent `Pending` would hang the caller for good (a combinator
+            // handed a future it already polled to completion, say).
+            State::Done => Poll::Ready(Err(ServerError::InvalidArgument {
+                what: "poll",
+                reason: "the future already completed and was polled again".into(),
+            })),
         }
     }
 

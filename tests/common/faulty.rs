@@ -36,6 +36,9 @@ pub struct Plan {
     /// Give every fence recorded on this stream the same sequence: two
     /// fences that collide in their stream's lane.
     pub same_sequence: bool,
+    /// Refuse as a shut-down driver does (`ServerError::ShutDown`) rather
+    /// than with a failed call.
+    pub shut_down: bool,
 }
 
 static PLANS: Mutex<Option<HashMap<HostStreamHandle, Plan>>> = Mutex::new(None);
@@ -80,13 +83,19 @@ fn plan_of(stream: HostStreamHandle) -> Plan {
     read(&PLANS, stream)
 }
 
-fn refused(call: &'static str, label: &str) -> ServerError {
+fn refused(call: &'static str, plan: &Plan) -> ServerError {
+    if plan.shut_down {
+        return ServerError::ShutDown {
+            backend: "Faulty",
+            call,
+        };
+    }
     ServerError::call(
         "Faulty",
         call,
         device_events::status::UNKNOWN,
         "injected",
-        format!("refused by the fault plan '{label}'"),
+        format!("refused by the fault plan '{}'", plan.label),
     )
 }
 
@@ -95,6 +104,8 @@ type Counts = Mutex<Option<HashMap<HostStreamHandle, usize>>>;
 
 static SYNCHRONIZING: Counts = Mutex::new(None);
 static STREAM_SYNCHRONIZING: Counts = Mutex::new(None);
+static SYNCHRONIZES: Counts = Mutex::new(None);
+static STREAM_SYNCHRONIZES: Counts = Mutex::new(None);
 static QUERIES: Counts = Mutex::new(None);
 /// Per stream, the name of the thread each destroy ran on.
 static DESTROYED_ON: Mutex<Option<HashMap<HostStreamHandle, Vec<String>>>> = Mutex::new(None);
@@ -140,6 +151,17 @@ pub fn stream_synchronizing(stream: HostStreamHandle) -> usize {
     read(&STREAM_SYNCHRONIZING, stream)
 }
 
+/// How many synchronizes of events created for `stream` have been made (host
+/// waits on its fences), refused ones too.
+pub fn synchronizes(stream: HostStreamHandle) -> usize {
+    read(&SYNCHRONIZES, stream)
+}
+
+/// How many synchronizes of `stream` have been made, refused ones too.
+pub fn stream_synchronizes(stream: HostStreamHandle) -> usize {
+    read(&STREAM_SYNCHRONIZES, stream)
+}
+
 /// The fault-injecting backend.
 pub struct Faulty;
 
@@ -160,7 +182,7 @@ impl EventApi for Faulty {
     ) -> Result<FaultyEvent, ServerError> {
         let plan = plan_of(stream);
         if plan.refuse_create {
-            return Err(refused("event_create", plan.label));
+            return Err(refused("event_create", &plan));
         }
         Ok(FaultyEvent {
             inner: Host::event_create(stream, flags)?,
@@ -171,7 +193,7 @@ impl EventApi for Faulty {
     fn event_record(event: &FaultyEvent, stream: HostStreamHandle) -> Result<(), ServerError> {
         let plan = plan_of(stream);
         if plan.refuse_record {
-            return Err(refused("event_record", plan.label));
+            return Err(refused("event_record", &plan));
         }
         Host::event_record(&event.inner, stream)
     }
@@ -190,6 +212,7 @@ impl EventApi for Faulty {
     }
 
     fn event_synchronize(event: &FaultyEvent) -> Result<(), ServerError> {
+        add(&SYNCHRONIZES, event.stream, 1);
         let plan = plan_of(event.stream);
         assert!(
             !plan.panic_in_synchronize,
@@ -197,7 +220,7 @@ impl EventApi for Faulty {
             plan.label
         );
         if plan.refuse_synchronize {
-            return Err(refused("event_synchronize", plan.label));
+            return Err(refused("event_synchronize", &plan));
         }
         add(&SYNCHRONIZING, event.stream, 1);
         let result = Host::event_synchronize(&event.inner);
@@ -227,15 +250,16 @@ impl EventApi for Faulty {
     fn stream_wait_event(stream: HostStreamHandle, event: &FaultyEvent) -> Result<(), ServerError> {
         let plan = plan_of(stream);
         if plan.refuse_stream_wait {
-            return Err(refused("stream_wait_event", plan.label));
+            return Err(refused("stream_wait_event", &plan));
         }
         Host::stream_wait_event(stream, &event.inner)
     }
 
     fn stream_synchronize(stream: HostStreamHandle) -> Result<(), ServerError> {
+        add(&STREAM_SYNCHRONIZES, stream, 1);
         let plan = plan_of(stream);
         if plan.refuse_stream_synchronize {
-            let err = refused("stream_synchronize", plan.label);
+            let err = refused("stream_synchronize", &plan);
             return Err(match plan.stream_synchronize_source {
                 true => err.with_source(std::io::Error::other("the backend's own cause")),
                 false => err,
