@@ -25,9 +25,9 @@ use crate::{
 /// [`start`](Self::start) and [`stop`](Self::stop) take the stream by
 /// reference; the [`AnyProfile`] they give is read by
 /// [`wait_sync`](AnyProfile::wait_sync) or `.await`. Events are pooled as
-/// in [`EventProfiler`], one pool per backend, and as there, the CUDA
-/// events belong to the device (context) they were first recorded on: use
-/// one profiler per device.
+/// in [`EventProfiler`], per backend and per context, so one profiler
+/// serves every device and every host stream it is given; as there, a
+/// profile's start and stop must be on streams of one context.
 ///
 /// ```
 /// use device_events::host::HostStream;

@@ -144,6 +144,37 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// or a fault.
     fn event_elapsed(start: &Self::Event, end: &Self::Event) -> Result<Duration, ServerError>;
 
+    /// A key of `stream`'s context (device), for pools of events that
+    /// belong to one context: an [`EventProfiler`](crate::EventProfiler)
+    /// keeps its idle timing events per key, so one profiler serves every
+    /// context it is given.
+    ///
+    /// For a backend's author, the contract:
+    /// - an event created for a stream of one key can be recorded on every
+    ///   stream of that key (one key, one context);
+    /// - a key is never given to a stream of another context while an event
+    ///   created for a stream of that key may still be alive: a number
+    ///   unique for the life of the process is simplest;
+    /// - streams of one context should share a key (else each key gets its
+    ///   own pool, and events are reused less).
+    ///
+    /// The default gives every stream the key 0, which is right for a
+    /// backend with one context. A backend with more that keeps the default
+    /// gets one pool per profiler: used on a second context, a profiler
+    /// finds its idle events refused there and says so (a
+    /// [`ServerError::InvalidArgument`]), so its users keep one profiler per
+    /// context.
+    ///
+    /// # Errors
+    ///
+    /// `stream` is invalid (a dropped stream:
+    /// [`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE)), or the
+    /// driver refused to name the context.
+    fn stream_context(stream: Self::Stream) -> Result<u64, ServerError> {
+        let _ = stream;
+        Ok(0)
+    }
+
     /// An event for a fence on `stream` ([`EventFlags::FENCE`]): from the
     /// backend's pool of fence events when it keeps one, else a new one. The
     /// default creates one.

@@ -1,6 +1,6 @@
 //! [`IdlePool`]: idle items (events) kept for reuse, bounded, over one or
-//! more locks. The CUDA and host fence-event pools and the profiler's pool
-//! of timing events are each one of these.
+//! more locks. The CUDA and host fence-event pools are each one of these
+//! (the profiler keeps its timing events per context, in a pool of its own).
 
 use crate::loom::Mutex;
 
@@ -72,6 +72,7 @@ impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
     }
 
     /// Idle items now, over all shards.
+    #[cfg(test)]
     pub(crate) fn len(&self) -> usize {
         self.shards.iter().map(|shard| shard.lock().len()).sum()
     }

@@ -76,8 +76,7 @@
 //! code the crate calls but does not own, caught with their payloads),
 //! `fork` (whether this process is a fork of the one that made a pool),
 //! `shards` (how state is spread over locks: by hash, by thread),
-//! `idle_pool` (bounded pools of idle events: the fence-event pools, the
-//! profiler's) and `plant` (the planted-defect hooks) serve every layer; they, like `api`
+//! `idle_pool` (bounded pools of idle events: the fence-event pools) and `plant` (the planted-defect hooks) serve every layer; they, like `api`
 //! and `error`, may be imported from any layer.
 //!
 //! # Backends

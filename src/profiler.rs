@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use futures::future::FusedFuture;
 
-use crate::idle_pool::IdlePool;
+use crate::loom::Mutex;
 use crate::waiter::{Handoff, LaneKey, Waitable, Waiter};
 use crate::{Event, EventApi, EventFlags, ServerError};
 
@@ -28,12 +28,17 @@ pub const DEFAULT_PROFILER_CAPACITY: usize = 64;
 /// hot loop allocates no events after its first round. The pool keeps at most
 /// its capacity; events beyond it are destroyed.
 ///
-/// A profiler's events belong to the device (CUDA context) of the streams
-/// they were first recorded on: use one profiler per device. Used on a
-/// stream of another context while it holds idle events, it says so (a
-/// [`ServerError::InvalidArgument`]) rather than swap its events for that
-/// context's; a start and stop on streams of two contexts are refused when
-/// the profile is read.
+/// An event belongs to the context (CUDA device) of the stream it was made
+/// for, so the pool keeps its idle events per context
+/// ([`EventApi::stream_context`]), and one profiler serves every context it
+/// is given: two devices, or host streams however their contexts were
+/// made. The capacity counts them all; when it is reached, the context used
+/// least recently gives up an idle event to the one in use. The two points
+/// of one profile must be on streams of one context: a start and a stop on
+/// two are refused when the profile is read, as the driver refuses to time
+/// events of two contexts (`CUDA_ERROR_INVALID_HANDLE`; two host streams
+/// made with [`HostStream::new`](crate::host::HostStream::new) each have a
+/// context of their own).
 ///
 /// # Example
 ///
@@ -59,13 +64,36 @@ pub struct EventProfiler<A: EventApi> {
 }
 
 struct EventPool<A: EventApi> {
-    /// One shard: a profiler is used by whoever holds it.
-    events: IdlePool<Event<A>, 1>,
+    /// One lock: a profiler is used by whoever holds it.
+    idle: Mutex<Idle<A>>,
+    /// The most idle events kept, over all contexts.
+    capacity: usize,
     created: AtomicUsize,
 }
 
-/// What a profiler holds and has made: [`EventProfiler::stats`],
-/// [`AnyProfiler::stats`](crate::AnyProfiler::stats).
+/// The idle events, by context key.
+struct Idle<A: EventApi> {
+    /// An entry per context key with idle events, and the entries emptied
+    /// since a key was last added (so a busy context keeps its `Vec`): about
+    /// one per device in use, so searched in turn.
+    contexts: Vec<ContextEvents<A>>,
+    /// Idle events over all contexts: at most the pool's capacity.
+    len: usize,
+    /// Counts takes and give-backs, to tell which context was used least
+    /// recently.
+    clock: u64,
+}
+
+/// One context's idle events.
+struct ContextEvents<A: EventApi> {
+    key: u64,
+    events: Vec<Event<A>>,
+    /// [`Idle::clock`] at the context's last take or give-back.
+    used: u64,
+}
+
+/// What a profiler holds and has made, over all the contexts it serves:
+/// [`EventProfiler::stats`], [`AnyProfiler::stats`](crate::AnyProfiler::stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -82,6 +110,8 @@ pub struct ProfilerStats {
 #[must_use = "a profile start measures nothing until it is stopped"]
 pub struct ProfileStart<A: EventApi> {
     event: Option<Event<A>>,
+    /// The event's context key.
+    key: u64,
     pool: Arc<EventPool<A>>,
 }
 
@@ -99,6 +129,8 @@ pub struct Profile<A: EventApi> {
 struct EventPair<A: EventApi> {
     start: Option<Event<A>>,
     end: Option<Event<A>>,
+    /// The context keys of `start` and `end`.
+    keys: [u64; 2],
     pool: Arc<EventPool<A>>,
 }
 
@@ -108,11 +140,17 @@ impl<A: EventApi> EventProfiler<A> {
         Self::with_capacity(DEFAULT_PROFILER_CAPACITY)
     }
 
-    /// A profiler keeping up to `capacity` idle events (0 keeps none).
+    /// A profiler keeping up to `capacity` idle events, over all contexts
+    /// (0 keeps none).
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
             pool: Arc::new(EventPool {
-                events: IdlePool::new(capacity),
+                idle: Mutex::new(Idle {
+                    contexts: Vec::new(),
+                    len: 0,
+                    clock: 0,
+                }),
+                capacity,
                 created: AtomicUsize::new(0),
             }),
         }
@@ -124,16 +162,21 @@ impl<A: EventApi> EventProfiler<A> {
     ///
     /// The driver refused to create or record a timing event, or the stream
     /// is faulted or invalid; [`ServerError::InvalidArgument`] when the
-    /// profiler's idle events belong to another context than the stream's.
+    /// backend gives streams of two contexts one key (the default
+    /// [`EventApi::stream_context`]) and the profiler's idle events are of
+    /// the other.
     pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
+        let key = A::stream_context(stream)?;
         Ok(ProfileStart {
-            event: Some(self.pool.record(stream)?.0),
+            event: Some(self.pool.record(key, stream)?.0),
+            key,
             pool: self.pool.clone(),
         })
     }
 
     /// Record the end of the measurement `start` at the current end of
-    /// `stream` (usually the stream it started on).
+    /// `stream` (usually the stream it started on; one of another context
+    /// is recorded, and refused when the profile is read).
     ///
     /// # Errors
     ///
@@ -143,11 +186,13 @@ impl<A: EventApi> EventProfiler<A> {
         mut start: ProfileStart<A>,
         stream: A::Stream,
     ) -> Result<Profile<A>, ServerError> {
-        let (end, sequence) = self.pool.record(stream)?;
+        let key = A::stream_context(stream)?;
+        let (end, sequence) = self.pool.record(key, stream)?;
         Ok(Profile {
             pair: Arc::new(EventPair {
                 start: start.event.take(),
                 end: Some(end),
+                keys: [start.key, key],
                 pool: self.pool.clone(),
             }),
             stream,
@@ -155,13 +200,13 @@ impl<A: EventApi> EventProfiler<A> {
         })
     }
 
-    /// Idle events in the pool now.
+    /// Idle events in the pool now, over all contexts.
     pub fn pooled(&self) -> usize {
-        self.pool.events.len()
+        self.pool.idle.lock().len
     }
 
-    /// Events this profiler has created in all (a loop that stops growing
-    /// this allocates no events).
+    /// Events this profiler has created in all, over all contexts (a loop
+    /// that stops growing this allocates no events).
     pub fn created(&self) -> usize {
         self.pool.created.load(Ordering::Relaxed)
     }
@@ -182,17 +227,19 @@ impl<A: EventApi> Default for EventProfiler<A> {
 }
 
 impl<A: EventApi> EventPool<A> {
-    /// A pooled event (or a new one) recorded on `stream`, with the
-    /// record's place in the stream's order.
+    /// A pooled event of the context `key` (or a new one) recorded on
+    /// `stream`, of that context, with the record's place in the stream's
+    /// order.
     ///
     /// A pooled event the driver refuses goes back to the pool: when the
     /// stream refuses new events too (faulted, or gone), with the stream's
     /// error, so refused starts neither destroy healthy events nor make new
     /// ones; when a new event is accepted where it was not, the pooled one
-    /// belongs to another context, and the profiler is being used on a
-    /// second context: an error, not a silent swap of its pool.
-    fn record(&self, stream: A::Stream) -> Result<(Event<A>, u64), ServerError> {
-        let pooled = self.events.take(0, |_| {});
+    /// belongs to another context under the same key (a backend that keeps
+    /// the default [`EventApi::stream_context`]), and the profiler is being
+    /// used on a second context: an error, not a silent swap of its pool.
+    fn record(&self, key: u64, stream: A::Stream) -> Result<(Event<A>, u64), ServerError> {
+        let pooled = self.take(key);
         let refused = match pooled {
             Some(event) => match event.record_sequenced(stream) {
                 Ok(sequence) => return Ok((event, sequence)),
@@ -204,7 +251,7 @@ impl<A: EventApi> EventPool<A> {
             Ok(fresh) => fresh,
             Err(err) => {
                 if let Some((event, _)) = refused {
-                    self.give_back(event);
+                    self.give_back(key, event);
                 }
                 return Err(err);
             }
@@ -213,13 +260,14 @@ impl<A: EventApi> EventPool<A> {
         match fresh.record_sequenced(stream) {
             Ok(sequence) => match refused {
                 Some((event, err)) if !crate::plant::planted("profiler-swaps-context") => {
-                    self.give_back(event);
+                    self.give_back(key, event);
                     Err(ServerError::InvalidArgument {
                         what: "EventProfiler stream",
                         reason: format!(
                             "this profiler's events belong to another {} context (device) than \
-                             the stream's, which refused them ({err}): use one profiler per \
-                             context",
+                             the stream's, which refused them ({err}), and the backend does not \
+                             tell its contexts apart (EventApi::stream_context): use one \
+                             profiler per context",
                             A::BACKEND
                         ),
                     })
@@ -228,19 +276,114 @@ impl<A: EventApi> EventPool<A> {
             },
             Err(err) => {
                 if let Some((event, _)) = refused {
-                    self.give_back(event);
+                    self.give_back(key, event);
                 }
-                self.give_back(fresh);
+                self.give_back(key, fresh);
                 Err(err)
             }
         }
     }
 
-    /// Keep `event` for a later measurement, or destroy it (outside the
-    /// pool's lock) when the pool is full.
-    fn give_back(&self, event: Event<A>) {
-        let full = self.events.give_back(0, event, |_| {});
-        drop(full);
+    /// An idle event of the context `key`, now in use.
+    fn take(&self, key: u64) -> Option<Event<A>> {
+        let mut idle = self.idle.lock();
+        let event = idle.take(key);
+        idle.check_invariants(self.capacity);
+        event
+    }
+
+    /// Keep `event`, of the context `key`, for a later measurement, or
+    /// destroy it (outside the pool's lock) when the pool is full; see
+    /// [`Idle::give_back`].
+    fn give_back(&self, key: u64, event: Event<A>) {
+        let destroyed = {
+            let mut idle = self.idle.lock();
+            let destroyed = idle.give_back(key, event, self.capacity);
+            idle.check_invariants(self.capacity);
+            destroyed
+        };
+        drop(destroyed);
+    }
+}
+
+impl<A: EventApi> Idle<A> {
+    /// An idle event of the context `key`.
+    fn take(&mut self, key: u64) -> Option<Event<A>> {
+        self.clock += 1;
+        let context = self
+            .contexts
+            .iter_mut()
+            .find(|context| context.key == key)?;
+        let event = context.events.pop()?;
+        context.used = self.clock;
+        assert!(self.len > 0, "an idle event taken from an empty pool");
+        self.len -= 1;
+        Some(event)
+    }
+
+    /// Keep `event`, of the context `key`; the event to destroy, if any.
+    /// Below `capacity` it is kept; at it, the context used least recently,
+    /// when that is another, gives up an idle event for it (contexts no
+    /// longer used, such as those of dropped host streams, make way for the
+    /// one in use), and otherwise `event` itself is destroyed.
+    fn give_back(&mut self, key: u64, event: Event<A>, capacity: usize) -> Option<Event<A>> {
+        if capacity == 0 {
+            return Some(event);
+        }
+        self.clock += 1;
+        let index = match self.contexts.iter().position(|context| context.key == key) {
+            Some(index) => index,
+            None => {
+                self.contexts.retain(|context| !context.events.is_empty());
+                self.contexts.push(ContextEvents {
+                    key,
+                    events: Vec::new(),
+                    used: 0,
+                });
+                self.contexts.len() - 1
+            }
+        };
+        let evicted = if self.len < capacity {
+            self.len += 1;
+            None
+        } else {
+            let oldest = self
+                .contexts
+                .iter_mut()
+                .enumerate()
+                .filter(|(other, context)| *other != index && !context.events.is_empty())
+                .min_by_key(|(_, context)| context.used);
+            match oldest {
+                Some((_, context)) => context.events.pop(),
+                None => return Some(event),
+            }
+        };
+        let context = &mut self.contexts[index];
+        context.events.push(event);
+        context.used = self.clock;
+        evicted
+    }
+
+    /// In debug builds: `len` counts the idle events, within `capacity`,
+    /// and each key has one entry.
+    fn check_invariants(&self, capacity: usize) {
+        if cfg!(debug_assertions) {
+            let idle: usize = self
+                .contexts
+                .iter()
+                .map(|context| context.events.len())
+                .sum();
+            assert_eq!(self.len, idle, "the idle count drifted");
+            assert!(self.len <= capacity, "more idle events than the capacity");
+            for (index, context) in self.contexts.iter().enumerate() {
+                assert!(
+                    self.contexts[..index]
+                        .iter()
+                        .all(|earlier| earlier.key != context.key),
+                    "two entries for one context"
+                );
+            }
+        }
     }
 }
 
@@ -325,8 +468,11 @@ impl<A: EventApi> EventPair<A> {
 
 impl<A: EventApi> Drop for EventPair<A> {
     fn drop(&mut self) {
-        for event in [self.start.take(), self.end.take()].into_iter().flatten() {
-            self.pool.give_back(event);
+        let [start_key, end_key] = self.keys;
+        for (key, event) in [(start_key, self.start.take()), (end_key, self.end.take())] {
+            if let Some(event) = event {
+                self.pool.give_back(key, event);
+            }
         }
     }
 }
@@ -334,7 +480,7 @@ impl<A: EventApi> Drop for EventPair<A> {
 impl<A: EventApi> Drop for ProfileStart<A> {
     fn drop(&mut self) {
         if let Some(event) = self.event.take() {
-            self.pool.give_back(event);
+            self.pool.give_back(self.key, event);
         }
     }
 }

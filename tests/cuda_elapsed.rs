@@ -1,8 +1,8 @@
 //! Timing on CUDA: `cuEventElapsedTime_v2` is preferred where the driver
 //! exports it (the legacy name can return unrelated asynchronous errors),
 //! the legacy name is the fallback; two events of different contexts are
-//! refused by the crate before the driver sees them; a profiler used on a
-//! second context says so.
+//! refused by the crate before the driver sees them; one profiler times
+//! work on two devices.
 //!
 //! Against the fake driver, which counts the calls to each name
 //! (`fakeCudaElapsedCalls`); the fallback runs this binary again as a child
@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use device_events::cuda::cudarc::driver::CudaContext;
 use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
-use device_events::{status, Event, EventFlags, EventProfiler, ServerError};
+use device_events::{status, Event, EventFlags, EventProfiler};
 
 use common::fake_driver::{self, is_fake};
 
@@ -154,16 +154,47 @@ fn events_of_two_contexts_are_refused_before_the_driver() {
     assert!(err.to_string().contains("different contexts"), "{err}");
     assert_eq!(before, elapsed_calls(), "the driver was asked: {err}");
 
-    // A profiler of device 0's streams, used on device 1's: an error that
-    // says so, at start and at stop, and its events stay in its pool.
+    // A profile started on device 0 and stopped on device 1: refused when
+    // read, the same way; its events go back, each to its device's pool.
     let profiler = EventProfiler::<Cuda>::new();
     let start = profiler.start(handle0).unwrap();
-    profiler.stop(start, handle0).unwrap().wait_sync().unwrap();
-    assert_eq!(profiler.pooled(), 2);
-    let err = profiler.start(handle1).unwrap_err();
-    assert!(matches!(err, ServerError::InvalidArgument { .. }), "{err}");
-    let start = profiler.start(handle0).unwrap();
-    let err = profiler.stop(start, handle1).unwrap_err();
-    assert!(matches!(err, ServerError::InvalidArgument { .. }), "{err}");
-    assert_eq!(profiler.pooled(), 2);
+    let profile = profiler.stop(start, handle1).unwrap();
+    let before = elapsed_calls();
+    let err = profile.wait_sync().unwrap_err();
+    assert_eq!(err.code(), Some(status::INVALID_HANDLE), "{err}");
+    assert!(err.to_string().contains("different contexts"), "{err}");
+    assert_eq!(before, elapsed_calls(), "the driver was asked: {err}");
+    assert_eq!((profiler.pooled(), profiler.created()), (2, 2));
+}
+
+/// One profiler timing work on two devices, as a service does: each
+/// device's events are pooled for it, so no round after the first makes
+/// one, and a start on one device with a stop on the other is still
+/// refused when read.
+#[test]
+fn one_profiler_times_work_on_two_devices() {
+    if std::env::var("DEVICE_EVENTS_ELAPSED_CHILD").is_ok() {
+        return;
+    }
+    let test = "one_profiler_times_work_on_two_devices";
+    let Some((ctx0, sleep0)) = gpu(test, 0) else {
+        return;
+    };
+    if cuda::device_count().unwrap() < 2 {
+        eprintln!("skipping {test}: one CUDA device");
+        return;
+    }
+    let (ctx1, sleep1) = gpu(test, 1).expect("device 1");
+    let streams = [ctx0.new_stream().unwrap(), ctx1.new_stream().unwrap()];
+    let kernels = [&sleep0, &sleep1];
+    let profiler = EventProfiler::<Cuda>::new();
+    for _round in 0..3 {
+        for (stream, sleep) in streams.iter().zip(kernels) {
+            let handle = CudaStreamHandle::new(stream);
+            let start = profiler.start(handle).unwrap();
+            sleep.launch(stream, Duration::from_millis(2)).unwrap();
+            profiler.stop(start, handle).unwrap().wait_sync().unwrap();
+        }
+    }
+    assert_eq!((profiler.pooled(), profiler.created()), (4, 4));
 }

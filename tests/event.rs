@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::{eventually, faultable_stream, Gate, Progress};
-use device_events::host::{Host, HostStream};
+use device_events::host::{Host, HostContext, HostStream};
 use device_events::{Event, EventFlags};
 
 #[test]
@@ -79,11 +79,10 @@ fn a_device_wait_captures_the_record_at_call_time() {
 /// not affected by later calls").
 #[test]
 fn a_device_wait_is_not_released_by_a_later_record_reached_first() {
-    let (busy, idle, consumer) = (
-        HostStream::new().unwrap(),
-        HostStream::new().unwrap(),
-        HostStream::new().unwrap(),
-    );
+    // One context: the event is recorded on two of its streams.
+    let context = HostContext::new();
+    let (busy, idle) = (context.new_stream().unwrap(), context.new_stream().unwrap());
+    let consumer = HostStream::new().unwrap();
     let event = Event::<Host>::new(busy.handle(), EventFlags::FENCE).unwrap();
     let gate = Gate::hold(&busy);
     let produced = Progress::default();

@@ -1,5 +1,6 @@
-//! `HostStream` and `HostContext`: in-order work, faults of a whole context,
-//! drop, and dangling handles, each as CUDA has them.
+//! `HostStream` and `HostContext`: in-order work, faults of a whole context
+//! (and of a stream made with `HostStream::new` alone), drop, and dangling
+//! handles, each as CUDA has them.
 
 mod common;
 
@@ -41,6 +42,7 @@ fn a_panic_faults_every_stream_of_its_context_for_good() {
     let context = HostContext::new();
     let (faulting, sibling) = (context.new_stream().unwrap(), context.new_stream().unwrap());
     let elsewhere = HostContext::new().new_stream().unwrap();
+    let alone = HostStream::new().unwrap();
     let event = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
     let passed = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
     Host::event_record(&passed, sibling.handle()).unwrap();
@@ -93,21 +95,50 @@ fn a_panic_faults_every_stream_of_its_context_for_good() {
     }
     assert!(context.new_stream().unwrap_err().is_faulted());
 
-    // Another context carries on.
-    assert!(!elsewhere.is_faulted());
-    progress.step_on(&elsewhere);
-    elsewhere.synchronize().unwrap();
-    assert_eq!(progress.get(), 1);
+    // Other contexts carry on.
+    for stream in [&elsewhere, &alone] {
+        assert!(!stream.is_faulted());
+        progress.step_on(stream);
+        stream.synchronize().unwrap();
+    }
+    assert_eq!(progress.get(), 2);
+}
+
+/// A host stream is not a device the process shares: a panic in work on a
+/// stream made with `HostStream::new` faults that stream, not the streams
+/// made with `new` before it or after it.
+#[test]
+fn a_panic_on_a_stream_made_with_new_faults_that_stream_only() {
+    let before = HostStream::new().unwrap();
+    let faulting = HostStream::new().unwrap();
+    faulting.launch(|| panic!("illegal address")).unwrap();
+    assert!(faulting.synchronize().unwrap_err().is_faulted());
+    assert!(faulting.is_faulted());
+    assert!(faulting.launch(|| {}).unwrap_err().is_faulted());
+    let after = HostStream::new().expect("a stream made after a fault elsewhere");
+    for stream in [&before, &after] {
+        assert!(!stream.is_faulted());
+        let progress = Progress::default();
+        progress.step_on(stream);
+        stream.fence().wait_sync().unwrap();
+        assert_eq!(progress.get(), 1);
+        let event = Host::event_create(stream.handle(), EventFlags::FENCE).unwrap();
+        Host::event_record(&event, stream.handle()).unwrap();
+        Host::event_synchronize(&event).unwrap();
+    }
 }
 
 #[test]
-fn streams_made_with_new_share_the_primary_context() {
+fn each_stream_made_with_new_has_a_context_of_its_own() {
     let (a, b) = (HostStream::new().unwrap(), HostStream::new().unwrap());
-    assert_eq!(a.context(), b.context());
-    assert_eq!(a.context(), HostContext::primary());
+    assert_ne!(a.context(), b.context());
+    assert_ne!(a.context(), HostContext::primary());
     let own = HostContext::new();
-    assert_ne!(own.new_stream().unwrap().context(), a.context());
     assert_eq!(own.new_stream().unwrap().context(), own);
+    // The primary context is one context, for code that asks for it.
+    let primary = HostContext::primary();
+    assert_eq!(primary, HostContext::primary());
+    assert_eq!(primary.new_stream().unwrap().context(), primary);
 }
 
 #[test]

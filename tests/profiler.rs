@@ -46,8 +46,9 @@ fn measures_by_await_through_the_waiter() {
 /// says `CUDA_ERROR_NOT_READY` until then).
 #[test]
 fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_synchronously() {
-    let busy = HostStream::new().unwrap();
-    let idle = HostStream::new().unwrap();
+    // One context: a profile's two events must be of one.
+    let context = HostContext::new();
+    let (busy, idle) = (context.new_stream().unwrap(), context.new_stream().unwrap());
     let gate = Gate::hold(&busy);
     let profiler = EventProfiler::<Faulty>::new();
     let start = profiler.start(busy.handle()).unwrap();
@@ -73,8 +74,8 @@ fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_synchronously() {
 
 #[test]
 fn a_profile_whose_start_is_on_a_busier_stream_waits_for_it_by_await() {
-    let busy = HostStream::new().unwrap();
-    let idle = HostStream::new().unwrap();
+    let context = HostContext::new();
+    let (busy, idle) = (context.new_stream().unwrap(), context.new_stream().unwrap());
     let gate = Gate::hold(&busy);
     let profiler = EventProfiler::<Host>::new();
     let waiter = Waiter::builder().build();
@@ -173,9 +174,7 @@ fn a_faulted_stream_fails_the_measurement_and_nothing_leaks() {
         let err = profile.wait_sync().unwrap_err();
         assert!(err.is_faulted(), "{err}");
         assert!(profiler.start(stream.handle()).unwrap_err().is_faulted());
-        // Its events are the faulted context's: `other` (another context)
-        // is profiled by a profiler of its own.
-        let profiler = EventProfiler::<Host>::new();
+        // `other`, of another context, is served from a pool of its own.
         let start = profiler.start(other.handle()).unwrap();
         let err = profiler.stop(start, stream.handle()).unwrap_err();
         assert!(err.is_faulted(), "{err}");
@@ -206,9 +205,119 @@ fn a_refused_start_keeps_the_pooled_events() {
         assert!(profiler.start(stream.handle()).unwrap_err().is_faulted());
     }
     assert_eq!((profiler.pooled(), profiler.created()), (pooled, created));
-    // A stream of another context refuses them too: the profiler says it
-    // is used on a second context, and keeps its events for its own.
+    // A stream of another context is served from a pool of its own, beside
+    // the faulted context's events.
     let elsewhere = HostStream::new().unwrap();
+    for _ in 0..3 {
+        drop(profiler.start(elsewhere.handle()).unwrap());
+    }
+    assert_eq!(profiler.created(), created + 1);
+    assert_eq!(profiler.pooled(), pooled + 1);
+}
+
+/// One profiler for every context it is given, as one service times work
+/// on two devices with one profiler: each context's events are pooled for
+/// it, so no round after the first makes an event.
+#[test]
+fn one_profiler_times_streams_of_several_contexts() {
+    let (one, two) = (HostContext::new(), HostContext::new());
+    let streams = [
+        one.new_stream().unwrap(),
+        one.new_stream().unwrap(),
+        two.new_stream().unwrap(),
+        HostStream::new().unwrap(), // a context of its own
+    ];
+    let profiler = EventProfiler::<Host>::new();
+    let waiter = Waiter::builder().build();
+    for round in 0..4 {
+        for stream in &streams {
+            let start = profiler.start(stream.handle()).unwrap();
+            stream.launch(|| {}).unwrap();
+            let profile = profiler.stop(start, stream.handle()).unwrap();
+            if round % 2 == 0 {
+                profile.wait_sync().unwrap();
+            } else {
+                futures::executor::block_on(waiter.wait(profile)).unwrap();
+            }
+        }
+    }
+    // Two events for each of the three contexts, made in the first round.
+    assert_eq!(profiler.created(), 6);
+    let stats = profiler.stats();
+    assert_eq!((stats.created, stats.pooled), (6, 6));
+}
+
+/// A profile whose start and stop are on streams of two contexts: refused
+/// when read, as the driver refuses to time events of two contexts, with
+/// an error that says so; its events go back, each to its context's pool.
+#[test]
+fn a_profile_across_two_contexts_is_refused_when_read() {
+    let (one, two) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    let profiler = EventProfiler::<Host>::new();
+    for by_await in [false, true] {
+        let start = profiler.start(one.handle()).unwrap();
+        let profile = profiler.stop(start, two.handle()).unwrap();
+        let err = if by_await {
+            futures::executor::block_on(profile.wait())
+        } else {
+            profile.wait_sync()
+        }
+        .unwrap_err();
+        assert_eq!(
+            err.code(),
+            Some(device_events::status::INVALID_HANDLE),
+            "{err}"
+        );
+        assert!(err.to_string().contains("different contexts"), "{err}");
+    }
+    assert_eq!((profiler.pooled(), profiler.created()), (2, 2));
+    for stream in [&one, &two] {
+        let start = profiler.start(stream.handle()).unwrap();
+        profiler
+            .stop(start, stream.handle())
+            .unwrap()
+            .wait_sync()
+            .unwrap();
+    }
+}
+
+/// The capacity counts every context's idle events; at it, a context no
+/// longer used (say, of a dropped stream) gives way to the one in use.
+#[test]
+fn a_full_pool_makes_way_for_the_context_in_use() {
+    let profiler = EventProfiler::<Host>::with_capacity(2);
+    let round = |stream: &HostStream| {
+        let start = profiler.start(stream.handle()).unwrap();
+        profiler
+            .stop(start, stream.handle())
+            .unwrap()
+            .wait_sync()
+            .unwrap();
+    };
+    let old = HostStream::new().unwrap();
+    round(&old);
+    drop(old);
+    let new = HostStream::new().unwrap();
+    round(&new);
+    assert_eq!((profiler.pooled(), profiler.created()), (2, 4));
+    for _ in 0..3 {
+        round(&new);
+    }
+    assert_eq!(profiler.created(), 4, "the new stream's events were kept");
+}
+
+/// A backend that does not tell its contexts apart (the default
+/// `EventApi::stream_context`, as the fault-injecting wrapper keeps) gets
+/// one pool per profiler: used on a second context, the profiler says so
+/// instead of swapping its events, and keeps them for its own.
+#[test]
+fn without_context_keys_a_profiler_on_a_second_context_says_so() {
+    let here = faultable_stream();
+    let elsewhere = faultable_stream();
+    let profiler = EventProfiler::<Faulty>::new();
+    let start = profiler.start(here.handle()).unwrap();
+    let elapsed = profiler.stop(start, here.handle()).unwrap().wait_sync();
+    assert!(elapsed.is_ok(), "{elapsed:?}");
     for _ in 0..3 {
         let err = profiler.start(elsewhere.handle()).unwrap_err();
         assert!(
@@ -216,19 +325,6 @@ fn a_refused_start_keeps_the_pooled_events() {
             "{err}"
         );
     }
-    assert_eq!(profiler.pooled(), pooled);
-}
-
-/// A profiler holding events of one context, asked to stop a measurement on
-/// a stream of another, says so instead of swapping its events.
-#[test]
-fn a_profiler_reused_on_another_context_says_so() {
-    let here = HostStream::new().unwrap();
-    let elsewhere = HostContext::new().new_stream().unwrap();
-    let profiler = EventProfiler::<Host>::new();
-    let start = profiler.start(here.handle()).unwrap();
-    let elapsed = profiler.stop(start, here.handle()).unwrap().wait_sync();
-    assert!(elapsed.is_ok(), "{elapsed:?}");
     let start = profiler.start(here.handle()).unwrap();
     let err = profiler.stop(start, elsewhere.handle()).unwrap_err();
     assert!(matches!(err, ServerError::InvalidArgument { .. }), "{err}");

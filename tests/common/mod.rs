@@ -17,8 +17,8 @@ use std::sync::Arc;
 use device_events::host::{HostContext, HostStream};
 
 /// A stream on a context of its own, for a test that faults it: a fault
-/// poisons its whole context (as on CUDA), and the primary context that
-/// `HostStream::new` uses is shared by every test in the binary.
+/// poisons its whole context (as on CUDA). `HostStream::new` gives one too;
+/// this name says the test means the fault.
 pub fn faultable_stream() -> HostStream {
     HostContext::new()
         .new_stream()

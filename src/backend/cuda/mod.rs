@@ -274,6 +274,21 @@ impl EventApi for Cuda {
         Ok(time)
     }
 
+    /// The driver's id of the stream's context (`cuCtxGetId`: "unique for
+    /// the life of the program"), so a context made again under an old
+    /// handle gets a new key. A driver without it: the address of the
+    /// stream's cudarc context object, which every event made for the
+    /// stream holds, so it is not reused while such an event is alive (two
+    /// objects of one context then get two keys: less reuse, no error).
+    fn stream_context(stream: CudaStreamHandle) -> Result<u64, ServerError> {
+        let stream = stream.resolve("cuCtxGetId")?;
+        let ctx = stream.context();
+        Ok(match driver::driver()?.ctx_id(ctx)? {
+            Some(id) => id,
+            None => Arc::as_ptr(ctx) as usize as u64,
+        })
+    }
+
     /// From the stream's context's pool of idle fence events.
     fn fence_event_acquire(stream: CudaStreamHandle) -> Result<CudaEvent, ServerError> {
         driver::ensure_loaded()?;

@@ -28,21 +28,26 @@ use crate::ServerError;
 /// say; the stricter reading keeps work that depends on lost work from
 /// running).
 ///
-/// [`HostStream::new`] puts streams on the process's one
-/// [`primary`](Self::primary) context, as CUDA code usually shares a
-/// device's primary context. A fault there poisons every stream made by
-/// `HostStream::new` for the rest of the process, so a test or demo that
-/// faults a stream on purpose gives it a context of its own:
+/// [`HostStream::new`] gives each stream a context of its own, so a panic
+/// in its work faults that stream alone (and a stream that waits on a
+/// record the fault lost, as above): host streams are CPU queues, not a
+/// device that the process shares, and one panicking job must not take the
+/// host backend away from every other test or pipeline in the process.
+/// Streams put on one context with [`new_stream`](Self::new_stream) keep
+/// CUDA's rule, the whole context:
 ///
 /// ```
-/// use device_events::host::HostContext;
+/// use device_events::host::{HostContext, HostStream};
 ///
 /// let context = HostContext::new();
 /// let (a, b) = (context.new_stream()?, context.new_stream()?);
+/// let alone = HostStream::new()?; // a context of its own
 /// a.launch(|| panic!("illegal address"))?;
 /// assert!(a.synchronize().unwrap_err().is_faulted());
 /// assert!(b.synchronize().unwrap_err().is_faulted(), "the whole context");
 /// assert!(context.new_stream().unwrap_err().is_faulted());
+/// alone.synchronize()?; // another context carries on
+/// HostStream::new()?.synchronize()?;
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
 ///
@@ -51,7 +56,12 @@ use crate::ServerError;
 /// and hStream must be from the same context otherwise
 /// CUDA_ERROR_INVALID_HANDLE is returned"); a stream may wait on an event of
 /// any context (`cuStreamWaitEvent`: "hEvent may be from a different context
-/// or device than hStream").
+/// or device than hStream"); two events of different contexts are not timed
+/// against each other (the driver answers `CUDA_ERROR_INVALID_HANDLE`). So
+/// across two streams made with [`HostStream::new`], fences and device-side
+/// waits work, while an event is recorded only on its own stream and a
+/// profile whose start and stop are on the two is refused when read: put
+/// streams that share events or profiles on one context.
 ///
 /// A cheap handle: clones name the same context.
 #[derive(Clone)]
@@ -83,8 +93,13 @@ impl HostContext {
         }
     }
 
-    /// The process's default context, where [`HostStream::new`] puts its
-    /// streams.
+    /// One context for the whole process, the same on every call: for code
+    /// that wants its streams to share a context the way CUDA code shares a
+    /// device's primary context. Its streams may record each other's events
+    /// and be profiled together, and a panic in work on any of them faults
+    /// all of them, and every stream made on it later, for the rest of the
+    /// process. [`HostStream::new`] does not use it: put a stream here with
+    /// `HostContext::primary().new_stream()`.
     pub fn primary() -> Self {
         static PRIMARY: OnceLock<HostContext> = OnceLock::new();
         PRIMARY.get_or_init(Self::new).clone()

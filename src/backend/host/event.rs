@@ -401,9 +401,19 @@ impl HostEvent {
             .ok_or_else(|| error::call(call, error::NOT_READY, "the event is not reached yet"))
     }
 
-    /// Device time from `start` to `end`.
+    /// Device time from `start` to `end`; refused when they belong to
+    /// different contexts, whose times a driver does not compare (CUDA
+    /// answers `CUDA_ERROR_INVALID_HANDLE`).
     pub(super) fn elapsed(start: &Self, end: &Self) -> Result<Duration, ServerError> {
         const CALL: &str = "event_elapsed";
+        if start.context() != end.context() {
+            return Err(error::call(
+                CALL,
+                error::INVALID_HANDLE,
+                "the start and stop events belong to different contexts: a measurement's two \
+                 events must be recorded on streams of one context",
+            ));
+        }
         let (start, end) = (start.reached_at(CALL)?, end.reached_at(CALL)?);
         end.checked_duration_since(start)
             .ok_or_else(|| ServerError::StopBeforeStart {

@@ -6,8 +6,10 @@
 //! on a CPU. Where CUDA's behaviour matters, the rule is taken from the
 //! driver docs and cited beside the code that models it: a wait is for the
 //! record current at the call ([`HostEvent`]); a fault poisons every stream
-//! of its context ([`HostContext`]); dropping a stream returns at once and
-//! its queued work still runs ([`HostStream`]).
+//! of its context ([`HostContext`]), and [`HostStream::new`] gives each
+//! stream a context of its own, so a panic there faults that stream alone;
+//! dropping a stream returns at once and its queued work still runs
+//! ([`HostStream`]).
 //!
 //! ```
 //! use device_events::host::{Host, HostStream};
@@ -89,6 +91,11 @@ impl EventApi for Host {
 
     fn event_elapsed(start: &HostEvent, end: &HostEvent) -> Result<Duration, ServerError> {
         HostEvent::elapsed(start, end)
+    }
+
+    /// The number of the stream's [`HostContext`], never given to another.
+    fn stream_context(stream: HostStreamHandle) -> Result<u64, ServerError> {
+        Ok(stream.resolve("stream_context")?.context_id())
     }
 
     /// From the stream's pool of up to 64 idle fence events.

@@ -22,7 +22,7 @@ static STREAMS: Registry<StreamShared> = Registry::new();
 ///
 /// Events recorded on it are markers in its queue, reached when the worker
 /// passes them; a device-side wait is a queued wait on the worker. A stream
-/// belongs to a [`HostContext`] ([`new`](Self::new): the primary one), and a
+/// belongs to a [`HostContext`] ([`new`](Self::new): one of its own), and a
 /// panic in launched work faults that whole context for good, as an illegal
 /// address faults a CUDA context: every later launch, record, wait or
 /// synchronize on any of its streams returns [`ServerError::Faulted`], and
@@ -89,16 +89,24 @@ enum Op {
 }
 
 impl HostStream {
-    /// Start a stream and its worker thread on the
-    /// [primary](HostContext::primary) context.
+    /// Start a stream and its worker thread on a [`HostContext`] of its own.
+    ///
+    /// A panic in its work faults this stream for good, as CUDA's sticky
+    /// errors fault a context ("any further CUDA work will return the same
+    /// error"; see [`HostContext`]), and no other stream: not one made by
+    /// `new` before or after it, in this test or another running beside it.
+    /// Fences and device-side waits work across such streams; an event is
+    /// recorded only on the stream it was created for, and a profile whose
+    /// start and stop are on two of them is refused when read, as the
+    /// driver refuses across contexts. Streams that share events, profiles
+    /// or faults go on one context: [`HostContext::new_stream`].
     ///
     /// # Errors
     ///
-    /// [`ServerError::Faulted`] once work on a primary-context stream has
-    /// panicked; [`ServerError::ThreadSpawn`] when the operating system
-    /// refused to start the thread.
+    /// [`ServerError::ThreadSpawn`] when the operating system refused to
+    /// start the thread.
     pub fn new() -> Result<Self, ServerError> {
-        Self::on(&HostContext::primary())
+        Self::on(&HostContext::new())
     }
 
     /// Start a stream and its worker thread on `context`
@@ -233,6 +241,11 @@ impl HostStreamHandle {
 }
 
 impl StreamShared {
+    /// The number of this stream's context, unique for the process's life.
+    pub(super) fn context_id(&self) -> u64 {
+        self.context.id()
+    }
+
     /// The next number in this stream's order of recorded points.
     pub(super) fn next_sequence(&self) -> u64 {
         self.sequence.fetch_add(1, Ordering::Relaxed)
