@@ -6,14 +6,12 @@
 //! One test in its own binary: a fork copies whatever locks other threads
 //! held at that moment, and here no other test's threads run.
 #![cfg(unix)]
-// fork, alarm, _exit and waitpid: the FFI edge of this test.
-#![allow(unsafe_code)]
 
 mod common;
 
-use std::io::Write;
 use std::time::Duration;
 
+use common::fork::in_a_fork;
 use common::Gate;
 use device_events::host::{Host, HostStream};
 use device_events::{EventFence, FenceFuture, ServerError, Waiter};
@@ -76,42 +74,6 @@ fn global_await_resolves() -> Result<(), String> {
     match global.wait_sync_timeout(Duration::from_secs(10)) {
         Some(Ok(())) => Ok(()),
         other => Err(format!("the global waiter answered {other:?}")),
-    }
-}
-
-/// Run `check` in a forked child and return its exit status: 0 when it
-/// passed, 1 when it failed (it says why on stderr), 128 + the signal when
-/// it was killed (SIGALRM after 20 s: something hung).
-fn in_a_fork(check: impl FnOnce() -> Result<(), String>) -> i32 {
-    // SAFETY: the child runs only `check`, in the one thread fork copies,
-    // and leaves with `_exit` (no atexit handlers, no unwinding into the
-    // harness); an alarm ends it if anything there hangs.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0, "fork failed");
-    if pid == 0 {
-        // SAFETY: alarm only schedules a signal for this process.
-        unsafe { libc::alarm(20) };
-        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(check))
-            .unwrap_or_else(|_| Err("the child panicked".to_owned()));
-        let code = match outcome {
-            Ok(()) => 0,
-            Err(why) => {
-                // Straight to fd 2: the harness's capture stays in the child.
-                let _ = writeln!(std::io::stderr(), "forked child: {why}");
-                1
-            }
-        };
-        // SAFETY: ends the child at once, as a forked child should.
-        unsafe { libc::_exit(code) };
-    }
-    let mut status = 0;
-    // SAFETY: waits for the child forked here; `status` outlives the call.
-    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
-    assert_eq!(waited, pid);
-    if libc::WIFSIGNALED(status) {
-        128 + libc::WTERMSIG(status)
-    } else {
-        libc::WEXITSTATUS(status)
     }
 }
 

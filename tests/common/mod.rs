@@ -6,6 +6,8 @@
 #[cfg(feature = "cuda")]
 pub mod fake_driver;
 pub mod faulty;
+#[cfg(unix)]
+pub mod fork;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod logs;

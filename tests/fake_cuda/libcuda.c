@@ -74,8 +74,9 @@
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
  * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device),
  * fakeCudaFailNextQuery(status), and the capture races of "Stream capture"
- * (fakeCudaCaptureInNextRecord, fakeCudaLastRecordCapture), found by the
- * tests with dlsym.
+ * (fakeCudaCaptureInNextRecord, fakeCudaLastRecordCapture), and a record
+ * held in the call (fakeCudaHoldNextRecord, fakeCudaRecordHeld), found by
+ * the tests with dlsym.
  *
  * It validates nothing of PTX or of real hardware; scripts/fake-cuda.sh
  * builds it and runs the CUDA tests against it.
@@ -752,6 +753,27 @@ int fakeCudaLastRecordCapture(int unused) {
     return last_record_capture;
 }
 
+/* Test hook: the next cuEventRecord, on any thread, stops just before it
+ * returns (outside the lock, as a real record takes microseconds) until
+ * released: fakeCudaHoldNextRecord(1) arms it, (0) releases it;
+ * fakeCudaRecordHeld() is 1 while a record is stopped there. */
+static atomic_int hold_next_record, record_released, record_held;
+
+int fakeCudaHoldNextRecord(int arm) {
+    if (arm) {
+        atomic_store(&record_released, 0);
+        atomic_store(&hold_next_record, 1);
+    } else {
+        atomic_store(&record_released, 1);
+    }
+    return 0;
+}
+
+int fakeCudaRecordHeld(int unused) {
+    (void)unused;
+    return atomic_load(&record_held);
+}
+
 int fakeCudaCaptureInNextRecord(int race) {
     capture_in_next_record = race;
     return 0;
@@ -810,6 +832,11 @@ int cuEventRecord(void *event, void *stream) {
         }
     }
     pthread_mutex_unlock(&lock);
+    if (atomic_exchange(&hold_next_record, 0)) {
+        atomic_store(&record_held, 1);
+        while (!atomic_load(&record_released)) sched_yield();
+        atomic_store(&record_held, 0);
+    }
     /* A real cuEventRecord takes microseconds; yielding here widens the
      * window in which a caller's work just after the call races another
      * thread's record on the same stream (see "Record order"). */

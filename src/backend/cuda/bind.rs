@@ -259,6 +259,12 @@ impl Drop for HeldContext {
         let Some(ctx) = self.0.take() else {
             return;
         };
+        if super::driver::in_forked_child() {
+            // cudarc's drop would call the driver, which a forked child
+            // must not (see `in_forked_child`).
+            std::mem::forget(ctx);
+            return;
+        }
         if crate::plant::planted("cuda-last-context-drop-not-restored") {
             return;
         }

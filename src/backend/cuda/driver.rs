@@ -168,6 +168,8 @@ struct Loaded {
     /// An error makes the backend unavailable; the entry points still name
     /// and describe statuses (see [`status_error`]).
     init: Result<(), ServerError>,
+    /// The fork generation it was loaded in (see [`in_forked_child`]).
+    generation: u64,
 }
 
 /// The one load state, set once by [`load`]: an error when the library is
@@ -194,10 +196,42 @@ pub(super) fn driver() -> Result<Driver, ServerError> {
     if let Some(first) = SHUT_DOWN.get() {
         live(first)?;
     }
+    not_forked()?;
     match DRIVER.get_or_init(load) {
-        Ok(Loaded { api, init: Ok(()) }) => Ok(Driver { api }),
+        Ok(Loaded {
+            api, init: Ok(()), ..
+        }) => Ok(Driver { api }),
         Ok(Loaded { init: Err(err), .. }) | Err(err) => Err(err.clone()),
     }
+}
+
+/// Why a forked child makes no CUDA call.
+const FORKED: &str = "this process is a fork of the one that initialized the CUDA driver: \
+                      \"CUDA does not duplicate any of its internal data structures or threads \
+                      to other processes upon a call to fork\" (NVIDIA's CUDA C++ guidelines), so \
+                      no CUDA call is made here; use CUDA in a child only after exec";
+
+/// Whether this process is a fork of the one that loaded the driver: there,
+/// any CUDA call is undefined ("Any use of CUDA after a call to fork and
+/// before a subsequent call to exec has undefined behavior", NVIDIA's CUDA
+/// C++ guidelines), and a lock of the crate's may have been held by a thread
+/// that stayed in the parent. So the backend refuses every call before it
+/// takes a lock of its own, and its drops forget what they hold (see
+/// [`crate::fork`]). One relaxed load once the driver is loaded.
+pub(super) fn in_forked_child() -> bool {
+    matches!(DRIVER.get(), Some(Ok(loaded)) if loaded.generation != crate::fork::current())
+}
+
+/// [`in_forked_child`] as an error for `call`'s caller.
+///
+/// # Errors
+///
+/// [`ServerError::Unavailable`] in a forked child.
+pub(super) fn not_forked() -> Result<(), ServerError> {
+    if in_forked_child() {
+        return Err(unavailable(FORKED.to_owned()));
+    }
+    Ok(())
 }
 
 /// The entry points once cudarc has loaded the driver library and every
@@ -282,11 +316,18 @@ fn load() -> Result<Loaded, ServerError> {
         module_get_function: entry!("cuModuleGetFunction"),
         launch_kernel: entry!("cuLaunchKernel"),
     };
+    // Taken first: a fork from now on is one of a process that may have
+    // initialized the driver.
+    let generation = crate::fork::generation();
     // SAFETY: cuInit takes flags by value; 0 is the only documented value.
     let status = unsafe { (api.init)(0) };
     // Named by the driver's own lookups: the table is not stored yet.
     let init = check(Some(&api), "cuInit", status).map_err(|err| unavailable(err.to_string()));
-    Ok(Loaded { api, init })
+    Ok(Loaded {
+        api,
+        init,
+        generation,
+    })
 }
 
 fn unavailable(reason: String) -> ServerError {

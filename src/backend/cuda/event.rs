@@ -6,7 +6,9 @@ use std::sync::{Arc, Weak};
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::bind::{bind, HeldContext};
-use super::driver::{driver, invalid_context, refused, Capture, RawEvent};
+use super::driver::{
+    driver, in_forked_child, invalid_context, not_forked, refused, Capture, RawEvent,
+};
 use super::fence_pool::FencePool;
 use crate::loom::Mutex;
 use crate::{status, EventFlags, ServerError};
@@ -117,6 +119,11 @@ impl CudaEvent {
     /// pool is full (or it has none). Its last record may still be pending:
     /// the next `cuEventRecord` replaces it, which the driver allows.
     pub(super) fn release(mut self) -> Result<(), ServerError> {
+        if in_forked_child() {
+            // Forgotten by the drop: the pool's locks may be held in the
+            // parent.
+            return Ok(());
+        }
         if let (Some((pool, shard)), Some(raw)) = (self.pool.take(), self.raw.take()) {
             match pool.give_back(shard, raw) {
                 Ok(()) => return Ok(()),
@@ -223,19 +230,19 @@ impl CudaEvent {
         let waiting = bound.driver().stream_capture(CALL, stream)?;
         let refusal = match (self.recorded(), waiting) {
             (Recorded::Outside, Capture::None) => None,
-            (Recorded::Outside, _) => (!crate::plant::planted(
-                "cuda-capturing-stream-waits-on-outside-event",
-            ))
-            .then(|| {
-                refused(
-                    CALL,
-                    sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
-                    "the stream is capturing a CUDA graph and the fence was recorded outside \
-                         that capture: a captured stream can wait only on fences recorded in the \
-                         same capture (the driver would refuse it and invalidate the capture, \
-                         which is left intact); wait before beginning the capture, or on the host",
-                )
-            }),
+            (Recorded::Outside, _)
+                if crate::plant::planted("cuda-capturing-stream-waits-on-outside-event") =>
+            {
+                None
+            }
+            (Recorded::Outside, _) => Some(refused(
+                CALL,
+                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
+                "the stream is capturing a CUDA graph and the fence was recorded outside that \
+                 capture: a captured stream can wait only on fences recorded in the same \
+                 capture (the driver would refuse it and invalidate the capture, which is left \
+                 intact); wait before beginning the capture, or on the host",
+            )),
             (Recorded::InCapture { id, .. }, Capture::Active(same)) if id == same => None,
             (Recorded::InCapture { .. }, Capture::Active(_)) => Some(refused(
                 CALL,
@@ -312,6 +319,12 @@ impl CudaEvent {
         let Some(raw) = self.raw.take() else {
             return Ok(());
         };
+        // In a forked child no CUDA call is made, and what the event holds
+        // is forgotten with it (its pool and context are the parent's).
+        if let Err(forked) = not_forked() {
+            std::mem::forget(self.pool.take());
+            return Err(forked);
+        }
         // The destroy is attempted even if the bind fails (a faulted
         // context, say): skipping it would leak the event for good.
         let bound = bind(&self.ctx);
@@ -327,7 +340,7 @@ impl Drop for CudaEvent {
             Ok(()) => {}
             // Gone with the driver (at process exit, say): the driver's
             // shutdown was logged once, where it was first seen.
-            Err(err) if err.is_shut_down() => log::trace!("{err}"),
+            Err(err) if err.is_shut_down() || err.is_unavailable() => log::trace!("{err}"),
             Err(err) => log::error!("a CUDA event could not be destroyed: {err}"),
         }
     }

@@ -159,6 +159,10 @@ impl FencePool {
 
 impl Drop for FencePool {
     fn drop(&mut self) {
+        if super::driver::in_forked_child() {
+            // Its locks may be held in the parent: its events are forgotten.
+            return;
+        }
         let idle = self.idle.take_all(|_| {});
         if idle.is_empty() {
             return;

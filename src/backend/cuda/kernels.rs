@@ -213,6 +213,7 @@ impl SleepKernel {
         // so no other context can have that handle meanwhile. Held over the
         // load, so that callers racing for one context load it once.
         static SHARED: OnceLock<Mutex<Vec<Weak<SleepKernel>>>> = OnceLock::new();
+        super::driver::ensure_loaded()?;
         let mut shared = SHARED.get_or_init(Mutex::default).lock();
         shared.retain(|kernel| kernel.strong_count() > 0);
         let found = shared

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use cudarc::driver::{sys, CudaStream};
 
 use super::bind::bind;
-use super::driver::{refused, Capture};
+use super::driver::{in_forked_child, not_forked, refused, Capture};
 use super::fence_pool::FencePool;
 use crate::backend::registry::Registry;
 use crate::loom::Mutex;
@@ -120,9 +120,15 @@ fn thread_key() -> u64 {
 impl CudaStreamHandle {
     /// The handle for `stream`. Infallible and cheap after the first call for
     /// the same `Arc` (one map lookup). For a per-thread default stream, the
-    /// handle belongs to the calling thread (see the type's docs).
+    /// handle belongs to the calling thread (see the type's docs). In a
+    /// forked child of a process that used CUDA, a handle that names no
+    /// stream: no CUDA call may be made there.
     pub fn new(stream: &Arc<CudaStream>) -> Self {
         let per_thread = stream.cu_stream() as usize == PER_THREAD_STREAM;
+        if in_forked_child() {
+            // The registry's lock may have stayed held in the parent.
+            return Self { id: 0, thread: 0 };
+        }
         Self {
             id: STREAMS
                 .register(stream, || {
@@ -153,6 +159,8 @@ impl CudaStreamHandle {
         self,
         call: &'static str,
     ) -> Result<(Arc<CudaStream>, Arc<PerStream>), ServerError> {
+        // Before any lock: one may have stayed held in the parent.
+        not_forked()?;
         if self.thread != 0
             && self.thread != thread_key()
             && !crate::plant::planted("cuda-per-thread-stream-used-anywhere")
