@@ -117,6 +117,31 @@ impl AnyStream {
             Self::Host(stream) => stream.synchronize(),
         }
     }
+
+    /// The stream's counts of its events in use, on either backend
+    /// ([`HostStream::live_events`](crate::host::HostStream::live_events),
+    /// `cuda::live_events`), for a leak check written once. For tests: only
+    /// with the `test-util` feature.
+    ///
+    /// ```
+    /// use device_events::host::HostStream;
+    /// use device_events::AnyStream;
+    ///
+    /// let stream = AnyStream::from(HostStream::new()?);
+    /// let live = stream.live_events();
+    /// stream.fence().wait_sync()?;
+    /// assert_eq!(live.count(), 0, "nothing leaked");
+    /// # Ok::<(), device_events::ServerError>(())
+    /// ```
+    #[cfg(any(test, feature = "test-util"))]
+    #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+    pub fn live_events(&self) -> crate::LiveEvents {
+        match self {
+            #[cfg(feature = "cuda")]
+            Self::Cuda(stream) => cuda::live_events(stream),
+            Self::Host(stream) => stream.live_events(),
+        }
+    }
 }
 
 #[cfg(feature = "cuda")]

@@ -76,7 +76,10 @@
 //! code the crate calls but does not own, caught with their payloads),
 //! `fork` (whether this process is a fork of the one that made a pool),
 //! `shards` (how state is spread over locks: by hash, by thread),
-//! `idle_pool` (bounded pools of idle events: the fence-event pools) and `plant` (the planted-defect hooks) serve every layer; they, like `api`
+//! `idle_pool` (bounded pools of idle events: the fence-event pools),
+//! `live_events` (per-stream event counts for leak checks, feature
+//! `test-util`) and `plant` (the planted-defect hooks) serve every layer;
+//! they, like `api`
 //! and `error`, may be imported from any layer.
 //!
 //! # Backends
@@ -133,6 +136,7 @@ mod any_profiler;
 mod fault_log;
 mod fork;
 mod idle_pool;
+mod live_events;
 mod loom;
 mod own_threads;
 mod panics;
@@ -151,6 +155,9 @@ pub use backend::host;
 pub use error::{status, ErrorSource, ServerError};
 pub use event::Event;
 pub use fence::EventFence;
+#[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub use live_events::LiveEvents;
 #[cfg(multi_threading)]
 pub use profiler::{
     EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats, DEFAULT_PROFILER_CAPACITY,

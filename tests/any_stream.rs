@@ -277,3 +277,47 @@ mod cuda {
         }
     }
 }
+
+/// A leak check written once for either backend: fences, a device-side
+/// wait, an await and a profile on an `AnyStream`, then none of its events
+/// is left in use, and a second round creates only its new profiler's two.
+fn no_event_left_in_use(stream: &AnyStream) {
+    let live = stream.live_events();
+    let round = || {
+        let profiler = AnyProfiler::new();
+        let fence = stream.fence();
+        assert_eq!(live.count(), 1, "{}: the fence's event", stream.backend());
+        fence.wait_async(stream).unwrap();
+        futures::executor::block_on(stream.fence().wait()).unwrap();
+        let start = profiler.start(stream).unwrap();
+        profiler.stop(start, stream).unwrap().wait_sync().unwrap();
+        fence.wait_sync().unwrap();
+    };
+    // The waiter's thread lets the awaited fence go just after it wakes
+    // the task.
+    let none_in_use = || {
+        common::eventually(Duration::from_secs(20), "no event left in use", || {
+            live.count() == 0
+        })
+    };
+    round();
+    none_in_use();
+    let created = live.created();
+    round();
+    none_in_use();
+    assert_eq!(
+        live.created(),
+        created + 2,
+        "{}: fence events are reused",
+        stream.backend()
+    );
+}
+
+#[test]
+fn a_leak_check_on_live_events_runs_the_same_on_either_backend() {
+    no_event_left_in_use(&AnyStream::from(HostStream::new().unwrap()));
+    #[cfg(feature = "cuda")]
+    if let Some((ctx, _)) = common::gpu::gpu("a_leak_check_on_live_events_runs_the_same") {
+        no_event_left_in_use(&AnyStream::from(ctx.new_stream().unwrap()));
+    }
+}

@@ -18,6 +18,7 @@ const ANYWHERE: &[&str] = &[
     "plant",
     "shards",
     "idle_pool",
+    "live_events",
     "error",
     "api",
 ];
@@ -38,6 +39,7 @@ const LAYERS: &[(&str, &[&str])] = &[
     ("plant", ANYWHERE),
     ("shards", ANYWHERE),
     ("idle_pool", ANYWHERE),
+    ("live_events", ANYWHERE),
     // Backends: not `event`, `fence`, the waiter or anything above (see
     // EXCEPTIONS for the fence they offer).
     ("backend", ANYWHERE),

@@ -162,7 +162,12 @@ pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerEr
     }
     let previous = driver.ctx_get_current()?;
     let made = make();
-    if !crate::plant::planted("cuda-previous-context-not-restored") {
+    // Restored only if `make` changed it: a binding the thread had (even a
+    // stale one, see `bind`) is left exactly as it was.
+    let changed = driver
+        .ctx_get_current()
+        .map_or(true, |now| now.raw() != previous.raw());
+    if changed && !crate::plant::planted("cuda-previous-context-not-restored") {
         if let Err(err) = driver.ctx_restore(previous) {
             log::debug!(
                 "the thread's previous CUDA context could not be made current again: {err}"

@@ -575,6 +575,11 @@ impl CurrentContext {
     pub(super) fn is(&self, ctx: &CudaContext) -> bool {
         self.0 == ctx.cu_ctx()
     }
+
+    /// The handle, to compare with another thread state's.
+    pub(super) fn raw(&self) -> sys::CUcontext {
+        self.0
+    }
 }
 
 /// An event made by [`Driver::event_create`] and not yet given to

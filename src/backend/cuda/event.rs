@@ -10,6 +10,7 @@ use super::driver::{
     driver, in_forked_child, invalid_context, not_forked, refused, Capture, RawEvent,
 };
 use super::fence_pool::FencePool;
+use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
 use crate::{status, EventFlags, ServerError};
 
@@ -43,6 +44,9 @@ pub struct CudaEvent {
     ctx: HeldContext,
     /// Where its latest record was made (see [`Self::record`]).
     recorded: Mutex<Recorded>,
+    /// The counts of the stream it is in use for, until destroyed or given
+    /// back (feature `test-util`; see [`LiveEvents`]).
+    live: Option<LiveEvents>,
 }
 
 /// Where an event's latest record was made: in a graph capture it marks a
@@ -85,11 +89,16 @@ impl Recorded {
 }
 
 impl CudaEvent {
-    /// Create an event in `ctx`.
-    pub(super) fn create(ctx: &Arc<CudaContext>, flags: EventFlags) -> Result<Self, ServerError> {
+    /// Create an event in `ctx`, for the stream counted in `live`.
+    pub(super) fn create(
+        ctx: &Arc<CudaContext>,
+        flags: EventFlags,
+        live: &LiveEvents,
+    ) -> Result<Self, ServerError> {
         let bound = bind(ctx)?;
         let raw = bound.driver().event_create(flags)?;
-        Ok(Self::from_raw(raw, ctx))
+        live.allocated();
+        Ok(Self::from_raw(raw, ctx).counted(live))
     }
 
     /// Own `raw`, an event of `ctx`'s.
@@ -99,6 +108,20 @@ impl CudaEvent {
             pool: None,
             ctx: HeldContext::new(ctx),
             recorded: Mutex::default(),
+            live: None,
+        }
+    }
+
+    /// The same event, counted in `live` until destroyed or given back.
+    pub(super) fn counted(mut self, live: &LiveEvents) -> Self {
+        self.live = Some(live.clone());
+        self
+    }
+
+    /// No longer in use for its stream: counted out, once.
+    fn uncount(&mut self) {
+        if let Some(live) = self.live.take() {
+            live.freed();
         }
     }
 
@@ -126,7 +149,10 @@ impl CudaEvent {
         }
         if let (Some((pool, shard)), Some(raw)) = (self.pool.take(), self.raw.take()) {
             match pool.give_back(shard, raw) {
-                Ok(()) => return Ok(()),
+                Ok(()) => {
+                    self.uncount();
+                    return Ok(());
+                }
                 Err(full) => self.raw = Some(full),
             }
         }
@@ -319,6 +345,7 @@ impl CudaEvent {
         let Some(raw) = self.raw.take() else {
             return Ok(());
         };
+        self.uncount();
         // In a forked child no CUDA call is made, and what the event holds
         // is forgotten with it (its pool and context are the parent's).
         if let Err(forked) = not_forked() {

@@ -8,6 +8,7 @@ use super::bind::HeldContext;
 use super::driver::{driver, RawEvent};
 use super::event::CudaEvent;
 use crate::idle_pool::IdlePool;
+use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
 use crate::{EventFlags, ServerError};
 
@@ -111,11 +112,19 @@ impl FencePool {
     /// An idle fence event of this pool's context from the calling thread's
     /// shard, or a new one. `ctx` is an object of the pool's context, kept
     /// alive by the caller's stream.
-    pub(crate) fn take(self: &Arc<Self>, ctx: &Arc<CudaContext>) -> Result<CudaEvent, ServerError> {
+    /// It is counted in `live`, its stream's counts.
+    pub(crate) fn take(
+        self: &Arc<Self>,
+        ctx: &Arc<CudaContext>,
+        live: &LiveEvents,
+    ) -> Result<CudaEvent, ServerError> {
         let shard = self.idle.home();
         let event = match self.idle.take(shard, |_| {}) {
-            Some(IdleEvent(raw)) => CudaEvent::from_raw(raw, ctx),
-            None => CudaEvent::create(ctx, EventFlags::FENCE)?,
+            Some(IdleEvent(raw)) => {
+                live.reused();
+                CudaEvent::from_raw(raw, ctx).counted(live)
+            }
+            None => CudaEvent::create(ctx, EventFlags::FENCE, live)?,
         };
         Ok(event.pooled(self.clone(), shard))
     }

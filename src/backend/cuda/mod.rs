@@ -59,6 +59,35 @@ pub fn required_symbols() -> &'static [&'static str] {
 }
 pub use stream::CudaStreamHandle;
 
+/// Counts of the events the backend made for `stream` and has not destroyed
+/// or given back to its context's pool: the same
+/// [`LiveEvents`](crate::LiveEvents) a host stream gives
+/// ([`HostStream::live_events`](crate::host::HostStream::live_events)), so a
+/// leak check runs the same on either backend (see
+/// [`AnyStream::live_events`](crate::AnyStream::live_events)). Idle events
+/// in the context's pool do not count; it stays readable after the stream
+/// is dropped. For tests: only with the `test-util` feature.
+///
+/// ```no_run
+/// use device_events::cuda;
+///
+/// let stream = cuda::context(0)?.new_stream()?;
+/// let live = cuda::live_events(&stream);
+/// let fence = cuda::fence(&stream);
+/// assert_eq!(live.count(), 1);
+/// fence.wait_sync()?; // its event goes back to the context's pool
+/// assert_eq!(live.count(), 0);
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+#[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub fn live_events(stream: &Arc<CudaStream>) -> crate::LiveEvents {
+    CudaStreamHandle::new(stream)
+        .resolve_per_stream("cuEventCreate")
+        .map(|(_, per_stream)| per_stream.live.clone())
+        .unwrap_or_default()
+}
+
 use crate::loom::Mutex;
 use crate::{EventApi, EventFence, EventFlags, ServerError};
 
@@ -215,8 +244,8 @@ impl EventApi for Cuda {
 
     fn event_create(stream: CudaStreamHandle, flags: EventFlags) -> Result<CudaEvent, ServerError> {
         driver::ensure_loaded()?;
-        let stream = stream.resolve("cuEventCreate")?;
-        CudaEvent::create(stream.context(), flags)
+        let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
+        CudaEvent::create(stream.context(), flags, &per_stream.live)
     }
 
     fn event_record(event: &CudaEvent, stream: CudaStreamHandle) -> Result<(), ServerError> {
@@ -293,7 +322,7 @@ impl EventApi for Cuda {
     fn fence_event_acquire(stream: CudaStreamHandle) -> Result<CudaEvent, ServerError> {
         driver::ensure_loaded()?;
         let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
-        per_stream.pool.take(stream.context())
+        per_stream.pool.take(stream.context(), &per_stream.live)
     }
 
     /// One counter per stream: fences on different streams share nothing.
@@ -312,7 +341,7 @@ impl EventApi for Cuda {
         driver::ensure_loaded()?;
         let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
         crate::api::record_fence_event(
-            || per_stream.pool.take(stream.context()),
+            || per_stream.pool.take(stream.context(), &per_stream.live),
             |event| per_stream.record_in_order(|| event.record(&stream)),
             CudaEvent::release,
         )

@@ -10,6 +10,7 @@ use super::bind::bind;
 use super::driver::{in_forked_child, not_forked, refused, Capture};
 use super::fence_pool::FencePool;
 use crate::backend::registry::Registry;
+use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
 use crate::ServerError;
 
@@ -21,6 +22,8 @@ static STREAMS: Registry<CudaStream, Arc<PerStream>> = Registry::new();
 pub(super) struct PerStream {
     /// The stream's context's fence-event pool.
     pub(super) pool: Arc<FencePool>,
+    /// The stream's counts of its events in use (feature `test-util`).
+    pub(super) live: LiveEvents,
     /// The next number in the order of points recorded on the stream, for
     /// the waiter. A lock, not an atomic: a record and its number are taken
     /// under it as one step ([`record_in_order`](Self::record_in_order)).
@@ -134,6 +137,7 @@ impl CudaStreamHandle {
                 .register(stream, || {
                     Arc::new(PerStream {
                         pool: FencePool::of(stream.context()),
+                        live: LiveEvents::default(),
                         sequence: Mutex::new(0),
                     })
                 })

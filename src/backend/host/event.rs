@@ -2,104 +2,15 @@
 
 use std::collections::VecDeque;
 use std::fmt;
-#[cfg(any(test, feature = "test-util"))]
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
 use super::context::ContextShared;
 use super::error;
 use crate::idle_pool::IdlePool;
+use crate::live_events::LiveEvents;
 use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::ServerError;
-
-/// Counts of the events created for one [`HostStream`](super::HostStream),
-/// from [`HostStream::live_events`](super::HostStream::live_events). For
-/// tests: only with the `test-util` feature (without it, the backend keeps
-/// no counts).
-///
-/// A cheap handle, shared by the stream and each of its events, so it can be
-/// read after the stream is dropped, when everything the stream's worker held
-/// has been released. It counts one stream's events, not the process's, so a
-/// leak check on it is not disturbed by other streams (or other tests)
-/// creating and destroying events at the same time.
-#[cfg(any(test, feature = "test-util"))]
-#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
-#[derive(Clone, Default)]
-pub struct LiveEvents(Arc<Counts>);
-
-/// Without `test-util` nothing reads the counts, so none are kept.
-#[cfg(not(any(test, feature = "test-util")))]
-#[derive(Clone, Default)]
-pub(super) struct LiveEvents(());
-
-#[cfg(not(any(test, feature = "test-util")))]
-impl LiveEvents {
-    fn allocated(&self) {}
-
-    fn freed(&self) {}
-
-    fn set_idle(&self, _idle: usize) {}
-}
-
-#[cfg(any(test, feature = "test-util"))]
-#[derive(Default)]
-struct Counts {
-    /// The stream's events allocated and not yet freed: in use, or idle in
-    /// the stream's pool.
-    alive: AtomicUsize,
-    /// Of those, how many are idle in the pool: a gauge the pool sets under
-    /// its lock, with a plain store, so taking and giving back a pooled
-    /// event costs no read-modify-write here.
-    idle: AtomicUsize,
-    created: AtomicU64,
-}
-
-#[cfg(any(test, feature = "test-util"))]
-impl LiveEvents {
-    /// How many of the stream's events are in use right now: created (or
-    /// taken from the stream's fence-event pool) and not yet destroyed or
-    /// given back to the pool. An event destroyed while a marker for it is
-    /// still queued counts until the marker passes (a driver frees such an
-    /// event once its work completes, and so does this backend); idle events
-    /// in the pool do not count.
-    pub fn count(&self) -> usize {
-        // The gauge first: an event given back between the two reads then
-        // still counts (never a count too low for a leak check to trust).
-        let idle = self.0.idle.load(Ordering::SeqCst);
-        self.0.alive.load(Ordering::SeqCst).saturating_sub(idle)
-    }
-
-    /// How many events were ever created for the stream: a steady loop of
-    /// fences that stops growing this creates none (its events are pooled).
-    pub fn created(&self) -> u64 {
-        self.0.created.load(Ordering::SeqCst)
-    }
-
-    fn allocated(&self) {
-        self.0.created.fetch_add(1, Ordering::SeqCst);
-        self.0.alive.fetch_add(1, Ordering::SeqCst);
-    }
-
-    fn freed(&self) {
-        self.0.alive.fetch_sub(1, Ordering::SeqCst);
-    }
-
-    /// The pool now holds `idle` events; called under the pool's lock.
-    fn set_idle(&self, idle: usize) {
-        self.0.idle.store(idle, Ordering::Release);
-    }
-}
-
-#[cfg(any(test, feature = "test-util"))]
-impl fmt::Debug for LiveEvents {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("LiveEvents")
-            .field("count", &self.count())
-            .field("created", &self.created())
-            .finish()
-    }
-}
 
 /// The most idle fence events a host stream keeps for later fences.
 pub(super) const FENCE_POOL_CAPACITY: usize = 64;

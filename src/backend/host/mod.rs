@@ -30,10 +30,10 @@ mod stream;
 
 use std::time::Duration;
 
+#[cfg(any(test, feature = "test-util"))]
+pub use crate::live_events::LiveEvents;
 pub use context::HostContext;
 pub use event::HostEvent;
-#[cfg(any(test, feature = "test-util"))]
-pub use event::LiveEvents;
 pub use stream::{HostStream, HostStreamHandle};
 
 use crate::{EventApi, EventFlags, ServerError};

@@ -8,9 +8,10 @@ use std::thread;
 
 use super::context::{ContextShared, HostContext};
 use super::error;
-use super::event::{FencePool, HostEvent, LiveEvents};
+use super::event::{FencePool, HostEvent};
 use super::Host;
 use crate::backend::registry::Registry;
+use crate::live_events::LiveEvents;
 use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::{panics, EventFence, ServerError};
 
