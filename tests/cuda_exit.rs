@@ -161,6 +161,7 @@ fn teardown(
     let calls_after =
         || fake_driver::call(c"fakeCudaCallsAfterTeardown", 0).expect("on the fake driver");
     let doomed = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
+    let recorded_before = cuda::fence(stream);
     let waiting = std::thread::spawn(move || futures::executor::block_on(pending.wait()));
 
     fake_driver::call(c"fakeCudaTeardown", 0);
@@ -184,6 +185,9 @@ fn teardown(
     for result in refused {
         assert!(result.as_ref().unwrap_err().is_shut_down(), "{result:?}");
     }
+    // Not a refusal to work around with a host wait (and a warning).
+    let err = recorded_before.wait_async(handle).unwrap_err();
+    assert!(err.is_shut_down(), "{err}");
     assert!(cuda::context(0).unwrap_err().is_shut_down());
     drop(doomed);
     let reached_since = calls_after() - reached;
