@@ -13,8 +13,8 @@ use std::time::Duration;
 
 use common::fork::in_a_fork;
 use common::Gate;
-use device_events::host::{Host, HostStream};
-use device_events::{EventFence, FenceFuture, ServerError, Waiter};
+use device_events::host::{Host, HostContext, HostStream};
+use device_events::{status, EventFence, FenceFuture, ServerError, Waiter};
 use futures::FutureExt;
 
 /// What the child checks; `Err` says what went wrong. `handed` was handed
@@ -77,8 +77,48 @@ fn global_await_resolves() -> Result<(), String> {
     }
 }
 
+/// A host stream made before the fork has its worker in the parent: in the
+/// child, its calls and its fences' waits fail at once (an invalid handle),
+/// where they would wait forever for work that never runs; the process's
+/// primary context is made afresh there.
+fn a_host_stream_made_before_the_fork_fails_in_the_child_never_hangs() {
+    let parents = HostStream::new().unwrap();
+    let shared = HostContext::primary().new_stream().unwrap();
+    let held = Gate::hold(&parents);
+    let fence = parents.fence();
+    let status = in_a_fork(|| {
+        let invalid = |what: &str, result: Result<(), ServerError>| match result {
+            Err(err) if err.code() == Some(status::INVALID_HANDLE) => Ok(()),
+            other => Err(format!("{what} in the child answered {other:?}")),
+        };
+        invalid("a synchronize", parents.synchronize())?;
+        invalid("a launch", parents.launch(|| {}))?;
+        invalid("a fence's wait_sync", parents.fence().wait_sync())?;
+        let child = HostStream::new().map_err(|err| err.to_string())?;
+        invalid(
+            "a wait on the parent's fence",
+            fence.wait_async(child.handle()),
+        )?;
+        invalid("a shared stream's synchronize", shared.synchronize())?;
+        let primary = HostContext::primary()
+            .new_stream()
+            .map_err(|err| err.to_string())?;
+        primary.fence().wait_sync().map_err(|err| err.to_string())?;
+        child.fence().wait_sync().map_err(|err| err.to_string())
+    });
+    assert_eq!(
+        status, 0,
+        "the child's checks failed (1: its stderr says why; 142: SIGALRM, a wait hung)"
+    );
+    held.open();
+    fence.wait_sync().unwrap();
+    shared.synchronize().unwrap();
+}
+
 #[test]
 fn a_wait_in_a_forked_child_fails_at_once_or_resolves_never_hangs() {
+    // A step of this one test: no other test's threads may run at a fork.
+    a_host_stream_made_before_the_fork_fails_in_the_child_never_hangs();
     // The parent's waiter, and the global one, with threads and counts.
     let waiter = Waiter::builder().build();
     let stream = HostStream::new().unwrap();

@@ -71,6 +71,9 @@ pub struct HostContext {
 
 pub(super) struct ContextShared {
     id: u64,
+    /// The fork generation it was made in (see [`crate::fork`]): in a
+    /// forked child its streams' workers are in the parent.
+    generation: u64,
     /// The first fault's message; set once, never cleared.
     fault: OnceLock<String>,
     /// The context's streams, to fault them all.
@@ -87,6 +90,7 @@ impl HostContext {
         Self {
             shared: Arc::new(ContextShared {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                generation: crate::fork::generation(),
                 fault: OnceLock::new(),
                 streams: Mutex::new(Vec::new()),
             }),
@@ -99,10 +103,15 @@ impl HostContext {
     /// and be profiled together, and a panic in work on any of them faults
     /// all of them, and every stream made on it later, for the rest of the
     /// process. [`HostStream::new`] does not use it: put a stream here with
-    /// `HostContext::primary().new_stream()`.
+    /// `HostContext::primary().new_stream()`. A forked child gets one of its
+    /// own (the parent's streams' workers stayed in the parent).
     pub fn primary() -> Self {
-        static PRIMARY: OnceLock<HostContext> = OnceLock::new();
-        PRIMARY.get_or_init(Self::new).clone()
+        static PRIMARY: OnceLock<Mutex<HostContext>> = OnceLock::new();
+        let mut primary = PRIMARY.get_or_init(|| Mutex::new(Self::new())).lock();
+        if primary.shared.generation != crate::fork::current() {
+            *primary = Self::new();
+        }
+        primary.clone()
     }
 
     /// Start a stream on this context.
@@ -140,8 +149,25 @@ impl ContextShared {
         self.fault.get()
     }
 
-    /// An error for `call` when the context is faulted.
+    /// An error for `call` when the context was made before this process
+    /// forked: its streams' workers stayed in the parent, so nothing queued
+    /// on them runs here, and a wait on it would never end.
+    pub(super) fn not_forked(&self, call: &'static str) -> Result<(), ServerError> {
+        if self.generation == crate::fork::current() {
+            return Ok(());
+        }
+        Err(error::call(
+            call,
+            error::INVALID_HANDLE,
+            "the stream's context was made before this process forked: its worker threads \
+             stayed in the parent, so its streams run nothing here; make streams in this process",
+        ))
+    }
+
+    /// An error for `call` when the context is faulted, or was made before
+    /// this process forked.
     pub(super) fn check(&self, call: &'static str) -> Result<(), ServerError> {
+        self.not_forked(call)?;
         match self
             .fault()
             .filter(|_| !crate::plant::planted("host-fault-poisons-own-stream-only"))

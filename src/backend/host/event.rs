@@ -179,6 +179,12 @@ impl HostEvent {
         drop(full);
     }
 
+    /// An error for `call` when the event's context was made before this
+    /// process forked (see [`ContextShared::not_forked`]).
+    pub(super) fn not_forked(&self, call: &'static str) -> Result<(), ServerError> {
+        self.inner.context.not_forked(call)
+    }
+
     /// The context the event belongs to.
     pub(super) fn context(&self) -> u64 {
         self.inner.context.id()

@@ -322,6 +322,8 @@ impl StreamShared {
 
     /// Queue a wait for the latest record of `event`.
     pub(super) fn wait_event(&self, event: &HostEvent) -> Result<(), ServerError> {
+        // An event of the parent's, in a forked child, is never signalled.
+        event.not_forked("stream_wait_event")?;
         let generation = event.latest_generation();
         if generation == 0 {
             // Never recorded: complete, by the driver's rule.
