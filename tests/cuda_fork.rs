@@ -34,7 +34,7 @@ fn cuda_in_a_forked_child_fails_at_once_and_never_hangs() {
         return;
     }
     let stream = ctx.new_stream().unwrap();
-    // Made in the parent, dropped in the child.
+    // Made in the parent, waited on and dropped in the child.
     let fence = cuda::fence(&stream);
     let waiter = Waiter::builder().build();
     // A record held inside the driver, on another thread, across the fork:
@@ -57,7 +57,15 @@ fn cuda_in_a_forked_child_fails_at_once_and_never_hangs() {
         if handle.stream().is_some() {
             return Err("a handle made in the child names a stream".to_owned());
         }
-        drop(fence);
+        // Made in the parent: its wait fails at once, and its drop (here)
+        // forgets its event rather than calling the driver (the fake driver
+        // aborts a forked child that calls it).
+        let err = fence
+            .wait_sync()
+            .expect_err("a parent's fence in the child");
+        if !err.is_unavailable() {
+            return Err(format!("a parent's fence in the child failed with {err}"));
+        }
         match cuda::context(0) {
             Err(err) if err.is_unavailable() => {}
             other => return Err(format!("cuda::context in the child answered {other:?}")),
@@ -70,7 +78,8 @@ fn cuda_in_a_forked_child_fails_at_once_and_never_hangs() {
     fake_driver::call(c"fakeCudaHoldNextRecord", 0);
     assert_eq!(
         status, 0,
-        "the child's checks failed (1: its stderr says why; 142: SIGALRM, something hung)"
+        "the child's checks failed (1: its stderr says why; 134: it called the fake driver; \
+         142: SIGALRM, something hung)"
     );
     recording.join().unwrap().unwrap();
     cuda::fence(&stream).wait_sync().unwrap();

@@ -88,6 +88,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 enum {
     SUCCESS = 0,
@@ -185,8 +186,29 @@ static pthread_once_t teardown_registered = PTHREAD_ONCE_INIT;
 static void teardown(void) { atomic_store(&torn_down, 1); }
 static void register_teardown(void) { atexit(teardown); }
 
+/* ---- Fork ----
+ * "CUDA does not duplicate any of its internal data structures or threads
+ * to other processes upon a call to fork. Any use of CUDA after a call to
+ * fork and before a subsequent call to exec has undefined behavior"
+ * (NVIDIA's CUDA C++ guidelines). The fake notes the process that called
+ * cuInit, and a call from a fork of it (through any entry point that asks
+ * whether the driver is shut down: nearly all) aborts that process, so a
+ * test sees it. */
+static atomic_int init_pid;
+
+static void forked_call(void) {
+    int pid = atomic_load(&init_pid);
+    if (pid != 0 && pid != (int)getpid()) {
+        static const char why[] = "fake libcuda: a CUDA call in a forked child\n";
+        (void)!write(2, why, sizeof why - 1);
+        abort();
+    }
+}
+/* ---- end of fork ---- */
+
 /* Whether the driver is shut down; counts the call that asked. */
 static int deinitialized(void) {
+    forked_call();
     if (!atomic_load(&torn_down)) return 0;
     atomic_fetch_add(&calls_after_teardown, 1);
     return 1;
@@ -512,6 +534,8 @@ int cuGetErrorString(int error, const char **text) {
 int cuInit(unsigned flags) {
     (void)flags;
     if (deinitialized()) return DEINITIALIZED;
+    int none = 0;
+    atomic_compare_exchange_strong(&init_pid, &none, (int)getpid());
     pthread_once(&teardown_registered, register_teardown);
     return SUCCESS;
 }

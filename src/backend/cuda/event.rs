@@ -165,14 +165,22 @@ impl CudaEvent {
     /// asked of the driver just before and just after the record, so a
     /// capture another thread begins or ends meanwhile is never missed (see
     /// [`Recorded::of`]): such a record fails its waits, it never frees a
-    /// value a graph may still read.
+    /// value a graph may still read. While the record is made (and after
+    /// it, if the second question fails), it counts as [`Recorded::Unknown`]:
+    /// a thread that queries the event meanwhile is refused rather than
+    /// sent to the driver with a record that may be in a capture.
     pub(super) fn record(&self, stream: &Arc<CudaStream>) -> Result<(), ServerError> {
         const CALL: &str = "cuEventRecord";
         same_context(CALL, &self.ctx, stream)?;
         let bound = bind(&self.ctx)?;
         let driver = bound.driver();
         let before = driver.stream_capture(CALL, stream)?;
-        driver.event_record(self.raw(), stream)?;
+        let previous = std::mem::replace(&mut *self.recorded.lock(), Recorded::Unknown);
+        if let Err(refused) = driver.event_record(self.raw(), stream) {
+            // Not recorded: the latest record is still the previous one.
+            *self.recorded.lock() = previous;
+            return Err(refused);
+        }
         let after = driver.stream_capture(CALL, stream)?;
         let recorded = if crate::plant::planted("cuda-captured-record-not-marked") {
             Recorded::Outside
@@ -221,6 +229,7 @@ impl CudaEvent {
 
     /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
     pub(super) fn query(&self) -> Result<bool, ServerError> {
+        not_forked()?;
         self.not_captured("cuEventQuery")?;
         let bound = bind(&self.ctx)?;
         Self::answered(
@@ -231,6 +240,7 @@ impl CudaEvent {
 
     /// Block until reached; sleeps in the driver for a `BLOCKING_SYNC` event.
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
+        not_forked()?;
         self.not_captured("cuEventSynchronize")?;
         let bound = bind(&self.ctx)?;
         Self::answered(
@@ -270,25 +280,23 @@ impl CudaEvent {
                  intact); wait before beginning the capture, or on the host",
             )),
             (Recorded::InCapture { id, .. }, Capture::Active(same)) if id == same => None,
-            (Recorded::InCapture { .. }, Capture::Active(_)) => Some(refused(
-                CALL,
-                sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_MERGE,
-                "the stream is capturing a CUDA graph and the fence was recorded in another \
-                 capture: the wait would merge two independent captures (the driver would \
-                 refuse it and invalidate both, which are left intact)",
-            )),
+            (Recorded::InCapture { id, stream: origin }, Capture::Active(_)) => {
+                Some(if self.capture_goes_on(id, &origin)? {
+                    refused(
+                        CALL,
+                        sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_MERGE,
+                        "the stream is capturing a CUDA graph and the fence was recorded in \
+                         another capture: the wait would merge two independent captures (the \
+                         driver would refuse it and invalidate both, which are left intact)",
+                    )
+                } else {
+                    ended_capture()
+                })
+            }
             // Already invalidated: the driver's answer says so.
             (Recorded::InCapture { .. }, Capture::Invalidated) => None,
             (Recorded::InCapture { id, stream: origin }, Capture::None) => {
-                (!self.capture_goes_on(id, &origin)?).then(|| {
-                    refused(
-                        CALL,
-                        sys::CUresult::CUDA_ERROR_CAPTURED_EVENT,
-                        "the fence was recorded in a CUDA graph capture that has ended: it \
-                         marks a place in a graph, not work that runs, so there is nothing to \
-                         wait for; record a fence after launching the graph instead",
-                    )
-                })
+                (!self.capture_goes_on(id, &origin)?).then(ended_capture)
             }
             (Recorded::Unknown, _) => Some(maybe_captured(
                 CALL,
@@ -381,6 +389,17 @@ impl fmt::Debug for CudaEvent {
         }
         event.finish()
     }
+}
+
+/// A wait on an event recorded in a capture that has ended, refused.
+fn ended_capture() -> ServerError {
+    refused(
+        "cuStreamWaitEvent",
+        sys::CUresult::CUDA_ERROR_CAPTURED_EVENT,
+        "the fence was recorded in a CUDA graph capture that has ended: it marks a place in a \
+         graph, not work that runs, so there is nothing to wait for; record a fence after \
+         launching the graph instead",
+    )
 }
 
 /// A query or wait of an event recorded in a capture, refused.

@@ -148,6 +148,10 @@ impl CudaStreamHandle {
 
     /// The stream, while some `Arc` of it is alive.
     pub fn stream(self) -> Option<Arc<CudaStream>> {
+        if in_forked_child() {
+            // The registry's lock may have stayed held in the parent.
+            return None;
+        }
         STREAMS.get(self.id).map(|(stream, _)| stream)
     }
 

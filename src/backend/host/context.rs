@@ -181,6 +181,7 @@ impl ContextShared {
     /// faulted (checked under the same lock that [`poison`](Self::poison)
     /// takes, so no stream joins a context that is being poisoned unseen).
     pub(super) fn join(&self, stream: &Arc<StreamShared>) -> Result<(), ServerError> {
+        self.not_forked("stream_create")?;
         let mut streams = self.streams.lock();
         self.check("stream_create")?;
         streams.retain(|stream| stream.strong_count() > 0);

@@ -271,6 +271,8 @@ impl StreamShared {
 
     /// Queue `op` unless the stream is faulted or closing.
     fn push(&self, call: &'static str, op: Op) -> Result<(), ServerError> {
+        // Before the lock, which the parent's worker may have held at a fork.
+        self.context.not_forked(call)?;
         let state = self.lock();
         self.accepting(&state, call)?;
         self.enqueue(state, op);
@@ -305,6 +307,7 @@ impl StreamShared {
                 "the event and the stream are from different contexts",
             ));
         }
+        self.context.not_forked("event_record")?;
         let state = self.lock();
         self.accepting(&state, "event_record")?;
         let sequence = self.next_sequence();
@@ -335,6 +338,7 @@ impl StreamShared {
     /// Block until everything queued before this call has finished.
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
         const CALL: &str = "stream_synchronize";
+        self.context.not_forked(CALL)?;
         let mut state = self.lock();
         let target = state.queued;
         loop {
