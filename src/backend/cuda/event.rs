@@ -200,11 +200,7 @@ impl CudaEvent {
         match self.recorded() {
             Recorded::Outside => Ok(()),
             Recorded::InCapture { .. } => Err(captured(call)),
-            Recorded::Unknown => Err(maybe_captured(
-                call,
-                "a capture began or ended on the fence's stream (on another thread) while the \
-                 fence was recorded",
-            )),
+            Recorded::Unknown => Err(maybe_captured(call, UNKNOWN_CAPTURE)),
         }
     }
 
@@ -298,11 +294,7 @@ impl CudaEvent {
             (Recorded::InCapture { id, stream: origin }, Capture::None) => {
                 (!self.capture_goes_on(id, &origin)?).then(ended_capture)
             }
-            (Recorded::Unknown, _) => Some(maybe_captured(
-                CALL,
-                "a capture began or ended on the fence's stream (on another thread) while the \
-                 fence was recorded",
-            )),
+            (Recorded::Unknown, _) => Some(maybe_captured(CALL, UNKNOWN_CAPTURE)),
         };
         match refusal {
             Some(err) => Err(err),
@@ -390,6 +382,11 @@ impl fmt::Debug for CudaEvent {
         event.finish()
     }
 }
+
+/// Why a [`Recorded::Unknown`] record may be in a capture.
+const UNKNOWN_CAPTURE: &str =
+    "a capture began or ended on the fence's stream (on another thread) while the fence was \
+     recorded";
 
 /// A wait on an event recorded in a capture that has ended, refused.
 fn ended_capture() -> ServerError {
