@@ -31,15 +31,16 @@ args=()
 for file in "${files[@]}"; do args+=(--file "$file"); done
 
 # The tests that exercise the waiter and the fence: its unit tests (with the
-# guards' planted panics) and the host-backend suites. The loom models need
+# guards' planted panics) and the host-backend suites, the stats ones too. The loom models need
 # other build flags, and the test-only modules are not mutated.
 exec cargo mutants "${args[@]}" \
     --exclude src/waiter/loom_models.rs \
     --exclude src/waiter/guard_tests.rs \
     --exclude src/waiter/mock_device.rs \
+    --exclude src/waiter/unit_tests.rs \
     --output "${MUTANTS_OUT:-target/mutants}" \
     --timeout "${MUTANTS_TIMEOUT:-60}" \
     --jobs "${MUTANTS_JOBS:-1}" \
     -- --lib --test await_faults --test await_panics --test await_runtimes \
     --test await_load --test fence --test fallbacks --test properties --test event \
-    --test fork --test profiler
+    --test fork --test profiler --test waiter_stats

@@ -1,8 +1,9 @@
 //! The backend contract: what a driver must offer for events and fences.
 
 use core::fmt::Debug;
-use core::hash::Hash;
+use core::hash::{Hash, Hasher};
 use core::time::Duration;
+use std::collections::hash_map::DefaultHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::ServerError;
@@ -59,10 +60,11 @@ impl EventFlags {
 ///
 /// Beyond these calls the trait has hooks for fence events, hidden from these
 /// docs because they are for backends, not callers: `fence_event_acquire`,
-/// `fence_event_release`, `fence_event_record` and `stream_sequence`. Their
-/// defaults (create, destroy, create-then-record, one process-wide counter)
-/// are correct for any backend; a backend may override them to pool fence
-/// events or keep a counter per stream. Their contracts are documented in
+/// `fence_event_release`, `fence_event_record`, `stream_sequence` and
+/// `stream_id`. Their defaults (create, destroy, create-then-record, one
+/// process-wide counter, a hash of the handle) are correct for any backend;
+/// a backend may override them to pool fence events, keep a counter per
+/// stream or number its streams exactly. Their contracts are documented in
 /// the source, `src/api.rs`.
 pub trait EventApi: Sized + Send + Sync + 'static {
     /// The backend's name, e.g. `"Cuda"` or `"Host"`.
@@ -209,11 +211,26 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// The waiter serves a stream's waits in this order. The default takes
     /// one process-wide counter; a backend with per-stream state keeps one
     /// counter per stream, so that fences on different streams, made on
-    /// different cores, do not contend on one cache line.
+    /// different cores, do not contend on one cache line. Such a backend
+    /// answers `u64::MAX` for a stream it no longer finds (dropped): nothing
+    /// is recorded on it after, so that number sorts after every one the
+    /// stream gave.
     #[doc(hidden)]
     fn stream_sequence(stream: Self::Stream) -> u64 {
         let _ = stream;
         next_sequence()
+    }
+
+    /// A number that tells `stream` apart from every other stream of this
+    /// backend alive at the same time: the waiter gives each number a lane
+    /// of its own. The default hashes the handle, so two streams of a
+    /// backend that keeps it may share a number (their waits then share a
+    /// lane: one may wait behind the other's, but none fails or is lost).
+    #[doc(hidden)]
+    fn stream_id(stream: Self::Stream) -> u64 {
+        let mut hasher = DefaultHasher::new();
+        stream.hash(&mut hasher);
+        hasher.finish()
     }
 
     /// [`event_record`](Self::event_record) and the record's

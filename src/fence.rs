@@ -114,10 +114,7 @@ impl<A: EventApi> EventFence<A> {
         // would be refused too, and would invalidate the capture. A
         // shut-down driver answers every call the same way. The fence fails
         // with the driver's answer.
-        if err.is_shut_down()
-            || err.is_stream_capture()
-                && !crate::plant::planted("capture-refusal-synchronizes-stream")
-        {
+        if err.is_shut_down() || err.is_stream_capture() {
             return Self {
                 event: Err(err),
                 stream,
@@ -328,9 +325,7 @@ impl<A: EventApi> EventFence<A> {
 /// graph being captured, and could invalidate the capture), or a shut-down
 /// driver (which refuses the host wait too).
 fn refusal_is_final(err: &ServerError) -> bool {
-    err.code() == Some(status::INVALID_HANDLE)
-        || err.is_shut_down()
-        || err.is_stream_capture() && !crate::plant::planted("capture-wait-falls-back-to-host")
+    err.code() == Some(status::INVALID_HANDLE) || err.is_shut_down() || err.is_stream_capture()
 }
 
 impl<A: EventApi> fmt::Debug for EventFence<A> {

@@ -19,7 +19,8 @@ use std::sync as imp;
 #[cfg(device_events_loom)]
 use loom::sync as imp;
 
-pub(crate) use imp::atomic::{AtomicBool, AtomicUsize};
+#[cfg(test)]
+pub(crate) use imp::atomic::AtomicUsize;
 pub(crate) use imp::Arc;
 
 #[cfg(not(device_events_loom))]
@@ -213,16 +214,5 @@ impl<T> RwLock<T> {
 
     pub(crate) fn write(&self) -> std::sync::RwLockWriteGuard<'_, T> {
         self.0.write().unwrap_or_else(PoisonError::into_inner)
-    }
-}
-
-/// Sleep the calling thread; under loom, yield so the model can go on.
-pub(crate) fn sleep(duration: Duration) {
-    #[cfg(not(device_events_loom))]
-    std::thread::sleep(duration);
-    #[cfg(device_events_loom)]
-    {
-        let _ = duration;
-        loom::thread::yield_now();
     }
 }

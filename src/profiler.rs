@@ -259,7 +259,7 @@ impl<A: EventApi> EventPool<A> {
         self.created.fetch_add(1, Ordering::Relaxed);
         match fresh.record_sequenced(stream) {
             Ok(sequence) => match refused {
-                Some((event, err)) if !crate::plant::planted("profiler-swaps-context") => {
+                Some((event, err)) => {
                     self.give_back(key, event);
                     Err(ServerError::InvalidArgument {
                         what: "EventProfiler stream",
@@ -272,7 +272,7 @@ impl<A: EventApi> EventPool<A> {
                         ),
                     })
                 }
-                _ => Ok((fresh, sequence)),
+                None => Ok((fresh, sequence)),
             },
             Err(err) => {
                 if let Some((event, _)) = refused {
@@ -455,9 +455,7 @@ impl<A: EventApi> EventPair<A> {
     /// Block until the device reached both events: the start may be on
     /// another, busier stream than the stop.
     fn wait_both(&self) -> Result<(), ServerError> {
-        if !crate::plant::planted("profile-waits-for-stop-only") {
-            self.start().wait_sync()?;
-        }
+        self.start().wait_sync()?;
         self.end().wait_sync()
     }
 

@@ -395,3 +395,41 @@ fn a_shared_sleep_kernel_is_loaded_once_per_context() {
     again.launch(&stream, Duration::from_millis(1)).unwrap();
     cuda::fence(&stream).wait_sync().unwrap();
 }
+
+#[test]
+fn a_dropped_streams_sequence_sorts_last_and_live_streams_have_their_own_ids() {
+    let Some((ctx, _)) =
+        gpu("a_dropped_streams_sequence_sorts_last_and_live_streams_have_their_own_ids")
+    else {
+        return;
+    };
+    let (stream, other) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let handle = CudaStreamHandle::new(&stream);
+    let other_handle = CudaStreamHandle::new(&other);
+    assert_ne!(Cuda::stream_id(handle), Cuda::stream_id(other_handle));
+    assert_eq!(
+        Cuda::stream_id(handle),
+        Cuda::stream_id(CudaStreamHandle::new(&stream))
+    );
+    // One per-thread default stream, named on two threads: two streams.
+    let per_thread = ctx.per_thread_stream();
+    let here = CudaStreamHandle::new(&per_thread);
+    let there = std::thread::scope(|scope| {
+        scope
+            .spawn(|| CudaStreamHandle::new(&per_thread))
+            .join()
+            .unwrap()
+    });
+    assert_ne!(Cuda::stream_id(here), Cuda::stream_id(there));
+    let given: Vec<u64> = (0..3)
+        .map(|_| EventFence::<Cuda>::new(handle).sequence())
+        .collect();
+    assert!(given.windows(2).all(|pair| pair[0] < pair[1]), "{given:?}");
+    drop(stream);
+    let after = Cuda::stream_sequence(handle);
+    assert!(
+        given.iter().all(|&sequence| sequence < after),
+        "{given:?} then {after}"
+    );
+    assert_eq!(after, u64::MAX);
+}

@@ -348,11 +348,12 @@ fn fences_recorded_beside_captures_begun_and_ended_never_free_a_captured_value()
             captured > 0,
             "no record raced a capture: the test proves nothing"
         );
-        assert!(
-            stats.dropped > 0,
-            "fences outside any capture pass: {stats:?}"
-        );
     }
+    // With no capture racing, a fence passes and its value is dropped. (In
+    // the race, a loaded machine may see a capture begin or end around every
+    // record, and keep every value: correct, if conservative.)
+    let (dropped, stats) = dropped_behind(cuda::fence(&stream));
+    assert_eq!(dropped, 1, "a fence outside any capture passes: {stats:?}");
 }
 
 /// Two captures going on at once: a fence of one is refused to the other's

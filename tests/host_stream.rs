@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use common::{eventually, faultable_stream, Gate, Progress};
 use device_events::host::{Host, HostContext, HostStream};
-use device_events::{EventApi, EventFlags, ServerError};
+use device_events::{EventApi, EventFence, EventFlags, ServerError};
 
 #[test]
 fn work_runs_in_launch_order_on_one_thread() {
@@ -269,4 +269,36 @@ fn a_stream_dropped_by_its_own_work_does_not_deadlock() {
     gate.open();
     // A self-join would hang here.
     finished.recv().unwrap();
+}
+
+#[test]
+fn a_dropped_streams_sequence_sorts_after_every_number_it_gave() {
+    let stream = HostStream::new().unwrap();
+    let handle = stream.handle();
+    let fences: Vec<_> = (0..3).map(|_| EventFence::<Host>::new(handle)).collect();
+    let given: Vec<u64> = fences.iter().map(EventFence::sequence).collect();
+    assert!(given.windows(2).all(|pair| pair[0] < pair[1]), "{given:?}");
+    drop(stream);
+    let after = Host::stream_sequence(handle);
+    assert!(
+        given.iter().all(|&sequence| sequence < after),
+        "{given:?} then {after}"
+    );
+    assert_eq!(after, u64::MAX);
+    for fence in fences {
+        fence.wait_sync().unwrap();
+    }
+}
+
+#[test]
+fn live_streams_have_distinct_ids_and_a_handle_keeps_its_own() {
+    let (first, second) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    assert_ne!(
+        Host::stream_id(first.handle()),
+        Host::stream_id(second.handle())
+    );
+    assert_eq!(
+        Host::stream_id(first.handle()),
+        Host::stream_id(first.handle())
+    );
 }

@@ -36,7 +36,10 @@ fn waiter_stats_and_stuck_waits_serialize() {
         !waiter.stuck().is_empty()
     });
     let stuck = serde_json::to_value(&waiter.stuck()[0]).unwrap();
-    assert_eq!(keys(&stuck), ["behind", "given_up", "stream", "waited"]);
+    assert_eq!(
+        keys(&stuck),
+        ["behind", "given_up", "stream", "stream_id", "waited"]
+    );
     assert_eq!(stuck["behind"], 0);
     assert_eq!(stuck["given_up"], false);
     // As serde writes a `Duration`, which `StuckWait::waited` documents.

@@ -43,12 +43,7 @@ impl<A: EventApi> Fence for EventFence<A> {
         let stream = self.stream();
         match self.wait_sync() {
             Ok(()) => Ok(()),
-            Err(err)
-                if err.is_stream_capture()
-                    && !crate::plant::planted("drop-queue-frees-captured-value") =>
-            {
-                Err(err)
-            }
+            Err(err) if err.is_stream_capture() => Err(err),
             Err(err) if A::stream_synchronize(stream).is_ok() => {
                 let backend = A::BACKEND;
                 log::warn!(

@@ -9,8 +9,8 @@ use std::task::{Context, Poll};
 
 use super::fence::Fence;
 use super::handed_back::Rejected;
-use super::queue::DropQueueStats;
 use super::shared::Shared;
+use super::stats::DropQueueStats;
 
 /// What a [`Progress`] future waits for.
 #[derive(Debug, Clone, Copy)]
@@ -59,9 +59,6 @@ impl<F, T> Future for Progress<F, T> {
 
 impl<F, T> Drop for Progress<F, T> {
     fn drop(&mut self) {
-        if crate::plant::planted("dropped-flush-future-leaves-waker") {
-            return;
-        }
         let removed = self.shared.lock().wakers.remove(self.id);
         drop(removed);
     }
@@ -130,11 +127,7 @@ impl<F: Fence, T: Send + 'static> Drop for PushFuture<F, T> {
     fn drop(&mut self) {
         // The value first: nothing that can panic comes before it is safe.
         if let Some((fence, value)) = self.entry.take() {
-            if crate::plant::planted("dropped-push-future-drops-value") {
-                drop((fence, value));
-            } else {
-                self.shared.adopt(fence, value);
-            }
+            self.shared.adopt(fence, value);
         }
         let removed = self.shared.lock().wakers.remove(self.id);
         drop(removed);

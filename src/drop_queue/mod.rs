@@ -8,19 +8,22 @@
 //! after the copy, and the queue's own thread drops it once the fence passes.
 //!
 //! In this folder: `fence.rs`, the [`Fence`] trait and how a value is
-//! settled once its fence passes; `queue.rs`, the [`DropQueue`] handle and
-//! its stats; `shared.rs`, the state the handle, the queue's thread and the
-//! futures share, and the thread itself; `futures.rs`, [`PushFuture`] and
-//! [`Progress`]; `handed_back.rs`, [`Rejected`] (with [`Refused`]) and
-//! [`HandedBack`], the values given back to the caller.
+//! settled once its fence passes; `queue.rs`, the [`DropQueue`] handle;
+//! `stats.rs`, [`DropQueueStats`]; `shared.rs`, the state the handle, the
+//! queue's thread and the futures share, and the thread itself;
+//! `futures.rs`, [`PushFuture`] and [`Progress`]; `handed_back.rs`,
+//! [`Rejected`] (with [`Refused`]) and [`HandedBack`], the values given back
+//! to the caller.
 
 mod fence;
 mod futures;
 mod handed_back;
 mod queue;
 mod shared;
+mod stats;
 
 pub use fence::Fence;
 pub use futures::{Progress, PushFuture};
 pub use handed_back::{HandedBack, Refused, Rejected};
-pub use queue::{DropQueue, DropQueueStats, DEFAULT_DROP_QUEUE_CAPACITY};
+pub use queue::{DropQueue, DEFAULT_DROP_QUEUE_CAPACITY};
+pub use stats::DropQueueStats;

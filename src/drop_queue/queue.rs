@@ -1,14 +1,16 @@
-//! [`DropQueue`]: the handle a caller pushes to, and [`DropQueueStats`].
+//! [`DropQueue`]: the handle a caller pushes to.
 
 use std::fmt;
 use std::future::Future;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 
 use super::fence::{drop_value, Fence};
 use super::futures::{Progress, PushFuture, Until};
 use super::handed_back::{HandedBack, Rejected};
 use super::shared::{current_thread, Shared};
+use super::stats::DropQueueStats;
+use crate::loom::Mutex;
 use crate::{panics, ServerError};
 
 /// Default [`DropQueue::new`] capacity.
@@ -84,29 +86,6 @@ pub struct DropQueue<F: Fence, T: Send + 'static> {
     /// Taken by whichever shuts the queue down first: [`DropQueue::shutdown_async`]
     /// (through `&self`, so behind a lock) or the queue's drop.
     thread: Mutex<Option<JoinHandle<()>>>,
-}
-
-/// What a [`DropQueue`] has done (counters, since it was made) and holds
-/// (gauges): [`DropQueue::stats`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-#[non_exhaustive]
-pub struct DropQueueStats {
-    /// Values taken in: accepted by a push, or given with a dropped
-    /// [`Rejected`] or [`PushFuture`].
-    pub pushed: u64,
-    /// Values dropped after their fence passed.
-    pub dropped: u64,
-    /// Values leaked because their fence failed, or had not passed when
-    /// given to a queue whose thread had exited.
-    pub leaked: u64,
-    /// Values handed back unpassed by [`DropQueue::shutdown_now`].
-    pub handed_back: u64,
-    /// Values waiting now (queued or being waited on); more than the
-    /// capacity while values given with a dropped [`Rejected`] wait.
-    pub pending: usize,
-    /// Of those, the ones the queue's thread has not taken up yet.
-    pub queued: usize,
 }
 
 impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
@@ -373,9 +352,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
         self.shared.update_and_wake(|state| {
             state.stats.dropped += dropped;
-            if !crate::plant::planted("shutdown-now-uncounted") {
-                state.stats.handed_back += entries.len() as u64;
-            }
+            state.stats.handed_back += entries.len() as u64;
             state.checking = None;
         });
         self.close_and_join();
@@ -395,10 +372,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
 
     /// The queue's thread, for the first caller that shuts the queue down.
     fn take_thread(&self) -> Option<JoinHandle<()>> {
-        self.thread
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
+        self.thread.lock().take()
     }
 
     fn close_and_join(&mut self) {

@@ -7,7 +7,7 @@ use std::task::Waker;
 use std::thread::ThreadId;
 
 use super::fence::{drop_value, settle, Fence};
-use super::queue::DropQueueStats;
+use super::stats::DropQueueStats;
 use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::panics;
 

@@ -1,14 +1,13 @@
-//! [`FenceFuture`]: `fence.await`, served by a [`Waiter`].
+//! [`FenceFuture`]: `fence.await`, served by a [`Waiter`](super::Waiter).
 
 use std::fmt;
-use std::future::{Future, IntoFuture};
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use futures::future::FusedFuture;
 
-use super::Handoff;
-use super::Waiter;
+use super::handoff::Handoff;
 use crate::{EventApi, EventFence, ServerError};
 
 /// The future of [`EventFence::wait`] and `fence.await`: resolves once the
@@ -16,7 +15,7 @@ use crate::{EventApi, EventFence, ServerError};
 ///
 /// The first poll asks the device once; a fence already reached (or resolved
 /// when it was created) is ready at once, with no hand-off and no allocation.
-/// Otherwise the wait moves to the [`Waiter`]'s threads, which sleep in the
+/// Otherwise the wait moves to the [`Waiter`](super::Waiter)'s threads, which sleep in the
 /// driver and wake this task.
 ///
 /// # Errors
@@ -44,10 +43,8 @@ pub struct FenceFuture<A: EventApi> {
 }
 
 impl<A: EventApi> FenceFuture<A> {
-    pub(super) fn new(fence: EventFence<A>, waiter: &Waiter) -> Self {
-        Self {
-            handoff: waiter.handoff(fence),
-        }
+    pub(super) fn new(handoff: Handoff<EventFence<A>>) -> Self {
+        Self { handoff }
     }
 
     /// Block the calling thread until the fence is reached or `timeout`
@@ -116,42 +113,5 @@ impl<A: EventApi> FusedFuture for FenceFuture<A> {
 impl<A: EventApi> fmt::Debug for FenceFuture<A> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}FenceFuture({})", A::BACKEND, self.handoff.phase())
-    }
-}
-
-impl<A: EventApi> EventFence<A> {
-    /// A future that resolves once the device has reached this fence, served
-    /// by [`Waiter::global()`]; the same as `fence.await`, for combinators
-    /// that want a [`Future`] (`futures::join!`, `select`, timeouts).
-    ///
-    /// ```
-    /// use device_events::host::{Host, HostStream};
-    /// use device_events::EventFence;
-    ///
-    /// # futures::executor::block_on(async {
-    /// let a = HostStream::new()?;
-    /// let b = HostStream::new()?;
-    /// a.launch(|| { /* work */ })?;
-    /// b.launch(|| { /* work */ })?;
-    /// let (ra, rb) = futures::join!(
-    ///     EventFence::<Host>::new(a.handle()).wait(),
-    ///     EventFence::<Host>::new(b.handle()).wait(),
-    /// );
-    /// ra?;
-    /// rb?;
-    /// # Ok::<(), device_events::ServerError>(())
-    /// # }).unwrap();
-    /// ```
-    pub fn wait(self) -> FenceFuture<A> {
-        Waiter::global().wait(self)
-    }
-}
-
-impl<A: EventApi> IntoFuture for EventFence<A> {
-    type Output = Result<(), ServerError>;
-    type IntoFuture = FenceFuture<A>;
-
-    fn into_future(self) -> FenceFuture<A> {
-        self.wait()
     }
 }

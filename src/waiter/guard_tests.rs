@@ -1,20 +1,20 @@
 //! The waiter threads' guards, seen working: a panic planted where no call
 //! is contained (a thread holding waits out of their lane) unwinds the
 //! thread, and its guard must fail what it held, uncount it, and queue its
-//! lanes for another server. Also a refused spawn, planted the same way.
+//! lanes for another thread. Also a refused spawn, planted the same way.
 //! Each test fails (hangs until its limit) without the guard.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::mock_device::support::{eventually, result_of, submit};
 use super::mock_device::Device;
 use super::pool::Pool;
-use super::pool_tests_support::{eventually, result_of, submit};
 use crate::ServerError;
 
 fn pool(max_threads: usize) -> Pool {
-    super::pool_tests_support::pool("guard-test", max_threads, Duration::from_millis(20))
+    super::mock_device::support::pool(max_threads, Duration::from_millis(20), None)
 }
 
 fn is_panicked(result: &Result<(), ServerError>) -> bool {
@@ -24,7 +24,7 @@ fn is_panicked(result: &Result<(), ServerError>) -> bool {
 /// The pool's counts of waits handed off, resolved and failed: each wait
 /// counted once, whichever path ended it.
 fn outcomes(pool: &Pool) -> (u64, u64, u64) {
-    let counts = pool.counters.read();
+    let counts = pool.counters().read();
     (counts.handed_off, counts.resolved, counts.failed)
 }
 
@@ -32,7 +32,7 @@ fn outcomes(pool: &Pool) -> (u64, u64, u64) {
 fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
     let pool = pool(4);
     let device = Arc::new(Device::default());
-    pool.plants.escapes.store(1, Ordering::SeqCst);
+    pool.plants().escapes.store(1, Ordering::SeqCst);
     // The lane thread takes the first out to block on, and unwinds there.
     let first = submit(&pool, &device, 0, 1);
     let second = submit(&pool, &device, 0, 2);
@@ -46,7 +46,7 @@ fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
     assert_eq!(result_of(&submit(&pool, &device, 0, 3)), Ok(()));
     assert_eq!(result_of(&submit(&pool, &device, 1, 1)), Ok(()));
     eventually("no thread counted and no wait pending", || {
-        pool.threads() == 0 && pool.pending() == 0
+        pool.threads().0 == 0 && pool.pending().0 == 0
     });
     assert_eq!(
         outcomes(&pool),
@@ -64,7 +64,7 @@ fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
     eventually("the lane thread blocks", || {
         held.blocked.load(Ordering::SeqCst) == 1
     });
-    pool.plants.escapes.store(1, Ordering::SeqCst);
+    pool.plants().escapes.store(1, Ordering::SeqCst);
     let reached = Device::reached();
     // The poller takes it out to query it, and unwinds there.
     assert!(is_panicked(&result_of(&submit(&pool, &reached, 1, 1))));
@@ -73,7 +73,7 @@ fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
     held.finish();
     assert_eq!(result_of(&blocked), Ok(()));
     eventually("no thread counted and no wait pending", || {
-        pool.threads() == 0 && pool.pending() == 0
+        pool.threads().0 == 0 && pool.pending().0 == 0
     });
     assert_eq!(outcomes(&pool), (3, 2, 1), "the poller's batch failed");
 }
@@ -81,13 +81,13 @@ fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
 #[test]
 fn a_refused_lane_thread_leaves_its_lane_to_the_poller() {
     let pool = pool(4);
-    pool.plants.refused_spawns.store(1, Ordering::SeqCst);
+    pool.plants().refused_spawns.store(1, Ordering::SeqCst);
     let device = Arc::new(Device::default());
     let slot = submit(&pool, &device, 0, 1);
     device.finish();
     assert_eq!(result_of(&slot), Ok(()));
     eventually("no thread counted and no wait pending", || {
-        pool.threads() == 0 && pool.pending() == 0
+        pool.threads().0 == 0 && pool.pending().0 == 0
     });
     assert_eq!(outcomes(&pool), (1, 1, 0), "resolved by the poller");
 }
@@ -95,18 +95,48 @@ fn a_refused_lane_thread_leaves_its_lane_to_the_poller() {
 #[test]
 fn with_no_thread_at_all_the_waits_fail_instead_of_hanging() {
     let pool = pool(4);
-    pool.plants.refused_spawns.store(2, Ordering::SeqCst);
+    pool.plants().refused_spawns.store(2, Ordering::SeqCst);
     let device = Arc::new(Device::default());
     let slot = submit(&pool, &device, 0, 1);
     assert!(matches!(
         result_of(&slot),
         Err(ServerError::ThreadSpawn { .. })
     ));
-    assert_eq!(pool.pending(), 0);
-    assert_eq!(pool.threads(), 0);
+    assert_eq!(pool.pending().0, 0);
+    assert_eq!(pool.threads().0, 0);
     assert_eq!(outcomes(&pool), (1, 0, 1), "failed for want of a thread");
     // The next wait starts a thread again.
     let device = Device::reached();
     assert_eq!(result_of(&submit(&pool, &device, 0, 2)), Ok(()));
     assert_eq!(outcomes(&pool), (2, 1, 1));
+}
+
+#[test]
+fn a_poller_that_unwinds_while_watching_is_started_again_and_watches_on() {
+    // One lane thread, blocked on lane 0; the poller polls lane 1 and
+    // watches for stuck streams.
+    let pool = super::mock_device::support::pool(
+        1,
+        Duration::from_millis(20),
+        Some(Duration::from_millis(1)),
+    );
+    let held = Arc::new(Device::default());
+    let blocked = submit(&pool, &held, 0, 1);
+    eventually("the lane thread blocks", || {
+        held.blocked.load(Ordering::SeqCst) == 1
+    });
+    assert_eq!(pool.threads().0, 2, "a lane thread and the watching poller");
+    pool.plants().escapes.store(1, Ordering::SeqCst);
+    let polled = Arc::new(Device::default());
+    assert!(is_panicked(&result_of(&submit(&pool, &polled, 1, 1))));
+    // Lane 1 is gone with its wait; lane 0 is still held, so the poller is
+    // started again to watch it, and lists it.
+    eventually("the poller watches again", || pool.threads().0 == 2);
+    eventually("the held stream is listed", || pool.stuck().len() == 1);
+    assert_eq!(pool.stuck()[0].stream, "mock stream 0");
+    held.finish();
+    assert_eq!(result_of(&blocked), Ok(()));
+    eventually("no thread counted and no wait pending", || {
+        pool.threads().0 == 0 && pool.pending().0 == 0
+    });
 }

@@ -1,16 +1,15 @@
 //! [`Handoff`]: the state machine behind every future the waiter serves: ask
-//! once on the first poll, hand the wait to the pool if not reached, then
-//! read the result from its slot.
+//! on the first poll, hand the wait to the pool if not reached, then read
+//! the result from its slot.
 
 use std::task::{Context, Poll};
 use std::time::Instant;
 
 use super::contain;
-use super::pool::Pool;
-use super::shard::Wait;
+use super::pool::{Place, Pool, Wait};
 use super::slot::Slot;
+use super::threads;
 use super::waitable::{LaneKey, Waitable};
-use super::Waiter;
 use crate::loom::Arc;
 use crate::ServerError;
 
@@ -20,19 +19,17 @@ pub(crate) struct Handoff<W: Waitable> {
 }
 
 /// The pool a future's wait goes to: the global waiter's is looked up when
-/// needed (it lives for the life of the process, and a forked child has its
-/// own), so a future of `fence.await` does not touch the pool's shared
-/// reference count (a cache line every executor thread would bounce);
-/// another waiter's is shared.
+/// needed (a forked child has its own), so a `fence.await` touches no
+/// reference count every executor thread shares; another waiter's is held.
 pub(crate) enum PoolRef {
-    Global,
+    Global(fn() -> &'static Pool),
     Owned(Pool),
 }
 
 impl PoolRef {
     fn get(&self) -> &Pool {
         match self {
-            Self::Global => Waiter::global().pool(),
+            Self::Global(global) => global(),
             Self::Owned(pool) => pool,
         }
     }
@@ -46,28 +43,18 @@ enum State<W> {
     Done,
 }
 
-/// What a first poll came to.
-enum FirstPoll {
-    /// Ready at once: reached, failed, or refused by the pool.
-    Resolved(Result<(), ServerError>),
-    /// Handed to the pool, which will fill the slot.
-    HandedOff(Handed),
-}
-
-/// A wait handed to the pool: where its result goes, where in the pool it
-/// was placed (to take it out if the future is dropped), and the process
-/// generation it was handed off in ([`crate::fork`]).
+/// A wait handed to the pool: its result's slot, its place (to withdraw it),
+/// and the process generation it was handed off in ([`crate::fork`]).
 struct Handed {
     slot: Arc<Slot>,
     lane: LaneKey,
-    placed: u64,
+    place: Place,
     generation: u64,
 }
 
 impl Handed {
-    /// Whether it was handed off before this process forked: the thread that
-    /// would resolve it is in the parent, and a lock on it may have been
-    /// held there at the fork, so nothing of it is touched in the child.
+    /// Handed off before this process forked: its thread is in the parent,
+    /// so nothing of it is touched in the child.
     fn is_forked(&self) -> bool {
         self.generation != crate::fork::current()
     }
@@ -84,12 +71,12 @@ impl<W: Waitable> Handoff<W> {
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::First(waitable) => match self.first_poll(waitable, cx) {
-                FirstPoll::HandedOff(handed) => {
+                Ok(handed) => {
                     self.state = State::Waiting(handed);
                     Poll::Pending
                 }
-                FirstPoll::Resolved(result) => {
-                    self.pool.get().counters.ready_at_first_poll();
+                Err(result) => {
+                    self.pool.get().counters().ready_at_first_poll();
                     Poll::Ready(result)
                 }
             },
@@ -113,43 +100,48 @@ impl<W: Waitable> Handoff<W> {
     }
 
     /// The first poll: ask (and spin, if the waiter allows) before handing
-    /// off.
-    fn first_poll(&self, waitable: W, cx: &mut Context<'_>) -> FirstPoll {
+    /// off. `Err` holds the result when it is ready at once: reached,
+    /// failed, or refused by the pool.
+    fn first_poll(
+        &self,
+        waitable: W,
+        cx: &mut Context<'_>,
+    ) -> Result<Handed, Result<(), ServerError>> {
         let pool = self.pool.get();
-        let budget = pool.config.spin_budget;
-        // Read the clock only when spinning is allowed: a ready fence's await
-        // costs one query.
+        let budget = pool.config().spin_budget;
+        // The clock is read only when spinning is allowed: a ready fence's
+        // await costs one query.
         let started = (!budget.is_zero()).then(Instant::now);
         let mut first = true;
         loop {
-            // Whether another query may follow this one, decided before it:
-            // a thread preempted past the budget still makes the query it
-            // was due, so a fence reached meanwhile is caught.
+            // Whether another query may follow, decided before this one: a
+            // thread preempted past the budget still makes the query due.
             let may_spin = started.is_some_and(|started| first || started.elapsed() < budget);
             first = false;
             match contain::backend(|| waitable.query()) {
-                Ok(true) => return FirstPoll::Resolved(Ok(())),
-                Err(err) => return FirstPoll::Resolved(Err(err)),
+                Ok(true) => return Err(Ok(())),
+                Err(err) => return Err(Err(err)),
                 Ok(false) if may_spin => std::hint::spin_loop(),
                 Ok(false) => break,
             }
         }
-        // The lane hashes the backend's stream handle: its code too.
-        let lane = match contain::backend(|| Ok(waitable.lane())) {
-            Ok(lane) => lane,
-            Err(err) => return FirstPoll::Resolved(Err(err)),
-        };
+        // The lane and the name come from the backend's handle: its code.
+        let lane = contain::backend(|| Ok(waitable.lane())).map_err(Err)?;
+        let name = pool.config().stuck_after.map(|_| {
+            let name = contain::backend(|| Ok(waitable.stream_name()));
+            name.unwrap_or_else(|err| format!("a stream ({err})"))
+                .into()
+        });
         let slot = Arc::new(Slot::new(cx.waker().clone()));
-        let wait = Wait::new(Box::new(waitable), slot.clone(), lane);
-        match pool.submit(wait) {
-            Ok((lane, placed)) => FirstPoll::HandedOff(Handed {
-                slot,
-                lane,
-                placed,
-                generation: pool.generation(),
-            }),
-            Err(err) => FirstPoll::Resolved(Err(err)),
-        }
+        let wait = Wait::new(Box::new(waitable), slot.clone(), lane, name);
+        let (place, action) = pool.submit(wait).map_err(Err)?;
+        threads::act(pool, action);
+        Ok(Handed {
+            slot,
+            lane,
+            place,
+            generation: pool.generation(),
+        })
     }
 
     pub(crate) fn is_terminated(&self) -> bool {
@@ -167,18 +159,19 @@ impl<W: Waitable> Handoff<W> {
 }
 
 impl<W: Waitable> Drop for Handoff<W> {
-    /// Cancel a handed-off wait and take it out of its lane, so a waiter
-    /// thread destroys its event now rather than when the lane's thread
-    /// reaches it. A wait a thread has already taken out stays with that
-    /// thread, which drops it.
+    /// Cancel a handed-off wait and withdraw it, so a waiter thread destroys
+    /// its event now, not when its lane's thread gets to it.
     fn drop(&mut self) {
         if let State::Waiting(handed) = &self.state {
             if handed.is_forked() {
                 return;
             }
             let pool = self.pool.get();
-            handed.slot.cancel(&pool.counters);
-            pool.withdraw(handed.lane, handed.placed, &handed.slot);
+            if handed.slot.cancel() {
+                pool.counters().cancelled();
+            }
+            let action = pool.withdraw(handed.lane, handed.place, &handed.slot);
+            threads::act(pool, action);
         }
     }
 }

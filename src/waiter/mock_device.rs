@@ -77,3 +77,100 @@ impl Drop for MockFence {
         self.device.fences_dropped.fetch_add(1, Ordering::SeqCst);
     }
 }
+
+/// What the unit tests share (not the loom models): a pool of their own,
+/// waits handed to it, and waiting with a limit (a failure, not a hang).
+#[cfg(not(device_events_loom))]
+pub(super) mod support {
+    use std::sync::Arc;
+    use std::task::{Context, Poll, Wake, Waker};
+    use std::thread::Thread;
+    use std::time::{Duration, Instant};
+
+    use super::{Device, MockFence};
+    use crate::waiter::pool::{Config, Pool, Wait};
+    use crate::waiter::slot::Slot;
+    use crate::waiter::threads;
+    use crate::waiter::waitable::LaneKey;
+    use crate::ServerError;
+
+    /// The longest any test here waits for anything.
+    pub(crate) const LIMIT: Duration = Duration::from_secs(20);
+
+    /// A pool with at most `max_threads` lane threads that stay `keep_alive`
+    /// when idle, one resolve permit, and stuck streams reported after
+    /// `stuck_after`.
+    pub(crate) fn pool(
+        max_threads: usize,
+        keep_alive: Duration,
+        stuck_after: Option<Duration>,
+    ) -> Pool {
+        Pool::new(Config {
+            max_threads,
+            keep_alive,
+            thread_name: "unit-test-waiter".to_owned(),
+            spin_budget: Duration::ZERO,
+            resolvers: 1,
+            stuck_after,
+        })
+    }
+
+    struct Unpark(Thread);
+
+    impl Wake for Unpark {
+        fn wake(self: Arc<Self>) {
+            self.0.unpark();
+        }
+    }
+
+    fn waker() -> Waker {
+        Waker::from(Arc::new(Unpark(std::thread::current())))
+    }
+
+    /// Hand a wait on `device` in `lane` at `sequence` to `pool`; its slot.
+    pub(crate) fn submit(pool: &Pool, device: &Arc<Device>, lane: u64, sequence: u64) -> Arc<Slot> {
+        let slot = Arc::new(Slot::new(waker()));
+        let fence = MockFence {
+            device: device.clone(),
+            lane,
+            sequence,
+        };
+        let name = pool
+            .config()
+            .stuck_after
+            .map(|_| format!("mock stream {lane}").into());
+        let wait = Wait::new(
+            Box::new(fence),
+            slot.clone(),
+            LaneKey::for_tests(lane),
+            name,
+        );
+        let (_, action) = pool.submit(wait).expect("submitted");
+        threads::act(pool, action);
+        slot
+    }
+
+    /// The slot's result, sleeping until it is woken; a failure (not a
+    /// hang) if none comes within [`LIMIT`].
+    pub(crate) fn result_of(slot: &Slot) -> Result<(), ServerError> {
+        let waker = waker();
+        let deadline = Instant::now() + LIMIT;
+        loop {
+            if let Poll::Ready(result) = slot.poll(&mut Context::from_waker(&waker)) {
+                return result;
+            }
+            let left = deadline.checked_duration_since(Instant::now());
+            std::thread::park_timeout(left.expect("the wait resolved within the limit"));
+        }
+    }
+
+    /// Poll `condition` every millisecond until it holds; a failure past
+    /// [`LIMIT`].
+    pub(crate) fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+        let deadline = Instant::now() + LIMIT;
+        while !condition() {
+            assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}

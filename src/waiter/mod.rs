@@ -1,8 +1,73 @@
 //! The waiter: `fence.await` without blocking an executor thread and without
-//! spinning.
+//! spinning. [`Waiter`]'s docs say what a user sees; this is how it works,
+//! for contributors.
 //!
-//! The lane algorithm, how the waiter serves awaits, is described once, in
-//! [`Waiter`]'s docs.
+//! # Words
+//!
+//! - **wait**: one handed-off future's fence, with the `Slot` its
+//!   result goes to.
+//! - **lane**: the pending waits of one stream, in the stream's order
+//!   (`EventApi::stream_sequence`), keyed by the backend and its number for
+//!   the stream (`EventApi::stream_id`): one lane per stream.
+//! - **waiter thread**: a thread of the waiter's own; a **lane thread**
+//!   serves one lane at a time by blocking on its oldest wait (sleeping in
+//!   the driver); the **poller** (at most one) serves the lanes past
+//!   `max_threads` by asking their oldest waits in rounds, drops withdrawn
+//!   waits, and watches for stuck streams.
+//! - **hand-off**: a first poll that found the fence not reached puts its
+//!   wait in its lane (`Pool::submit`).
+//! - **resolve**: leave a wait's result in its slot and wake its task.
+//! - **batch**: waits a thread takes out of a lane to query together;
+//!   **settle**: put back those not reached.
+//! - **withdraw**: a dropped future takes its wait out of its lane, for a
+//!   waiter thread to drop (its event destroyed off the dropping thread).
+//! - **stall**: a lane whose stream has ended no wait for `stuck_after`.
+//!
+//! # The lane algorithm
+//!
+//! 1. **First poll** (`handoff.rs`): one query (more within a spin budget);
+//!    reached is ready at once, with no hand-off and no allocation.
+//! 2. **Hand-off**: the wait goes into its lane, in the pool's one lock
+//!    (`pool.rs`), which holds the lanes and the scheduler together. A wait
+//!    that makes its lane also decides who serves it, in the same hold:
+//!    an idle lane thread, else a lane thread between lanes (there are at
+//!    least as many lane threads as lanes), else a new lane thread (up to
+//!    `max_threads`), else the poller. Decisions are made under the lock and
+//!    acted on after it (`Action`, carried out by `threads::act`).
+//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait; then, in
+//!    one hold of the lock, resolve it and take the next oldest, and ask
+//!    that one once. Not reached (work ending item after item): block on
+//!    it. Reached (a burst): resolve it and query the later waits in
+//!    batches, each twice the last (2 up to 256) while all are reached, at
+//!    most one batch-querying thread per core (`permits.rs`). A lane its
+//!    thread finds idle is removed; the thread takes a queued lane, or one
+//!    back from the poller, or sleeps for its keep-alive and exits.
+//! 4. **The poller**: each round it adopts the lanes queued for it, asks
+//!    each one's oldest wait (then a batch, as above), and backs off from
+//!    50 µs to 1 ms while nothing moves; it wakes an idle lane thread each
+//!    round it has lanes, which takes one back. It exits after six idle
+//!    rounds, or stays while `stuck_after` is on and any lane is left: then
+//!    it looks for stalls every quarter of `stuck_after`, and warns once
+//!    about each (`stuck.rs` says what a stall is; `Waiter::stuck` reads
+//!    the same without logging).
+//! 5. **Withdraw**: a dropped future's wait leaves its lane at once and goes
+//!    to the pool's withdrawn list: the poller, an idle lane thread, or the
+//!    poller started for it drops it. A wait a thread holds (blocked on, or
+//!    out in a batch) stays with that thread until it lets go.
+//! 6. **Faults** (`contain.rs`): every call into code the waiter does not
+//!    own (a backend's query or block, a waker, a fence's drop, the logger)
+//!    is made with no lock held and under `catch_unwind`; a panic costs only
+//!    its wait. A waiter thread that unwinds anyway (a bug in the waiter)
+//!    gives back what it held through its guard (`Pool::recover`): its
+//!    waits fail, its lanes are queued again, its count is dropped.
+//! 7. **Shutdown** takes every lane out and fails its waits, blocked ones
+//!    too; batches out fail as they are settled. **Fork**: a pool made
+//!    before a fork refuses everything in the child and touches nothing of
+//!    the parent's (`crate::fork`).
+//!
+//! The lock's invariants (`pool::State`) are checked each time it is let
+//! go, in debug and loom builds (`checked.rs`); the loom models are in
+//! `loom_models.rs`.
 
 mod checked;
 mod contain;
@@ -11,28 +76,22 @@ mod future;
 #[cfg(all(test, not(device_events_loom)))]
 mod guard_tests;
 mod handoff;
-#[cfg(all(test, not(device_events_loom)))]
-mod lane_cost_tests;
-mod line_queue;
 #[cfg(all(test, device_events_loom))]
 mod loom_models;
 #[cfg(test)]
 mod mock_device;
 mod permits;
 mod pool;
-#[cfg(all(test, not(device_events_loom)))]
-mod pool_tests_support;
-mod sched;
-mod servers;
-mod shard;
 mod slot;
 mod stats;
 mod stuck;
+mod threads;
 #[cfg(all(test, not(device_events_loom)))]
-mod stuck_tests;
+mod unit_tests;
 mod waitable;
 
 use std::fmt;
+use std::future::IntoFuture;
 use std::sync::OnceLock;
 use std::time::Duration;
 
@@ -57,7 +116,8 @@ pub const MAX_THREADS_LIMIT: usize = 4096;
 /// executor's thread, so its spin is bounded whatever the setting.
 pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 
-/// A handle to a pool of waiter threads; cheap to clone (one `Arc`).
+/// A handle to a pool of waiter threads, which serve `fence.await` without
+/// blocking an executor thread; cheap to clone (one `Arc`).
 ///
 /// ```
 /// use device_events::host::{Host, HostStream};
@@ -76,83 +136,37 @@ pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
 ///
-/// # How it works: the lane algorithm
+/// # What you can rely on
 ///
-/// This is the one description of it; the README, the crate docs and the
-/// code (the waiter's `pool.rs`, `sched.rs`, `shard.rs`, `servers.rs`) point
-/// here.
-///
-/// 1. **First poll.** A future asks the device once (a query). A fence
-///    already reached, or resolved when it was made, is ready at once: no
-///    hand-off, no allocation. With a [`spin_budget`](WaiterBuilder::spin_budget)
-///    (at most [`MAX_SPIN_BUDGET`]) it asks again until the budget is spent.
-/// 2. **Hand-off.** Otherwise the wait goes into its stream's *lane*, ordered
-///    by the record's place in the stream
-///    ([`EventApi::stream_sequence`]).
-///    Lanes live in shards, each behind its own lock, so hand-offs,
-///    resolutions and cancellations on different streams do not contend; a
-///    second lock, the scheduler's, is taken only when a lane starts (it
-///    needs a thread) or ends, and on cancellation (see `pool.rs`).
-/// 3. **One thread per busy lane.** Work on a stream completes in order, so
-///    one *lane thread* serves a lane: it blocks on the oldest wait (sleeping
-///    in the driver: `cuEventSynchronize` on a `BLOCKING_SYNC` event) and
-///    resolves it. Then it takes the next wait out and asks it once. Not
-///    reached (the usual case: a stream ends its work item after item), it
-///    blocks on that one: one take from the lane and one query per wait.
-///    Reached (a burst: work that ended while the thread was busy), it
-///    resolves it and queries the later waits in batches, each twice the
-///    last (from 2 up to 256) while all are reached, so a burst of thousands
-///    costs a few lock round-trips per 256 waits and a short run puts back
-///    no more unreached waits than it resolved; then it blocks on the first
-///    not reached. 10,000 pending awaits on 16 streams need 16 threads.
-///    Querying a batch is CPU work, so at most one lane thread per core
-///    queries a batch at once; the others wait for a permit, asleep. The
-///    wakes come after, with no permit held (see 7).
-/// 4. **Bounded threads.** Lane threads start on demand, up to
-///    [`max_threads`](WaiterBuilder::max_threads) (default
-///    [`DEFAULT_MAX_THREADS`], at most [`MAX_THREADS_LIMIT`]), and leave after
-///    [`keep_alive`](WaiterBuilder::keep_alive) idle (default
-///    [`DEFAULT_KEEP_ALIVE`]). A new lane thread starts only while there are
-///    fewer lane threads than lanes. When more lanes are busy than that, one
-///    extra *poller* thread serves the rest: each round it asks each lane's
-///    oldest wait, resolves what is reached, and backs off (doubling from
-///    `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` in `servers.rs`, 50 µs to 1 ms)
-///    when nothing moved. So a fast stream never waits behind a slow one, and
-///    a waiter never has more than `max_threads + 1` threads. A lane thread
-///    that runs out of work takes a lane back from the poller.
-/// 5. **Cancellation.** Dropping a future *withdraws* its wait: out of its
-///    lane at once, and a waiter thread (an idle one, else the poller, which
-///    is started if it is not running) drops it, destroying its event off the
-///    dropping thread. A burst of drops starts at most that one thread. Only
-///    the wait a thread is blocked on right then stays with that thread until
-///    its block ends.
-/// 6. **Faults and shutdown.** A panic in a backend call resolves that wait
-///    with [`ServerError::WaiterPanicked`] and the thread goes on.
-///    [`Waiter::shutdown`] resolves every pending wait, the blocked ones too,
-///    with [`ServerError::WaiterGone`].
-/// 7. **Code the waiter calls but does not own.** A task's
-///    [`Waker`](std::task::Waker), a fence's drop (its event's release, an
-///    outside [`EventApi`]'s code) and the application's logger can panic.
-///    Each call is made under `catch_unwind` and with no lock or resolve
-///    permit held. A panicking wake costs only that wake: the task's result
-///    is already in place (a later poll finds it), the panic is logged once,
-///    and the thread finishes its batch and goes on; a panicking release
-///    costs only that release. A waiter thread that unwinds all the same (a
-///    bug in the waiter) fails the waits it held with
-///    [`ServerError::WaiterPanicked`], uncounts itself and queues its lanes
-///    for another thread on the way out: no future is left pending and no
-///    count outlives its thread.
-/// 8. **Fork.** A forked child has only the thread that forked. A waiter made
-///    before the fork refuses waits there with [`ServerError::WaiterForked`],
-///    and reads no state the parent's threads may have held;
-///    [`Waiter::global()`] is made afresh in the child and serves it. A
-///    future handed off before the fork is not woken in the child (the
-///    thread that would wake it stayed in the parent): polled there, it
-///    resolves at once with [`ServerError::WaiterForked`].
-///
-/// It depends on no executor: std [`Waker`](std::task::Waker)s only, so it
-/// works under tokio (multi- and current-thread), `futures::executor`, and
-/// any other runtime.
+/// - **A reached fence costs one query.** A future's first poll asks the
+///   device; a fence already reached (or resolved when it was made) is
+///   ready then, with no thread involved. A
+///   [`spin_budget`](WaiterBuilder::spin_budget) lets it ask again for a
+///   while first.
+/// - **Otherwise a waiter thread waits, asleep.** It blocks in the driver
+///   (on CUDA, `cuEventSynchronize` on a blocking-sync event) and wakes the
+///   task when the device gets there. A stream's waits are served in the
+///   stream's order, so one thread serves every wait on a busy stream:
+///   10,000 pending awaits on 16 streams need 16 threads.
+/// - **Bounded threads.** Threads start on demand, at most
+///   [`max_threads`](WaiterBuilder::max_threads) that block plus one that
+///   polls the busy streams past that (so a fast stream never waits behind
+///   a slow one), and leave after
+///   [`keep_alive`](WaiterBuilder::keep_alive) idle.
+/// - **Cancel is drop.** Dropping a future takes its wait out at once, and
+///   a waiter thread destroys its event soon after, off the dropping
+///   thread. Only a wait a thread is blocked on right then stays with that
+///   thread until its block ends.
+/// - **Faults stay with their wait.** A panic in a backend call resolves
+///   that wait with [`ServerError::WaiterPanicked`]; a task's waker, a
+///   fence's drop or the logger that panics costs only that call.
+///   [`Waiter::shutdown`] resolves every pending wait with
+///   [`ServerError::WaiterGone`].
+/// - **Fork.** A waiter made before a fork refuses waits in the child with
+///   [`ServerError::WaiterForked`]; [`Waiter::global()`] is made afresh
+///   there.
+/// - **Any executor.** It uses std [`Waker`](std::task::Waker)s only:
+///   tokio (multi- and current-thread), `futures::executor`, and others.
 #[derive(Clone)]
 pub struct Waiter {
     pool: Pool,
@@ -162,13 +176,9 @@ pub struct Waiter {
 
 impl Waiter {
     /// The process-wide waiter that `fence.await` and [`EventFence::wait`]
-    /// use, with the default settings. It is never shut down:
-    /// [`shutdown`](Self::shutdown) on it (or on a clone of it) does nothing
-    /// but log a warning, since every other `fence.await` in the process
-    /// depends on it.
-    ///
-    /// A forked child gets one of its own, made on first use there: the
-    /// parent's threads are not in the child.
+    /// use, with the default settings. It is never shut down (see
+    /// [`shutdown`](Self::shutdown)). A forked child gets one of its own,
+    /// made on first use there.
     pub fn global() -> &'static Waiter {
         static GLOBAL: OnceLock<Waiter> = OnceLock::new();
         let global = GLOBAL.get_or_init(Waiter::new_global);
@@ -178,9 +188,7 @@ impl Waiter {
         global
     }
 
-    /// The global waiter of a forked child: one per fork generation, made
-    /// on first use and kept for the life of the process (a fork's worth of
-    /// memory, once).
+    /// A forked child's global waiter: one per generation, kept for good.
     #[cold]
     fn forked_global() -> &'static Waiter {
         static FORKED: RwLock<Option<&'static Waiter>> = RwLock::new(None);
@@ -212,8 +220,7 @@ impl Waiter {
     /// this waiter: an [`EventFence`] (a [`FenceFuture`]), a
     /// [`Profile`](crate::Profile) (its device time), an
     /// [`AnyFence`](crate::AnyFence) or an [`AnyProfile`](crate::AnyProfile).
-    /// The one spelling of "wait for this, on that waiter"; `target.await`
-    /// is the same on [`Waiter::global()`].
+    /// `target.await` is the same on [`Waiter::global()`].
     pub fn wait<T: Awaitable>(&self, target: T) -> T::Future {
         target.wait_on(self)
     }
@@ -222,42 +229,34 @@ impl Waiter {
     pub(crate) fn handoff<W: Waitable>(&self, waitable: W) -> Handoff<W> {
         let pool = if self.global {
             // The global waiter and its clones share the static one's pool.
-            PoolRef::Global
+            PoolRef::Global(|| &Waiter::global().pool)
         } else {
             PoolRef::Owned(self.pool.clone())
         };
         Handoff::new(waitable, pool)
     }
 
-    pub(crate) fn pool(&self) -> &Pool {
-        &self.pool
-    }
-
     /// Threads alive now: lane threads, plus the poller if it runs.
     pub fn threads(&self) -> usize {
-        self.pool.threads()
+        self.pool.threads().0
     }
 
     /// The most threads this waiter has had alive at once.
     pub fn peak_threads(&self) -> usize {
-        self.pool.peak_threads()
+        self.pool.threads().1
     }
 
-    /// Waits handed to the threads and not finished: those in their lanes,
-    /// those a thread has taken out to query, and the one each lane thread
-    /// is blocked on. A wait whose future was dropped leaves the count at
-    /// once, except one a thread is blocked on (or has out) right then,
-    /// which counts until the thread lets go of it: for a blocked one, when
-    /// its block ends. A fence ready at its first poll is never handed off,
-    /// so never counted.
+    /// Waits handed to the threads and not finished. A wait whose future was
+    /// dropped leaves the count at once, except one a thread holds right
+    /// then (blocked on, or querying), until it lets go. A fence ready at
+    /// its first poll is never handed off, so never counted.
     pub fn pending(&self) -> usize {
-        self.pool.pending()
+        self.pool.pending().0
     }
 
     /// A snapshot of what this waiter holds (gauges) and has done since it
     /// was made (counters, and a histogram of wake latencies), read without
-    /// stopping it: the counters from per-thread stripes, the gauges under
-    /// each lock in turn. See [`WaiterStats`].
+    /// stopping it and without side effects. See [`WaiterStats`].
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -274,20 +273,15 @@ impl Waiter {
     /// # Ok::<(), device_events::ServerError>(())
     /// ```
     pub fn stats(&self) -> WaiterStats {
-        let counts = self.pool.counters.read();
-        let (pending, cancelled_held) = self.pool.pending_and_cancelled_held();
+        let (pending, cancelled_held) = self.pool.pending();
+        let (threads, peak_threads) = self.pool.threads();
         WaiterStats {
-            threads: self.threads(),
-            peak_threads: self.peak_threads(),
+            threads,
+            peak_threads,
             pending,
             cancelled_held,
-            stuck: self.pool.check_stuck().len(),
-            ready_at_first_poll: counts.ready_at_first_poll,
-            handed_off: counts.handed_off,
-            resolved: counts.resolved,
-            failed: counts.failed,
-            cancelled: counts.cancelled,
-            wake_latency: counts.wake_latency,
+            stuck: self.pool.stuck().len(),
+            ..self.pool.counters().read()
         }
     }
 
@@ -295,8 +289,8 @@ impl Waiter {
     /// [`stuck_after`](WaiterBuilder::stuck_after) without the stream ending
     /// a wait, one entry per stream, with how long, how many waits are
     /// queued behind it, and whether its own future was given up: for a
-    /// health endpoint. Empty when `stuck_after` is off. Reading it also
-    /// logs the ones not reported before.
+    /// health endpoint. Empty when `stuck_after` is off. Reading it changes
+    /// nothing and logs nothing.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -310,17 +304,14 @@ impl Waiter {
     /// # Ok::<(), device_events::ServerError>(())
     /// ```
     pub fn stuck(&self) -> Vec<StuckWait> {
-        self.pool.check_stuck()
+        self.pool.stuck()
     }
 
-    /// Resolve every pending wait with [`ServerError::WaiterGone`], refuse
-    /// new ones the same way, and let the threads exit. Waits a thread is
-    /// blocked on resolve at once too (the thread lets go of them, and exits,
-    /// when the device reaches them). Safe to call more than once; never
-    /// blocks.
-    ///
-    /// Does nothing (but log a warning) on [`Waiter::global()`], which is
-    /// never shut down.
+    /// Resolve every pending wait with [`ServerError::WaiterGone`] (those a
+    /// thread is blocked on too), refuse new ones the same way, and let the
+    /// threads exit. Safe to call more than once; never blocks. On
+    /// [`Waiter::global()`], on which every `fence.await` depends, it does
+    /// nothing but log a warning.
     pub fn shutdown(&self) {
         if self.global {
             log::warn!(
@@ -335,7 +326,7 @@ impl Waiter {
     /// The spin budget in effect: the one given to
     /// [`WaiterBuilder::spin_budget`], at most [`MAX_SPIN_BUDGET`].
     pub fn spin_budget(&self) -> Duration {
-        self.pool.config.spin_budget
+        self.pool.config().spin_budget
     }
 }
 
@@ -352,14 +343,12 @@ impl fmt::Debug for Waiter {
             .field("threads", &self.threads())
             .field("pending", &self.pending())
             .field("global", &self.global)
-            .field("config", &self.pool.config)
+            .field("config", self.pool.config())
             .finish()
     }
 }
 
-/// What [`Waiter::wait`] accepts: [`EventFence`], [`Profile`](crate::Profile),
-/// [`AnyFence`](crate::AnyFence) and [`AnyProfile`](crate::AnyProfile).
-/// Sealed: implemented in this crate only.
+/// What [`Waiter::wait`] accepts (sealed: this crate's types only).
 pub trait Awaitable: sealed::Sealed {
     /// The future [`Waiter::wait`] returns for it.
     type Future: std::future::Future;
@@ -382,7 +371,44 @@ impl<A: EventApi> Awaitable for EventFence<A> {
     type Future = FenceFuture<A>;
 
     fn wait_on(self, waiter: &Waiter) -> FenceFuture<A> {
-        FenceFuture::new(self, waiter)
+        FenceFuture::new(waiter.handoff(self))
+    }
+}
+
+impl<A: EventApi> EventFence<A> {
+    /// A future that resolves once the device has reached this fence, served
+    /// by [`Waiter::global()`]; the same as `fence.await`, for combinators
+    /// that want a [`Future`](std::future::Future) (`futures::join!`, `select`, timeouts).
+    ///
+    /// ```
+    /// use device_events::host::{Host, HostStream};
+    /// use device_events::EventFence;
+    ///
+    /// # futures::executor::block_on(async {
+    /// let a = HostStream::new()?;
+    /// let b = HostStream::new()?;
+    /// a.launch(|| { /* work */ })?;
+    /// b.launch(|| { /* work */ })?;
+    /// let (ra, rb) = futures::join!(
+    ///     EventFence::<Host>::new(a.handle()).wait(),
+    ///     EventFence::<Host>::new(b.handle()).wait(),
+    /// );
+    /// ra?;
+    /// rb?;
+    /// # Ok::<(), device_events::ServerError>(())
+    /// # }).unwrap();
+    /// ```
+    pub fn wait(self) -> FenceFuture<A> {
+        Waiter::global().wait(self)
+    }
+}
+
+impl<A: EventApi> IntoFuture for EventFence<A> {
+    type Output = Result<(), ServerError>;
+    type IntoFuture = FenceFuture<A>;
+
+    fn into_future(self) -> FenceFuture<A> {
+        self.wait()
     }
 }
 
@@ -442,46 +468,18 @@ impl WaiterBuilder {
         self
     }
 
-    /// Report streams stuck for longer than `after`: each stall is logged
-    /// once (a warning naming the stream, how long its oldest wait has
-    /// waited and how many waits are queued behind it), its end is logged
-    /// once (at info level), and [`Waiter::stuck`] lists those stuck now.
-    /// Off by default (a kernel may rightly run for minutes: only the
-    /// service knows how long is too long); zero turns it off.
+    /// Report streams stuck for longer than `after`: a stream whose oldest
+    /// pending wait has gone `after` without the stream ending a wait is
+    /// listed by [`Waiter::stuck`] and warned about once per stall. Off by
+    /// default (a kernel may rightly run for minutes); zero turns it off.
+    /// [`StuckWait`] says how a stall is timed.
     ///
-    /// A stall is timed from the hand-off that found its stream idle, or
-    /// from the end of the last wait on it, whichever is later: a stream
-    /// with a long queue that keeps finishing work is not stuck, however
-    /// long its last wait has been queued. A wait given up (its future
-    /// dropped, as by a timeout) while a thread is blocked on it still holds
-    /// its stream: the stall goes on, and is reported, until the device
-    /// gets past it. One given up while queued leaves the queue, and the
-    /// stall goes on for the waits behind it; a stream with no wait left is
-    /// no longer watched (its stall's end is logged then).
-    ///
-    /// The lines are logged with no lock of the waiter's held, in order, by
-    /// one thread at a time: a logger may block, or read the waiter's
-    /// stats, without holding up or deadlocking the waiter. That thread may
-    /// be a waiter thread, or the one that found the stall: a task's, in
-    /// the first poll of a future that hands a wait off, or one reading
-    /// [`Waiter::stuck`] or [`Waiter::stats`].
-    ///
-    /// It adds no thread: the waiter looks for stuck waits when a wait is
-    /// handed off, when its poller ends a round, and when the idle lane
-    /// thread that holds the idle watch (one at a time) wakes on its own
-    /// timeout: together at most once per quarter of `after`, and at most
-    /// once a millisecond. It also looks whenever [`Waiter::stuck`] or
-    /// [`Waiter::stats`] is read. So a stream that hangs while another lane
-    /// thread is idle is warned about within a quarter of `after` past it,
-    /// if that thread's [`keep_alive`](WaiterBuilder::keep_alive) lasts that
-    /// long. One that hangs while no thread is idle and nothing is handed off
-    /// is found by the next read of those two: a service that serves them to
-    /// a health check or a metrics scrape is told at that check at the
-    /// latest. While on, the idle thread holding the watch wakes once per
-    /// quarter of `after` (at most once a millisecond) until its keep-alive
-    /// ends, each stream that becomes busy costs its name (the `Debug` of
-    /// its handle, formatted with no lock held), and each wait a server
-    /// ends, a read of the clock.
+    /// While it is on and a wait is pending, the poller runs (within the
+    /// bound of [`max_threads`](Self::max_threads) + 1) and looks every
+    /// quarter of `after` (at most once a millisecond): the warning comes
+    /// from that thread, with no lock held, never from a task's poll or a
+    /// read of the stats. Each hand-off also formats its stream's name
+    /// (the `Debug` of its handle).
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self
@@ -495,8 +493,8 @@ impl WaiterBuilder {
     /// [`ServerError::InvalidArgument`] for a setting no thread could be
     /// started with: a [`thread_name`](Self::thread_name) with a NUL byte.
     pub fn try_build(self) -> Result<Waiter, ServerError> {
-        if let Some(invalid) = self.config.invalid() {
-            return Err(invalid);
+        if let Some(unusable) = self.config.unusable() {
+            return Err(unusable);
         }
         Ok(self.build())
     }
@@ -504,15 +502,13 @@ impl WaiterBuilder {
     /// Build the waiter. No thread starts until a wait needs one.
     ///
     /// A setting no thread could be started with (see
-    /// [`try_build`](Self::try_build), which reports it here instead) is
-    /// logged as an error, and every wait handed to the waiter's threads
-    /// then resolves with that [`ServerError::InvalidArgument`]; nothing
-    /// panics. A fence already reached at its first poll needs no thread and
-    /// still resolves `Ok`, so the failure shows only on waits that wait,
-    /// and can look intermittent: build with `try_build` to see it at once.
+    /// [`try_build`](Self::try_build)) is logged as an error, and every wait
+    /// that needs a thread resolves with that [`ServerError::InvalidArgument`];
+    /// a fence reached at its first poll still resolves `Ok`, so the failure
+    /// can look intermittent: `try_build` shows it at once.
     pub fn build(self) -> Waiter {
-        if let Some(invalid) = self.config.invalid() {
-            log::error!("{invalid}");
+        if let Some(unusable) = self.config.unusable() {
+            log::error!("{unusable}");
         }
         Waiter {
             pool: Pool::new(self.config),

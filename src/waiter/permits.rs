@@ -43,42 +43,16 @@ impl Permits {
         *free -= 1;
         Permit { permits: self }
     }
+
+    #[cfg(test)]
+    pub(crate) fn free(&self) -> usize {
+        *self.free.lock()
+    }
 }
 
 impl Drop for Permit<'_> {
     fn drop(&mut self) {
         *self.permits.free.lock() += 1;
         self.permits.returned.notify_one();
-    }
-}
-
-#[cfg(all(test, not(device_events_loom)))]
-mod tests {
-    use super::Permits;
-
-    impl Permits {
-        fn free(&self) -> usize {
-            *self.free.lock()
-        }
-    }
-
-    #[test]
-    fn a_permit_is_taken_and_given_back() {
-        let permits = Permits::new(2);
-        let first = permits.acquire();
-        assert_eq!(permits.free(), 1);
-        let second = permits.acquire();
-        assert_eq!(permits.free(), 0);
-        drop(first);
-        assert_eq!(permits.free(), 1);
-        drop(second);
-        assert_eq!(permits.free(), 2);
-    }
-
-    #[test]
-    fn there_is_always_at_least_one() {
-        let permits = Permits::new(0);
-        drop(permits.acquire());
-        assert_eq!(permits.free(), 1);
     }
 }

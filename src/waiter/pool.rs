@@ -1,670 +1,927 @@
-//! [`Pool`]: the handle to a waiter's shared state, and the operations on
-//! its lanes under their locks: submit, withdraw, settle a batch, shut down.
-//! The lane algorithm is described once, in [`Waiter`](super::Waiter)'s
-//! docs; the threads that serve lanes are in [`servers`](super::servers).
+//! [`Pool`]: a waiter's shared state behind one lock, and every decision
+//! made under it. Each operation changes the [`State`] under the lock and
+//! returns what is left to do ([`Action`]), which the caller does once the
+//! lock is let go; calls into code the waiter does not own are made with no
+//! lock held. The algorithm and its words: the docs of [`crate::waiter`].
 
-use std::collections::btree_map::Entry;
-use std::ops::Deref;
-use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::collections::{BTreeMap, VecDeque};
+use std::ops::Range;
+use std::time::{Duration, Instant};
 
-use super::checked::Checked;
+use super::checked::{Checked, Invariants};
 use super::contain;
 use super::permits::Permits;
-use super::sched::{Action, Sched};
-use super::shard::{Lane, Owner, Shard, Wait, SHARDS};
 use super::slot::Slot;
 use super::stats::Counters;
-use super::stuck::StuckReports;
-use super::waitable::LaneKey;
-use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
+use super::stuck::{self, StuckWait};
+use super::waitable::{LaneKey, Waitable};
+use crate::loom::{Arc, Condvar, Mutex};
 use crate::ServerError;
 
-/// The waiter's settings; see [`WaiterBuilder`](super::WaiterBuilder).
+/// The waiter's settings; see `WaiterBuilder`.
 #[derive(Debug, Clone)]
 pub(crate) struct Config {
     pub(crate) max_threads: usize,
     pub(crate) keep_alive: Duration,
     pub(crate) thread_name: String,
     pub(crate) spin_budget: Duration,
-    /// How many lane threads may resolve waits at once (see [`Permits`]):
-    /// the machine's cores.
+    /// How many lane threads may query their batches at once ([`Permits`]).
     pub(crate) resolvers: usize,
-    /// How long a wait may be pending before it is reported stuck; `None`:
-    /// never (see `stuck.rs`).
+    /// `None`: stuck streams are not reported.
     pub(crate) stuck_after: Option<Duration>,
 }
 
 impl Config {
     /// Why no thread could be started with these settings, if so.
-    pub(crate) fn invalid(&self) -> Option<ServerError> {
-        self.thread_name
-            .contains('\0')
-            .then(|| ServerError::InvalidArgument {
-                what: "Waiter thread_name",
-                reason: format!(
-                    "{:?} contains a NUL byte, which no thread name may",
-                    self.thread_name
-                ),
-            })
+    pub(crate) fn unusable(&self) -> Option<ServerError> {
+        let name = &self.thread_name;
+        name.contains('\0').then(|| ServerError::InvalidArgument {
+            what: "Waiter thread_name",
+            reason: format!("{name:?} contains a NUL byte, which no thread name may"),
+        })
     }
 }
 
-/// A handle to a waiter's shared state, held by the [`Waiter`](super::Waiter)
-/// handles and by every waiter thread: cheap to clone (one `Arc`), and every
-/// operation takes `&self`.
+/// A handle to a waiter's shared state, held by the `Waiter` handles and by
+/// every waiter thread: cheap to clone (one `Arc`).
 #[derive(Clone)]
 pub(crate) struct Pool {
     shared: Arc<Shared>,
 }
 
-/// The shared state of a waiter.
-///
-/// # Locks
-///
-/// Work on different streams must not contend, so the state is split:
-///
-/// - **Shards** ([`SHARDS`] of them, a lane's shard picked by its key): each
-///   lane's waits, owner, and the wait its thread is blocked on. Handing a
-///   wait to a lane that is already served, resolving waits, and withdrawing
-///   one take only their lane's shard.
-/// - **The scheduler** ([`Sched`]): lanes waiting for a server, the threads,
-///   idle threads' wake-ups, withdrawn waits to drop. Taken only when a lane
-///   starts (it needs a server) or ends (its server looks for the next), and
-///   on cancellation.
-///
-/// Lock order: a shard, then the scheduler; never two shards at once, and
-/// no shard while holding the scheduler. A wait's [`Slot`] lock and the
-/// queue of stuck-wait lines ([`StuckReports`]) come last of all, and
-/// nothing is locked while either is held. Both kinds of lock are
-/// taken through [`Checked`], which checks their invariants as they are let
-/// go (debug and loom builds).
-///
-/// # Code it calls but does not own
-///
-/// A backend's query and block, a task's waker, a wait's drop (its fence's
-/// event release): each goes through [`contain`], so a panic there costs only
-/// the wait it concerns, and no lock is held across any of them. A waiter
-/// thread that still unwinds (a bug in the waiter) gives back what it holds
-/// through its guard: no count outlives the thread it counts, and no wait is
-/// left pending.
-pub(crate) struct Shared {
-    pub(crate) config: Config,
-    shards: Vec<Mutex<Shard>>,
-    /// Lanes in all shards, changed under their shard's lock. Read under the
-    /// scheduler's to decide whether a queued lane needs a new thread (see
-    /// [`Sched::place`]); it is touched only when a lane starts or ends,
-    /// never per wait of a busy lane.
-    lanes: AtomicUsize,
-    sched: Mutex<Sched>,
-    /// Idle lane threads wait here (with the scheduler's lock) for a lane.
-    pub(super) work: Condvar,
-    /// Lane threads querying their batches, at most one per core.
-    pub(super) resolving: Permits,
-    /// What the waiter has done, for [`Waiter::stats`](super::Waiter::stats).
-    pub(crate) counters: Counters,
-    /// When stuck waits are next looked for on the busy paths, and the
-    /// lines about them to log.
-    pub(super) stuck: StuckReports,
-    /// The process generation this pool was made in ([`crate::fork`]). In a
-    /// forked child its threads are gone (only the forking thread is
-    /// copied), so it refuses waits there rather than queue them for
-    /// threads that do not exist.
+struct Shared {
+    config: Config,
+    /// [`Config::unusable`], worked out once: every hand-off's error.
+    unusable: Option<ServerError>,
+    state: Mutex<State>,
+    /// Idle lane threads wait here for a lane.
+    work: Condvar,
+    /// The poller waits here between rounds.
+    poller_work: Condvar,
+    resolving: Permits,
+    counters: Counters,
+    /// The process generation the pool was made in ([`crate::fork`]).
     fork_generation: u64,
-    /// Faults a test plants: spawns refused, panics where no call is
-    /// contained.
     #[cfg(test)]
-    pub(crate) plants: Plants,
-    /// Waits taken out of their lane to query and put back unreached, for
-    /// the tests of what serving a lane costs.
-    #[cfg(test)]
-    pub(crate) put_back: AtomicUsize,
+    plants: Plants,
 }
 
-impl Deref for Pool {
-    type Target = Shared;
+/// A wait's place in its lane: its sequence in its stream, then its
+/// hand-off's ticket (so a backend whose numbers repeat loses no wait).
+pub(crate) type Place = (u64, u64);
 
-    fn deref(&self) -> &Shared {
-        &self.shared
+/// Who serves a lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Owner {
+    /// Its key is in a queue, for a lane thread or the poller.
+    Queued,
+    /// The lane thread with this number.
+    Thread(usize),
+    Poller,
+}
+
+/// One pending wait: what to wait on and where its result goes.
+pub(crate) struct Wait {
+    pub(crate) waitable: Box<dyn Waitable>,
+    pub(crate) slot: Arc<Slot>,
+    lane: LaneKey,
+    place: Place,
+    /// Its stream's name, made before the hand-off while stuck streams are
+    /// reported (never under the lock: it is the backend's `Debug`).
+    name: Option<std::sync::Arc<str>>,
+}
+
+impl Wait {
+    pub(crate) fn new(
+        waitable: Box<dyn Waitable>,
+        slot: Arc<Slot>,
+        lane: LaneKey,
+        name: Option<std::sync::Arc<str>>,
+    ) -> Self {
+        let place = (waitable.sequence(), 0);
+        Self {
+            waitable,
+            slot,
+            lane,
+            place,
+            name,
+        }
+    }
+}
+
+/// A stream's lane.
+struct Lane {
+    waits: BTreeMap<Place, Wait>,
+    owner: Owner,
+    /// The wait its lane thread is blocked on, so shutdown can resolve it.
+    blocked_on: Option<Arc<Slot>>,
+    /// Its waits out in a batch, not settled yet.
+    out: usize,
+    /// Since when its stream has ended no wait: the hand-off that found it
+    /// idle, or the end of its last wait (kept while `stuck_after` is on).
+    since: Instant,
+    /// The stall since `since` was warned about.
+    reported: bool,
+    name: Option<std::sync::Arc<str>>,
+}
+
+impl Lane {
+    /// Nothing queued, blocked on or out: its owner removes it.
+    fn is_idle(&self) -> bool {
+        self.waits.is_empty() && self.blocked_on.is_none() && self.out == 0
+    }
+
+    fn progressed(&mut self, watching: bool) {
+        if watching {
+            self.since = Instant::now();
+            self.reported = false;
+        }
+    }
+}
+
+/// Everything under the lock. Its invariants, checked each time the lock is
+/// let go in debug and loom builds: a lane is `Queued` exactly while its key
+/// is in a queue (it is queued in the hold of the lock that makes it);
+/// `lane_threads` and `poller` count the threads started or about to be,
+/// until they leave (unwinding included); `notified <= idle <= lane_threads`;
+/// after `shutdown` no lane is left.
+#[derive(Default)]
+pub(super) struct State {
+    lanes: BTreeMap<LaneKey, Lane>,
+    /// Lanes for lane threads, oldest first: one was woken or started for
+    /// each, or one between lanes looks here before it sleeps.
+    for_threads: VecDeque<LaneKey>,
+    /// Lanes for the poller; a lane thread out of work takes them first.
+    for_poller: VecDeque<LaneKey>,
+    lane_threads: usize,
+    /// Lane threads asleep for work, and the wake-ups sent them not taken.
+    idle: usize,
+    notified: usize,
+    poller: bool,
+    peak_threads: usize,
+    next_thread: usize,
+    next_ticket: u64,
+    /// Waits whose futures were dropped, for a waiter thread to drop.
+    withdrawn: Vec<Wait>,
+    pub(super) shutdown: bool,
+}
+
+/// What is left to do once the lock is let go (a woken thread then finds
+/// it free).
+#[derive(Debug, Default, PartialEq, Eq)]
+#[must_use]
+pub(super) struct Action {
+    pub(super) wake_threads: usize,
+    /// Lane threads to start, by number (counted in already).
+    pub(super) spawn_threads: Range<usize>,
+    pub(super) wake_poller: bool,
+    /// Start the poller (counted in already).
+    pub(super) spawn_poller: bool,
+}
+
+impl Action {
+    fn wake_thread() -> Self {
+        Self {
+            wake_threads: 1,
+            ..Self::default()
+        }
+    }
+
+    /// Both; thread numbers taken in one hold of the lock are adjacent.
+    fn and(mut self, other: Action) -> Action {
+        self.wake_threads += other.wake_threads;
+        if self.spawn_threads.is_empty() {
+            self.spawn_threads = other.spawn_threads;
+        } else if !other.spawn_threads.is_empty() {
+            self.spawn_threads.end = other.spawn_threads.end;
+        }
+        self.wake_poller |= other.wake_poller;
+        self.spawn_poller |= other.spawn_poller;
+        self
+    }
+}
+
+impl State {
+    /// Queue new lane `key` and decide who serves it: an idle lane thread,
+    /// else one between lanes (with at least as many lane threads as lanes,
+    /// one serves none), else a new one, else the poller. So a stream whose
+    /// lane empties and refills starts no other thread.
+    pub(super) fn place(&mut self, key: LaneKey, max_threads: usize) -> Action {
+        if self.shutdown {
+            return Action::default();
+        }
+        let wake = self.wake_idle();
+        if wake || self.lane_threads >= self.lanes.len() || self.lane_threads < max_threads {
+            self.for_threads.push_back(key);
+        } else {
+            self.for_poller.push_back(key);
+            return self.poller_for_work();
+        }
+        if wake {
+            Action::wake_thread()
+        } else if self.lane_threads >= self.lanes.len() {
+            Action::default()
+        } else {
+            self.add_lane_thread()
+        }
+    }
+
+    /// The poller has work: wake it, or start it.
+    fn poller_for_work(&mut self) -> Action {
+        if !self.poller {
+            return self.add_poller();
+        }
+        Action {
+            wake_poller: true,
+            ..Action::default()
+        }
+    }
+
+    /// Withdrawn waits to drop: by the poller if it runs, else an idle
+    /// thread, else the poller started; never a new lane thread (a burst of
+    /// drops would start one each).
+    pub(super) fn dispose(&mut self) -> Action {
+        if !self.poller && self.wake_idle() {
+            return Action::wake_thread();
+        }
+        self.poller_for_work()
+    }
+
+    /// While stuck streams are reported and a lane is left, the poller runs
+    /// to watch it.
+    fn watcher(&mut self, watching: bool) -> Action {
+        if watching && !self.poller && !self.shutdown && !self.lanes.is_empty() {
+            return self.add_poller();
+        }
+        Action::default()
+    }
+
+    /// Count a wake-up for an idle lane thread not woken yet, if there is
+    /// one. One that wakes on its own meanwhile looks at the queues under
+    /// the lock, so the work is found either way.
+    fn wake_idle(&mut self) -> bool {
+        let idle = self.idle > self.notified;
+        self.notified += usize::from(idle);
+        idle
+    }
+
+    /// A lane thread woke (notified, spuriously, or timed out): it takes a
+    /// wake-up if one is outstanding, as it looks at the queues next.
+    fn woke(&mut self) {
+        if !crate::plant::planted("woke-keeps-idle-count") {
+            self.idle -= 1;
+        }
+        self.notified = self.notified.saturating_sub(1);
+    }
+
+    fn add_lane_thread(&mut self) -> Action {
+        self.lane_threads += 1;
+        self.next_thread += 1;
+        self.peak_threads = self.peak_threads.max(self.threads());
+        Action {
+            spawn_threads: self.next_thread..self.next_thread + 1,
+            ..Action::default()
+        }
+    }
+
+    fn add_poller(&mut self) -> Action {
+        self.poller = true;
+        self.peak_threads = self.peak_threads.max(self.threads());
+        Action {
+            spawn_poller: true,
+            ..Action::default()
+        }
+    }
+
+    fn threads(&self) -> usize {
+        self.lane_threads + usize::from(self.poller)
+    }
+
+    fn leave(&mut self, owner: Owner) {
+        match owner {
+            Owner::Poller => self.poller = false,
+            _ => self.lane_threads -= 1,
+        }
+    }
+
+    fn lane_of(&mut self, key: LaneKey, owner: Owner) -> Option<&mut Lane> {
+        self.lanes.get_mut(&key).filter(|lane| lane.owner == owner)
+    }
+
+    /// Put `wait` in its lane; whether that made the lane.
+    pub(super) fn insert(&mut self, wait: Wait) -> bool {
+        let made = !self.lanes.contains_key(&wait.lane);
+        let lane = self.lanes.entry(wait.lane).or_insert_with(|| Lane {
+            waits: BTreeMap::new(),
+            owner: Owner::Queued,
+            blocked_on: None,
+            out: 0,
+            since: wait.slot.handed_at(),
+            reported: false,
+            name: wait.name.clone(),
+        });
+        if lane.is_idle() && !lane.reported {
+            lane.since = lane.since.max(wait.slot.handed_at());
+        }
+        lane.waits.insert(wait.place, wait);
+        made
+    }
+
+    /// Lane thread `owner` is done with `key`: whether it has waits again;
+    /// if it is idle, it is removed.
+    fn release(&mut self, key: LaneKey, owner: Owner) -> bool {
+        let Some(lane) = self.lane_of(key, owner) else {
+            return false;
+        };
+        if lane.is_idle() {
+            self.lanes.remove(&key);
+            return false;
+        }
+        !lane.waits.is_empty()
+    }
+
+    /// Lane thread `owner` takes `key`'s oldest wait to block on.
+    fn take_oldest(&mut self, key: LaneKey, owner: Owner) -> Option<Wait> {
+        let lane = self.lane_of(key, owner)?;
+        let (_, wait) = lane.waits.pop_first()?;
+        lane.blocked_on = Some(wait.slot.clone());
+        Some(wait)
+    }
+
+    /// Take the lanes queued for threads, else for the poller, else (while
+    /// the poller runs) one of its lanes with nothing out, for `owner`.
+    fn claim(&mut self, owner: Owner) -> Option<LaneKey> {
+        let queued = self.for_threads.pop_front();
+        let key = match queued.or_else(|| self.for_poller.pop_front()) {
+            Some(key) => key,
+            None if self.poller => {
+                *self
+                    .lanes
+                    .iter()
+                    .find(|(_, lane)| lane.owner == Owner::Poller && lane.out == 0)?
+                    .0
+            }
+            None => return None,
+        };
+        self.lanes.get_mut(&key).expect("a queued lane").owner = owner;
+        Some(key)
+    }
+}
+
+impl Invariants for State {
+    fn check_invariants(&self) {
+        let queued = self
+            .lanes
+            .values()
+            .filter(|lane| lane.owner == Owner::Queued);
+        let queues = self.for_threads.len() + self.for_poller.len();
+        assert_eq!(queued.count(), queues, "queued lanes and queues differ");
+        assert!(self.notified <= self.idle && self.idle <= self.lane_threads);
+        assert!(self.peak_threads >= self.threads());
+        assert!(self.for_threads.is_empty() || self.lane_threads > 0);
+        assert!(self.for_poller.is_empty() || self.poller || self.lane_threads > 0);
+        assert!(
+            !self.shutdown || self.lanes.is_empty(),
+            "lanes after shutdown"
+        );
+        for lane in self.lanes.values() {
+            assert!(lane.blocked_on.is_none() || matches!(lane.owner, Owner::Thread(_)));
+            assert!(lane.out == 0 || lane.owner != Owner::Queued);
+        }
     }
 }
 
 impl Pool {
     pub(crate) fn new(config: Config) -> Self {
-        let watching = config.stuck_after.is_some();
         Self {
             shared: Arc::new(Shared {
+                unusable: config.unusable(),
                 resolving: Permits::new(config.resolvers),
                 config,
-                shards: (0..SHARDS)
-                    .map(|_| Mutex::new(Shard::new(watching)))
-                    .collect(),
-                lanes: AtomicUsize::new(0),
-                sched: Mutex::new(Sched::default()),
+                state: Mutex::new(State::default()),
                 work: Condvar::new(),
-                fork_generation: crate::fork::generation(),
+                poller_work: Condvar::new(),
                 counters: Counters::default(),
-                stuck: StuckReports::new(),
+                fork_generation: crate::fork::generation(),
                 #[cfg(test)]
-                plants: Plants::new(),
-                #[cfg(test)]
-                put_back: AtomicUsize::new(0),
+                plants: Plants::default(),
             }),
         }
     }
 
-    /// Hand a wait to the pool. Returns its lane and the place it went:
-    /// where it sits, for [`Pool::withdraw`]. A wait for a lane already
-    /// served takes its shard's lock and nothing else.
+    pub(crate) fn config(&self) -> &Config {
+        &self.shared.config
+    }
+
+    pub(crate) fn counters(&self) -> &Counters {
+        &self.shared.counters
+    }
+
+    pub(super) fn resolving(&self) -> &Permits {
+        &self.shared.resolving
+    }
+
+    fn lock(&self) -> Checked<'_, State> {
+        Checked::lock(&self.shared.state)
+    }
+
+    fn watching(&self) -> bool {
+        self.shared.config.stuck_after.is_some()
+    }
+
+    pub(crate) fn generation(&self) -> u64 {
+        self.shared.fork_generation
+    }
+
+    /// A forked child of the process that made the pool: its threads, and
+    /// whoever held its lock at the fork, are not here.
+    pub(crate) fn is_forked(&self) -> bool {
+        self.shared.fork_generation != crate::fork::current()
+    }
+
+    /// Leave `result` for `slot`'s future and wake it, counting it first.
+    pub(super) fn deliver(&self, slot: &Slot, result: Result<(), ServerError>) {
+        let counters = &self.shared.counters;
+        slot.complete(result, |ok, since| counters.delivered(ok, since));
+    }
+
+    /// Hand `wait` to the pool: its place (for [`Pool::withdraw`]) and what
+    /// to do next.
     ///
     /// # Errors
     ///
-    /// [`ServerError::WaiterGone`] after [`Pool::shutdown`];
-    /// [`ServerError::WaiterForked`] in a forked child. The wait is dropped.
-    pub(crate) fn submit(&self, mut wait: Wait) -> Result<(LaneKey, u64), ServerError> {
+    /// [`ServerError::WaiterForked`] in a forked child, the settings' error
+    /// if no thread can start, [`ServerError::WaiterGone`] after shutdown.
+    pub(super) fn submit(&self, mut wait: Wait) -> Result<(Place, Action), ServerError> {
         if self.is_forked() {
             return Err(ServerError::WaiterForked);
         }
-        if let Some(invalid) = self.config.invalid() {
-            return Err(invalid);
+        if let Some(unusable) = &self.shared.unusable {
+            return Err(unusable.clone());
         }
         let key = wait.lane;
-        let handed_at = wait.slot.handed_at();
-        let mut shard = self.shard(key);
-        if self.config.stuck_after.is_some() && shard.stream_name(key).is_none() {
-            // The wait makes a lane for a stream the shard has no name for:
-            // the backend's `Debug`, called with no lock held.
-            drop(shard);
-            let name = contain::backend(|| Ok(wait.waitable.stream_name()));
-            let name = name.unwrap_or_else(|err| format!("a stream ({err})"));
-            wait.stream_name = Some(name.into());
-            shard = self.shard(key);
-        }
-        if shard.shut && !crate::plant::planted("submit-enters-drained-shard") {
-            drop(shard);
-            drop(wait);
+        let mut state = self.lock();
+        if state.shutdown && !crate::plant::planted("submit-after-shutdown-queued") {
+            drop(state);
+            contain::drop(wait);
             return Err(ServerError::WaiterGone);
         }
-        shard.wait_added();
-        // Counted before any thread can take it, so its outcome is counted
-        // after.
-        self.counters.handed_off();
-        let (placed, new_lane) = self.insert(&mut shard, wait);
-        let action = if new_lane {
-            self.queue_lane(key)
-        } else {
-            Action::Nothing
-        };
-        drop(shard);
-        self.act(action);
-        if !crate::plant::planted("hand-off-does-not-look-for-stuck") {
-            self.check_stuck_if_due(handed_at);
+        wait.place.1 = state.next_ticket;
+        state.next_ticket += 1;
+        let place = wait.place;
+        // Counted before any thread can take it, so its outcome comes after.
+        self.shared.counters.handed_off();
+        if !state.insert(wait) {
+            return Ok((place, Action::default()));
         }
-        Ok((key, placed))
+        let action = state.place(key, self.shared.config.max_threads);
+        Ok((place, action.and(state.watcher(self.watching()))))
     }
 
-    /// Return waits not reached yet to their lane, each at the place it was
-    /// taken from, and count `resolved` ones as done, in one lock. If the
-    /// lane was emptied and removed meanwhile (a thread took it over from
-    /// the poller and found it empty), it is made and queued afresh, so
-    /// someone serves it: the caller acts on the returned decision once it
-    /// has noted the batch settled.
-    ///
-    /// A wait whose future was dropped while it was out of its lane (so
-    /// `withdraw` did not find it) is dropped here instead of put back. This
-    /// is the only way a cancelled wait could enter a lane: the future's drop
-    /// marks the slot cancelled before it takes the shard lock to withdraw,
-    /// so under this lock a wait is either seen cancelled or withdrawn later
-    /// (at its place, which is where it goes back).
-    ///
-    /// When `resolved` is not 0, the lane's stream made progress; `first`
-    /// is how the oldest of them ended (`None`: reached).
-    pub(super) fn settle(
-        &self,
-        key: LaneKey,
-        rest: Vec<Wait>,
-        resolved: usize,
-        first: Option<&ServerError>,
-    ) -> Action {
-        let mut shard = self.shard(key);
-        let count = resolved + rest.len();
-        shard.batch_settled(count);
-        let (cancelled, rest): (Vec<Wait>, Vec<Wait>) =
-            rest.into_iter().partition(|wait| wait.slot.is_cancelled());
-        if crate::plant::planted("settle-miscounts-cancelled") {
-            shard.waits_finished(resolved - cancelled.len());
-        } else if crate::plant::planted("settle-forgets-cancelled") {
-            shard.waits_finished(resolved);
-        } else {
-            shard.waits_finished(resolved + cancelled.len());
-        }
-        let mut gone = Vec::new();
-        let mut action = Action::Nothing;
-        if shard.shut {
-            shard.waits_finished(rest.len());
-            gone = rest;
-        } else {
-            #[cfg(test)]
-            self.put_back.fetch_add(rest.len(), Ordering::SeqCst);
-            let mut new_lane = false;
-            for wait in rest {
-                new_lane |= self.insert(&mut shard, wait).1;
-            }
-            if new_lane && !crate::plant::planted("lane-made-in-settle-not-queued") {
-                action = self.queue_lane(key);
-            }
-        }
-        // Counted back after any put back are in their lane again: a stall
-        // parked meanwhile goes on in it, or ends here.
-        let mut ended = shard.batch_returned(key, count);
-        if resolved > 0 && self.config.stuck_after.is_some() {
-            let lane = shard.lanes.get_mut(&key);
-            let watch = lane.and_then(|lane| lane.watch.as_mut());
-            if let Some(watch) = watch.or(ended.as_mut()) {
-                watch.progressed(first, || false, &self.stuck);
-            }
-        }
-        if let Some(ended) = ended {
-            ended.removed(&self.stuck);
-        }
-        drop(shard);
-        self.log_stuck_lines();
-        // Dropped (destroying their events) and woken outside the lock.
-        cancelled.into_iter().for_each(contain::drop);
-        for wait in gone {
-            wait.slot
-                .complete(Err(ServerError::WaiterGone), &self.counters);
-            contain::drop(wait);
-        }
-        action
-    }
-
-    /// The future of the wait placed at `placed` in lane `key` was dropped:
-    /// take the wait out of its lane, if it is still there, and have a
-    /// waiter thread drop it (destroying its event) soon. A wait a thread has
-    /// taken out is not there; that thread drops it when done. In a forked
-    /// child nothing is touched: the parent's threads may have held these
-    /// locks at the fork.
-    pub(crate) fn withdraw(&self, key: LaneKey, placed: u64, slot: &Arc<Slot>) {
+    /// The future of the wait at `place` in lane `key` was dropped: take the
+    /// wait out, if it is still there, for a waiter thread to drop. One a
+    /// thread has taken out stays with that thread.
+    pub(super) fn withdraw(&self, key: LaneKey, place: Place, slot: &Arc<Slot>) -> Action {
         if self.is_forked() {
-            return;
+            return Action::default();
         }
-        let mut shard = self.shard(key);
-        let place = slot.place(placed);
-        let Some(lane) = shard.lanes.get_mut(&key) else {
-            return;
+        let mut state = self.lock();
+        let Some(lane) = state.lanes.get_mut(&key) else {
+            return Action::default();
         };
-        let wait = match lane.waits.entry(place) {
-            Entry::Occupied(entry) if Arc::ptr_eq(&entry.get().slot, slot) => entry.remove(),
-            _ => return,
-        };
-        shard.waits_finished(1);
-        drop(shard);
-        let mut sched = self.sched();
-        if sched.shutdown {
-            // No waiter thread is left to drop it: dropped here.
-            drop(sched);
-            contain::drop(wait);
-            return;
+        let ours = lane.waits.get(&place).map(|wait| &wait.slot);
+        if !ours.is_some_and(|ours| Arc::ptr_eq(ours, slot)) {
+            return Action::default();
         }
-        sched.withdrawn.push(wait);
-        let action = sched.wake_or_spawn_disposer();
-        drop(sched);
-        self.act(action);
+        let wait = lane.waits.remove(&place).expect("found just now");
+        state.withdrawn.push(wait);
+        state.dispose()
     }
 
-    /// Resolve every pending wait with [`ServerError::WaiterGone`] and let the
-    /// threads exit. A wait a thread is blocked on resolves now too; the
-    /// thread drops it (its event) when the block ends, then exits.
-    ///
-    /// The scheduler is shut first (nothing is queued or withdrawn there
-    /// after), then each shard is drained and shut in turn: a submit that
-    /// got into a shard before it was drained is drained with it, and one
-    /// after finds it shut. In a forked child it does nothing: the pool's
-    /// threads and waits are the parent's.
+    /// Resolve every pending wait with [`ServerError::WaiterGone`], blocked
+    /// ones too, and let the threads exit; batches out fail as they settle.
     pub(crate) fn shutdown(&self) {
         if self.is_forked() {
             return;
         }
-        let withdrawn = {
-            let mut sched = self.sched();
-            sched.shutdown = true;
-            sched.for_threads.clear();
-            sched.for_poller.clear();
-            std::mem::take(&mut sched.withdrawn)
+        let (lanes, withdrawn) = {
+            let mut state = self.lock();
+            state.shutdown = true;
+            state.for_threads.clear();
+            state.for_poller.clear();
+            let lanes = std::mem::take(&mut state.lanes);
+            (lanes, std::mem::take(&mut state.withdrawn))
         };
-        self.work.notify_all();
-        // Withdrawn waits are dropped here, with the rest.
+        self.shared.work.notify_all();
+        self.shared.poller_work.notify_all();
         withdrawn.into_iter().for_each(contain::drop);
-        let mut gone = Vec::new();
-        let mut blocked = Vec::new();
-        for shard in &self.shards {
-            let mut shard = Checked::lock(shard);
-            shard.shut = true;
-            let before = gone.len() + blocked.len();
-            for lane in self.remove_all_lanes(&mut shard) {
-                gone.extend(lane.waits.into_values());
-                blocked.extend(lane.blocked_on);
+        for lane in lanes.into_values() {
+            if let Some(slot) = lane.blocked_on {
+                self.deliver(&slot, Err(ServerError::WaiterGone));
             }
-            shard.waits_finished(gone.len() + blocked.len() - before);
-        }
-        self.log_stuck_lines();
-        let slots = gone.iter().map(|wait| &wait.slot).chain(&blocked);
-        for slot in slots {
-            slot.complete(Err(ServerError::WaiterGone), &self.counters);
-        }
-        gone.into_iter().for_each(contain::drop);
-    }
-}
-
-impl Shared {
-    pub(super) fn shard(&self, key: LaneKey) -> Checked<'_, Shard> {
-        Checked::lock(&self.shards[key.shard(SHARDS)])
-    }
-
-    pub(super) fn sched(&self) -> Checked<'_, Sched> {
-        Checked::lock(&self.sched)
-    }
-
-    /// Whether this is a forked child of the process that made the pool:
-    /// its threads, and whoever held its locks at the fork, are not here.
-    pub(crate) fn is_forked(&self) -> bool {
-        self.fork_generation != crate::fork::current()
-    }
-
-    /// The process generation the pool was made in.
-    pub(crate) fn generation(&self) -> u64 {
-        self.fork_generation
-    }
-
-    /// [`Shard::insert`], counting the lane it makes, if it makes one.
-    fn insert(&self, shard: &mut Shard, wait: Wait) -> (u64, bool) {
-        let (placed, new_lane) = shard.insert(wait);
-        if new_lane {
-            self.lanes.fetch_add(1, Ordering::SeqCst);
-        }
-        (placed, new_lane)
-    }
-
-    /// Every shard, for a look over all lanes.
-    pub(super) fn shards(&self) -> &[Mutex<Shard>] {
-        &self.shards
-    }
-
-    /// A new lane needs a server: queue it and decide who serves it
-    /// ([`Sched::place`]), under its shard's lock (taken by the caller; the
-    /// scheduler's comes second), so no lane is ever made and not queued.
-    ///
-    /// The count of lanes is read under the scheduler's lock: every lane is
-    /// counted before it is queued, so this count includes every lane queued
-    /// before this one. Read before the lock, it could miss a lane queued
-    /// meanwhile, and decide that a thread busy with that lane serves this
-    /// one too.
-    pub(super) fn queue_lane(&self, key: LaneKey) -> Action {
-        if crate::plant::planted("lane-count-read-before-scheduler-lock") {
-            let lanes = self.lanes();
-            return self.sched().place(key, lanes, self.config.max_threads);
-        }
-        let mut sched = self.sched();
-        let lanes = self.lanes();
-        sched.place(key, lanes, self.config.max_threads)
-    }
-
-    /// Remove a lane taken out of a queue that no thread will serve, and
-    /// return its waits (counted finished).
-    pub(super) fn remove_queued_lane(&self, key: LaneKey) -> Vec<Wait> {
-        let mut shard = self.shard(key);
-        if shard.lane_of(key, Owner::Queued).is_none() {
-            return Vec::new();
-        }
-        let waits: Vec<Wait> = self
-            .remove_lane(&mut shard, key)
-            .map(|lane| lane.waits.into_values().collect())
-            .unwrap_or_default();
-        shard.waits_finished(waits.len());
-        drop(shard);
-        self.log_stuck_lines();
-        waits
-    }
-
-    /// A thread or the poller took `key` out of a queue: make the lane
-    /// `owner`'s. False if it is gone (shutdown drained it).
-    pub(super) fn claim(&self, key: LaneKey, owner: Owner) -> bool {
-        let mut shard = self.shard(key);
-        match shard.lane_of(key, Owner::Queued) {
-            Some(lane) => {
-                lane.owner = owner;
-                true
+            for wait in lane.waits.into_values() {
+                self.deliver(&wait.slot, Err(ServerError::WaiterGone));
+                contain::drop(wait);
             }
-            None => false,
         }
     }
 
-    /// A lane the poller serves, made this lane thread's (`owner`), if there
-    /// is one. Looks through every shard: only while the poller runs, when a
-    /// thread runs out of lanes.
-    pub(super) fn take_back_from_poller(&self, owner: Owner) -> Option<LaneKey> {
-        self.shards.iter().find_map(|shard| {
-            let mut shard = Checked::lock(shard);
-            let (key, lane) = shard
-                .lanes
-                .iter_mut()
-                .find(|(_, lane)| lane.owner == Owner::Poller)?;
-            lane.owner = owner;
-            Some(*key)
-        })
-    }
-
-    /// Lane thread `owner` finished serving `key`: whether the lane has
-    /// waits again (and is still its own); if it is its own and empty, it is
-    /// removed.
-    pub(super) fn release_lane(&self, key: LaneKey, owner: Owner) -> bool {
-        let mut shard = self.shard(key);
-        match shard.lane_of(key, owner) {
-            Some(lane) if !lane.waits.is_empty() => true,
-            Some(_) => {
-                self.remove_lane(&mut shard, key);
-                drop(shard);
-                self.log_stuck_lines();
-                false
-            }
-            None => false,
-        }
-    }
-
-    /// Lane thread `owner`, serving `key`, takes its oldest wait to block on
-    /// ([`Shard::take_oldest`]).
+    /// Lane thread `owner` takes `key`'s oldest wait to block on.
     pub(super) fn take_oldest(&self, key: LaneKey, owner: Owner) -> Option<Wait> {
-        self.shard(key).take_oldest(key, owner)
+        self.lock().take_oldest(key, owner)
     }
 
-    /// Move up to `limit` waits of `key` into `batch`, oldest first, if
-    /// `owner` serves it. False when there are none (a lane the poller
-    /// emptied is removed).
-    ///
-    /// Bounded, so a lane of thousands that is only partly reached costs a
-    /// batch per round, not the whole lane taken out and put back.
-    pub(super) fn take_waits(
+    /// Lane thread `owner`'s block on (or query of) `slot`'s wait ended with
+    /// `result`: unless shutdown resolved it meanwhile, its stream made
+    /// progress and it is delivered once the lock is let go. With `next`,
+    /// the next oldest is taken to block on in the same hold: one lock
+    /// round-trip per wait.
+    pub(super) fn end_blocked(
+        &self,
+        key: LaneKey,
+        owner: Owner,
+        slot: &Arc<Slot>,
+        result: Result<(), ServerError>,
+        next: bool,
+    ) -> Option<Wait> {
+        let watching = self.watching();
+        let mut state = self.lock();
+        let lane = state.lane_of(key, owner);
+        let ours = lane.is_some_and(|lane| {
+            let ours = lane.blocked_on.take_if(|on| Arc::ptr_eq(on, slot));
+            lane.progressed(watching && ours.is_some());
+            ours.is_some()
+        });
+        let next = next.then(|| state.take_oldest(key, owner)).flatten();
+        drop(state);
+        if ours {
+            self.deliver(slot, result);
+        }
+        next
+    }
+
+    /// Move up to `limit` of `key`'s oldest waits into `batch`, if `owner`
+    /// serves it; false when there are none (an idle lane of the poller's is
+    /// removed).
+    pub(super) fn take_batch(
         &self,
         key: LaneKey,
         owner: Owner,
         limit: usize,
         batch: &mut Vec<Wait>,
     ) -> bool {
-        let mut shard = self.shard(key);
-        let Some(lane) = shard.lane_of(key, owner) else {
+        let mut state = self.lock();
+        let Some(lane) = state.lane_of(key, owner) else {
             return false;
         };
         if lane.waits.is_empty() {
-            if owner == Owner::Poller {
-                self.remove_lane(&mut shard, key);
-                drop(shard);
-                self.log_stuck_lines();
+            if owner == Owner::Poller && lane.is_idle() {
+                state.lanes.remove(&key);
             }
             return false;
         }
-        shard.take_batch(key, limit, batch);
+        while batch.len() < limit {
+            let Some((_, wait)) = lane.waits.pop_first() else {
+                break;
+            };
+            batch.push(wait);
+        }
+        lane.out += batch.len();
         true
     }
 
-    /// A lane thread's block on `slot`'s wait ended with `result`. Unless
-    /// shutdown has resolved it meanwhile, count it done and wake its future.
-    pub(super) fn resolve_blocked(
-        &self,
-        key: LaneKey,
-        slot: &Arc<Slot>,
-        result: Result<(), ServerError>,
-    ) {
-        let mut shard = self.shard(key);
-        if shard.finish_blocked(key, slot, &result, &self.stuck) {
-            drop(shard);
-            slot.complete(result, &self.counters);
-            self.log_stuck_lines();
+    /// A batch of `key`'s is back: `resolved` of it reached (the caller
+    /// delivers them), `rest` not, put back at their places; those of the
+    /// rest whose futures were dropped meanwhile (so withdraw could not find
+    /// them) are dropped instead. After shutdown the rest fail.
+    pub(super) fn settle(&self, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
+        let watching = self.watching();
+        let mut state = self.lock();
+        let Some(lane) = state.lanes.get_mut(&key) else {
+            drop(state);
+            for wait in rest {
+                self.deliver(&wait.slot, Err(ServerError::WaiterGone));
+                contain::drop(wait);
+            }
+            return;
+        };
+        lane.out = lane.out.saturating_sub(resolved + rest.len());
+        lane.progressed(watching && resolved > 0);
+        let (cancelled, back): (Vec<Wait>, Vec<Wait>) =
+            rest.into_iter().partition(|wait| wait.slot.is_cancelled());
+        for wait in back {
+            lane.waits.insert(wait.place, wait);
         }
+        drop(state);
+        cancelled.into_iter().for_each(contain::drop);
     }
 
-    /// [`Shared::resolve_blocked`], and then, in the same hold of the shard's
-    /// lock, [`Shared::take_oldest`]: a lane thread's step from one wait to
-    /// the next, one lock round-trip per wait. The future is woken once the
-    /// lock is let go.
-    pub(super) fn resolve_blocked_and_take_next(
-        &self,
-        key: LaneKey,
-        owner: Owner,
-        slot: &Arc<Slot>,
-        result: Result<(), ServerError>,
-    ) -> Option<Wait> {
-        let mut shard = self.shard(key);
-        let ours = shard.finish_blocked(key, slot, &result, &self.stuck);
-        let next = shard.take_oldest(key, owner);
-        drop(shard);
-        if ours {
-            slot.complete(result, &self.counters);
+    /// The next lane for lane thread `owner`, which just `finished` one (or
+    /// none): its own again if it has waits, else a queued one or one of the
+    /// poller's ([`State::claim`]), else it sleeps for work. `None` when it
+    /// should exit (idle past its keep-alive, or shut down); it is uncounted
+    /// then. It drops withdrawn waits on the way.
+    pub(super) fn next_lane(&self, owner: Owner, finished: Option<LaneKey>) -> Option<LaneKey> {
+        let mut state = self.lock();
+        if finished.is_some_and(|key| state.release(key, owner)) {
+            return finished;
         }
-        // Logged once the future is woken: a logger may be slow.
-        self.log_stuck_lines();
-        next
-    }
-
-    /// Lanes in all shards now.
-    pub(super) fn lanes(&self) -> usize {
-        self.lanes.load(Ordering::SeqCst)
-    }
-
-    /// Remove `key`'s lane from `shard` (its lock held), keeping the count
-    /// of lanes.
-    pub(super) fn remove_lane(&self, shard: &mut Shard, key: LaneKey) -> Option<Lane> {
-        let mut lane = shard.lanes.remove(&key)?;
-        let before = self.lanes.fetch_sub(1, Ordering::SeqCst);
-        assert!(before > 0, "the count of lanes underflowed");
-        if let Some(watch) = lane.watch.take() {
-            // Parked if waits of it out in a batch may come back.
-            if let Some(ended) = shard.lane_removed(key, watch, lane.out) {
-                ended.removed(&self.stuck);
+        let mut timed_out = false;
+        loop {
+            if !state.withdrawn.is_empty() {
+                let withdrawn = std::mem::take(&mut state.withdrawn);
+                drop(state);
+                withdrawn.into_iter().for_each(contain::drop);
+                state = self.lock();
+            } else if let Some(key) = state.claim(owner) {
+                return Some(key);
+            } else if state.shutdown || timed_out {
+                state.leave(owner);
+                return None;
+            } else {
+                state.idle += 1;
+                let keep_alive = self.shared.config.keep_alive;
+                let (woken, timeout) = state.wait_timeout(&self.shared.work, keep_alive);
+                state = woken;
+                state.woke();
+                timed_out = timeout;
+                if timeout && crate::plant::planted("idle-thread-leaves-without-looking") {
+                    state.leave(owner);
+                    return None;
+                }
             }
         }
-        Some(lane)
     }
 
-    /// Remove every lane of `shard` (its lock held; shutdown), keeping the
-    /// count of lanes.
-    fn remove_all_lanes(&self, shard: &mut Shard) -> Vec<Lane> {
-        let lanes = std::mem::take(&mut shard.lanes);
-        let before = self.lanes.fetch_sub(lanes.len(), Ordering::SeqCst);
-        assert!(before >= lanes.len(), "the count of lanes underflowed");
-        lanes
-            .into_iter()
-            .map(|(key, mut lane)| {
-                if let Some(watch) = lane.watch.take() {
-                    // Parked if waits of it out in a batch will come back.
-                    if let Some(ended) = shard.lane_removed(key, watch, lane.out) {
-                        ended.removed(&self.stuck);
-                    }
-                }
-                lane
-            })
-            .collect()
-    }
-
-    /// Threads alive now; none in a forked child (the parent's are not
-    /// there).
-    pub(crate) fn threads(&self) -> usize {
-        if self.is_forked() {
-            return 0;
+    /// The start of a poller's round: adopt the lanes queued for it into
+    /// `lanes` and take the withdrawn waits to drop. `None` when it should
+    /// exit (nothing to serve or watch for `linger` rounds, which
+    /// `idle_rounds` counts, or shut down); it is uncounted then. While it
+    /// has lanes it wakes an idle lane thread, which takes one back.
+    pub(super) fn poller_round(
+        &self,
+        lanes: &mut Vec<LaneKey>,
+        idle_rounds: &mut u32,
+        linger: u32,
+    ) -> Option<Vec<Wait>> {
+        let mut state = self.lock();
+        let withdrawn = std::mem::take(&mut state.withdrawn);
+        let adopted = !state.for_poller.is_empty();
+        while let Some(key) = state.for_poller.pop_front() {
+            state.lanes.get_mut(&key).expect("a queued lane").owner = Owner::Poller;
+            if !lanes.contains(&key) {
+                lanes.push(key);
+            }
         }
-        self.sched().threads()
-    }
-
-    /// The most threads alive at once; none in a forked child.
-    pub(crate) fn peak_threads(&self) -> usize {
-        if self.is_forked() {
-            return 0;
+        let idle = lanes.is_empty() && !adopted && withdrawn.is_empty();
+        let watching = self.watching() && !state.lanes.is_empty();
+        if idle && !watching && (*idle_rounds >= linger || state.shutdown) {
+            state.leave(Owner::Poller);
+            return None;
         }
-        self.sched().peak_threads
+        *idle_rounds = if idle { *idle_rounds + 1 } else { 0 };
+        if !lanes.is_empty() && state.wake_idle() {
+            drop(state);
+            self.shared.work.notify_one();
+        }
+        Some(withdrawn)
     }
 
-    /// Waits handed to the pool and not finished, summed over the shards;
-    /// none in a forked child.
-    pub(crate) fn pending(&self) -> usize {
-        self.pending_and_cancelled_held().0
+    /// The poller sleeps up to `pause` between rounds, unless work came.
+    pub(super) fn poller_pause(&self, pause: Duration) {
+        let state = self.lock();
+        if state.for_poller.is_empty() && state.withdrawn.is_empty() && !state.shutdown {
+            // Under loom a zero timeout is a yield: the model explores both.
+            let pause = if cfg!(device_events_loom) {
+                Duration::ZERO
+            } else {
+                pause
+            };
+            drop(state.wait_timeout(&self.shared.poller_work, pause));
+        }
     }
 
-    /// [`Shared::pending`], and those of its waits whose future was dropped
-    /// while a lane thread is blocked on them, read shard by shard.
-    pub(crate) fn pending_and_cancelled_held(&self) -> (usize, usize) {
+    /// The streams stalled past `stuck_after` (none when it is off), read
+    /// without changing anything.
+    pub(crate) fn stuck(&self) -> Vec<StuckWait> {
+        self.collect_stuck(false)
+    }
+
+    /// Warn once about each stall not warned about yet (the poller does, as
+    /// it watches), with no lock held.
+    pub(super) fn warn_stuck(&self) {
+        if let Some(after) = self.shared.config.stuck_after {
+            for wait in self.collect_stuck(true) {
+                stuck::warn(&self.shared.config.thread_name, after, &wait);
+            }
+        }
+    }
+
+    /// The stalled streams; with `mark`, only those not reported before,
+    /// marked reported.
+    fn collect_stuck(&self, mark: bool) -> Vec<StuckWait> {
+        let Some(after) = self.shared.config.stuck_after else {
+            return Vec::new();
+        };
+        if self.is_forked() {
+            return Vec::new();
+        }
+        let now = Instant::now();
+        let mut state = self.lock();
+        let mut found = Vec::new();
+        for (key, lane) in &mut state.lanes {
+            let blocked = lane.blocked_on.as_ref();
+            let stall = stuck::Stall {
+                since: lane.since,
+                queued: lane.waits.len() + lane.out,
+                blocked: blocked.is_some(),
+                given_up: blocked.is_some_and(|slot| slot.is_cancelled()),
+            };
+            let name = lane.name.as_deref();
+            let Some(wait) = stall.stuck(now, after, name, key.stream_id()) else {
+                continue;
+            };
+            if !(mark && std::mem::replace(&mut lane.reported, true)) {
+                found.push(wait);
+            }
+        }
+        found
+    }
+
+    /// Thread `owner` could not be started: uncount it and serve with the
+    /// threads there are. A lane thread's lanes go to the poller (started if
+    /// it is not running); lanes left for a poller that could not start
+    /// fail, rather than wait for a lane thread that may never be free.
+    pub(super) fn spawn_failed(&self, owner: Owner, err: std::io::Error) -> Action {
+        contain::log(|| log::error!("a waiter thread could not be started: {err}"));
+        let mut state = self.lock();
+        state.leave(owner);
+        if owner != Owner::Poller {
+            let lanes = std::mem::take(&mut state.for_threads);
+            if crate::plant::planted("refused-lane-left-for-threads") {
+                state.for_threads.extend(lanes);
+            } else {
+                state.for_poller.extend(lanes);
+            }
+            if !state.poller && !state.shutdown {
+                return state.add_poller();
+            }
+        }
+        if state.poller {
+            // It may be asleep for a while (watching): the lanes are its now.
+            return state.poller_for_work();
+        }
+        let mut failed = Vec::new();
+        while let Some(key) = state.for_poller.pop_front() {
+            failed.extend(
+                state
+                    .lanes
+                    .remove(&key)
+                    .into_iter()
+                    .flat_map(|lane| lane.waits),
+            );
+        }
+        let withdrawn = std::mem::take(&mut state.withdrawn);
+        drop(state);
+        withdrawn.into_iter().for_each(contain::drop);
+        let failure = ServerError::ThreadSpawn {
+            component: "Waiter",
+            reason: format!("no waiter thread could be started to serve it: {err}"),
+            source: Some(crate::ErrorSource::new(err)),
+        };
+        for (_, wait) in failed {
+            self.deliver(&wait.slot, Err(failure.clone()));
+            contain::drop(wait);
+        }
+        Action::default()
+    }
+
+    /// Give back what a waiter thread that unwound held (a bug in the
+    /// waiter): fail the `batch` it had out of `batch_lane` and the wait it
+    /// was blocked on, uncount it, and queue its `lanes` for another thread.
+    pub(super) fn recover(
+        &self,
+        owner: Owner,
+        lanes: &[LaneKey],
+        batch_lane: Option<LaneKey>,
+        batch: &mut Vec<Wait>,
+    ) -> Action {
+        let max_threads = self.shared.config.max_threads;
+        let mut blocked = Vec::new();
+        let mut state = self.lock();
+        if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
+            lane.out = lane.out.saturating_sub(batch.len());
+        }
+        state.leave(owner);
+        // Placed again: one of them may have counted on this thread.
+        let mut action = Action::default();
+        for key in std::mem::take(&mut state.for_threads) {
+            action = action.and(state.place(key, max_threads));
+        }
+        for &key in lanes {
+            let Some(lane) = state.lane_of(key, owner) else {
+                continue;
+            };
+            blocked.extend(lane.blocked_on.take());
+            lane.owner = Owner::Queued;
+            if lane.is_idle() {
+                state.lanes.remove(&key);
+            } else {
+                action = action.and(state.place(key, max_threads));
+            }
+        }
+        let action = action.and(state.watcher(self.watching()));
+        drop(state);
+        let failure = || ServerError::WaiterPanicked {
+            message: "a waiter thread unwound while it held this wait".to_owned(),
+        };
+        for wait in batch.drain(..) {
+            // A no-op for those it had already resolved.
+            self.deliver(&wait.slot, Err(failure()));
+            contain::drop(wait);
+        }
+        for slot in blocked {
+            self.deliver(&slot, Err(failure()));
+        }
+        action
+    }
+
+    /// Wake what `action` says to wake; the caller starts the rest.
+    pub(super) fn notify(&self, action: &Action) {
+        for _ in 0..action.wake_threads {
+            if !crate::plant::planted("idle-thread-wake-never-sent") {
+                self.shared.work.notify_one();
+            }
+        }
+        if action.wake_poller {
+            self.shared.poller_work.notify_one();
+        }
+    }
+
+    /// Threads alive now and the most at once (none in a forked child).
+    pub(crate) fn threads(&self) -> (usize, usize) {
         if self.is_forked() {
             return (0, 0);
         }
-        self.shards.iter().fold((0, 0), |(pending, held), shard| {
-            let shard = Checked::lock(shard);
-            (pending + shard.pending(), held + shard.cancelled_held())
+        let state = self.lock();
+        (state.threads(), state.peak_threads)
+    }
+
+    /// Waits handed off and not finished, and those of them whose future
+    /// was dropped while a lane thread is blocked on them.
+    pub(crate) fn pending(&self) -> (usize, usize) {
+        if self.is_forked() {
+            return (0, 0);
+        }
+        let state = self.lock();
+        state.lanes.values().fold((0, 0), |(pending, held), lane| {
+            let blocked = lane.blocked_on.as_ref();
+            let given_up = blocked.is_some_and(|slot| slot.is_cancelled());
+            let waits = lane.waits.len() + lane.out + usize::from(blocked.is_some());
+            (pending + waits, held + usize::from(given_up))
         })
     }
 
     /// A spawn a test refused, if it planted one.
     pub(super) fn refused_spawn(&self) -> Option<std::io::Error> {
         #[cfg(test)]
-        if Plants::take(&self.plants.refused_spawns) {
+        if Plants::take(&self.shared.plants.refused_spawns) {
             return Some(std::io::Error::other("a spawn refused by a test"));
         }
         None
     }
 
-    /// Panic here if a test planted one: a point where a thread holds waits
-    /// out of their lane and no call is contained, so only its guard can
-    /// give them back.
+    /// Panic here if a test planted one: a thread holds waits and no call is
+    /// contained, so only its guard can give them back.
     pub(super) fn planted_escape(&self) {
         #[cfg(test)]
-        if Plants::take(&self.plants.escapes) {
+        if Plants::take(&self.shared.plants.escapes) {
             panic!("a panic planted by a test, outside any contained call");
         }
     }
+
+    #[cfg(test)]
+    pub(super) fn plants(&self) -> &Plants {
+        &self.shared.plants
+    }
 }
 
-/// Faults a test plants in one pool (never process-wide): the next
-/// `escapes` times a thread holds waits out of their lane it panics there,
-/// outside any contained call; the next `refused_spawns` spawns fail.
+/// Faults a test plants in one pool: the next `escapes` times a thread
+/// holds waits it panics outside any contained call; the next
+/// `refused_spawns` spawns fail.
 #[cfg(test)]
-pub(crate) struct Plants {
-    pub(crate) escapes: AtomicUsize,
-    pub(crate) refused_spawns: AtomicUsize,
+#[derive(Default)]
+pub(super) struct Plants {
+    pub(super) escapes: crate::loom::AtomicUsize,
+    pub(super) refused_spawns: crate::loom::AtomicUsize,
 }
 
 #[cfg(test)]
 impl Plants {
-    fn new() -> Self {
-        Self {
-            escapes: AtomicUsize::new(0),
-            refused_spawns: AtomicUsize::new(0),
-        }
-    }
-
-    /// Take one planted fault from `counter`, if any is left.
-    fn take(counter: &AtomicUsize) -> bool {
+    fn take(counter: &crate::loom::AtomicUsize) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
         counter
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
-                left.checked_sub(1)
-            })
+            .fetch_update(SeqCst, SeqCst, |left| left.checked_sub(1))
             .is_ok()
     }
 }

@@ -180,16 +180,6 @@ struct Stripe {
     latency_sum_nanos: AtomicU64,
 }
 
-/// The counts of a [`Counters::read`].
-pub(crate) struct Counts {
-    pub(crate) ready_at_first_poll: u64,
-    pub(crate) handed_off: u64,
-    pub(crate) resolved: u64,
-    pub(crate) failed: u64,
-    pub(crate) cancelled: u64,
-    pub(crate) wake_latency: LatencyHistogram,
-}
-
 impl Default for Counters {
     fn default() -> Self {
         Self {
@@ -232,9 +222,9 @@ impl Counters {
         self.stripe().cancelled.fetch_add(1, Ordering::Release);
     }
 
-    /// The counts: latencies, then outcomes, then the rest (see the type's
-    /// docs for why in that order).
-    pub(crate) fn read(&self) -> Counts {
+    /// The counters (gauges left 0): latencies, then outcomes, then the rest
+    /// (see the type's docs for why in that order).
+    pub(crate) fn read(&self) -> WaiterStats {
         let sum = |field: fn(&Stripe) -> &AtomicU64| -> u64 {
             self.stripes
                 .iter()
@@ -252,130 +242,14 @@ impl Counters {
         let resolved = sum(|stripe| &stripe.resolved);
         let failed = sum(|stripe| &stripe.failed);
         let cancelled = sum(|stripe| &stripe.cancelled);
-        Counts {
+        WaiterStats {
             ready_at_first_poll: sum(|stripe| &stripe.ready_at_first_poll),
             handed_off: sum(|stripe| &stripe.handed_off),
             resolved,
             failed,
             cancelled,
             wake_latency: LatencyHistogram { buckets, sum_nanos },
+            ..WaiterStats::default()
         }
-    }
-}
-
-#[cfg(all(test, not(device_events_loom)))]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn durations_fall_in_log2_buckets_of_microseconds() {
-        let bucket = |micros| LatencyHistogram::bucket_of(Duration::from_micros(micros));
-        assert_eq!(LatencyHistogram::bucket_of(Duration::from_nanos(999)), 0);
-        assert_eq!(bucket(1), 1);
-        assert_eq!(bucket(2), 2);
-        assert_eq!(bucket(3), 2);
-        assert_eq!(bucket(4), 3);
-        assert_eq!(bucket(1023), 10);
-        assert_eq!(bucket(1024), 11);
-        assert_eq!(bucket(u64::MAX), LATENCY_BUCKETS - 1);
-        assert_eq!(
-            LatencyHistogram::bucket_of(Duration::MAX),
-            LATENCY_BUCKETS - 1
-        );
-    }
-
-    #[test]
-    fn a_percentile_is_the_upper_bound_of_its_bucket() {
-        let mut buckets = [0; LATENCY_BUCKETS];
-        buckets[1] = 90; // 1 to 2 µs
-        buckets[11] = 9; // 1024 to 2048 µs
-        buckets[LATENCY_BUCKETS - 1] = 1; // the open last bucket
-        let histogram = LatencyHistogram::from_buckets(buckets);
-        assert_eq!(histogram.count(), 100);
-        assert_eq!(histogram.percentile(0.0), Some(Duration::from_micros(2)));
-        assert_eq!(histogram.percentile(50.0), Some(Duration::from_micros(2)));
-        assert_eq!(histogram.percentile(90.0), Some(Duration::from_micros(2)));
-        assert_eq!(
-            histogram.percentile(90.5),
-            Some(Duration::from_micros(2048))
-        );
-        assert_eq!(
-            histogram.percentile(99.0),
-            Some(Duration::from_micros(2048))
-        );
-        assert_eq!(histogram.percentile(100.0), Some(Duration::MAX));
-        assert_eq!(histogram.percentile(100.5), None);
-        assert_eq!(histogram.percentile(-1.0), None);
-        assert_eq!(histogram.percentile(f64::NAN), None);
-        let bounds: Vec<_> = histogram.buckets().map(|(bound, _)| bound).collect();
-        assert_eq!(bounds[0], Some(Duration::from_micros(1)));
-        assert_eq!(bounds[LATENCY_BUCKETS - 1], None);
-    }
-
-    #[test]
-    fn counts_past_what_a_float_holds_exactly_do_not_panic() {
-        // 2^54 - 1 is odd: as a float it rounds up, past the count.
-        let mut buckets = [0; LATENCY_BUCKETS];
-        buckets[3] = (1 << 54) - 1;
-        let histogram = LatencyHistogram::from_buckets(buckets);
-        assert_eq!(histogram.percentile(100.0), Some(Duration::from_micros(8)));
-        // More than a u64 holds, added up: the count saturates.
-        buckets[4] = u64::MAX;
-        let histogram = LatencyHistogram::from_buckets(buckets);
-        assert_eq!(histogram.count(), u64::MAX);
-        assert_eq!(histogram.percentile(50.0), Some(Duration::from_micros(16)));
-    }
-
-    #[test]
-    fn counts_from_many_threads_all_add_up() {
-        let counters = Counters::default();
-        std::thread::scope(|scope| {
-            for _ in 0..8 {
-                scope.spawn(|| {
-                    for round in 0..1000 {
-                        counters.handed_off();
-                        counters.delivered(round % 10 != 0, Instant::now());
-                        counters.ready_at_first_poll();
-                    }
-                });
-            }
-        });
-        let counts = counters.read();
-        assert_eq!(counts.handed_off, 8000);
-        assert_eq!(counts.resolved, 7200);
-        assert_eq!(counts.failed, 800);
-        assert_eq!(counts.ready_at_first_poll, 8000);
-        assert_eq!(counts.wake_latency.count(), 8000);
-    }
-
-    #[test]
-    fn a_snapshot_taken_while_waits_end_never_shows_more_than_has_happened() {
-        let counters = Counters::default();
-        let writing = std::sync::atomic::AtomicUsize::new(4);
-        std::thread::scope(|scope| {
-            for _ in 0..4 {
-                scope.spawn(|| {
-                    for round in 0..20_000 {
-                        counters.handed_off();
-                        counters.delivered(round % 3 != 0, Instant::now());
-                    }
-                    writing.fetch_sub(1, Ordering::SeqCst);
-                });
-            }
-            let mut snapshots = 0u64;
-            while writing.load(Ordering::SeqCst) > 0 || snapshots == 0 {
-                let counts = counters.read();
-                let outcomes = counts.resolved + counts.failed;
-                assert!(
-                    counts.wake_latency.count() <= outcomes,
-                    "{} latencies, {outcomes} outcomes",
-                    counts.wake_latency.count()
-                );
-                assert!(outcomes <= counts.handed_off, "{outcomes} outcomes");
-                snapshots += 1;
-            }
-        });
-        let counts = counters.read();
-        assert_eq!(counts.wake_latency.count(), counts.resolved + counts.failed);
     }
 }

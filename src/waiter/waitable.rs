@@ -1,27 +1,37 @@
 //! [`Waitable`]: how the waiter sees a fence, without naming a backend.
 
 use std::any::TypeId;
-use std::hash::{Hash, Hasher};
 
 use crate::{EventApi, EventFence, ServerError};
 
-/// Identifies a stream across backends: the backend's type and a hash of its
-/// stream handle. Two streams whose hashes collide share a lane, which costs
-/// only latency (one waits behind the other), never correctness.
+/// A stream's lane: its backend's type and the backend's number for it
+/// (`EventApi::stream_id`), which tells live streams apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) struct LaneKey {
     backend: TypeId,
-    /// A hash of the backend's stream handle (not the stream itself).
-    stream_hash: u64,
+    stream: u64,
 }
 
-#[cfg(test)]
 impl LaneKey {
-    /// A lane for the loom models and unit tests, which have no backend.
+    /// The lane of `stream` of backend `A`.
+    pub(crate) fn of<A: EventApi>(stream: A::Stream) -> Self {
+        Self {
+            backend: TypeId::of::<A>(),
+            stream: A::stream_id(stream),
+        }
+    }
+
+    /// The backend's number for the stream.
+    pub(crate) fn stream_id(self) -> u64 {
+        self.stream
+    }
+
+    /// A lane for the unit tests and loom models, which have no backend.
+    #[cfg(test)]
     pub(crate) fn for_tests(stream: u64) -> Self {
         Self {
             backend: TypeId::of::<()>(),
-            stream_hash: stream,
+            stream,
         }
     }
 }
@@ -35,30 +45,11 @@ pub(crate) trait Waitable: Send + 'static {
     fn sequence(&self) -> u64;
     /// Reached, not yet, or a fault; never blocks.
     fn query(&self) -> Result<bool, ServerError>;
-    /// Block the calling thread until reached (sleeping in the driver). The
-    /// caller drops the waitable afterwards, apart from the wait.
+    /// Block the calling thread until reached (sleeping in the driver).
     fn block(&self) -> Result<(), ServerError>;
-    /// The stream, as its backend shows it, for stuck-wait reports.
+    /// The stream, as its backend shows it, for stuck-stream reports.
     fn stream_name(&self) -> String {
         format!("{:?}", self.lane())
-    }
-}
-
-impl LaneKey {
-    /// Which of `shards` (a power of two) holds this lane: the low bits of
-    /// its stream's hash, which are as well mixed as the rest.
-    pub(crate) fn shard(self, shards: usize) -> usize {
-        crate::shards::of_hash(self.stream_hash, shards)
-    }
-
-    /// The lane of `stream` of backend `A`.
-    pub(crate) fn of<A: EventApi>(stream: A::Stream) -> Self {
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        stream.hash(&mut hasher);
-        Self {
-            backend: TypeId::of::<A>(),
-            stream_hash: hasher.finish(),
-        }
     }
 }
 

@@ -18,7 +18,9 @@ impl log::Log for Capture {
     }
 
     fn log(&self, record: &log::Record<'_>) {
-        let line = record.args().to_string();
+        // With the logging thread's name: a test can tell who logged.
+        let thread = std::thread::current();
+        let line = format!("[{}] {}", thread.name().unwrap_or("?"), record.args());
         RECORDS
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())

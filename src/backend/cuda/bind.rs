@@ -10,7 +10,7 @@ use std::sync::{Arc, Weak};
 
 use cudarc::driver::CudaContext;
 
-use super::driver::{driver, driver_error, CurrentContext, Driver, CAPTURE_MODE_RELAXED};
+use super::driver::{driver, CurrentContext, Driver, CAPTURE_MODE_RELAXED};
 use crate::ServerError;
 
 /// A context made current on the calling thread for the guard's life; the
@@ -61,7 +61,7 @@ impl Bound {
         &self,
         call: impl FnOnce(Driver) -> Result<T, ServerError>,
     ) -> Result<T, ServerError> {
-        if self.own || crate::plant::planted("cuda-user-calls-in-global-capture-mode") {
+        if self.own {
             return call(self.driver);
         }
         let previous = match self.driver.exchange_capture_mode(CAPTURE_MODE_RELAXED) {
@@ -98,10 +98,6 @@ thread_local! {
 /// Make `ctx` current on this thread until the returned guard drops (on the
 /// crate's own threads, until another is bound).
 pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
-    if crate::plant::planted("cuda-bind-takes-stored-errors") {
-        ctx.bind_to_thread()
-            .map_err(|err| driver_error("cuCtxSetCurrent", err))?;
-    }
     let driver = driver()?;
     let own = crate::own_threads::is_own();
     if own {
@@ -117,10 +113,7 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     // on this thread, alive all along since (its `Arc` holds the context's
     // retain, so no context has been torn down under that handle since);
     // otherwise the context is bound afresh, once per thread and object.
-    let trusted = left_bound_by(ctx)
-        || own && crate::plant::planted("cuda-own-thread-trusts-stale-binding")
-        || !own && crate::plant::planted("cuda-user-thread-trusts-stale-binding");
-    if previous.is(ctx) && trusted {
+    if previous.is(ctx) && left_bound_by(ctx) {
         return Ok(Bound {
             previous: None,
             driver,
@@ -167,7 +160,7 @@ pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerEr
     let changed = driver
         .ctx_get_current()
         .map_or(true, |now| now.raw() != previous.raw());
-    if changed && !crate::plant::planted("cuda-previous-context-not-restored") {
+    if changed {
         if let Err(err) = driver.ctx_restore(previous) {
             log::debug!(
                 "the thread's previous CUDA context could not be made current again: {err}"
@@ -182,9 +175,6 @@ pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerEr
 /// [`Bound::relaxed`]). No executor or user code runs there but what the drop
 /// queue drops, for which the relaxed mode only allows more.
 fn relax_own_thread(driver: Driver) {
-    if crate::plant::planted("cuda-own-threads-in-global-capture-mode") {
-        return;
-    }
     let _ = RELAXED.try_with(|relaxed| {
         if relaxed.get() {
             return;
@@ -208,11 +198,7 @@ fn left_bound_by(ctx: &Arc<CudaContext>) -> bool {
 
 impl Drop for Bound {
     fn drop(&mut self) {
-        let Some(previous) = self
-            .previous
-            .take()
-            .filter(|_| !crate::plant::planted("cuda-previous-context-not-restored"))
-        else {
+        let Some(previous) = self.previous.take() else {
             return;
         };
         // A context destroyed meanwhile is refused by the driver with an
@@ -268,9 +254,6 @@ impl Drop for HeldContext {
             // cudarc's drop would call the driver, which a forked child
             // must not (see `in_forked_child`).
             std::mem::forget(ctx);
-            return;
-        }
-        if crate::plant::planted("cuda-last-context-drop-not-restored") {
             return;
         }
         // One atomic decrement, as dropping the `Arc` is: the value comes

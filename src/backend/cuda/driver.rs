@@ -279,11 +279,7 @@ fn load() -> Result<Loaded, ServerError> {
             }
         };
     }
-    let mut names = ELAPSED_SYMBOLS;
-    if crate::plant::planted("cuda-elapsed-legacy-preferred") {
-        names.reverse();
-    }
-    let elapsed = names.iter().find_map(|name| {
+    let elapsed = ELAPSED_SYMBOLS.iter().find_map(|name| {
         // SAFETY: as in `entry!`: both names have this signature.
         unsafe { library.get(name.as_bytes()) }
             .ok()
@@ -378,8 +374,8 @@ fn shut_down(call: &'static str) -> ServerError {
 /// [`ServerError::ShutDown`] once any call saw the driver shut down.
 fn live(call: &'static str) -> Result<(), ServerError> {
     match SHUT_DOWN.get() {
-        Some(_) if !crate::plant::planted("cuda-calls-after-shutdown") => Err(shut_down(call)),
-        _ => Ok(()),
+        Some(_) => Err(shut_down(call)),
+        None => Ok(()),
     }
 }
 
@@ -427,12 +423,6 @@ const STICKY_SINCE_12_8: &[Status] = &[CUDA_ERROR_CONTAINED, CUDA_ERROR_TENSOR_M
 
 /// Whether `code` leaves the context (and process) unusable for good.
 fn is_sticky(code: Status) -> bool {
-    if crate::plant::planted("cuda-illegal-address-not-sticky")
-        && code == sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS as Status
-        || crate::plant::planted("cuda-contained-not-sticky") && code == CUDA_ERROR_CONTAINED
-    {
-        return false;
-    }
     STICKY.iter().any(|sticky| *sticky as Status == code) || STICKY_SINCE_12_8.contains(&code)
 }
 

@@ -6,9 +6,7 @@ use std::sync::{Arc, Weak};
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::bind::{bind, HeldContext};
-use super::driver::{
-    driver, in_forked_child, invalid_context, not_forked, refused, Capture, RawEvent,
-};
+use super::driver::{driver, in_forked_child, not_forked, refused, Capture, RawEvent};
 use super::fence_pool::FencePool;
 use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
@@ -182,12 +180,7 @@ impl CudaEvent {
             return Err(refused);
         }
         let after = driver.stream_capture(CALL, stream)?;
-        let recorded = if crate::plant::planted("cuda-captured-record-not-marked") {
-            Recorded::Outside
-        } else {
-            Recorded::of(before, after, stream)
-        };
-        *self.recorded.lock() = recorded;
+        *self.recorded.lock() = Recorded::of(before, after, stream);
         Ok(())
     }
 
@@ -262,11 +255,6 @@ impl CudaEvent {
         let waiting = bound.driver().stream_capture(CALL, stream)?;
         let refusal = match (self.recorded(), waiting) {
             (Recorded::Outside, Capture::None) => None,
-            (Recorded::Outside, _)
-                if crate::plant::planted("cuda-capturing-stream-waits-on-outside-event") =>
-            {
-                None
-            }
             (Recorded::Outside, _) => Some(refused(
                 CALL,
                 sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_ISOLATION,
@@ -321,9 +309,7 @@ impl CudaEvent {
     pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
         start.not_captured("cuEventElapsedTime")?;
         self.not_captured("cuEventElapsedTime")?;
-        if start.ctx.cu_ctx() != self.ctx.cu_ctx()
-            && !crate::plant::planted("cuda-elapsed-across-contexts-not-refused")
-        {
+        if start.ctx.cu_ctx() != self.ctx.cu_ctx() {
             return Err(refused(
                 "cuEventElapsedTime",
                 sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
@@ -435,15 +421,11 @@ fn same_context(
     if stream.context().cu_ctx() == ctx.cu_ctx() {
         return Ok(());
     }
-    let message = "the handle and the stream belong to different contexts";
-    if crate::plant::planted("cuda-cross-context-record-invalid-context") {
-        return Err(invalid_context(call, message));
-    }
     // The driver's own answer (measured: an H200, driver 13000), whichever
     // context is current.
     Err(refused(
         call,
         sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
-        message,
+        "the handle and the stream belong to different contexts",
     ))
 }

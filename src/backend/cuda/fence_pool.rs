@@ -72,8 +72,7 @@ impl FencePool {
             .unwrap_or_else(|err| {
                 log::debug!("no CUDA context id, the fence pool is per object: {err}");
                 None
-            })
-            .filter(|_| !crate::plant::planted("cuda-fence-pool-per-object"));
+            });
         let mut pools = POOLS.get_or_init(Mutex::default).lock();
         pools.retain(|pool| pool.strong_count() > 0);
         let found = pools.iter().filter_map(Weak::upgrade).find(|pool| {
@@ -132,9 +131,6 @@ impl FencePool {
     /// Keep `raw`, a released fence event of this pool's context, in
     /// `shard`; hand it back when that shard is full.
     pub(super) fn give_back(&self, shard: usize, raw: RawEvent) -> Result<(), RawEvent> {
-        if crate::plant::planted("cuda-fence-events-not-pooled") {
-            return Err(raw);
-        }
         self.idle
             .give_back(shard, IdleEvent(raw), |_| {})
             .map_err(|IdleEvent(raw)| raw)
@@ -153,7 +149,7 @@ impl FencePool {
         if !driver.primary_ctx_active(self.device).ok()? {
             return None;
         }
-        let ctx = super::context(self.ordinal).ok()?;
+        let ctx = super::context::context(self.ordinal).ok()?;
         let same = ctx.cu_ctx() as usize == self.handle
             && matches!(driver.ctx_id(&ctx), Ok(Some(same)) if same == id);
         if same {

@@ -29,17 +29,19 @@
 //! ```
 
 mod bind;
+mod context;
 mod driver;
 mod event;
 mod fence_pool;
 mod kernels;
 mod stream;
 
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::Arc;
 use std::time::Duration;
 
+pub use context::{context, device_count};
 pub use cudarc;
-use cudarc::driver::{sys, CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaStream};
 pub use event::CudaEvent;
 pub use kernels::SleepKernel;
 #[cfg(feature = "test-util")]
@@ -88,7 +90,6 @@ pub fn live_events(stream: &Arc<CudaStream>) -> crate::LiveEvents {
         .unwrap_or_default()
 }
 
-use crate::loom::Mutex;
 use crate::{EventApi, EventFence, EventFlags, ServerError};
 
 /// The CUDA backend; see the [module](self) docs. Named as the type
@@ -133,70 +134,6 @@ pub type CudaFence = EventFence<Cuda>;
 /// ```
 pub fn is_available() -> bool {
     device_count().is_ok_and(|count| count > 0)
-}
-
-/// How many CUDA devices the driver reports.
-///
-/// ```
-/// match device_events::cuda::device_count() {
-///     Ok(count) => println!("{count} CUDA devices"),
-///     Err(err) => assert!(err.is_unavailable(), "{err}"), // no driver: not a panic
-/// }
-/// ```
-///
-/// # Errors
-///
-/// [`ServerError::Unavailable`] without a driver.
-pub fn device_count() -> Result<usize, ServerError> {
-    driver::ensure_loaded()?;
-    let count = CudaContext::device_count()?;
-    Ok(usize::try_from(count).unwrap_or(0))
-}
-
-/// The primary context of device `ordinal`, after checking that the driver
-/// and the device exist (cudarc alone would panic without a driver).
-///
-/// While a context returned for `ordinal` is alive, later calls return the
-/// same `Arc`: cudarc makes a new `CudaContext` on every `CudaContext::new`,
-/// and each one's first stream synchronizes the whole device. Unlike
-/// `CudaContext::new`, it leaves the calling thread's current context as it
-/// found it.
-///
-/// ```
-/// match device_events::cuda::context(0) {
-///     Ok(ctx) => println!("device 0: {}", ctx.ordinal()),
-///     Err(no_gpu) => eprintln!("{no_gpu}"), // ServerError::Unavailable
-/// }
-/// ```
-///
-/// # Errors
-///
-/// [`ServerError::Unavailable`] without a driver or without that device.
-pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
-    // In a `OnceLock`: the crate's mutex is not `const` under loom.
-    static CONTEXTS: OnceLock<Mutex<Vec<Weak<CudaContext>>>> = OnceLock::new();
-    let count = device_count()?;
-    if ordinal >= count {
-        return Err(ServerError::Unavailable {
-            backend: driver::BACKEND,
-            reason: format!("no CUDA device {ordinal}: the driver reports {count}"),
-        });
-    }
-    let mut contexts = CONTEXTS.get_or_init(Mutex::default).lock();
-    if let Some(ctx) = contexts
-        .get(ordinal)
-        .and_then(Weak::upgrade)
-        .filter(|_| !crate::plant::planted("cuda-context-made-each-call"))
-    {
-        return Ok(ctx);
-    }
-    // cudarc binds the context it makes to the calling thread, and leaves it.
-    let ctx = bind::keeping_current(|| CudaContext::new(ordinal))??;
-    if contexts.len() <= ordinal {
-        contexts.resize_with(ordinal + 1, Weak::new);
-    }
-    contexts[ordinal] = Arc::downgrade(&ctx);
-    Ok(ctx)
 }
 
 /// A fence at the current end of a cudarc stream, in one call.
@@ -329,8 +266,15 @@ impl EventApi for Cuda {
     fn stream_sequence(stream: CudaStreamHandle) -> u64 {
         match stream.resolve_per_stream("cuEventRecord") {
             Ok((_, per_stream)) => per_stream.next_sequence(),
-            Err(_) => crate::api::next_sequence(),
+            // A dropped stream records nothing after: the number sorts after every one it gave.
+            Err(_) => u64::MAX,
         }
+    }
+
+    /// Exact: the stream's registry number and, for a per-thread default
+    /// stream, its thread's number, side by side.
+    fn stream_id(stream: CudaStreamHandle) -> u64 {
+        stream.lane_id()
     }
 
     fn fence_event_release(event: CudaEvent) -> Result<(), ServerError> {

@@ -48,10 +48,6 @@ impl PerStream {
     ) -> Result<u64, ServerError> {
         let mut next = self.sequence.lock();
         record()?;
-        if crate::plant::planted("cuda-sequence-taken-after-record") {
-            drop(next);
-            return Ok(self.next_sequence());
-        }
         Ok(take_next(&mut next))
     }
 }
@@ -155,6 +151,16 @@ impl CudaStreamHandle {
         STREAMS.get(self.id).map(|(stream, _)| stream)
     }
 
+    /// A number no other stream alive at the same time has, a per-thread
+    /// default stream counting as one stream per thread (see
+    /// [`EventApi::stream_id`](crate::EventApi::stream_id)).
+    pub(super) fn lane_id(self) -> u64 {
+        // Both are counters from 1 (the registry's, times its 16 shards,
+        // plus the shard; the thread's, or 0 for a stream not per-thread)
+        // that stay far below 2^32 in any process, so the number is exact.
+        self.id | self.thread << 32
+    }
+
     /// The stream, or an invalid-handle error once it has been dropped, or
     /// when it is another thread's per-thread default stream.
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<CudaStream>, ServerError> {
@@ -169,10 +175,7 @@ impl CudaStreamHandle {
     ) -> Result<(Arc<CudaStream>, Arc<PerStream>), ServerError> {
         // Before any lock: one may have stayed held in the parent.
         not_forked()?;
-        if self.thread != 0
-            && self.thread != thread_key()
-            && !crate::plant::planted("cuda-per-thread-stream-used-anywhere")
-        {
+        if self.thread != 0 && self.thread != thread_key() {
             return Err(invalid_handle(
                 call,
                 "a per-thread default stream (CU_STREAM_PER_THREAD) names the calling thread's \
@@ -192,11 +195,10 @@ impl CudaStreamHandle {
 /// same way and invalidates the capture.
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
     let bound = bind(stream.context())?;
-    if !crate::plant::planted("cuda-capturing-stream-synchronized")
-        && bound
-            .driver()
-            .stream_capture("cuStreamSynchronize", stream)?
-            != Capture::None
+    if bound
+        .driver()
+        .stream_capture("cuStreamSynchronize", stream)?
+        != Capture::None
     {
         return Err(refused(
             "cuStreamSynchronize",

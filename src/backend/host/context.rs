@@ -168,10 +168,7 @@ impl ContextShared {
     /// this process forked.
     pub(super) fn check(&self, call: &'static str) -> Result<(), ServerError> {
         self.not_forked(call)?;
-        match self
-            .fault()
-            .filter(|_| !crate::plant::planted("host-fault-poisons-own-stream-only"))
-        {
+        match self.fault() {
             Some(message) => Err(error::faulted(call, message.clone())),
             None => Ok(()),
         }

@@ -206,9 +206,6 @@ impl HostEvent {
     pub(super) fn record_reached(&self) {
         let mut state = self.inner.lock();
         state.recorded += 1;
-        if crate::plant::planted("host-record-releases-earlier-waits") {
-            state.pending.clear();
-        }
         state.reached_at = self.inner.timing.then(Instant::now);
         let waiting = state.waiting > 0;
         drop(state);

@@ -232,6 +232,11 @@ impl Drop for HostStream {
 }
 
 impl HostStreamHandle {
+    /// The stream's registry number: no other stream ever has it.
+    pub(super) fn id(self) -> u64 {
+        self.id
+    }
+
     /// The stream's shared state, or an invalid-handle error once dropped.
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<StreamShared>, ServerError> {
         STREAMS

@@ -1,0 +1,282 @@
+//! The waiter's threads (lane threads and the poller): how they start, how
+//! they resolve a lane's waits, and the guard that gives back what a thread
+//! held if it unwinds. What they act on, the [`Pool`] decides.
+
+use std::time::{Duration, Instant};
+
+use super::contain;
+use super::pool::{Action, Owner, Pool, Wait};
+use super::waitable::LaneKey;
+use crate::loom::thread;
+use crate::ServerError;
+
+/// The most waits a thread takes out of a lane to query in one round.
+const BATCH: usize = 256;
+/// The poller's first pause after a round without progress.
+const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
+/// The poller's longest pause: the most latency a polled lane can add.
+const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
+/// Rounds with nothing to do the poller waits out before it exits; none
+/// under loom, whose models would explore each.
+const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
+
+/// Wake and start what `action` says, with no lock held. A spawn that fails
+/// is worked around ([`Pool::spawn_failed`]). (A name std would panic on,
+/// with a NUL byte, never gets here: the pool refuses every hand-off then.)
+pub(super) fn act(pool: &Pool, action: Action) {
+    pool.notify(&action);
+    let name = &pool.config().thread_name;
+    let threads = action
+        .spawn_threads
+        .map(|n| (format!("{name}-{n}"), Owner::Thread(n)));
+    let poller = action
+        .spawn_poller
+        .then(|| (format!("{name}-poller"), Owner::Poller));
+    for (name, owner) in threads.chain(poller) {
+        let worker = pool.clone();
+        let spawned = match pool.refused_spawn() {
+            Some(refused) => Err(refused),
+            None => thread::Builder::new()
+                .name(name)
+                .spawn(move || WaiterThread::run(worker, owner)),
+        };
+        if let Err(err) = spawned {
+            let next = pool.spawn_failed(owner, err);
+            act(pool, next);
+        }
+    }
+}
+
+/// A waiter thread's hold on the pool: the lanes it serves and the batch it
+/// has out. No count outlives its thread and no wait is left pending: a
+/// thread that leaves is uncounted by the pool (and clears `counted`); one
+/// that unwinds (a bug in the waiter) has this guard give everything back
+/// ([`Pool::recover`]).
+struct WaiterThread {
+    pool: Pool,
+    owner: Owner,
+    /// At most one for a lane thread; the poller's list.
+    lanes: Vec<LaneKey>,
+    batch: Vec<Wait>,
+    /// The lane the batch was taken from, while it is out.
+    batch_lane: Option<LaneKey>,
+    counted: bool,
+}
+
+/// What [`WaiterThread::resolve_reached`] did; `more`: the lane still has
+/// waits and is still this thread's.
+struct Resolved {
+    resolved: usize,
+    more: bool,
+}
+
+impl WaiterThread {
+    fn run(pool: Pool, owner: Owner) {
+        crate::own_threads::enter();
+        let mut this = WaiterThread {
+            pool,
+            owner,
+            lanes: Vec::new(),
+            // Sized now, not mid-burst: a large allocation then made the
+            // allocator consolidate, which measurably slowed a first batch.
+            batch: Vec::with_capacity(BATCH),
+            batch_lane: None,
+            counted: true,
+        };
+        match owner {
+            Owner::Poller => this.run_poller(),
+            _ => this.run_lane_thread(),
+        }
+        // Uncounted by the pool as it left.
+        this.counted = false;
+    }
+
+    /// Take a lane, serve it until it is idle, take the next.
+    fn run_lane_thread(&mut self) {
+        let mut finished = None;
+        while let Some(key) = self.pool.next_lane(self.owner, finished.take()) {
+            self.lanes.clear();
+            self.lanes.push(key);
+            self.serve_lane(key);
+            finished = Some(key);
+        }
+    }
+
+    /// Serve lane `key` until it is empty or no longer this thread's: block
+    /// on the oldest wait, then take the next and ask it once; not reached
+    /// (item after item), block on it; reached (a burst), resolve the later
+    /// waits reached in batches.
+    fn serve_lane(&mut self, key: LaneKey) {
+        let owner = self.owner;
+        let Some(mut wait) = self.pool.take_oldest(key, owner) else {
+            return;
+        };
+        loop {
+            self.pool.planted_escape();
+            let result = contain::backend(|| wait.waitable.block());
+            let next = self.pool.end_blocked(key, owner, &wait.slot, result, true);
+            // Its future is woken first; then its fence (its event) goes.
+            contain::drop(wait);
+            let Some(next) = next else {
+                return;
+            };
+            wait = next;
+            // One query, with no permit: only a batch's queries take one.
+            match contain::backend(|| wait.waitable.query()) {
+                Ok(false) => continue,
+                reached => {
+                    let result = reached.map(drop);
+                    self.pool.end_blocked(key, owner, &wait.slot, result, false);
+                    contain::drop(wait);
+                }
+            }
+            if !self.resolve_reached(key).more {
+                return;
+            }
+            let Some(next) = self.pool.take_oldest(key, owner) else {
+                return;
+            };
+            wait = next;
+        }
+    }
+
+    /// Resolve, in order, the waits of `key` that a query shows reached, up
+    /// to the first that is not, in batches: taken in one hold of the lock,
+    /// queried outside it (a lane thread with a resolve permit), the rest
+    /// put back in one more; then woken with no permit held (a waker may run
+    /// its task inline), then dropped. Each batch all reached doubles the
+    /// next, from 2 (1 for the poller, which mostly hears "not yet") up to
+    /// [`BATCH`], so a short run puts back no more than it resolved.
+    fn resolve_reached(&mut self, key: LaneKey) -> Resolved {
+        let poller = self.owner == Owner::Poller;
+        let mut limit = if poller { 1 } else { 2 };
+        let mut resolved = 0;
+        loop {
+            if !self
+                .pool
+                .take_batch(key, self.owner, limit, &mut self.batch)
+            {
+                return Resolved {
+                    resolved,
+                    more: false,
+                };
+            }
+            self.batch_lane = Some(key);
+            self.pool.planted_escape();
+            let (reached, failed) = {
+                let _permit = (!poller).then(|| self.pool.resolving().acquire());
+                reached_prefix(&self.batch)
+            };
+            let rest = self.batch.split_off(reached);
+            let more = !rest.is_empty();
+            resolved += reached;
+            limit = (limit * 2).min(BATCH);
+            self.pool.settle(key, rest, reached);
+            let mut failed = failed.into_iter().peekable();
+            for (index, wait) in self.batch.iter().enumerate() {
+                let result = match failed.next_if(|(at, _)| *at == index) {
+                    Some((_, err)) => Err(err),
+                    None => Ok(()),
+                };
+                self.pool.deliver(&wait.slot, result);
+            }
+            self.batch.drain(..).for_each(contain::drop);
+            self.batch_lane = None;
+            if more {
+                return Resolved {
+                    resolved,
+                    more: true,
+                };
+            }
+        }
+    }
+
+    /// The poller: each round, adopt the lanes queued for it, drop withdrawn
+    /// waits, ask its lanes, and pause (backing off while nothing moves);
+    /// while `stuck_after` is on and a lane is left, it stays and warns.
+    fn run_poller(&mut self) {
+        let stuck_after = self.pool.config().stuck_after;
+        let check_every = stuck_after.map(check_interval);
+        let mut next_check = Instant::now();
+        let mut backoff = POLL_BACKOFF_MIN;
+        let mut idle_rounds = 0;
+        loop {
+            let round =
+                self.pool
+                    .poller_round(&mut self.lanes, &mut idle_rounds, POLLER_LINGER_ROUNDS);
+            let Some(withdrawn) = round else {
+                return;
+            };
+            let mut progressed = !withdrawn.is_empty();
+            withdrawn.into_iter().for_each(contain::drop);
+            let mut index = 0;
+            while let Some(&key) = self.lanes.get(index) {
+                let round = self.resolve_reached(key);
+                progressed |= round.resolved > 0;
+                if round.more {
+                    index += 1;
+                } else {
+                    self.lanes.remove(index);
+                }
+            }
+            let mut pause = backoff;
+            if let Some(every) = check_every {
+                let now = Instant::now();
+                if now >= next_check {
+                    self.pool.warn_stuck();
+                    next_check = now + every;
+                }
+                if self.lanes.is_empty() {
+                    pause = next_check.saturating_duration_since(now);
+                }
+            }
+            if progressed {
+                backoff = POLL_BACKOFF_MIN;
+            } else {
+                self.pool.poller_pause(pause);
+                backoff = (backoff * 2).min(POLL_BACKOFF_MAX);
+            }
+        }
+    }
+}
+
+impl Drop for WaiterThread {
+    fn drop(&mut self) {
+        if !self.counted {
+            return;
+        }
+        contain::log(|| {
+            log::error!(
+                "waiter thread {:?} ({:?}) unwound (a bug in the waiter); its lanes and waits go \
+                 back to the pool",
+                std::thread::current().name().unwrap_or("?"),
+                self.owner
+            );
+        });
+        let batch_lane = self.batch_lane.take();
+        let action = self
+            .pool
+            .recover(self.owner, &self.lanes, batch_lane, &mut self.batch);
+        act(&self.pool, action);
+    }
+}
+
+/// How often the poller looks for stalls: four times per `stuck_after`, at
+/// most once a millisecond.
+pub(super) fn check_interval(after: Duration) -> Duration {
+    (after / 4).max(Duration::from_millis(1))
+}
+
+/// How many of `batch`'s waits, from the oldest, a query shows reached (or
+/// failed) before the first not reached; and the failures, by index.
+fn reached_prefix(batch: &[Wait]) -> (usize, Vec<(usize, ServerError)>) {
+    let mut failed = Vec::new();
+    for (index, wait) in batch.iter().enumerate() {
+        match contain::backend(|| wait.waitable.query()) {
+            Ok(true) => {}
+            Ok(false) => return (index, failed),
+            Err(err) => failed.push((index, err)),
+        }
+    }
+    (batch.len(), failed)
+}

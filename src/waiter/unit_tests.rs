@@ -1,0 +1,340 @@
+//! The waiter's unit tests that need its internals: a slot's one result,
+//! the stats' counters and histogram, the resolve permits, and what serving
+//! a lane costs (one block and one query per wait for work that ends item
+//! after item; batches for a burst).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
+
+use super::mock_device::support::{eventually, result_of, submit};
+use super::mock_device::Device;
+use super::permits::Permits;
+use super::pool::{Action, State, Wait};
+use super::slot::Slot;
+use super::stats::{Counters, LatencyHistogram, LATENCY_BUCKETS};
+use crate::ServerError;
+
+struct Counting(AtomicUsize);
+
+impl Wake for Counting {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn counting() -> (Waker, Arc<Counting>) {
+    let counter = Arc::new(Counting(AtomicUsize::new(0)));
+    (Waker::from(counter.clone()), counter)
+}
+
+#[test]
+fn the_first_result_stands() {
+    let (waker, wakes) = counting();
+    let slot = Slot::new(waker.clone());
+    slot.complete(Ok(()), |_, _| {});
+    slot.complete(Err(ServerError::WaiterGone), |_, _| {});
+    assert_eq!(wakes.0.load(Ordering::SeqCst), 1, "woken once");
+    let mut cx = Context::from_waker(&waker);
+    assert_eq!(slot.poll(&mut cx), Poll::Ready(Ok(())));
+}
+
+#[test]
+fn a_cancelled_slot_is_never_completed_or_woken() {
+    let (waker, wakes) = counting();
+    let slot = Slot::new(waker.clone());
+    assert!(!slot.is_cancelled());
+    assert!(slot.cancel());
+    assert!(slot.is_cancelled());
+    slot.complete(Ok(()), |_, _| {});
+    assert_eq!(
+        wakes.0.load(Ordering::SeqCst),
+        0,
+        "a cancelled wait wakes nobody"
+    );
+    let mut cx = Context::from_waker(&waker);
+    assert!(slot.poll(&mut cx).is_pending(), "nor keeps a result");
+}
+
+#[test]
+fn a_panicking_waker_costs_only_its_wake() {
+    struct Panicking;
+    impl Wake for Panicking {
+        fn wake(self: Arc<Self>) {
+            panic!("a waker that panics");
+        }
+    }
+    let slot = Slot::new(Waker::from(Arc::new(Panicking)));
+    slot.complete(Ok(()), |_, _| {}); // does not unwind
+    let (waker, _) = counting();
+    assert_eq!(
+        slot.poll(&mut Context::from_waker(&waker)),
+        Poll::Ready(Ok(()))
+    );
+}
+
+#[test]
+fn each_wait_counts_one_outcome_whichever_comes_first() {
+    let counters = Counters::default();
+    let count = |ok: bool, since| counters.delivered(ok, since);
+    let (waker, _) = counting();
+    // Its result came, then its future was dropped unpolled: resolved.
+    let delivered = Slot::new(waker.clone());
+    delivered.complete(Ok(()), count);
+    assert!(!delivered.cancel(), "not cancelled: its result came");
+    // Dropped first, then the device got there: cancelled, once.
+    let dropped = Slot::new(waker.clone());
+    assert!(dropped.cancel());
+    dropped.complete(Ok(()), count);
+    assert!(!dropped.cancel());
+    // Failed, then failed again (shutdown after a fault): one failure.
+    let failed = Slot::new(waker);
+    failed.complete(Err(ServerError::WaiterGone), count);
+    failed.complete(Err(ServerError::WaiterGone), count);
+    let counts = counters.read();
+    assert_eq!((counts.resolved, counts.failed), (1, 1));
+    assert_eq!(counts.wake_latency.count(), 2);
+}
+
+#[test]
+fn durations_fall_in_log2_buckets_of_microseconds() {
+    let bucket = |micros| LatencyHistogram::bucket_of(Duration::from_micros(micros));
+    assert_eq!(LatencyHistogram::bucket_of(Duration::from_nanos(999)), 0);
+    assert_eq!(bucket(1), 1);
+    assert_eq!(bucket(2), 2);
+    assert_eq!(bucket(3), 2);
+    assert_eq!(bucket(4), 3);
+    assert_eq!(bucket(1023), 10);
+    assert_eq!(bucket(1024), 11);
+    assert_eq!(bucket(u64::MAX), LATENCY_BUCKETS - 1);
+    assert_eq!(
+        LatencyHistogram::bucket_of(Duration::MAX),
+        LATENCY_BUCKETS - 1
+    );
+}
+
+#[test]
+fn a_percentile_is_the_upper_bound_of_its_bucket() {
+    let mut buckets = [0; LATENCY_BUCKETS];
+    buckets[1] = 90; // 1 to 2 µs
+    buckets[11] = 9; // 1024 to 2048 µs
+    buckets[LATENCY_BUCKETS - 1] = 1; // the open last bucket
+    let histogram = LatencyHistogram::from_buckets(buckets);
+    assert_eq!(histogram.count(), 100);
+    assert_eq!(histogram.percentile(0.0), Some(Duration::from_micros(2)));
+    assert_eq!(histogram.percentile(50.0), Some(Duration::from_micros(2)));
+    assert_eq!(histogram.percentile(90.0), Some(Duration::from_micros(2)));
+    assert_eq!(
+        histogram.percentile(90.5),
+        Some(Duration::from_micros(2048))
+    );
+    assert_eq!(
+        histogram.percentile(99.0),
+        Some(Duration::from_micros(2048))
+    );
+    assert_eq!(histogram.percentile(100.0), Some(Duration::MAX));
+    assert_eq!(histogram.percentile(100.5), None);
+    assert_eq!(histogram.percentile(-1.0), None);
+    assert_eq!(histogram.percentile(f64::NAN), None);
+    let bounds: Vec<_> = histogram.buckets().map(|(bound, _)| bound).collect();
+    assert_eq!(bounds[0], Some(Duration::from_micros(1)));
+    assert_eq!(bounds[LATENCY_BUCKETS - 1], None);
+}
+
+#[test]
+fn counts_past_what_a_float_holds_exactly_do_not_panic() {
+    // 2^54 - 1 is odd: as a float it rounds up, past the count.
+    let mut buckets = [0; LATENCY_BUCKETS];
+    buckets[3] = (1 << 54) - 1;
+    let histogram = LatencyHistogram::from_buckets(buckets);
+    assert_eq!(histogram.percentile(100.0), Some(Duration::from_micros(8)));
+    // More than a u64 holds, added up: the count saturates.
+    buckets[4] = u64::MAX;
+    let histogram = LatencyHistogram::from_buckets(buckets);
+    assert_eq!(histogram.count(), u64::MAX);
+    assert_eq!(histogram.percentile(50.0), Some(Duration::from_micros(16)));
+}
+
+#[test]
+fn counts_from_many_threads_all_add_up() {
+    let counters = Counters::default();
+    std::thread::scope(|scope| {
+        for _ in 0..8 {
+            scope.spawn(|| {
+                for round in 0..1000 {
+                    counters.handed_off();
+                    counters.delivered(round % 10 != 0, Instant::now());
+                    counters.ready_at_first_poll();
+                }
+            });
+        }
+    });
+    let counts = counters.read();
+    assert_eq!(counts.handed_off, 8000);
+    assert_eq!(counts.resolved, 7200);
+    assert_eq!(counts.failed, 800);
+    assert_eq!(counts.ready_at_first_poll, 8000);
+    assert_eq!(counts.wake_latency.count(), 8000);
+}
+
+#[test]
+fn a_snapshot_taken_while_waits_end_never_shows_more_than_has_happened() {
+    let counters = Counters::default();
+    let writing = std::sync::atomic::AtomicUsize::new(4);
+    std::thread::scope(|scope| {
+        for _ in 0..4 {
+            scope.spawn(|| {
+                for round in 0..20_000 {
+                    counters.handed_off();
+                    counters.delivered(round % 3 != 0, Instant::now());
+                }
+                writing.fetch_sub(1, Ordering::SeqCst);
+            });
+        }
+        let mut snapshots = 0u64;
+        while writing.load(Ordering::SeqCst) > 0 || snapshots == 0 {
+            let counts = counters.read();
+            let outcomes = counts.resolved + counts.failed;
+            assert!(
+                counts.wake_latency.count() <= outcomes,
+                "{} latencies, {outcomes} outcomes",
+                counts.wake_latency.count()
+            );
+            assert!(outcomes <= counts.handed_off, "{outcomes} outcomes");
+            snapshots += 1;
+        }
+    });
+    let counts = counters.read();
+    assert_eq!(counts.wake_latency.count(), counts.resolved + counts.failed);
+}
+
+#[test]
+fn a_permit_is_taken_and_given_back() {
+    let permits = Permits::new(2);
+    let first = permits.acquire();
+    assert_eq!(permits.free(), 1);
+    let second = permits.acquire();
+    assert_eq!(permits.free(), 0);
+    drop(first);
+    assert_eq!(permits.free(), 1);
+    drop(second);
+    assert_eq!(permits.free(), 2);
+}
+
+#[test]
+fn there_is_always_at_least_one() {
+    let permits = Permits::new(0);
+    drop(permits.acquire());
+    assert_eq!(permits.free(), 1);
+}
+
+const WAITS: usize = 32;
+
+#[test]
+fn waits_reached_one_after_another_cost_one_block_and_at_most_one_query_each() {
+    let pool = super::mock_device::support::pool(4, Duration::from_secs(5), None);
+    let devices: Vec<Arc<Device>> = (0..WAITS).map(|_| Arc::new(Device::default())).collect();
+    let slots: Vec<Arc<Slot>> = (0..)
+        .zip(&devices)
+        .map(|(sequence, device)| submit(&pool, device, 0, sequence))
+        .collect();
+    for (index, (device, slot)) in devices.iter().zip(&slots).enumerate() {
+        // The item ends only once the lane thread sleeps on its wait, as
+        // when each item runs longer than the thread takes to get there.
+        eventually(&format!("the lane thread blocks on wait {index}"), || {
+            device.blocked.load(Ordering::SeqCst) == 1
+        });
+        device.finish();
+        result_of(slot).expect("resolved");
+    }
+    for (index, device) in devices.iter().enumerate() {
+        assert_eq!(
+            device.blocked.load(Ordering::SeqCst),
+            1,
+            "blocks on wait {index}"
+        );
+        // Asked once as the thread takes it; a batch would ask again.
+        assert!(
+            device.queried.load(Ordering::SeqCst) <= 1,
+            "queries of wait {index}"
+        );
+    }
+}
+
+#[test]
+fn a_burst_is_resolved_in_batches_with_no_block_past_the_first() {
+    let pool = super::mock_device::support::pool(4, Duration::from_secs(5), None);
+    let held = Arc::new(Device::default());
+    let first = submit(&pool, &held, 0, 0);
+    eventually("the lane thread blocks on the first", || {
+        held.blocked.load(Ordering::SeqCst) == 1
+    });
+    let burst = Device::reached();
+    let slots: Vec<Arc<Slot>> = (1..=WAITS as u64)
+        .map(|sequence| submit(&pool, &burst, 0, sequence))
+        .collect();
+    held.finish();
+    result_of(&first).expect("resolved");
+    for slot in &slots {
+        result_of(slot).expect("resolved");
+    }
+    assert_eq!(
+        burst.blocked.load(Ordering::SeqCst),
+        0,
+        "no block once reached"
+    );
+    assert_eq!(
+        burst.queried.load(Ordering::SeqCst),
+        WAITS,
+        "each asked once"
+    );
+}
+
+/// A new lane in `state` for stream `lane`, placed with `max_threads`.
+fn new_lane(state: &mut State, lane: u64, max_threads: usize) -> Action {
+    let fence = super::mock_device::MockFence {
+        device: Device::reached(),
+        lane,
+        sequence: 0,
+    };
+    let slot = Arc::new(Slot::new(futures::task::noop_waker()));
+    let key = super::waitable::LaneKey::for_tests(lane);
+    assert!(state.insert(Wait::new(Box::new(fence), slot, key, None)));
+    state.place(key, max_threads)
+}
+
+#[test]
+fn new_lanes_start_threads_up_to_max_threads_then_go_to_one_poller() {
+    let mut state = State::default();
+    assert_eq!(new_lane(&mut state, 0, 2).spawn_threads, 1..2);
+    assert_eq!(new_lane(&mut state, 1, 2).spawn_threads, 2..3);
+    let past = new_lane(&mut state, 2, 2);
+    assert!(
+        past.spawn_poller && past.spawn_threads.is_empty(),
+        "{past:?}"
+    );
+    let next = new_lane(&mut state, 3, 2);
+    assert!(
+        next.wake_poller && !next.spawn_poller,
+        "one poller: {next:?}"
+    );
+}
+
+#[test]
+fn withdrawn_waits_go_to_the_poller_never_to_a_new_lane_thread() {
+    let mut state = State::default();
+    assert!(state.dispose().spawn_poller);
+    let again = state.dispose();
+    assert!(
+        again.wake_poller && again.spawn_threads.is_empty(),
+        "{again:?}"
+    );
+}
+
+#[test]
+fn nothing_is_placed_after_shutdown() {
+    let mut state = State::default();
+    state.shutdown = true;
+    assert_eq!(new_lane(&mut state, 0, 4), Action::default());
+}
