@@ -5,7 +5,6 @@
 //! lock held. The algorithm and its words: the docs of [`crate::waiter`].
 
 use std::collections::{BTreeMap, VecDeque};
-use std::ops::Range;
 use std::time::{Duration, Instant};
 
 use super::checked::{Checked, Invariants};
@@ -167,72 +166,46 @@ pub(super) struct State {
 }
 
 /// What is left to do once the lock is let go (a woken thread then finds
-/// it free).
+/// it free). Threads to start are counted in already.
 #[derive(Debug, Default, PartialEq, Eq)]
 #[must_use]
 pub(super) struct Action {
-    pub(super) wake_threads: usize,
-    /// Lane threads to start, by number (counted in already).
-    pub(super) spawn_threads: Range<usize>,
+    pub(super) wake_thread: bool,
+    /// The number of a lane thread to start.
+    pub(super) spawn_thread: Option<usize>,
     pub(super) wake_poller: bool,
-    /// Start the poller (counted in already).
     pub(super) spawn_poller: bool,
-}
-
-impl Action {
-    fn wake_thread() -> Self {
-        Self {
-            wake_threads: 1,
-            ..Self::default()
-        }
-    }
-
-    /// Both; thread numbers taken in one hold of the lock are adjacent.
-    fn and(mut self, other: Action) -> Action {
-        self.wake_threads += other.wake_threads;
-        if self.spawn_threads.is_empty() {
-            self.spawn_threads = other.spawn_threads;
-        } else if !other.spawn_threads.is_empty() {
-            self.spawn_threads.end = other.spawn_threads.end;
-        }
-        self.wake_poller |= other.wake_poller;
-        self.spawn_poller |= other.spawn_poller;
-        self
-    }
 }
 
 impl State {
     /// Queue new lane `key` and decide who serves it: an idle lane thread,
     /// else one between lanes (with at least as many lane threads as lanes,
     /// one serves none), else a new one, else the poller. So a stream whose
-    /// lane empties and refills starts no other thread.
-    pub(super) fn place(&mut self, key: LaneKey, max_threads: usize) -> Action {
+    /// lane empties and refills starts no other thread. While stuck streams
+    /// are reported (`watching`) the poller runs too, to watch.
+    pub(super) fn place(&mut self, key: LaneKey, max_threads: usize, watching: bool) -> Action {
+        let mut action = Action::default();
         if self.shutdown {
-            return Action::default();
+            return action;
         }
-        let wake = self.wake_idle();
-        if wake || self.lane_threads >= self.lanes.len() || self.lane_threads < max_threads {
-            self.for_threads.push_back(key);
-        } else {
+        if self.wake_idle() {
+            action.wake_thread = true;
+        } else if self.lane_threads < self.lanes.len() && self.lane_threads < max_threads {
+            action.spawn_thread = Some(self.add_lane_thread());
+        } else if self.lane_threads < self.lanes.len() {
             self.for_poller.push_back(key);
             return self.poller_for_work();
         }
-        if wake {
-            Action::wake_thread()
-        } else if self.lane_threads >= self.lanes.len() {
-            Action::default()
-        } else {
-            self.add_lane_thread()
-        }
+        self.for_threads.push_back(key);
+        action.spawn_poller = watching && !self.poller && self.add_poller();
+        action
     }
 
     /// The poller has work: wake it, or start it.
     fn poller_for_work(&mut self) -> Action {
-        if !self.poller {
-            return self.add_poller();
-        }
         Action {
-            wake_poller: true,
+            wake_poller: self.poller,
+            spawn_poller: !self.poller && self.add_poller(),
             ..Action::default()
         }
     }
@@ -242,18 +215,12 @@ impl State {
     /// drops would start one each).
     pub(super) fn dispose(&mut self) -> Action {
         if !self.poller && self.wake_idle() {
-            return Action::wake_thread();
+            return Action {
+                wake_thread: true,
+                ..Action::default()
+            };
         }
         self.poller_for_work()
-    }
-
-    /// While stuck streams are reported and a lane is left, the poller runs
-    /// to watch it.
-    fn watcher(&mut self, watching: bool) -> Action {
-        if watching && !self.poller && !self.shutdown && !self.lanes.is_empty() {
-            return self.add_poller();
-        }
-        Action::default()
     }
 
     /// Count a wake-up for an idle lane thread not woken yet, if there is
@@ -274,23 +241,19 @@ impl State {
         self.notified = self.notified.saturating_sub(1);
     }
 
-    fn add_lane_thread(&mut self) -> Action {
+    /// Count in a new lane thread: its number.
+    fn add_lane_thread(&mut self) -> usize {
         self.lane_threads += 1;
         self.next_thread += 1;
         self.peak_threads = self.peak_threads.max(self.threads());
-        Action {
-            spawn_threads: self.next_thread..self.next_thread + 1,
-            ..Action::default()
-        }
+        self.next_thread
     }
 
-    fn add_poller(&mut self) -> Action {
+    /// Count in the poller (there is none).
+    fn add_poller(&mut self) -> bool {
         self.poller = true;
         self.peak_threads = self.peak_threads.max(self.threads());
-        Action {
-            spawn_poller: true,
-            ..Action::default()
-        }
+        true
     }
 
     fn threads(&self) -> usize {
@@ -474,8 +437,8 @@ impl Pool {
         if !state.insert(wait) {
             return Ok((place, Action::default()));
         }
-        let action = state.place(key, self.shared.config.max_threads);
-        Ok((place, action.and(state.watcher(self.watching()))))
+        let max_threads = self.shared.config.max_threads;
+        Ok((place, state.place(key, max_threads, self.watching())))
     }
 
     /// The future of the wait at `place` in lane `key` was dropped: take the
@@ -764,7 +727,7 @@ impl Pool {
                 state.for_poller.extend(lanes);
             }
             if !state.poller && !state.shutdown {
-                return state.add_poller();
+                return state.poller_for_work();
             }
         }
         if state.poller {
@@ -805,8 +768,8 @@ impl Pool {
         lanes: &[LaneKey],
         batch_lane: Option<LaneKey>,
         batch: &mut Vec<Wait>,
-    ) -> Action {
-        let max_threads = self.shared.config.max_threads;
+    ) -> Vec<Action> {
+        let (max_threads, watching) = (self.shared.config.max_threads, self.watching());
         let mut blocked = Vec::new();
         let mut state = self.lock();
         if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
@@ -814,10 +777,7 @@ impl Pool {
         }
         state.leave(owner);
         // Placed again: one of them may have counted on this thread.
-        let mut action = Action::default();
-        for key in std::mem::take(&mut state.for_threads) {
-            action = action.and(state.place(key, max_threads));
-        }
+        let mut placed = std::mem::take(&mut state.for_threads);
         for &key in lanes {
             let Some(lane) = state.lane_of(key, owner) else {
                 continue;
@@ -827,10 +787,17 @@ impl Pool {
             if lane.is_idle() {
                 state.lanes.remove(&key);
             } else {
-                action = action.and(state.place(key, max_threads));
+                placed.push_back(key);
             }
         }
-        let action = action.and(state.watcher(self.watching()));
+        let mut actions: Vec<Action> = placed
+            .into_iter()
+            .map(|key| state.place(key, max_threads, watching))
+            .collect();
+        // The poller watches while a lane is left, even if it was the one lost.
+        if watching && !state.poller && !state.shutdown && !state.lanes.is_empty() {
+            actions.push(state.poller_for_work());
+        }
         drop(state);
         let failure = || ServerError::WaiterPanicked {
             message: "a waiter thread unwound while it held this wait".to_owned(),
@@ -843,15 +810,13 @@ impl Pool {
         for slot in blocked {
             self.deliver(&slot, Err(failure()));
         }
-        action
+        actions
     }
 
     /// Wake what `action` says to wake; the caller starts the rest.
     pub(super) fn notify(&self, action: &Action) {
-        for _ in 0..action.wake_threads {
-            if !crate::plant::planted("idle-thread-wake-never-sent") {
-                self.shared.work.notify_one();
-            }
+        if action.wake_thread && !crate::plant::planted("idle-thread-wake-never-sent") {
+            self.shared.work.notify_one();
         }
         if action.wake_poller {
             self.shared.poller_work.notify_one();

@@ -27,12 +27,12 @@ pub(super) fn act(pool: &Pool, action: Action) {
     pool.notify(&action);
     let name = &pool.config().thread_name;
     let threads = action
-        .spawn_threads
+        .spawn_thread
         .map(|n| (format!("{name}-{n}"), Owner::Thread(n)));
     let poller = action
         .spawn_poller
         .then(|| (format!("{name}-poller"), Owner::Poller));
-    for (name, owner) in threads.chain(poller) {
+    for (name, owner) in threads.into_iter().chain(poller) {
         let worker = pool.clone();
         let spawned = match pool.refused_spawn() {
             Some(refused) => Err(refused),
@@ -254,10 +254,12 @@ impl Drop for WaiterThread {
             );
         });
         let batch_lane = self.batch_lane.take();
-        let action = self
+        let actions = self
             .pool
             .recover(self.owner, &self.lanes, batch_lane, &mut self.batch);
-        act(&self.pool, action);
+        for action in actions {
+            act(&self.pool, action);
+        }
     }
 }
 

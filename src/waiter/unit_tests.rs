@@ -301,19 +301,16 @@ fn new_lane(state: &mut State, lane: u64, max_threads: usize) -> Action {
     let slot = Arc::new(Slot::new(futures::task::noop_waker()));
     let key = super::waitable::LaneKey::for_tests(lane);
     assert!(state.insert(Wait::new(Box::new(fence), slot, key, None)));
-    state.place(key, max_threads)
+    state.place(key, max_threads, false)
 }
 
 #[test]
 fn new_lanes_start_threads_up_to_max_threads_then_go_to_one_poller() {
     let mut state = State::default();
-    assert_eq!(new_lane(&mut state, 0, 2).spawn_threads, 1..2);
-    assert_eq!(new_lane(&mut state, 1, 2).spawn_threads, 2..3);
+    assert_eq!(new_lane(&mut state, 0, 2).spawn_thread, Some(1));
+    assert_eq!(new_lane(&mut state, 1, 2).spawn_thread, Some(2));
     let past = new_lane(&mut state, 2, 2);
-    assert!(
-        past.spawn_poller && past.spawn_threads.is_empty(),
-        "{past:?}"
-    );
+    assert!(past.spawn_poller && past.spawn_thread.is_none(), "{past:?}");
     let next = new_lane(&mut state, 3, 2);
     assert!(
         next.wake_poller && !next.spawn_poller,
@@ -327,7 +324,7 @@ fn withdrawn_waits_go_to_the_poller_never_to_a_new_lane_thread() {
     assert!(state.dispose().spawn_poller);
     let again = state.dispose();
     assert!(
-        again.wake_poller && again.spawn_threads.is_empty(),
+        again.wake_poller && again.spawn_thread.is_none(),
         "{again:?}"
     );
 }
