@@ -88,7 +88,7 @@ pub(super) mod support {
     use std::time::{Duration, Instant};
 
     use super::{Device, MockFence};
-    use crate::waiter::pool::{Config, Pool, Wait};
+    use crate::waiter::pool::{Config, Place, Pool, Wait};
     use crate::waiter::slot::Slot;
     use crate::waiter::threads;
     use crate::waiter::waitable::LaneKey;
@@ -129,6 +129,16 @@ pub(super) mod support {
 
     /// Hand a wait on `device` in `lane` at `sequence` to `pool`; its slot.
     pub(crate) fn submit(pool: &Pool, device: &Arc<Device>, lane: u64, sequence: u64) -> Arc<Slot> {
+        submit_placed(pool, device, lane, sequence).0
+    }
+
+    /// [`submit`], and where the wait was placed (to withdraw it).
+    pub(crate) fn submit_placed(
+        pool: &Pool,
+        device: &Arc<Device>,
+        lane: u64,
+        sequence: u64,
+    ) -> (Arc<Slot>, Place) {
         let slot = Arc::new(Slot::new(waker()));
         let fence = MockFence {
             device: device.clone(),
@@ -145,9 +155,9 @@ pub(super) mod support {
             LaneKey::for_tests(lane),
             name,
         );
-        let (_, action) = pool.submit(wait).expect("submitted");
+        let (place, action) = pool.submit(wait).expect("submitted");
         threads::act(pool, action);
-        slot
+        (slot, place)
     }
 
     /// The slot's result, sleeping until it is woken; a failure (not a

@@ -869,6 +869,12 @@ impl Pool {
     pub(super) fn plants(&self) -> &Plants {
         &self.shared.plants
     }
+
+    /// Lane threads asleep for work now, for tests that need one idle.
+    #[cfg(test)]
+    pub(super) fn idle_threads(&self) -> usize {
+        self.lock().idle
+    }
 }
 
 /// Faults a test plants in one pool: the next `escapes` times a thread

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use super::mock_device::support::{eventually, result_of, submit};
+use super::mock_device::support::{eventually, result_of, submit, submit_placed};
 use super::mock_device::Device;
 use super::permits::Permits;
 use super::pool::{Action, State, Wait};
@@ -334,4 +334,50 @@ fn nothing_is_placed_after_shutdown() {
     let mut state = State::default();
     state.shutdown = true;
     assert_eq!(new_lane(&mut state, 0, 4), Action::default());
+}
+
+/// A pool whose one lane thread is blocked on lane 0's held wait and whose
+/// second sleeps idle (its keep-alive far past the tests' limit): the pool
+/// and the held device.
+fn one_blocked_one_idle() -> (super::pool::Pool, Arc<Device>, Arc<Slot>) {
+    let pool = super::mock_device::support::pool(4, Duration::from_secs(600), None);
+    let held = Arc::new(Device::default());
+    let blocked = submit(&pool, &held, 0, 0);
+    eventually("a lane thread blocks", || {
+        held.blocked.load(Ordering::SeqCst) == 1
+    });
+    result_of(&submit(&pool, &Device::reached(), 1, 0)).expect("resolved");
+    eventually("the other lane thread is idle", || pool.idle_threads() == 1);
+    (pool, held, blocked)
+}
+
+#[test]
+fn a_withdrawn_wait_wakes_the_idle_thread_that_drops_it() {
+    let (pool, held, blocked) = one_blocked_one_idle();
+    let (slot, place) = submit_placed(&pool, &held, 0, 1);
+    assert!(slot.cancel());
+    let key = super::waitable::LaneKey::for_tests(0);
+    super::threads::act(&pool, pool.withdraw(key, place, &slot));
+    // Dropped by the idle thread, woken for it: not after its keep-alive.
+    eventually("the withdrawn fence is dropped", || {
+        held.fences_dropped.load(Ordering::SeqCst) == 1
+    });
+    assert_eq!(pool.threads().0, 2, "no poller was started for it");
+    held.finish();
+    result_of(&blocked).expect("resolved");
+}
+
+#[test]
+fn two_new_lanes_with_one_idle_thread_wake_it_once_and_start_another() {
+    let (pool, held, blocked) = one_blocked_one_idle();
+    // The idle thread is woken for lane 2 (held); lane 3 needs a thread of
+    // its own, or it waits behind lane 2's work.
+    let second = Arc::new(Device::default());
+    let behind = submit(&pool, &second, 2, 0);
+    let fast = submit(&pool, &Device::reached(), 3, 0);
+    result_of(&fast).expect("lane 3 served while lane 2 is held");
+    held.finish();
+    second.finish();
+    result_of(&blocked).expect("resolved");
+    result_of(&behind).expect("resolved");
 }
