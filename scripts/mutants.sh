@@ -38,6 +38,7 @@ exec cargo mutants "${args[@]}" \
     --exclude src/waiter/guard_tests.rs \
     --exclude src/waiter/mock_device.rs \
     --exclude src/waiter/unit_tests.rs \
+    --exclude src/waiter/plants.rs \
     --output "${MUTANTS_OUT:-target/mutants}" \
     --timeout "${MUTANTS_TIMEOUT:-60}" \
     --jobs "${MUTANTS_JOBS:-1}" \

@@ -8,9 +8,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::ServerError;
 
-/// Orders recorded points across the process, for backends that keep no
-/// per-stream order (the default `EventApi::stream_sequence`), and for
-/// fences resolved at creation.
+/// Orders recorded points across the process: for backends that keep no per-stream order (the
+/// default `EventApi::stream_sequence`), and for fences resolved at creation.
 static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
 
 /// The next number in the process-wide order of recorded points.
@@ -20,10 +19,9 @@ pub(crate) fn next_sequence() -> u64 {
 
 /// How an event is created.
 ///
-/// Fences want [`EventFlags::FENCE`]: no timestamps (cheaper to record) and a
-/// blocking synchronize, so a thread waiting on one sleeps in the driver rather
-/// than spinning. Timing events ([`EventFlags::TIMING`]) keep timestamps for
-/// [`EventApi::event_elapsed`].
+/// Fences want [`EventFlags::FENCE`]: no timestamps (cheaper to record) and a blocking
+/// synchronize, so a thread waiting on one sleeps in the driver rather than spinning. Timing
+/// events ([`EventFlags::TIMING`]) keep timestamps for [`EventApi::event_elapsed`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct EventFlags {
     /// Record a timestamp, so the time between two events can be read.
@@ -47,25 +45,22 @@ impl EventFlags {
 
 /// A backend's event and stream calls, shaped like a driver's C API.
 ///
-/// Every function is static and works on raw handles; [`Event`](crate::Event)
-/// and [`EventFence`](crate::EventFence) add ownership and the fallbacks.
-/// Implementations must never panic on a driver or user fault: every failure
-/// comes back as a [`ServerError`].
+/// Every function is static and works on raw handles; [`Event`](crate::Event) and
+/// [`EventFence`](crate::EventFence) add ownership and the fallbacks. Implementations must never
+/// panic on a driver or user fault: every failure comes back as a [`ServerError`].
 ///
 /// Driver rules an implementation keeps (CUDA driver API semantics):
 /// - an event never recorded is complete;
-/// - a record replaces the event's previous record, and a query, synchronize
-///   or stream wait refers to the most recent record at the time of the call;
+/// - a record replaces the event's previous record, and a query, synchronize or stream wait
+///   refers to the most recent record at the time of the call;
 /// - destroying an event whose work is pending is allowed and does not block.
 ///
-/// Beyond these calls the trait has hooks for fence events, hidden from these
-/// docs because they are for backends, not callers: `fence_event_acquire`,
-/// `fence_event_release`, `fence_event_record`, `stream_sequence` and
-/// `stream_id`. Their defaults (create, destroy, create-then-record, one
-/// process-wide counter, a hash of the handle) are correct for any backend;
-/// a backend may override them to pool fence events, keep a counter per
-/// stream or number its streams exactly. Their contracts are documented in
-/// the source, `src/api.rs`.
+/// The trait also has hooks for fence events, hidden from these docs as they are for backends,
+/// not callers: `fence_event_acquire`, `fence_event_release`, `fence_event_record`,
+/// `stream_sequence` and `stream_id`. Their defaults (create, destroy, create-then-record, one
+/// process-wide counter, a hash of the handle) are correct for any backend; a backend may
+/// override them to pool fence events, keep a counter per stream or number its streams
+/// exactly. Their contracts are documented in the source, `src/api.rs`.
 pub trait EventApi: Sized + Send + Sync + 'static {
     /// The backend's name, e.g. `"Cuda"` or `"Host"`.
     const BACKEND: &'static str;
@@ -76,15 +71,13 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// A raw event. Owned: [`EventApi::event_destroy`] consumes it.
     type Event: Send + Sync + 'static;
 
-    /// Create an event belonging to `stream`'s device and context.
-    ///
-    /// The stream is named because an event belongs to a context: CUDA refuses
-    /// to record an event on a stream of another context.
+    /// Create an event belonging to `stream`'s device and context (an event belongs to a
+    /// context: CUDA refuses to record an event on a stream of another context).
     ///
     /// # Errors
     ///
-    /// The driver refused (out of resources, a faulted context), or `stream`
-    /// is invalid (a dropped stream: [`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE)).
+    /// The driver refused (out of resources, a faulted context), or `stream` is invalid (a
+    /// dropped stream: [`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE)).
     fn event_create(stream: Self::Stream, flags: EventFlags) -> Result<Self::Event, ServerError>;
 
     /// Record `event` at the current end of `stream`'s work.
@@ -95,10 +88,8 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// invalid, or the event belongs to another context.
     fn event_record(event: &Self::Event, stream: Self::Stream) -> Result<(), ServerError>;
 
-    /// Ask, without blocking, whether the device has reached `event`.
-    ///
-    /// Three outcomes: `Ok(true)` reached, `Ok(false)` not yet, `Err` a fault
-    /// (never folded into "not yet").
+    /// Ask, without blocking, whether the device has reached `event`: `Ok(true)` reached,
+    /// `Ok(false)` not yet, `Err` a fault (never folded into "not yet").
     ///
     /// # Errors
     ///
@@ -116,18 +107,18 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     ///
     /// # Errors
     ///
-    /// The driver refused (a faulted context, say); the event is gone either
-    /// way.
+    /// The driver refused (a faulted context, say); the event is gone either way.
     fn event_destroy(event: Self::Event) -> Result<(), ServerError>;
 
-    /// Make `stream`'s later work wait, on the device, for `event`'s most
-    /// recent record. Does not block the host.
+    /// Make `stream`'s later work wait, on the device, for `event`'s most recent record. Does
+    /// not block the host.
     ///
     /// # Errors
     ///
     /// The driver refused the dependency, or `stream` is faulted or invalid
-    /// ([`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE): the caller's bug, which [`EventFence::wait_async`](crate::EventFence::wait_async)
-    /// does not paper over with a host wait).
+    /// ([`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE): the caller's bug, which
+    /// [`EventFence::wait_async`](crate::EventFence::wait_async) does not paper over with a
+    /// host wait).
     fn stream_wait_event(stream: Self::Stream, event: &Self::Event) -> Result<(), ServerError>;
 
     /// Block the calling thread until all work queued on `stream` is done.
@@ -137,52 +128,45 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// A fault of the stream's work, or `stream` is invalid.
     fn stream_synchronize(stream: Self::Stream) -> Result<(), ServerError>;
 
-    /// Device time from `start` to `end`; both must be timing events and
-    /// reached.
+    /// Device time from `start` to `end`; both must be timing events and reached.
     ///
     /// # Errors
     ///
-    /// Either event has no timing or is not reached (`CUDA_ERROR_NOT_READY`),
-    /// or a fault.
+    /// Either event has no timing or is not reached (`CUDA_ERROR_NOT_READY`), or a fault.
     fn event_elapsed(start: &Self::Event, end: &Self::Event) -> Result<Duration, ServerError>;
 
-    /// A key of `stream`'s context (device), for pools of events that
-    /// belong to one context: an [`EventProfiler`](crate::EventProfiler)
-    /// keeps its idle timing events per key, so one profiler serves every
-    /// context it is given.
+    /// A key of `stream`'s context (device), for pools of events that belong to one context:
+    /// an [`EventProfiler`](crate::EventProfiler) keeps its idle timing events per key, so one
+    /// profiler serves every context it is given.
     ///
     /// For a backend's author, the contract:
-    /// - an event created for a stream of one key can be recorded on every
-    ///   stream of that key (one key, one context);
-    /// - a key is never given to a stream of another context while an event
-    ///   created for a stream of that key may still be alive: a number
-    ///   unique for the life of the process is simplest;
-    /// - streams of one context should share a key (else each key gets its
-    ///   own pool, and events are reused less).
+    /// - an event created for a stream of one key can be recorded on every stream of that key
+    ///   (one key, one context);
+    /// - a key is never given to a stream of another context while an event created for a
+    ///   stream of that key may still be alive: a number unique for the life of the process is
+    ///   simplest;
+    /// - streams of one context should share a key (else each key gets its own pool, and
+    ///   events are reused less).
     ///
-    /// The default gives every stream the key 0, which is right for a
-    /// backend with one context. A backend with more that keeps the default
-    /// gets one pool per profiler: used on a second context, a profiler
-    /// finds its idle events refused there and says so (a
-    /// [`ServerError::InvalidArgument`]), so its users keep one profiler per
-    /// context.
+    /// The default gives every stream the key 0, right for a backend with one context. A
+    /// backend with more that keeps the default gets one pool per profiler: used on a second
+    /// context, a profiler finds its idle events refused there and says so (a
+    /// [`ServerError::InvalidArgument`]), so its users keep one profiler per context.
     ///
     /// # Errors
     ///
     /// `stream` is invalid (a dropped stream:
-    /// [`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE)), or the
-    /// driver refused to name the context.
+    /// [`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE)), or the driver refused to
+    /// name the context.
     fn stream_context(stream: Self::Stream) -> Result<u64, ServerError> {
         let _ = stream;
         Ok(0)
     }
 
-    /// An event for a fence on `stream` ([`EventFlags::FENCE`]): from the
-    /// backend's pool of fence events when it keeps one, else a new one. The
-    /// default creates one.
-    ///
-    /// Creating events contends on the driver's context lock on busy GPUs;
-    /// a pool makes a steady loop of fences create none after warm-up.
+    /// An event for a fence on `stream` ([`EventFlags::FENCE`]): from the backend's pool of
+    /// fence events when it keeps one, else a new one (the default creates one). Creating
+    /// events contends on the driver's context lock on busy GPUs; a pool makes a steady loop of
+    /// fences create none after warm-up.
     ///
     /// # Errors
     ///
@@ -192,11 +176,10 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         Self::event_create(stream, EventFlags::FENCE)
     }
 
-    /// Give back an event from [`fence_event_acquire`](Self::fence_event_acquire)
-    /// that nothing can wait on any more (its fence, future, waiter entry and
-    /// drop-queue entry are gone): keep it for a later fence, or destroy it.
-    /// Its last record may still be pending; a later record replaces it, as
-    /// the driver allows. Must not block. The default destroys it.
+    /// Give back an event from [`fence_event_acquire`](Self::fence_event_acquire) that nothing
+    /// can wait on any more (its fence, future, waiter entry and drop-queue entry are gone):
+    /// keep it for a later fence, or destroy it (the default). Its last record may still be
+    /// pending; a later record replaces it, as the driver allows. Must not block.
     ///
     /// # Errors
     ///
@@ -206,26 +189,23 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         Self::event_destroy(event)
     }
 
-    /// A number for a point just recorded on `stream`: larger for a later
-    /// record on the same stream, and never the same twice for one stream.
-    /// The waiter serves a stream's waits in this order. The default takes
-    /// one process-wide counter; a backend with per-stream state keeps one
-    /// counter per stream, so that fences on different streams, made on
-    /// different cores, do not contend on one cache line. Such a backend
-    /// answers `u64::MAX` for a stream it no longer finds (dropped): nothing
-    /// is recorded on it after, so that number sorts after every one the
-    /// stream gave.
+    /// A number for a point just recorded on `stream`: larger for a later record on the same
+    /// stream, and never the same twice for one stream. The waiter serves a stream's waits in
+    /// this order. The default takes one process-wide counter; a backend with per-stream state
+    /// keeps one counter per stream, so that fences on different streams, made on different
+    /// cores, do not contend on one cache line. Such a backend answers `u64::MAX` for a stream
+    /// it no longer finds (dropped): nothing is recorded on it after, so that number sorts after
+    /// every one the stream gave.
     #[doc(hidden)]
     fn stream_sequence(stream: Self::Stream) -> u64 {
         let _ = stream;
         next_sequence()
     }
 
-    /// A number that tells `stream` apart from every other stream of this
-    /// backend alive at the same time: the waiter gives each number a lane
-    /// of its own. The default hashes the handle, so two streams of a
-    /// backend that keeps it may share a number (their waits then share a
-    /// lane: one may wait behind the other's, but none fails or is lost).
+    /// A number that tells `stream` apart from every other stream of this backend alive at the
+    /// same time: the waiter gives each number a lane of its own. The default hashes the
+    /// handle, so two streams of a backend that keeps it may share a number (their waits then
+    /// share a lane: one may wait behind the other's, but none fails or is lost).
     #[doc(hidden)]
     fn stream_id(stream: Self::Stream) -> u64 {
         let mut hasher = DefaultHasher::new();
@@ -234,10 +214,9 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     }
 
     /// [`event_record`](Self::event_record) and the record's
-    /// [`stream_sequence`](Self::stream_sequence) as one step of `stream`:
-    /// two threads recording on one stream get numbers in the order of
-    /// their records, so the waiter never serves a stream's newer record
-    /// before an older one. The default records, then numbers; a backend
+    /// [`stream_sequence`](Self::stream_sequence) as one step of `stream`: two threads recording
+    /// on one stream get numbers in the order of their records, so the waiter never serves a
+    /// stream's newer record before an older one. The default records, then numbers; a backend
     /// whose records can race keeps the two under one per-stream lock.
     ///
     /// # Errors
@@ -252,10 +231,10 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         Ok(Self::stream_sequence(stream))
     }
 
-    /// A fence's whole making: [`fence_event_acquire`](Self::fence_event_acquire)
-    /// then [`event_record_sequenced`](Self::event_record_sequenced) on
-    /// `stream`, giving the event back if the record fails. One call, so a
-    /// backend can resolve the stream once (every fence pays for it).
+    /// A fence's whole making: [`fence_event_acquire`](Self::fence_event_acquire) then
+    /// [`event_record_sequenced`](Self::event_record_sequenced) on `stream`, giving the event
+    /// back if the record fails. One call, so a backend can resolve the stream once (every
+    /// fence pays for it).
     ///
     /// # Errors
     ///
@@ -270,11 +249,10 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     }
 }
 
-/// [`EventApi::fence_event_record`]'s steps, written once for the trait's
-/// default and for backends that resolve their stream once for all of them:
-/// `acquire` an event, then `record` it and take its sequence (one step,
-/// see [`EventApi::event_record_sequenced`]); a refused record gives the
-/// event back (`release`) and is the error.
+/// [`EventApi::fence_event_record`]'s steps, written once for the trait's default and for
+/// backends that resolve their stream once for all of them: `acquire` an event, then `record`
+/// it and take its sequence (one step, see [`EventApi::event_record_sequenced`]); a refused
+/// record gives the event back (`release`) and is the error.
 pub(crate) fn record_fence_event<E>(
     acquire: impl FnOnce() -> Result<E, ServerError>,
     record: impl FnOnce(&E) -> Result<u64, ServerError>,

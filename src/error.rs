@@ -1,15 +1,13 @@
-//! The crate's one error type, what it may carry as its source, and the
-//! driver statuses the crate acts on.
+//! The crate's one error type, what it may carry as its source, and the driver statuses the
+//! crate acts on.
 
 use std::error::Error;
 use std::fmt;
 use std::sync::Arc;
 
-/// Driver status codes that this crate acts on or reports, named after the
-/// CUDA driver's `CUresult` values they mirror.
-///
-/// The host backend reports the CUDA code of the same meaning, so a caller
-/// matches one set of codes for both backends:
+/// Driver status codes that this crate acts on or reports, named after the CUDA driver's
+/// `CUresult` values they mirror. The host backend reports the CUDA code of the same meaning, so
+/// a caller matches one set of codes for both backends:
 ///
 /// ```
 /// use device_events::host::{Host, HostStream};
@@ -25,70 +23,60 @@ use std::sync::Arc;
 pub mod status {
     /// `CUDA_ERROR_INVALID_VALUE`: an argument is out of range.
     pub const INVALID_VALUE: i32 = 1;
-    /// `CUDA_ERROR_INVALID_HANDLE`: a stream or event handle names nothing
-    /// live (a dropped stream, an event of another context). Never a cause
-    /// for a fallback: [`EventFence::wait_async`](crate::EventFence::wait_async)
-    /// returns it rather than wait on the host.
+    /// `CUDA_ERROR_INVALID_HANDLE`: a stream or event handle names nothing live (a dropped
+    /// stream, an event of another context). Never a cause for a fallback:
+    /// [`EventFence::wait_async`](crate::EventFence::wait_async) returns it, with no host wait.
     pub const INVALID_HANDLE: i32 = 400;
-    /// `CUDA_ERROR_NOT_READY`: the work is not done yet (two events timed
-    /// before both are reached).
+    /// `CUDA_ERROR_NOT_READY`: the work is not done yet (two events timed before both are reached).
     pub const NOT_READY: i32 = 600;
-    /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports (sticky,
-    /// as on CUDA).
+    /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports (sticky, as on CUDA).
     pub const LAUNCH_FAILED: i32 = 719;
-    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a call not permitted while a
-    /// stream is capturing a graph (synchronizing the capturing stream, say).
-    /// The first of the stream-capture statuses (900 to 908, see
-    /// [`ServerError::is_stream_capture`](crate::ServerError::is_stream_capture)): never a cause for a fallback.
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a call not permitted while a stream is capturing
+    /// a graph (synchronizing the capturing stream, say). The first stream-capture status (900
+    /// to 908, never a cause for a fallback; see
+    /// [`ServerError::is_stream_capture`](crate::ServerError::is_stream_capture)).
     pub const STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
-    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture was invalidated
-    /// by an earlier error; `cuStreamEndCapture` reports it too.
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture was invalidated by an earlier error;
+    /// `cuStreamEndCapture` reports it too.
     pub const STREAM_CAPTURE_INVALIDATED: i32 = 901;
-    /// `CUDA_ERROR_STREAM_CAPTURE_MERGE`: a wait would merge two independent
-    /// captures.
+    /// `CUDA_ERROR_STREAM_CAPTURE_MERGE`: a wait would merge two independent captures.
     pub const STREAM_CAPTURE_MERGE: i32 = 902;
-    /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: a capturing stream was asked
-    /// to wait on work recorded outside its capture.
+    /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: a capturing stream was asked to wait on work
+    /// recorded outside its capture.
     pub const STREAM_CAPTURE_ISOLATION: i32 = 905;
-    /// `CUDA_ERROR_CAPTURED_EVENT`: a query or wait of an event recorded
-    /// while its stream was capturing a graph: it marks a place in the graph,
-    /// not work that runs.
+    /// `CUDA_ERROR_CAPTURED_EVENT`: a query or wait of an event recorded while its stream was
+    /// capturing a graph: it marks a place in the graph, not work that runs.
     pub const CAPTURED_EVENT: i32 = 907;
-    /// `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`: the last of the
-    /// stream-capture statuses.
+    /// `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`: the last of the stream-capture statuses.
     pub const STREAM_CAPTURE_WRONG_THREAD: i32 = 908;
-    /// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (at process
-    /// exit); what [`ServerError::ShutDown`](crate::ServerError::ShutDown)
-    /// carries.
+    /// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (at process exit); what
+    /// [`ServerError::ShutDown`](crate::ServerError::ShutDown) carries.
     pub const DEINITIALIZED: i32 = 4;
     /// `CUDA_ERROR_UNKNOWN`: a failure the driver does not name.
     pub const UNKNOWN: i32 = 999;
 }
 
-/// The cause of a [`ServerError`]: a backend's own error (a cudarc
-/// `DriverError`, say), the operating system's answer to a thread spawn, or
-/// the earlier [`ServerError`] that a fallback could not recover from.
+/// The cause of a [`ServerError`]: a backend's own error (a cudarc `DriverError`, say), the
+/// operating system's answer to a thread spawn, or the earlier [`ServerError`] that a fallback
+/// could not recover from.
 ///
-/// An opaque, cheap-to-clone handle (an `Arc`), so that [`ServerError`]
-/// stays `Clone`. Like [`std::io::Error`] around a custom error, it shows
-/// its error's message and passes on that error's own
-/// [`source`](Error::source); [`get_ref`](Self::get_ref) and
+/// An opaque, cheap-to-clone handle (an `Arc`), so that [`ServerError`] stays `Clone`. Like
+/// [`std::io::Error`] around a custom error, it shows its error's message and passes on that
+/// error's own [`source`](Error::source); [`get_ref`](Self::get_ref) and
 /// [`downcast_ref`](Self::downcast_ref) reach the error itself.
 ///
-/// Two sources are equal when their messages are: the `Display` of the
-/// error and of each error in its source chain. Their types are not
-/// compared (an `Arc<dyn Error>` has no equality of its own), and a clone
-/// is always equal to its original.
+/// Two sources are equal when their messages are: the `Display` of the error and of each error
+/// in its source chain. Types are not compared (an `Arc<dyn Error>` has no equality of its
+/// own), and a clone is always equal to its original.
 #[derive(Clone)]
 pub struct ErrorSource(Arc<BoxedError>);
 
-/// Boxed, so that an [`ErrorSource`] is one thin pointer: every
-/// `Result<_, ServerError>` on the hot paths carries its room.
+/// Boxed, so that an [`ErrorSource`] is one thin pointer: every `Result<_, ServerError>` on
+/// the hot paths carries its room.
 type BoxedError = Box<dyn Error + Send + Sync + 'static>;
 
 impl ErrorSource {
-    /// Wrap `error`. An `ErrorSource` given here is kept as it is, not
-    /// wrapped twice.
+    /// Wrap `error`; an `ErrorSource` given here is kept as it is, not wrapped twice.
     pub fn new<E: Error + Send + Sync + 'static>(error: E) -> Self {
         let any: &dyn std::any::Any = &error;
         match any.downcast_ref::<Self>() {
@@ -102,9 +90,8 @@ impl ErrorSource {
         &**self.0
     }
 
-    /// The error itself, if it is an `E`: a `cudarc::driver::DriverError`
-    /// from the CUDA backend, a [`std::io::Error`] from a thread spawn, or a
-    /// [`ServerError`] from a fallback.
+    /// The error itself, if it is an `E`: a `cudarc::driver::DriverError` (CUDA backend), a
+    /// [`std::io::Error`] (thread spawn) or a [`ServerError`] (fallback).
     pub fn downcast_ref<E: Error + 'static>(&self) -> Option<&E> {
         self.get_ref().downcast_ref::<E>()
     }
@@ -146,39 +133,32 @@ impl PartialEq for ErrorSource {
 
 impl Eq for ErrorSource {}
 
-// A source is only read (displayed, compared, downcast), never changed, so
-// a panic cannot leave one half-updated: an error that crosses
-// `catch_unwind` stays as `UnwindSafe` as `ServerError` was before it had
-// sources (as `anyhow::Error` and `std::io::Error` are).
+// A source is only read (displayed, compared, downcast), never changed, so a panic cannot leave
+// one half-updated: an error crossing `catch_unwind` stays as `UnwindSafe` as `ServerError` was
+// before it had sources (as `anyhow::Error` and `std::io::Error` are).
 impl std::panic::UnwindSafe for ErrorSource {}
 impl std::panic::RefUnwindSafe for ErrorSource {}
 
 /// What went wrong when creating, recording or waiting on a device event.
 ///
 /// Every variant is one a caller can act on: retry elsewhere when the driver is
-/// [`Unavailable`](Self::Unavailable), report a failed [`Call`](Self::Call),
-/// rebuild the device or stream when it is [`Faulted`](Self::Faulted) (which is
-/// sticky: every later call on it fails the same way), or rebuild the waiter
-/// when it is gone.
+/// [`Unavailable`](Self::Unavailable), report a failed [`Call`](Self::Call), rebuild the device
+/// or stream when it is [`Faulted`](Self::Faulted) (sticky: every later call on it fails the
+/// same way), or rebuild the waiter when it is gone.
 ///
-/// [`Call`](Self::Call), [`Faulted`](Self::Faulted) and
-/// [`ThreadSpawn`](Self::ThreadSpawn) may carry a
-/// [`source`](std::error::Error::source) ([`ErrorSource`]): the backend's
-/// own error (a cudarc `DriverError`), the operating system's
-/// [`std::io::Error`] for a refused thread, or the failure a fallback
-/// could not recover from (a fence whose event was refused and whose stream
-/// could not be synchronized either: the synchronize's error, with the
-/// refusal as its source, also kept by
-/// [`EventFence::fallback_cause`](crate::EventFence::fallback_cause)). Those
-/// variants are `#[non_exhaustive]`: outside this crate, build them with
-/// [`call`](Self::call), [`faulted`](Self::faulted) and
-/// [`thread_spawn`](Self::thread_spawn), and add a source with
-/// [`with_source`](Self::with_source); match them with `..`.
+/// [`Call`](Self::Call), [`Faulted`](Self::Faulted) and [`ThreadSpawn`](Self::ThreadSpawn) may
+/// carry a [`source`](std::error::Error::source) ([`ErrorSource`]): the backend's own error (a
+/// cudarc `DriverError`), the operating system's [`std::io::Error`] for a refused thread, or the
+/// failure a fallback could not recover from (a fence whose event was refused and whose stream
+/// could not be synchronized either fails with the synchronize's error, whose source is the
+/// refusal, also kept by [`EventFence::fallback_cause`](crate::EventFence::fallback_cause)).
+/// These variants are `#[non_exhaustive]`: outside this crate, build them with
+/// [`call`](Self::call), [`faulted`](Self::faulted) and [`thread_spawn`](Self::thread_spawn), add
+/// a source with [`with_source`](Self::with_source), and match them with `..`.
 ///
-/// `code` fields carry the driver's status code. The host backend reuses the
-/// CUDA code with the same meaning ([`status::INVALID_HANDLE`] for a
-/// dropped stream, [`status::LAUNCH_FAILED`] for a fault), so a caller can
-/// match one set of codes for both backends.
+/// `code` fields carry the driver's status code. The host backend reuses the CUDA code of the
+/// same meaning ([`status::INVALID_HANDLE`] for a dropped stream, [`status::LAUNCH_FAILED`] for
+/// a fault), so a caller can match one set of codes for both backends.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServerError {
@@ -190,8 +170,7 @@ pub enum ServerError {
         /// Why, in words: the library that was not found, the missing symbol.
         reason: String,
     },
-    /// A driver call failed; the device and stream may still be usable:
-    /// report it, or retry.
+    /// A driver call failed; the device and stream may still be usable: report it, or retry.
     #[error("{backend} call {call} failed: {name} ({code}): {message}")]
     #[non_exhaustive]
     Call {
@@ -205,14 +184,13 @@ pub enum ServerError {
         name: String,
         /// The driver's description of the status.
         message: String,
-        /// What caused it, when known: the backend's own error, or an
-        /// earlier failure a fallback could not recover from.
+        /// The cause, when known: the backend's own error, or a failure no fallback recovered from.
         #[source]
         source: Option<ErrorSource>,
     },
-    /// The device or stream hit a fault and stays faulted: every later call on
-    /// it returns this error again. Rebuild the device's context (on CUDA,
-    /// restart the process) or the host stream's [`HostContext`](crate::host::HostContext).
+    /// The device or stream hit a fault and stays faulted: every later call on it returns this
+    /// error again. Rebuild the device's context (on CUDA, restart the process) or the host
+    /// stream's [`HostContext`](crate::host::HostContext).
     #[error("{backend} is faulted ({call}): {name} ({code}): {message}")]
     #[non_exhaustive]
     Faulted {
@@ -226,8 +204,7 @@ pub enum ServerError {
         name: String,
         /// The driver's description of the status, or the panic message.
         message: String,
-        /// What caused it, when known: the backend's own error, or an
-        /// earlier failure a fallback could not recover from.
+        /// The cause, when known: the backend's own error, or a failure no fallback recovered from.
         #[source]
         source: Option<ErrorSource>,
     },
@@ -237,10 +214,9 @@ pub enum ServerError {
          still running (Waiter::global() never shuts down)"
     )]
     WaiterGone,
-    /// A thread this crate needs could not be started (the operating system
-    /// refused: too many threads, say). Not [`Unavailable`](Self::Unavailable):
-    /// the driver and device may be fine, so falling back to the CPU would be
-    /// the wrong answer; retry later, or with fewer threads.
+    /// A thread this crate needs could not be started (the operating system refused: too many
+    /// threads, say). Not [`Unavailable`](Self::Unavailable): the driver and device may be
+    /// fine, so falling back to the CPU would be wrong; retry later, or with fewer threads.
     #[error("{component} could not start a thread: {reason}")]
     #[non_exhaustive]
     ThreadSpawn {
@@ -252,8 +228,8 @@ pub enum ServerError {
         #[source]
         source: Option<ErrorSource>,
     },
-    /// An argument or setting this crate cannot work with, refused where it
-    /// was given: the caller's bug, not the driver's.
+    /// An argument or setting this crate cannot work with, refused where it was given: the
+    /// caller's bug, not the driver's.
     #[error("invalid {what}: {reason}")]
     InvalidArgument {
         /// What was given, e.g. `"Waiter thread_name"`.
@@ -261,20 +237,17 @@ pub enum ServerError {
         /// Why it cannot be used.
         reason: String,
     },
-    /// The waiter was made before this process forked: its threads stayed
-    /// in the parent. A child makes a waiter of its own (and
-    /// [`Waiter::global()`](crate::Waiter::global) is made afresh in each
-    /// child).
+    /// The waiter was made before this process forked: its threads stayed in the parent. A
+    /// child makes a waiter of its own ([`Waiter::global()`](crate::Waiter::global) is made
+    /// afresh in each child).
     #[error(
         "the waiter was made before this process forked, and its threads stayed in the parent: \
          make a new Waiter in the child (Waiter::global() is made afresh there)"
     )]
     WaiterForked,
-    /// A measurement's stop was reached before its start (they were on
-    /// different streams, and the stop's stream got there first): there is
-    /// no device time from start to stop. CUDA's `cuEventElapsedTime` gives
-    /// a negative time here; a `Duration` cannot be negative, and a zero
-    /// would pass for a real one.
+    /// A measurement's stop was reached before its start (they were on different streams, and
+    /// the stop's got there first). CUDA's `cuEventElapsedTime` gives a negative time here; a
+    /// `Duration` cannot be negative, and a zero would pass for a real one.
     #[error("{backend}: the stop was reached {by:?} before the start")]
     StopBeforeStart {
         /// The backend whose events were timed.
@@ -282,12 +255,10 @@ pub enum ServerError {
         /// How much earlier the stop was reached.
         by: std::time::Duration,
     },
-    /// The driver was shut down: the CUDA driver tears itself down at
-    /// process exit while other threads (the waiter's, say) may still run,
-    /// and then answers every call with `CUDA_ERROR_DEINITIALIZED`
-    /// ([`status::DEINITIALIZED`]). Terminal: once one call saw it, the
-    /// backend makes no more driver calls, and each returns this error at
-    /// once; pending waits fail with it.
+    /// The driver was shut down: the CUDA driver tears itself down at process exit while other
+    /// threads (the waiter's, say) may run, then answers every call with `CUDA_ERROR_DEINITIALIZED`
+    /// ([`status::DEINITIALIZED`]). Terminal: once one call saw it, the backend makes no more
+    /// driver calls; each returns this error at once, and pending waits fail with it.
     #[error(
         "{backend} call {call} refused: the driver was shut down (at process exit, say), \
          and no more calls are made to it"
@@ -298,20 +269,18 @@ pub enum ServerError {
         /// The call that failed, or was refused without reaching the driver.
         call: &'static str,
     },
-    /// A backend call made on a waiter thread panicked; the waiter keeps
-    /// serving other waits. The panic was in code the waiter calls (an
-    /// outside [`EventApi`](crate::EventApi), say): fix that code; the
-    /// fence's stream is in whatever state the panic left it.
+    /// A backend call made on a waiter thread panicked; the waiter keeps serving other waits.
+    /// The panic was in code the waiter calls (an outside [`EventApi`](crate::EventApi), say):
+    /// fix that code; the fence's stream is in whatever state the panic left it.
     #[error("a waiter thread panicked: {message}")]
     WaiterPanicked {
         /// The panic's payload, when it was a string.
         message: String,
     },
-    /// A [`drop_queue::Fence`](crate::drop_queue::Fence)'s wait panicked on
-    /// the drop queue's thread (or in a caller's
-    /// `wait_then_drop`): its value was leaked, not dropped, since the
-    /// device may still read it; the queue keeps serving other values. Fix
-    /// the fence's [`wait_blocking`](crate::drop_queue::Fence::wait_blocking).
+    /// A [`drop_queue::Fence`](crate::drop_queue::Fence)'s wait panicked on the drop queue's
+    /// thread (or in a caller's `wait_then_drop`): its value was leaked, not dropped, since the
+    /// device may still read it; the queue keeps serving other values. Fix the fence's
+    /// [`wait_blocking`](crate::drop_queue::Fence::wait_blocking).
     #[error("a drop queue's fence panicked: {message}")]
     DropQueuePanicked {
         /// The panic's payload, when it was a string.
@@ -326,11 +295,9 @@ impl ServerError {
     }
 
     /// Whether this is one of the driver's stream-capture statuses
-    /// ([`status::STREAM_CAPTURE_UNSUPPORTED`] to
-    /// [`status::STREAM_CAPTURE_WRONG_THREAD`], 900 to 908): a call that a
-    /// graph capture does not permit. The crate never falls back on one (a
-    /// host wait or a stream synchronize would invalidate the capture); it
-    /// returns it.
+    /// ([`status::STREAM_CAPTURE_UNSUPPORTED`] to [`status::STREAM_CAPTURE_WRONG_THREAD`], 900 to
+    /// 908): a call that a graph capture does not permit. The crate never falls back on one (a
+    /// host wait or a stream synchronize would invalidate the capture); it returns it.
     ///
     /// ```
     /// use device_events::{status, ServerError};
@@ -346,8 +313,8 @@ impl ServerError {
         })
     }
 
-    /// Whether the backend's driver was shut down
-    /// ([`ShutDown`](Self::ShutDown)): at process exit, say.
+    /// Whether the backend's driver was shut down (at process exit, say):
+    /// [`ShutDown`](Self::ShutDown).
     pub fn is_shut_down(&self) -> bool {
         matches!(self, Self::ShutDown { .. })
     }
@@ -357,8 +324,7 @@ impl ServerError {
         matches!(self, Self::Unavailable { .. })
     }
 
-    /// The driver's status code, for the variants that carry one; see
-    /// [`status`] for the codes this crate acts on.
+    /// The driver's status code, for the variants that carry one (see [`status`]).
     pub fn code(&self) -> Option<i32> {
         match self {
             Self::Call { code, .. } | Self::Faulted { code, .. } => Some(*code),
@@ -386,8 +352,8 @@ impl ServerError {
         }
     }
 
-    /// A sticky fault ([`Faulted`](Self::Faulted)), with no source; add one
-    /// with [`with_source`](Self::with_source).
+    /// A sticky fault ([`Faulted`](Self::Faulted)), with no source; add one with
+    /// [`with_source`](Self::with_source).
     pub fn faulted(
         backend: &'static str,
         call: &'static str,
@@ -405,9 +371,8 @@ impl ServerError {
         }
     }
 
-    /// A thread `component` needed could not be started
-    /// ([`ThreadSpawn`](Self::ThreadSpawn)): the operating system's `error`
-    /// is its reason and its source.
+    /// A thread `component` needed could not be started ([`ThreadSpawn`](Self::ThreadSpawn)):
+    /// the operating system's `error` is its reason and its source.
     pub fn thread_spawn(component: &'static str, error: std::io::Error) -> Self {
         Self::ThreadSpawn {
             component,
@@ -416,17 +381,14 @@ impl ServerError {
         }
     }
 
-    /// This error with `source` as its [`source`](std::error::Error::source),
-    /// replacing any it had: for a backend's own error
-    /// (`ServerError::call(..).with_source(driver_error)`) or the failure
-    /// that led to this one. Only [`Call`](Self::Call),
-    /// [`Faulted`](Self::Faulted) and [`ThreadSpawn`](Self::ThreadSpawn)
-    /// carry a source; other variants are returned unchanged.
+    /// This error with `source` as its [`source`](std::error::Error::source), replacing any it
+    /// had: for a backend's own error (`ServerError::call(..).with_source(driver_error)`) or the
+    /// failure that led to this one. Only [`Call`](Self::Call), [`Faulted`](Self::Faulted) and
+    /// [`ThreadSpawn`](Self::ThreadSpawn) carry a source; other variants are returned unchanged.
     ///
-    /// The source's `Display` runs whenever the error is shown or compared:
-    /// a cudarc `DriverError` asks the driver for its text there, and
-    /// panics where no driver library is loaded, so attach one only once
-    /// the driver is (the crate's own conversions do).
+    /// The source's `Display` runs whenever the error is shown or compared: a cudarc
+    /// `DriverError` asks the driver for its text there, and panics where no driver library is
+    /// loaded, so attach one only once the driver is (the crate's own conversions do).
     #[must_use]
     pub fn with_source<E: Error + Send + Sync + 'static>(mut self, source: E) -> Self {
         if let Self::Call { source: slot, .. }
@@ -438,8 +400,7 @@ impl ServerError {
         self
     }
 
-    /// The error's source, for the variants that carry one: the same as
-    /// [`source`](std::error::Error::source), typed.
+    /// [`source`](std::error::Error::source), typed, for the variants that carry one.
     pub fn error_source(&self) -> Option<&ErrorSource> {
         match self {
             Self::Call { source, .. }

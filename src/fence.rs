@@ -5,20 +5,19 @@ use core::fmt;
 use crate::api::next_sequence;
 use crate::{status, Event, EventApi, ServerError};
 
-/// An event recorded on a stream and handed out, so a caller can wait for that
-/// stream's work from outside whatever owns the stream.
+/// An event recorded on a stream and handed out, so a caller can wait for that stream's work
+/// from outside whatever owns the stream.
 ///
-/// Recording costs the host nothing: the owner records one and returns, and
-/// whoever holds the fence waits on its own time, in one of three ways:
-/// [`wait_sync`](Self::wait_sync) blocks the host,
-/// [`wait_async`](Self::wait_async) makes another stream wait on the device,
-/// and (with the waiter) `.await` sleeps a task.
+/// Recording costs the host nothing: the owner records one and returns, and whoever holds the
+/// fence waits on its own time: [`wait_sync`](Self::wait_sync) blocks the host,
+/// [`wait_async`](Self::wait_async) makes another stream wait on the device, and (with the
+/// waiter) `.await` sleeps a task.
 ///
-/// When the driver refuses to create or record the event, the stream is
-/// synchronized on the spot instead, which keeps every guarantee a fence
-/// gives; only when that fails too does the fence hold the error. A caller
-/// that must not block (one holding a lock) uses [`try_new`](Self::try_new)
-/// and [`try_wait_async`](Self::try_wait_async), which return the refusal.
+/// When the driver refuses to create or record the event, the stream is synchronized on the
+/// spot instead, which keeps every guarantee a fence gives; only when that fails too does the
+/// fence hold the error. A caller that must not block (one holding a lock) uses
+/// [`try_new`](Self::try_new) and [`try_wait_async`](Self::try_wait_async), which return the
+/// refusal.
 ///
 /// # Example
 ///
@@ -34,8 +33,7 @@ use crate::{status, Event, EventApi, ServerError};
 ///
 /// let flag = written.clone();
 /// producer.launch(move || flag.store(true, Ordering::SeqCst))?;
-/// // The consumer's later work runs after the producer's, without the host
-/// // waiting for either.
+/// // The consumer's later work runs after the producer's, without the host waiting for either.
 /// EventFence::<Host>::new(producer.handle()).wait_async(consumer.handle())?;
 /// let flag = written.clone();
 /// consumer.launch(move || assert!(flag.load(Ordering::SeqCst)))?;
@@ -44,39 +42,34 @@ use crate::{status, Event, EventApi, ServerError};
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
 pub struct EventFence<A: EventApi> {
-    /// `Ok(None)` when the fence was reached at creation (a refused event whose
-    /// stream was synchronized instead).
+    /// `Ok(None)`: reached at creation (a refused event whose stream was synchronized instead).
     event: Result<Option<Event<A>>, ServerError>,
     stream: A::Stream,
     sequence: u64,
-    /// Why the event was refused, when the fence fell back to synchronizing
-    /// its stream (boxed: the common fence has none).
+    /// The refusal, when the fence fell back to synchronizing its stream (boxed: most have none).
     refused: Option<Box<ServerError>>,
 }
 
 impl<A: EventApi> EventFence<A> {
     /// Record a fence at the current position of `stream`.
     ///
-    /// When the driver refuses the event, `stream` is synchronized instead (with
-    /// a warning logged), and the fence is already reached. Errors surface when
-    /// the fence is waited on. A refusal with a stream-capture status
-    /// ([`ServerError::is_stream_capture`]) or from a driver that was shut
-    /// down ([`ServerError::is_shut_down`]) is not worked around: the fence
-    /// holds that error. [`try_new`](Self::try_new) returns the refusal
-    /// instead.
+    /// A refused event makes `stream` synchronize instead (with a warning logged), so the fence
+    /// is already reached; errors surface when it is waited on. A stream-capture refusal
+    /// ([`ServerError::is_stream_capture`]) or a shut-down driver ([`ServerError::is_shut_down`])
+    /// is not worked around: the fence holds that error. [`try_new`](Self::try_new) returns the
+    /// refusal instead.
     pub fn new(stream: A::Stream) -> Self {
         Self::try_new(stream).unwrap_or_else(|err| Self::fall_back(stream, err))
     }
 
-    /// Record a fence at the current position of `stream`, or return the
-    /// driver's refusal: no fallback, so it never blocks (no stream
-    /// synchronize) and logs nothing, for a caller that records while
-    /// holding a lock.
+    /// Record a fence at the current position of `stream`, or return the driver's refusal: no
+    /// fallback, so it never blocks (no stream synchronize) and logs nothing, for a caller that
+    /// records while holding a lock.
     ///
     /// # Errors
     ///
-    /// The driver refused to create or record the event (a faulted or
-    /// invalid stream, a capture, a shut-down driver).
+    /// The driver refused to create or record the event (a faulted or invalid stream, a
+    /// capture, a shut-down driver).
     ///
     /// ```
     /// use device_events::host::{Host, HostStream};
@@ -103,17 +96,14 @@ impl<A: EventApi> EventFence<A> {
         })
     }
 
-    /// [`new`](Self::new)'s fallback for a refused event: synchronize
-    /// `stream` instead, unless the refusal is one a synchronize cannot
-    /// work around.
+    /// [`new`](Self::new)'s fallback for a refused event: synchronize `stream` instead, unless
+    /// the refusal is one a synchronize cannot work around.
     fn fall_back(stream: A::Stream, err: ServerError) -> Self {
-        // Reached (or failed) at creation: never waits in a lane, so any
-        // unique number will do.
+        // Reached (or failed) at creation: never waits in a lane, so any unique number will do.
         let sequence = next_sequence();
-        // A capture refused the record: synchronizing the capturing stream
-        // would be refused too, and would invalidate the capture. A
-        // shut-down driver answers every call the same way. The fence fails
-        // with the driver's answer.
+        // A capture refused the record: synchronizing the capturing stream would be refused
+        // too, and would invalidate the capture. A shut-down driver answers every call the same
+        // way. The fence fails with the driver's answer.
         if err.is_shut_down() || err.is_stream_capture() {
             return Self {
                 event: Err(err),
@@ -131,8 +121,7 @@ impl<A: EventApi> EventFence<A> {
                 A::BACKEND
             ),
         );
-        // A synchronize that fails too has the refusal as its source,
-        // unless the backend gave it one of its own.
+        // A failed synchronize gets the refusal as its source, unless the backend gave it one.
         let event = A::stream_synchronize(stream)
             .map(|()| None)
             .map_err(|failed| match failed.error_source() {
@@ -147,28 +136,25 @@ impl<A: EventApi> EventFence<A> {
         }
     }
 
-    /// Block until the device has reached this fence, so everything queued on
-    /// its stream before it is done.
+    /// Block until the device has reached this fence, so everything queued on its stream
+    /// before it is done.
     ///
-    /// It blocks the calling thread for as long as the device takes. In async
-    /// code that thread is an executor's: its other tasks wait meanwhile (on
-    /// a current-thread runtime, all of them). There, use `.await` (or
-    /// [`wait`](Self::wait)), which hands the wait to the waiter's own
-    /// threads.
+    /// The calling thread blocks for as long as the device takes. In async code that thread is
+    /// an executor's, whose other tasks (on a current-thread runtime, all of them) wait
+    /// meanwhile: there, use `.await` (or [`wait`](Self::wait)), which hands the wait to the
+    /// waiter's own threads.
     ///
     /// # Errors
     ///
-    /// The error the fence holds (the driver refused the event and the stream
-    /// synchronize both), or the driver's error from the wait, e.g. a faulted
-    /// stream.
+    /// The error the fence holds (the driver refused both the event and the stream
+    /// synchronize), or the driver's error from the wait, e.g. a faulted stream.
     pub fn wait_sync(self) -> Result<(), ServerError> {
         self.block()
     }
 
-    /// [`wait_sync`](Self::wait_sync) without giving up the fence, for a
-    /// waiter thread: it drops the fence (releasing its event, an outside
-    /// backend's call) apart from the wait, so a panic in the release does
-    /// not pass for a failed wait.
+    /// [`wait_sync`](Self::wait_sync) without giving up the fence, for a waiter thread: it drops
+    /// the fence (releasing its event, an outside backend's call) apart from the wait, so a
+    /// panic in the release does not pass for a failed wait.
     pub(crate) fn block(&self) -> Result<(), ServerError> {
         match &self.event {
             Ok(Some(event)) => event.wait_sync(),
@@ -177,43 +163,34 @@ impl<A: EventApi> EventFence<A> {
         }
     }
 
-    /// Make `stream` wait for this fence on the device, so work queued on it
-    /// afterwards runs behind the fenced stream's. Does not block the host,
-    /// unless the driver refuses the dependency: the host then waits for the
-    /// fence itself (with a warning logged), which orders the work just the
-    /// same.
+    /// Make `stream` wait for this fence on the device, so work queued on it afterwards runs
+    /// behind the fenced stream's. Does not block the host, unless the driver refuses the
+    /// dependency: the host then waits for the fence itself (with a warning logged), which
+    /// orders the work just the same.
     ///
-    /// An invalid `stream` (a dropped stream's handle, or another thread's
-    /// per-thread default stream) is not a refusal but the caller's bug: the
-    /// invalid-handle error comes back at once, and the host does not block.
-    /// Nor is a stream-capture status ([`ServerError::is_stream_capture`]):
-    /// a capturing `stream` may wait only on a fence recorded in the same
-    /// capture, and anything else comes back as that error, with no host
-    /// wait (which would leave the dependency out of the graph). Nor is a
-    /// shut-down driver ([`ServerError::is_shut_down`]): its error comes back
-    /// at once. [`try_wait_async`](Self::try_wait_async) returns every
-    /// refusal, with no host wait.
+    /// Not refusals, and so returned at once with no host wait: an invalid `stream` (a dropped
+    /// stream's handle, or another thread's per-thread default stream: the caller's bug); a
+    /// stream-capture status ([`ServerError::is_stream_capture`]: a capturing `stream` may wait
+    /// only on a fence recorded in the same capture, and a host wait would leave the dependency
+    /// out of the graph); a shut-down driver ([`ServerError::is_shut_down`]).
+    /// [`try_wait_async`](Self::try_wait_async) returns every refusal, with no host wait.
     ///
     /// # Errors
     ///
-    /// The error the fence holds; the invalid-handle error
-    /// ([`status::INVALID_HANDLE`]) for an
-    /// invalid `stream`; a stream-capture or shut-down error; or, on the
-    /// fallback path, the error of the host wait.
+    /// The error the fence holds; the invalid-handle error ([`status::INVALID_HANDLE`]) for an
+    /// invalid `stream`; a stream-capture or shut-down error; or, on the fallback path, the
+    /// error of the host wait.
     ///
-    /// A fault reaches the waiting stream: when the fenced stream's work
-    /// faults before the fence, `stream` is faulted too, its later work does
-    /// not run, and its fences fail with an error that names the wait it came
-    /// through. So a failed stage shows on every stage that waited on it,
-    /// whichever you wait on, as on CUDA, where a sticky fault poisons the
-    /// whole context.
+    /// A fault reaches the waiting stream: when the fenced stream's work faults before the
+    /// fence, `stream` is faulted too, its later work does not run, and its fences fail with an
+    /// error that names the wait it came through. So a failed stage shows on every stage that
+    /// waited on it, as on CUDA, where a sticky fault poisons the whole context.
     ///
-    /// The fence is not used up: the wait takes the fence's state at the
-    /// call, as the driver does ("`cuStreamWaitEvent()` use\[s\] the most
-    /// recently captured state at the time of the API call", `cuEventRecord`
-    /// in the CUDA driver API), so the same fence can then make another
-    /// stream wait, be awaited, be waited on, or go in a drop queue, with no
-    /// second event recorded.
+    /// The fence is not used up: the wait takes the fence's state at the call, as the driver
+    /// does ("`cuStreamWaitEvent()` use\[s\] the most recently captured state at the time of
+    /// the API call", `cuEventRecord` in the CUDA driver API), so the same fence can then make
+    /// another stream wait, be awaited, be waited on, or go in a drop queue, with no second
+    /// event recorded.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -244,14 +221,14 @@ impl<A: EventApi> EventFence<A> {
         }
     }
 
-    /// Make `stream` wait for this fence on the device, or return the
-    /// driver's refusal: [`wait_async`](Self::wait_async) without its host
-    /// wait, so it never blocks the host, for a caller that holds a lock.
+    /// Make `stream` wait for this fence on the device, or return the driver's refusal:
+    /// [`wait_async`](Self::wait_async) with no host wait, so it never blocks the host, for a
+    /// caller that holds a lock.
     ///
     /// # Errors
     ///
-    /// The error the fence holds, or the driver's refusal of the dependency
-    /// (an invalid or faulted `stream`, a capture, a shut-down driver).
+    /// The error the fence holds, or the driver's refusal of the dependency (an invalid or
+    /// faulted `stream`, a capture, a shut-down driver).
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -278,8 +255,7 @@ impl<A: EventApi> EventFence<A> {
     ///
     /// # Errors
     ///
-    /// The error the fence holds, or a fault reported by the driver (never
-    /// folded into `Ok(false)`).
+    /// The error the fence holds, or a fault the driver reports (never folded into `Ok(false)`).
     pub fn is_complete(&self) -> Result<bool, ServerError> {
         match &self.event {
             Ok(Some(event)) => event.is_complete(),
@@ -293,37 +269,33 @@ impl<A: EventApi> EventFence<A> {
         self.stream
     }
 
-    /// The fence's place in its stream's order of recorded points: a later
-    /// fence on the same stream has a larger number (the backend's
-    /// `EventApi::stream_sequence` hook). Numbers of different streams are
-    /// not comparable, nor is a fence resolved at creation's.
+    /// The fence's place in its stream's order of recorded points: a later fence on the same
+    /// stream has a larger number (the backend's `EventApi::stream_sequence` hook). Numbers of
+    /// different streams are not comparable, nor is a fence resolved at creation's.
     pub fn sequence(&self) -> u64 {
         self.sequence
     }
 
-    /// Whether the fence was resolved at creation (the stream synchronized
-    /// instead of an event recorded), successfully or not.
+    /// Whether the fence was resolved at creation (by a stream synchronize), successfully or not.
     pub fn is_resolved_at_creation(&self) -> bool {
         !matches!(self.event, Ok(Some(_)))
     }
 
-    /// Why the driver refused this fence's event, when it fell back to
-    /// synchronizing its stream: the first failure. When the synchronize
-    /// failed too, the fence's own error (from
-    /// [`wait_sync`](Self::wait_sync)) is the synchronize's, and this is the
-    /// failure that led to it (a dropped stream's `event_create`, say): also
-    /// that error's [`source`](std::error::Error::source), when its variant
-    /// carries one ([`ServerError::with_source`]).
+    /// Why the driver refused this fence's event, when it fell back to synchronizing its
+    /// stream: the first failure. When the synchronize failed too, the fence's own error (from
+    /// [`wait_sync`](Self::wait_sync)) is the synchronize's, and this is the failure that led to
+    /// it (a dropped stream's `event_create`, say), also that error's
+    /// [`source`](std::error::Error::source) when its variant carries one
+    /// ([`ServerError::with_source`]).
     pub fn fallback_cause(&self) -> Option<&ServerError> {
         self.refused.as_deref()
     }
 }
 
-/// Whether this refusal of a device-side wait comes back as it is, with no
-/// host wait standing in: an invalid stream (the caller's bug), a
-/// stream-capture status (a host wait would leave the dependency out of the
-/// graph being captured, and could invalidate the capture), or a shut-down
-/// driver (which refuses the host wait too).
+/// Whether a refused device-side wait comes back as it is, with no host wait standing in: an
+/// invalid stream (the caller's bug), a stream-capture status (a host wait would leave the
+/// dependency out of the graph being captured, and could invalidate the capture), or a
+/// shut-down driver (which refuses the host wait too).
 fn refusal_is_final(err: &ServerError) -> bool {
     err.code() == Some(status::INVALID_HANDLE) || err.is_shut_down() || err.is_stream_capture()
 }

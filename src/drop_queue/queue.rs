@@ -16,50 +16,39 @@ use crate::{panics, ServerError};
 /// Default [`DropQueue::new`] capacity.
 pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 
-/// Keeps each value alive until its fence has passed, then drops it on the
-/// queue's own thread, in push order.
+/// Keeps each value alive until its fence has passed, then drops it on the queue's own thread,
+/// in push order.
 ///
-/// - One thread waits each fence in turn, so a value waits behind every value
-///   pushed before it, even one on another stream. Where streams run at
-///   different paces, give each its own queue: a slow stream then holds back
-///   (and fills) only its own.
-/// - Memory is bounded: at most `capacity` values wait at once, but for
-///   those of refusals and push futures dropped unanswered.
-///   [`push_blocking`](Self::push_blocking) waits for room and
-///   [`push_async`](Self::push_async) awaits it, so a caller never holds a
-///   refused value; [`push`](Self::push) never blocks, and hands a refused
-///   fence and value back ([`Rejected`]) for the caller to keep alive.
-/// - **No value is ever dropped before its fence**, on any path: a refused
-///   push hands it back (and [`Rejected::wait_then_drop`] keeps the promise
-///   for the caller), [`shutdown_now`](Self::shutdown_now) hands back what
-///   has not passed in a [`HandedBack`] whose drop waits for each fence, and
-///   a [`Rejected`] or [`push_async`](Self::push_async) future dropped
-///   unanswered queues its value all the same, past the capacity (once the
-///   thread has exited, it leaks a value whose fence has not passed).
-/// - A fence whose wait fails is not given up at once: an [`EventFence`](crate::EventFence)
-///   then synchronizes its stream, and if the stream is idle its value is
-///   dropped as usual (the driver may merely have refused the wait while a
-///   copy still ran; the synchronize waited for the copy). A fence that
-///   **fails** even so (a faulted stream or device) says nothing about
-///   whether the device still reads the value, so the value is **leaked**
-///   (never dropped), with an error logged and counted in
-///   [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a bounded
-///   loss, a freed one still read by the device is memory corruption.
-/// - Dropping the queue is [`shutdown`](Self::shutdown): it **blocks** until
-///   every fence has passed (as long as the slowest stream's queued work),
-///   drops every value, and joins the thread. In async code, use
-///   [`shutdown_async`](Self::shutdown_async) (and
-///   [`flush_async`](Self::flush_async) for [`flush`](Self::flush)), which
-///   block no thread.
-/// - A value's drop may use its own queue: `push_blocking` and `push_async`
-///   there queue past the capacity, even while closing (only the queue's
-///   thread makes room, and it drains the queue before it exits), and a
-///   flush or shutdown there, blocking or awaited, returns at once rather
-///   than wait for itself; the last handle to the queue dropped there lets
-///   the thread finish on its own.
-/// - There is no `Default`: starting the queue's thread can fail, and
-///   `Default` could not return that error. Use
-///   `DropQueue::new(DEFAULT_DROP_QUEUE_CAPACITY)`.
+/// - One thread waits each fence in turn, so a value waits behind every value pushed before it,
+///   even one on another stream. Give streams that run at different paces a queue each: a slow
+///   stream then holds back (and fills) only its own.
+/// - Memory is bounded: at most `capacity` values wait at once, but for those of refusals and
+///   push futures dropped unanswered. [`push_blocking`](Self::push_blocking) waits for room and
+///   [`push_async`](Self::push_async) awaits it; [`push`](Self::push) never blocks, and hands a
+///   refused fence and value back ([`Rejected`]) for the caller to keep alive.
+/// - **No value is ever dropped before its fence**, on any path: a refused push hands it back
+///   ([`Rejected::wait_then_drop`] keeps the promise for the caller),
+///   [`shutdown_now`](Self::shutdown_now) hands back what has not passed in a [`HandedBack`]
+///   whose drop waits for each fence, and a [`Rejected`] or `push_async` future dropped
+///   unanswered queues its value all the same, past the capacity (once the thread has exited,
+///   it leaks a value whose fence has not passed).
+/// - When a fence's wait fails, an [`EventFence`](crate::EventFence) synchronizes its stream,
+///   and if the stream is idle its value is dropped as usual (the driver may merely have
+///   refused the wait while a copy still ran). A fence that **fails** even so (a faulted stream
+///   or device) says nothing about whether the device still reads the value, so the value is
+///   **leaked** (never dropped), with an error logged and counted in
+///   [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a bounded loss, a freed one
+///   still read by the device is memory corruption.
+/// - Dropping the queue is [`shutdown`](Self::shutdown): it **blocks** until every fence has
+///   passed (the slowest stream's queued work), drops every value, and joins the thread. In
+///   async code, use [`shutdown_async`](Self::shutdown_async) (and
+///   [`flush_async`](Self::flush_async) for [`flush`](Self::flush)), which block no thread.
+/// - A value's drop may use its own queue: `push_blocking` and `push_async` there queue past the
+///   capacity, even while closing (only the queue's thread makes room, and it drains the queue
+///   before it exits); a flush or shutdown there, blocking or awaited, returns at once rather
+///   than wait for itself; the last handle dropped there lets the thread finish on its own.
+/// - There is no `Default`: starting the thread can fail, and `Default` could not return that
+///   error. Use `DropQueue::new(DEFAULT_DROP_QUEUE_CAPACITY)`.
 ///
 /// ```
 /// use device_events::drop_queue::DropQueue;
@@ -83,8 +72,8 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 /// without blocking a thread.
 pub struct DropQueue<F: Fence, T: Send + 'static> {
     shared: Arc<Shared<F, T>>,
-    /// Taken by whichever shuts the queue down first: [`DropQueue::shutdown_async`]
-    /// (through `&self`, so behind a lock) or the queue's drop.
+    /// Taken by the first to shut down: [`DropQueue::shutdown_async`] (via `&self`, so behind a
+    /// lock) or the queue's drop.
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -93,9 +82,8 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     ///
     /// # Errors
     ///
-    /// [`ServerError::InvalidArgument`] for a capacity of 0 (no value could
-    /// ever be pushed); [`ServerError::ThreadSpawn`] when the thread could
-    /// not be started.
+    /// [`ServerError::InvalidArgument`] for a capacity of 0; [`ServerError::ThreadSpawn`] when
+    /// the thread could not be started.
     pub fn new(capacity: usize) -> Result<Self, ServerError> {
         if capacity == 0 {
             return Err(ServerError::InvalidArgument {
@@ -116,16 +104,13 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         })
     }
 
-    /// Keep `value` alive until `fence` passes, then drop it on the queue's
-    /// thread. Never blocks.
+    /// Keep `value` alive until `fence` passes, then drop it on the queue's thread. Never blocks.
     ///
     /// # Errors
     ///
-    /// [`Rejected::Full`] when `capacity` values are waiting, and
-    /// [`Rejected::Closed`] while shutting down; both hand back the fence and
-    /// the value, which the caller must keep alive until the fence passes
-    /// ([`Rejected::wait_then_drop`]), or drop the refusal to queue the
-    /// value all the same.
+    /// [`Rejected::Full`] when `capacity` values are waiting, [`Rejected::Closed`] while shutting
+    /// down; both hand back the fence and value, which the caller must keep alive until the
+    /// fence passes ([`Rejected::wait_then_drop`]), or drop the refusal to queue the value anyway.
     pub fn push(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
         let state = self.shared.lock();
         if state.closing {
@@ -138,24 +123,20 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         Ok(())
     }
 
-    /// Keep `value` alive until `fence` passes, then drop it on the queue's
-    /// thread; when `capacity` values are waiting, block until one has
-    /// been dropped. In async code, use [`push_async`](Self::push_async).
+    /// As [`push`](Self::push), but when `capacity` values are waiting, block until one has been
+    /// dropped. In async code, use [`push_async`](Self::push_async).
     ///
-    /// On the queue's own thread (in a value's drop) it does not wait: the
-    /// value is queued past the capacity (and even while the queue is
-    /// closing), since only that thread makes room, and it drains the queue
-    /// before it exits.
+    /// On the queue's own thread (in a value's drop) it does not wait: the value is queued past
+    /// the capacity, even while closing, since only that thread makes room, and it drains the
+    /// queue before it exits.
     ///
     /// # Errors
     ///
-    /// [`Rejected::Closed`] while shutting down, with the fence and value,
-    /// which the caller must keep alive until the fence passes
-    /// ([`Rejected::wait_then_drop`]).
+    /// [`Rejected::Closed`] while shutting down, with the fence and value, which the caller must
+    /// keep alive until the fence passes ([`Rejected::wait_then_drop`]).
     pub fn push_blocking(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
         let mut state = self.shared.lock();
-        // On its own thread, in a value's drop, the thread has not exited
-        // and will see the entry, closing or not.
+        // On its own thread the thread has not exited and will see the entry, closing or not.
         let own_thread = self.on_own_thread();
         loop {
             if state.closing && !own_thread {
@@ -169,15 +150,13 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
     }
 
-    /// A future of [`push_blocking`](Self::push_blocking): resolves once the
-    /// value is queued, waiting for room without blocking a thread (the
-    /// queue's thread wakes it).
+    /// A future of [`push_blocking`](Self::push_blocking): resolves once the value is queued,
+    /// waiting for room without blocking a thread (the queue's thread wakes it).
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future before it resolved does not drop the value
-    /// early, nor block: it is queued all the same (past the capacity), as
-    /// a dropped [`Rejected`] queues it.
+    /// Dropping the future before it resolved neither drops the value early nor blocks: it is
+    /// queued all the same (past the capacity), as a dropped [`Rejected`] queues it.
     ///
     /// # Errors
     ///
@@ -201,13 +180,12 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         self.shared.lock().capacity
     }
 
-    /// Block until every value pushed before this call has been dropped (or
-    /// leaked, if its fence failed, or handed back by
-    /// [`shutdown_now`](Self::shutdown_now)). In async code, use
+    /// Block until every value pushed before this call has been dropped (or leaked, if its fence
+    /// failed, or handed back by [`shutdown_now`](Self::shutdown_now)). In async code, use
     /// [`flush_async`](Self::flush_async).
     ///
-    /// On the queue's own thread (in a value's drop) it returns at once: the
-    /// queue cannot wait for itself.
+    /// On the queue's own thread (in a value's drop) it returns at once: the queue cannot wait
+    /// for itself.
     pub fn flush(&self) {
         if self.on_own_thread() {
             panics::log(|| {
@@ -230,9 +208,8 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         self.shared.lock().stats()
     }
 
-    /// A future of [`flush`](Self::flush): resolves once every value pushed
-    /// before this call has been dropped (or leaked). Blocks no thread: the
-    /// queue's thread wakes it.
+    /// A future of [`flush`](Self::flush): resolves once every value pushed before this call has
+    /// been dropped (or leaked). Blocks no thread: the queue's thread wakes it.
     ///
     /// # Cancel safety
     ///
@@ -250,31 +227,29 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
     }
 
-    /// Wait for every fence, drop every value, and join the thread. Blocks
-    /// until the slowest fence passes; in async code, use
-    /// [`shutdown_async`](Self::shutdown_async).
+    /// Wait for every fence, drop every value, and join the thread. Blocks until the slowest
+    /// fence passes; in async code, use [`shutdown_async`](Self::shutdown_async).
     ///
-    /// On the queue's own thread (in a value's drop) it closes the queue and
-    /// returns at once: the thread drops the rest, then exits.
+    /// On the queue's own thread (in a value's drop) it closes the queue and returns at once:
+    /// the thread drops the rest, then exits.
     pub fn shutdown(mut self) -> DropQueueStats {
         self.close_and_join();
         self.stats()
     }
 
-    /// A future of [`shutdown`](Self::shutdown): refuses new pushes at once,
-    /// then resolves with the final stats once every fence has passed, every
-    /// value is dropped and the thread has exited. Blocks no thread.
+    /// A future of [`shutdown`](Self::shutdown): refuses new pushes at once, then resolves with
+    /// the final stats once every fence has passed, every value is dropped and the thread has
+    /// exited. Blocks no thread.
     ///
-    /// It takes `&self`, so a queue shared by a service's handlers (in an
-    /// `Arc`) shuts down without a lock of the service's own: handlers that
-    /// push meanwhile get [`Rejected::Closed`]. Every call's future
-    /// resolves once the thread has exited; the queue's drop afterwards
-    /// returns at once.
+    /// It takes `&self`, so a queue shared by a service's handlers (in an `Arc`) shuts down
+    /// without a lock of the service's own: handlers that push meanwhile get
+    /// [`Rejected::Closed`]. Every call's future resolves once the thread has exited; the
+    /// queue's drop afterwards returns at once.
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future before it resolves leaves the queue closed to new
-    /// pushes; its thread still drops every value, and exits on its own.
+    /// Dropping the future before it resolves leaves the queue closed to new pushes; its thread
+    /// still drops every value, and exits on its own.
     ///
     /// ```
     /// use device_events::drop_queue::DropQueue;
@@ -304,8 +279,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         };
         async move {
             let stats = progress.await;
-            // The thread has said it exits: joining it takes no time (and on
-            // the thread itself, in a value's drop, is skipped).
+            // The thread has said it exits: joining takes no time (skipped on the thread itself).
             if let Some(thread) = thread.filter(|thread| thread.thread().id() != current_thread()) {
                 if thread.join().is_err() {
                     log::error!("the drop queue's thread panicked");
@@ -315,14 +289,11 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
     }
 
-    /// Stop without waiting on the device: values whose fence has already
-    /// passed are dropped; the rest are handed back with their fences, in
-    /// push order, for the caller to keep alive until their fences pass
-    /// ([`HandedBack`]: its drop waits for them). The value being waited on
-    /// when this is called is waited for.
-    ///
-    /// A fence whose [`is_passed`](Fence::is_passed) fails or panics is
-    /// handed back, not dropped.
+    /// Stop without waiting on the device: values whose fence has already passed are dropped;
+    /// the rest are handed back with their fences, in push order, for the caller to keep alive
+    /// until their fences pass ([`HandedBack`]: its drop waits for them). The value being waited
+    /// on when this is called is waited for. A fence whose [`is_passed`](Fence::is_passed) fails
+    /// or panics is handed back, not dropped.
     pub fn shutdown_now(mut self) -> HandedBack<F, T> {
         self.shared.close();
         let waiting: Vec<(u64, F, T)> = {
@@ -359,13 +330,11 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         HandedBack { entries }
     }
 
-    /// Refuse new pushes from now on ([`Rejected::Closed`]; `push_async`
-    /// futures not queued yet resolve with it too), without waiting: values
-    /// already queued are still dropped, each once its fence has passed, and
-    /// the queue's thread exits once it has dropped the last. Then
-    /// [`flush`](Self::flush), [`shutdown_async`](Self::shutdown_async) or
-    /// the queue's drop wait for that. Safe to call more than once, and from
-    /// any handle of a shared queue.
+    /// Refuse new pushes from now on ([`Rejected::Closed`]; `push_async` futures not queued yet
+    /// resolve with it too), without waiting: values already queued are still dropped, each once
+    /// its fence has passed, and the thread exits once it has dropped the last;
+    /// [`flush`](Self::flush), [`shutdown_async`](Self::shutdown_async) or the queue's drop wait
+    /// for that. Safe to call more than once, and from any handle of a shared queue.
     pub fn close(&self) {
         self.shared.close();
     }
@@ -378,8 +347,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     fn close_and_join(&mut self) {
         self.shared.close();
         if let Some(thread) = self.take_thread() {
-            // The last handle dropped by a value on the queue's own thread:
-            // that thread finishes on its own.
+            // The last handle dropped by a value on the queue's own thread: it finishes on its own.
             if thread.thread().id() != current_thread() && thread.join().is_err() {
                 panics::log(|| log::error!("the drop queue's thread panicked"));
             }

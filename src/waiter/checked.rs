@@ -1,6 +1,6 @@
 //! [`Checked`]: a lock guard that checks its state's invariants as the lock
-//! is let go, in debug and loom builds, so that a state left broken fails
-//! at the critical section that broke it rather than as a hang later.
+//! is let go (debug and loom builds): a broken state fails where it broke,
+//! not as a hang later.
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
@@ -16,8 +16,7 @@ pub(super) trait Invariants {
 /// Whether guards check on release: in debug and loom builds.
 const CHECKING: bool = cfg!(any(debug_assertions, device_events_loom));
 
-/// A guard of a [`Mutex`] around state with [`Invariants`], checked each
-/// time the lock is let go (dropped, or given up to wait on a condition).
+/// A guard of a [`Mutex`] around state with [`Invariants`].
 pub(super) struct Checked<'a, T: Invariants> {
     /// `None` only while it waits, and in its drop.
     guard: Option<MutexGuard<'a, T>>,
@@ -60,8 +59,7 @@ impl<T: Invariants> DerefMut for Checked<'_, T> {
 impl<T: Invariants> Drop for Checked<'_, T> {
     fn drop(&mut self) {
         if let Some(guard) = self.guard.take() {
-            // Not while unwinding: a second panic would abort, and the first
-            // already says what went wrong.
+            // Not while unwinding: a second panic would abort.
             if CHECKING && !std::thread::panicking() {
                 guard.check_invariants();
             }

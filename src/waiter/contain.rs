@@ -1,9 +1,7 @@
 //! Calls into code the waiter does not own, each under `catch_unwind`: a
-//! backend's query or block, a task's [`Waker`], the drop of a wait (its
-//! fence, and so its event: an outside backend's release). A panic there
-//! costs only the one wait it concerns; the waiter thread that made the call
-//! finishes its batch and goes on, with its lane and its counts intact.
-//! Payloads are dropped as [`crate::panics`] drops them.
+//! backend's query or block, a task's [`Waker`], a wait's drop (its event).
+//! A panic there costs only its wait; the thread goes on, its lane and
+//! counts intact.
 
 use std::task::Waker;
 
@@ -16,12 +14,11 @@ pub(super) fn backend<T>(call: impl FnOnce() -> Result<T, ServerError>) -> Resul
     panics::catch(call).unwrap_or_else(|message| Err(ServerError::WaiterPanicked { message }))
 }
 
-/// Wake a task. A waker that panics (a user's own executor, a test harness)
-/// has its panic logged, once, and goes no further: the task's result is
-/// already in its slot, and the waiter goes on to the next.
+/// Wake a task; a waker's panic is logged and goes no further (the result
+/// is already in its slot).
 pub(super) fn wake(waker: Waker) {
     if let Err(message) = panics::catch(|| waker.wake()) {
-        log(|| {
+        panics::log(|| {
             log::error!(
                 "a task's waker panicked when the waiter woke it (the waiter goes on): {message}"
             );
@@ -29,21 +26,15 @@ pub(super) fn wake(waker: Waker) {
     }
 }
 
-/// Drop `value` (a wait: its fence, and so its event). A panic in its drop
-/// (an outside backend's event release) is logged, once, and goes no
-/// further.
+/// Drop `value` (a wait: its event); a panic in its drop is logged and goes
+/// no further.
 pub(super) fn drop<T>(value: T) {
     if let Err(message) = panics::drop_caught(value) {
-        log(|| {
+        panics::log(|| {
             log::error!(
                 "dropping a wait's fence panicked on a waiter thread (the waiter goes on): \
                  {message}"
             );
         });
     }
-}
-
-/// Log through the application's logger ([`panics::log`]).
-pub(super) fn log(line: impl FnOnce()) {
-    panics::log(line);
 }

@@ -3,7 +3,9 @@
 use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
-use std::task::{Context, Poll};
+use std::sync::Arc;
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::{Duration, Instant};
 
 use futures::future::FusedFuture;
 
@@ -13,30 +15,25 @@ use crate::{EventApi, EventFence, ServerError};
 /// The future of [`EventFence::wait`] and `fence.await`: resolves once the
 /// device has reached the fence, without blocking the polling thread.
 ///
-/// The first poll asks the device once; a fence already reached (or resolved
-/// when it was created) is ready at once, with no hand-off and no allocation.
-/// Otherwise the wait moves to the [`Waiter`](super::Waiter)'s threads, which sleep in the
-/// driver and wake this task.
+/// The first poll asks the device once: a fence already reached is ready at
+/// once, with no allocation. Otherwise the [`Waiter`](super::Waiter)'s
+/// threads wait for it, asleep in the driver, and wake this task.
 ///
 /// # Errors
 ///
 /// The fence's error (see [`EventFence::wait_sync`]), a fault of the stream,
 /// [`ServerError::WaiterPanicked`] if a backend call panicked,
-/// [`ServerError::WaiterGone`] if the waiter was shut down first,
-/// [`ServerError::WaiterForked`] if the waiter was made (or the wait handed
-/// to it) before this process forked, or [`ServerError::InvalidArgument`]
-/// if polled again once it completed (rather than hang:
-/// [`FusedFuture::is_terminated`] tells when not to poll).
+/// [`ServerError::WaiterGone`] after the waiter's shutdown,
+/// [`ServerError::WaiterForked`] if the waiter (or the wait) is from before
+/// this process forked, or [`ServerError::InvalidArgument`] if polled again
+/// once complete, rather than hang ([`FusedFuture::is_terminated`]).
 ///
 /// # Cancel safety
 ///
-/// Dropping the future cancels the wait and never blocks. A wait not yet
-/// handed off drops its fence on the spot (destroying an event does not
-/// block, even with its work pending). A handed-off wait leaves the waiter at
-/// once, and a waiter thread destroys its event soon after, off the dropping
-/// thread, so timeouts retried on a stuck stream pile nothing up. The one
-/// exception is the wait a waiter thread is blocked on right then: that
-/// thread drops it when its block ends. The stream's work is not affected.
+/// Dropping it cancels the wait and never blocks: its event is destroyed at
+/// once, or soon after by a waiter thread, so timeouts retried on a stuck
+/// stream pile nothing up. Only a wait a waiter thread is blocked on right
+/// then stays with it until its block ends. The stream's work goes on.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct FenceFuture<A: EventApi> {
     handoff: Handoff<EventFence<A>>,
@@ -47,16 +44,12 @@ impl<A: EventApi> FenceFuture<A> {
         Self { handoff }
     }
 
-    /// Block the calling thread until the fence is reached or `timeout`
-    /// passes, without spinning: the wait goes to the waiter's threads, and
-    /// this thread sleeps until one of them wakes it. For synchronous code
-    /// that must be able to give up (a watchdog on a kernel that may hang);
-    /// async code uses `.await` with a timer instead.
+    /// Block the calling thread, asleep, until the fence is reached or
+    /// `timeout` passes: for synchronous code that must be able to give up
+    /// (a watchdog on a kernel that may hang).
     ///
-    /// `None` when the time ran out: the future is left as it was, still
-    /// handed off, to wait on again (this, or `.await`) or to drop, which
-    /// cancels the wait. Nothing happens to the stream's work either way: the
-    /// device goes on, and a later fence still waits for it.
+    /// `None` when the time ran out: the future is left as it was, to wait
+    /// on again (this, or `.await`) or to drop. The stream's work goes on.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -80,16 +73,31 @@ impl<A: EventApi> FenceFuture<A> {
     /// As for the future: `Some(Err(..))` with the fence's error, a fault,
     /// or [`ServerError::WaiterGone`].
     #[doc(alias = "timeout")]
-    pub fn wait_sync_timeout(
-        &mut self,
-        timeout: std::time::Duration,
-    ) -> Option<Result<(), ServerError>> {
-        let deadline = std::time::Instant::now()
-            .checked_add(timeout)
-            .unwrap_or_else(|| {
-                std::time::Instant::now() + std::time::Duration::from_secs(86_400 * 365)
-            });
-        super::deadline::block_until(self, deadline)
+    pub fn wait_sync_timeout(&mut self, timeout: Duration) -> Option<Result<(), ServerError>> {
+        let deadline = Instant::now().checked_add(timeout);
+        // A wake-up before the park is kept by the park token; a spurious
+        // one only polls again.
+        let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
+        let mut cx = Context::from_waker(&waker);
+        loop {
+            if let Poll::Ready(result) = self.handoff.poll(&mut cx) {
+                return Some(result);
+            }
+            match deadline.map(|deadline| deadline.saturating_duration_since(Instant::now())) {
+                Some(left) if left.is_zero() => return None,
+                Some(left) => std::thread::park_timeout(left),
+                None => std::thread::park(),
+            }
+        }
+    }
+}
+
+/// Wakes a thread blocked in [`FenceFuture::wait_sync_timeout`].
+struct Unpark(std::thread::Thread);
+
+impl Wake for Unpark {
+    fn wake(self: Arc<Self>) {
+        self.0.unpark();
     }
 }
 

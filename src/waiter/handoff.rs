@@ -1,6 +1,5 @@
-//! [`Handoff`]: the state machine behind every future the waiter serves: ask
-//! on the first poll, hand the wait to the pool if not reached, then read
-//! the result from its slot.
+//! [`Handoff`]: the state machine behind every future the waiter serves:
+//! ask on the first poll, hand off if not reached, then read the slot.
 
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -18,9 +17,8 @@ pub(crate) struct Handoff<W: Waitable> {
     pool: PoolRef,
 }
 
-/// The pool a future's wait goes to: the global waiter's is looked up when
-/// needed (a forked child has its own), so a `fence.await` touches no
-/// reference count every executor thread shares; another waiter's is held.
+/// The global waiter's pool is looked up when needed (a forked child has its
+/// own), so a `fence.await` touches no shared reference count.
 pub(crate) enum PoolRef {
     Global(fn() -> &'static Pool),
     Owned(Pool),
@@ -43,8 +41,8 @@ enum State<W> {
     Done,
 }
 
-/// A wait handed to the pool: its result's slot, its place (to withdraw it),
-/// and the process generation it was handed off in ([`crate::fork`]).
+/// A wait handed to the pool, and the process generation it was handed off
+/// in ([`crate::fork`]).
 struct Handed {
     slot: Arc<Slot>,
     lane: LaneKey,
@@ -53,8 +51,7 @@ struct Handed {
 }
 
 impl Handed {
-    /// Handed off before this process forked: its thread is in the parent,
-    /// so nothing of it is touched in the child.
+    /// Handed off before this process forked: its thread is in the parent.
     fn is_forked(&self) -> bool {
         self.generation != crate::fork::current()
     }
@@ -83,15 +80,14 @@ impl<W: Waitable> Handoff<W> {
             State::Waiting(handed) if handed.is_forked() => {
                 Poll::Ready(Err(ServerError::WaiterForked))
             }
-            State::Waiting(handed) => match handed.slot.poll(cx) {
-                Poll::Ready(result) => Poll::Ready(result),
-                Poll::Pending => {
+            State::Waiting(handed) => {
+                let result = handed.slot.poll(cx);
+                if result.is_pending() {
                     self.state = State::Waiting(handed);
-                    Poll::Pending
                 }
-            },
-            // A silent `Pending` would hang the caller for good (a combinator
-            // handed a future it already polled to completion, say).
+                result
+            }
+            // A silent `Pending` would hang the caller for good.
             State::Done => Poll::Ready(Err(ServerError::InvalidArgument {
                 what: "poll",
                 reason: "the future already completed and was polled again".into(),
@@ -99,9 +95,8 @@ impl<W: Waitable> Handoff<W> {
         }
     }
 
-    /// The first poll: ask (and spin, if the waiter allows) before handing
-    /// off. `Err` holds the result when it is ready at once: reached,
-    /// failed, or refused by the pool.
+    /// Ask (and spin, if allowed), then hand off. `Err` holds the result
+    /// when it is ready at once: reached, failed, or refused by the pool.
     fn first_poll(
         &self,
         waitable: W,
@@ -109,13 +104,12 @@ impl<W: Waitable> Handoff<W> {
     ) -> Result<Handed, Result<(), ServerError>> {
         let pool = self.pool.get();
         let budget = pool.config().spin_budget;
-        // The clock is read only when spinning is allowed: a ready fence's
-        // await costs one query.
+        // The clock is read only when spinning: a ready await is one query.
         let started = (!budget.is_zero()).then(Instant::now);
         let mut first = true;
         loop {
-            // Whether another query may follow, decided before this one: a
-            // thread preempted past the budget still makes the query due.
+            // Decided before the query: one preempted past the budget still
+            // makes the query due.
             let may_spin = started.is_some_and(|started| first || started.elapsed() < budget);
             first = false;
             match contain::backend(|| waitable.query()) {
@@ -159,19 +153,17 @@ impl<W: Waitable> Handoff<W> {
 }
 
 impl<W: Waitable> Drop for Handoff<W> {
-    /// Cancel a handed-off wait and withdraw it, so a waiter thread destroys
-    /// its event now, not when its lane's thread gets to it.
+    /// Cancel and withdraw a handed-off wait: its event goes now.
     fn drop(&mut self) {
-        if let State::Waiting(handed) = &self.state {
-            if handed.is_forked() {
-                return;
-            }
+        let State::Waiting(handed) = &self.state else {
+            return;
+        };
+        if !handed.is_forked() {
             let pool = self.pool.get();
             if handed.slot.cancel() {
                 pool.counters().cancelled();
             }
-            let action = pool.withdraw(handed.lane, handed.place, &handed.slot);
-            threads::act(pool, action);
+            threads::act(pool, pool.withdraw(handed.lane, handed.place));
         }
     }
 }

@@ -13,7 +13,6 @@ use std::time::Duration;
 
 use super::handoff::{Handoff, PoolRef};
 use super::mock_device::{Device, MockFence};
-use super::permits::Permits;
 use super::pool::{Config, Pool, Wait};
 use super::slot::Slot;
 use super::threads;
@@ -86,7 +85,6 @@ fn fixture(max_threads: usize, keep_alive: Duration) -> (Pool, Arc<Device>, Task
         keep_alive,
         thread_name: "loom-waiter".to_owned(),
         spin_budget: Duration::ZERO,
-        resolvers: 1,
         stuck_after: None,
     });
     (pool, Arc::default(), Task::new())
@@ -311,27 +309,6 @@ fn loom_shutdown_resolves_a_wait_a_thread_is_blocked_on() {
         assert_eq!(task.wait_for(&slot), Err(ServerError::WaiterGone));
         assert_eq!(pool.pending().0, 0);
         device.finish(); // lets the thread's block end, so it can exit
-    });
-}
-
-#[test]
-fn loom_permits_admit_at_most_their_count_and_wake_a_waiter_on_release() {
-    loom::model(|| {
-        // Three threads, one permit: never two inside at once, and every
-        // thread gets in (a lost wake-up would deadlock).
-        let (permits, inside) = (Arc::new(Permits::new(1)), Arc::new(AtomicUsize::new(0)));
-        let enter = {
-            let (permits, inside) = (permits.clone(), inside.clone());
-            move || {
-                let _permit = permits.acquire();
-                assert_eq!(inside.fetch_add(1, SeqCst), 0, "two inside at once");
-                inside.fetch_sub(1, SeqCst);
-            }
-        };
-        let others: Vec<_> = (0..2).map(|_| thread::spawn(enter.clone())).collect();
-        enter();
-        others.into_iter().for_each(|other| other.join().unwrap());
-        assert_eq!(permits.free(), 1);
     });
 }
 

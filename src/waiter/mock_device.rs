@@ -98,8 +98,7 @@ pub(super) mod support {
     pub(crate) const LIMIT: Duration = Duration::from_secs(20);
 
     /// A pool with at most `max_threads` lane threads that stay `keep_alive`
-    /// when idle, one resolve permit, and stuck streams reported after
-    /// `stuck_after`.
+    /// when idle, and stuck streams reported after `stuck_after`.
     pub(crate) fn pool(
         max_threads: usize,
         keep_alive: Duration,
@@ -110,7 +109,6 @@ pub(super) mod support {
             keep_alive,
             thread_name: "unit-test-waiter".to_owned(),
             spin_budget: Duration::ZERO,
-            resolvers: 1,
             stuck_after,
         })
     }

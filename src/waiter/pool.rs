@@ -1,15 +1,12 @@
-//! [`Pool`]: a waiter's shared state behind one lock, and every decision
-//! made under it. Each operation changes the [`State`] under the lock and
-//! returns what is left to do ([`Action`]), which the caller does once the
-//! lock is let go; calls into code the waiter does not own are made with no
-//! lock held. The algorithm and its words: the docs of [`crate::waiter`].
+//! [`Pool`]: a waiter's state behind one lock, and every decision made
+//! under it; what is left to do once it is let go is an [`Action`]. The
+//! algorithm and its words: the docs of [`crate::waiter`].
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
 use super::checked::{Checked, Invariants};
 use super::contain;
-use super::permits::Permits;
 use super::slot::Slot;
 use super::stats::Counters;
 use super::stuck::{self, StuckWait};
@@ -24,8 +21,6 @@ pub(crate) struct Config {
     pub(crate) keep_alive: Duration,
     pub(crate) thread_name: String,
     pub(crate) spin_budget: Duration,
-    /// How many lane threads may query their batches at once ([`Permits`]).
-    pub(crate) resolvers: usize,
     /// `None`: stuck streams are not reported.
     pub(crate) stuck_after: Option<Duration>,
 }
@@ -41,8 +36,7 @@ impl Config {
     }
 }
 
-/// A handle to a waiter's shared state, held by the `Waiter` handles and by
-/// every waiter thread: cheap to clone (one `Arc`).
+/// A waiter's shared state, held by its handles and threads.
 #[derive(Clone)]
 pub(crate) struct Pool {
     shared: Arc<Shared>,
@@ -57,12 +51,11 @@ struct Shared {
     work: Condvar,
     /// The poller waits here between rounds.
     poller_work: Condvar,
-    resolving: Permits,
     counters: Counters,
     /// The process generation the pool was made in ([`crate::fork`]).
     fork_generation: u64,
     #[cfg(test)]
-    plants: Plants,
+    plants: super::plants::Plants,
 }
 
 /// A wait's place in its lane: its sequence in its stream, then its
@@ -85,8 +78,8 @@ pub(crate) struct Wait {
     pub(crate) slot: Arc<Slot>,
     lane: LaneKey,
     place: Place,
-    /// Its stream's name, made before the hand-off while stuck streams are
-    /// reported (never under the lock: it is the backend's `Debug`).
+    /// Its stream's name while stuck streams are reported (the backend's
+    /// `Debug`, so made before the hand-off, not under the lock).
     name: Option<std::sync::Arc<str>>,
 }
 
@@ -112,8 +105,9 @@ impl Wait {
 struct Lane {
     waits: BTreeMap<Place, Wait>,
     owner: Owner,
-    /// The wait its lane thread is blocked on, so shutdown can resolve it.
-    blocked_on: Option<Arc<Slot>>,
+    /// The wait its lane thread has taken out to block on or ask, so
+    /// shutdown can resolve it.
+    held: Option<Arc<Slot>>,
     /// Its waits out in a batch, not settled yet.
     out: usize,
     /// Since when its stream has ended no wait: the hand-off that found it
@@ -125,9 +119,9 @@ struct Lane {
 }
 
 impl Lane {
-    /// Nothing queued, blocked on or out: its owner removes it.
+    /// Nothing queued, held or out: its owner removes it.
     fn is_idle(&self) -> bool {
-        self.waits.is_empty() && self.blocked_on.is_none() && self.out == 0
+        self.waits.is_empty() && self.held.is_none() && self.out == 0
     }
 
     fn progressed(&mut self, watching: bool) {
@@ -138,17 +132,15 @@ impl Lane {
     }
 }
 
-/// Everything under the lock. Its invariants, checked each time the lock is
-/// let go in debug and loom builds: a lane is `Queued` exactly while its key
-/// is in a queue (it is queued in the hold of the lock that makes it);
-/// `lane_threads` and `poller` count the threads started or about to be,
-/// until they leave (unwinding included); `notified <= idle <= lane_threads`;
-/// after `shutdown` no lane is left.
+/// Everything under the lock. Invariants: a lane is `Queued` exactly while
+/// its key is in a queue; `lane_threads` and `poller` count the threads
+/// started or about to be, until they leave; `notified <= idle <=
+/// lane_threads`; after `shutdown` no lane is left.
 #[derive(Default)]
 pub(super) struct State {
     lanes: BTreeMap<LaneKey, Lane>,
     /// Lanes for lane threads, oldest first: one was woken or started for
-    /// each, or one between lanes looks here before it sleeps.
+    /// each, or one between lanes finds it.
     for_threads: VecDeque<LaneKey>,
     /// Lanes for the poller; a lane thread out of work takes them first.
     for_poller: VecDeque<LaneKey>,
@@ -165,8 +157,8 @@ pub(super) struct State {
     pub(super) shutdown: bool,
 }
 
-/// What is left to do once the lock is let go (a woken thread then finds
-/// it free). Threads to start are counted in already.
+/// What is left to do once the lock is let go; threads to start are
+/// counted in already.
 #[derive(Debug, Default, PartialEq, Eq)]
 #[must_use]
 pub(super) struct Action {
@@ -179,10 +171,9 @@ pub(super) struct Action {
 
 impl State {
     /// Queue new lane `key` and decide who serves it: an idle lane thread,
-    /// else one between lanes (with at least as many lane threads as lanes,
-    /// one serves none), else a new one, else the poller. So a stream whose
-    /// lane empties and refills starts no other thread. While stuck streams
-    /// are reported (`watching`) the poller runs too, to watch.
+    /// else one between lanes (there are at least as many lane threads as
+    /// lanes), else a new one, else the poller. While `watching` (stuck
+    /// streams reported) the poller runs too.
     pub(super) fn place(&mut self, key: LaneKey, max_threads: usize, watching: bool) -> Action {
         let mut action = Action::default();
         if self.shutdown {
@@ -211,8 +202,7 @@ impl State {
     }
 
     /// Withdrawn waits to drop: by the poller if it runs, else an idle
-    /// thread, else the poller started; never a new lane thread (a burst of
-    /// drops would start one each).
+    /// thread, else the poller started; never a new lane thread.
     pub(super) fn dispose(&mut self) -> Action {
         if !self.poller && self.wake_idle() {
             return Action {
@@ -224,8 +214,7 @@ impl State {
     }
 
     /// Count a wake-up for an idle lane thread not woken yet, if there is
-    /// one. One that wakes on its own meanwhile looks at the queues under
-    /// the lock, so the work is found either way.
+    /// one (one that wakes on its own finds the work as well).
     fn wake_idle(&mut self) -> bool {
         let idle = self.idle > self.notified;
         self.notified += usize::from(idle);
@@ -233,7 +222,7 @@ impl State {
     }
 
     /// A lane thread woke (notified, spuriously, or timed out): it takes a
-    /// wake-up if one is outstanding, as it looks at the queues next.
+    /// wake-up if one is outstanding.
     fn woke(&mut self) {
         if !crate::plant::planted("woke-keeps-idle-count") {
             self.idle -= 1;
@@ -277,7 +266,7 @@ impl State {
         let lane = self.lanes.entry(wait.lane).or_insert_with(|| Lane {
             waits: BTreeMap::new(),
             owner: Owner::Queued,
-            blocked_on: None,
+            held: None,
             out: 0,
             since: wait.slot.handed_at(),
             reported: false,
@@ -303,11 +292,11 @@ impl State {
         !lane.waits.is_empty()
     }
 
-    /// Lane thread `owner` takes `key`'s oldest wait to block on.
+    /// Lane thread `owner` takes `key`'s oldest wait out to block on or ask.
     fn take_oldest(&mut self, key: LaneKey, owner: Owner) -> Option<Wait> {
         let lane = self.lane_of(key, owner)?;
         let (_, wait) = lane.waits.pop_first()?;
-        lane.blocked_on = Some(wait.slot.clone());
+        lane.held = Some(wait.slot.clone());
         Some(wait)
     }
 
@@ -348,7 +337,7 @@ impl Invariants for State {
             "lanes after shutdown"
         );
         for lane in self.lanes.values() {
-            assert!(lane.blocked_on.is_none() || matches!(lane.owner, Owner::Thread(_)));
+            assert!(lane.held.is_none() || matches!(lane.owner, Owner::Thread(_)));
             assert!(lane.out == 0 || lane.owner != Owner::Queued);
         }
     }
@@ -359,7 +348,6 @@ impl Pool {
         Self {
             shared: Arc::new(Shared {
                 unusable: config.unusable(),
-                resolving: Permits::new(config.resolvers),
                 config,
                 state: Mutex::new(State::default()),
                 work: Condvar::new(),
@@ -367,7 +355,7 @@ impl Pool {
                 counters: Counters::default(),
                 fork_generation: crate::fork::generation(),
                 #[cfg(test)]
-                plants: Plants::default(),
+                plants: Default::default(),
             }),
         }
     }
@@ -378,10 +366,6 @@ impl Pool {
 
     pub(crate) fn counters(&self) -> &Counters {
         &self.shared.counters
-    }
-
-    pub(super) fn resolving(&self) -> &Permits {
-        &self.shared.resolving
     }
 
     fn lock(&self) -> Checked<'_, State> {
@@ -441,28 +425,24 @@ impl Pool {
         Ok((place, state.place(key, max_threads, self.watching())))
     }
 
-    /// The future of the wait at `place` in lane `key` was dropped: take the
-    /// wait out, if it is still there, for a waiter thread to drop. One a
-    /// thread has taken out stays with that thread.
-    pub(super) fn withdraw(&self, key: LaneKey, place: Place, slot: &Arc<Slot>) -> Action {
+    /// The future of the wait at `place` in lane `key` was dropped: take it
+    /// out, unless a thread holds it, for a waiter thread to drop.
+    pub(super) fn withdraw(&self, key: LaneKey, place: Place) -> Action {
         if self.is_forked() {
             return Action::default();
         }
         let mut state = self.lock();
-        let Some(lane) = state.lanes.get_mut(&key) else {
+        // A place is the wait's alone: its ticket is never given out again.
+        let lane = state.lanes.get_mut(&key);
+        let Some(wait) = lane.and_then(|lane| lane.waits.remove(&place)) else {
             return Action::default();
         };
-        let ours = lane.waits.get(&place).map(|wait| &wait.slot);
-        if !ours.is_some_and(|ours| Arc::ptr_eq(ours, slot)) {
-            return Action::default();
-        }
-        let wait = lane.waits.remove(&place).expect("found just now");
         state.withdrawn.push(wait);
         state.dispose()
     }
 
     /// Resolve every pending wait with [`ServerError::WaiterGone`], blocked
-    /// ones too, and let the threads exit; batches out fail as they settle.
+    /// and held ones too, and let the threads exit.
     pub(crate) fn shutdown(&self) {
         if self.is_forked() {
             return;
@@ -479,27 +459,31 @@ impl Pool {
         self.shared.poller_work.notify_all();
         withdrawn.into_iter().for_each(contain::drop);
         for lane in lanes.into_values() {
-            if let Some(slot) = lane.blocked_on {
+            if let Some(slot) = lane.held {
                 self.deliver(&slot, Err(ServerError::WaiterGone));
             }
-            for wait in lane.waits.into_values() {
-                self.deliver(&wait.slot, Err(ServerError::WaiterGone));
-                contain::drop(wait);
-            }
+            self.fail(lane.waits.into_values(), &ServerError::WaiterGone);
         }
     }
 
-    /// Lane thread `owner` takes `key`'s oldest wait to block on.
+    /// Fail `waits` with `err`, then drop them.
+    fn fail(&self, waits: impl IntoIterator<Item = Wait>, err: &ServerError) {
+        for wait in waits {
+            self.deliver(&wait.slot, Err(err.clone()));
+            contain::drop(wait);
+        }
+    }
+
+    /// Lane thread `owner` takes `key`'s oldest wait out to block on.
     pub(super) fn take_oldest(&self, key: LaneKey, owner: Owner) -> Option<Wait> {
         self.lock().take_oldest(key, owner)
     }
 
-    /// Lane thread `owner`'s block on (or query of) `slot`'s wait ended with
-    /// `result`: unless shutdown resolved it meanwhile, its stream made
-    /// progress and it is delivered once the lock is let go. With `next`,
-    /// the next oldest is taken to block on in the same hold: one lock
-    /// round-trip per wait.
-    pub(super) fn end_blocked(
+    /// Lane thread `owner`'s block on (or query of) its held wait, `slot`'s,
+    /// ended with `result`: unless shutdown resolved it meanwhile, its
+    /// stream made progress and it is delivered once the lock is let go.
+    /// With `next`, the next oldest is taken out in the same hold.
+    pub(super) fn end_held(
         &self,
         key: LaneKey,
         owner: Owner,
@@ -511,9 +495,9 @@ impl Pool {
         let mut state = self.lock();
         let lane = state.lane_of(key, owner);
         let ours = lane.is_some_and(|lane| {
-            let ours = lane.blocked_on.take_if(|on| Arc::ptr_eq(on, slot));
-            lane.progressed(watching && ours.is_some());
-            ours.is_some()
+            let ours = lane.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
+            lane.progressed(watching && ours);
+            ours
         });
         let next = next.then(|| state.take_oldest(key, owner)).flatten();
         drop(state);
@@ -554,19 +538,15 @@ impl Pool {
     }
 
     /// A batch of `key`'s is back: `resolved` of it reached (the caller
-    /// delivers them), `rest` not, put back at their places; those of the
-    /// rest whose futures were dropped meanwhile (so withdraw could not find
-    /// them) are dropped instead. After shutdown the rest fail.
+    /// delivers them), `rest` not, put back at their places. Those of the
+    /// rest whose futures were dropped meanwhile (withdraw could not find
+    /// them) are dropped instead; after shutdown the rest fail.
     pub(super) fn settle(&self, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
         let watching = self.watching();
         let mut state = self.lock();
         let Some(lane) = state.lanes.get_mut(&key) else {
             drop(state);
-            for wait in rest {
-                self.deliver(&wait.slot, Err(ServerError::WaiterGone));
-                contain::drop(wait);
-            }
-            return;
+            return self.fail(rest, &ServerError::WaiterGone);
         };
         lane.out = lane.out.saturating_sub(resolved + rest.len());
         lane.progressed(watching && resolved > 0);
@@ -580,10 +560,10 @@ impl Pool {
     }
 
     /// The next lane for lane thread `owner`, which just `finished` one (or
-    /// none): its own again if it has waits, else a queued one or one of the
-    /// poller's ([`State::claim`]), else it sleeps for work. `None` when it
-    /// should exit (idle past its keep-alive, or shut down); it is uncounted
-    /// then. It drops withdrawn waits on the way.
+    /// none): its own again if it has waits, else [`State::claim`], else it
+    /// sleeps for work, dropping withdrawn waits on the way. `None` (and
+    /// uncounted) when it should exit: idle past its keep-alive, or shut
+    /// down.
     pub(super) fn next_lane(&self, owner: Owner, finished: Option<LaneKey>) -> Option<LaneKey> {
         let mut state = self.lock();
         if finished.is_some_and(|key| state.release(key, owner)) {
@@ -617,10 +597,9 @@ impl Pool {
     }
 
     /// The start of a poller's round: adopt the lanes queued for it into
-    /// `lanes` and take the withdrawn waits to drop. `None` when it should
-    /// exit (nothing to serve or watch for `linger` rounds, which
-    /// `idle_rounds` counts, or shut down); it is uncounted then. While it
-    /// has lanes it wakes an idle lane thread, which takes one back.
+    /// `lanes`, and take the withdrawn waits to drop. `None` (and uncounted)
+    /// when it should exit: nothing to serve or watch for `linger` rounds,
+    /// or shut down. While it has lanes it wakes an idle lane thread.
     pub(super) fn poller_round(
         &self,
         lanes: &mut Vec<LaneKey>,
@@ -655,11 +634,8 @@ impl Pool {
         let state = self.lock();
         if state.for_poller.is_empty() && state.withdrawn.is_empty() && !state.shutdown {
             // Under loom a zero timeout is a yield: the model explores both.
-            let pause = if cfg!(device_events_loom) {
-                Duration::ZERO
-            } else {
-                pause
-            };
+            #[cfg(device_events_loom)]
+            let pause = pause.min(Duration::ZERO);
             drop(state.wait_timeout(&self.shared.poller_work, pause));
         }
     }
@@ -693,12 +669,12 @@ impl Pool {
         let mut state = self.lock();
         let mut found = Vec::new();
         for (key, lane) in &mut state.lanes {
-            let blocked = lane.blocked_on.as_ref();
+            let held = lane.held.as_ref();
             let stall = stuck::Stall {
                 since: lane.since,
                 queued: lane.waits.len() + lane.out,
-                blocked: blocked.is_some(),
-                given_up: blocked.is_some_and(|slot| slot.is_cancelled()),
+                held: held.is_some(),
+                given_up: held.is_some_and(|slot| slot.is_cancelled()),
             };
             let name = lane.name.as_deref();
             let Some(wait) = stall.stuck(now, after, name, key.stream_id()) else {
@@ -711,12 +687,11 @@ impl Pool {
         found
     }
 
-    /// Thread `owner` could not be started: uncount it and serve with the
-    /// threads there are. A lane thread's lanes go to the poller (started if
-    /// it is not running); lanes left for a poller that could not start
-    /// fail, rather than wait for a lane thread that may never be free.
+    /// Thread `owner` could not be started: uncount it. A lane thread's lanes
+    /// go to the poller; those of a poller that could not start fail, rather
+    /// than wait for a lane thread that may never be free.
     pub(super) fn spawn_failed(&self, owner: Owner, err: std::io::Error) -> Action {
-        contain::log(|| log::error!("a waiter thread could not be started: {err}"));
+        crate::panics::log(|| log::error!("a waiter thread could not be started: {err}"));
         let mut state = self.lock();
         state.leave(owner);
         if owner != Owner::Poller {
@@ -736,13 +711,8 @@ impl Pool {
         }
         let mut failed = Vec::new();
         while let Some(key) = state.for_poller.pop_front() {
-            failed.extend(
-                state
-                    .lanes
-                    .remove(&key)
-                    .into_iter()
-                    .flat_map(|lane| lane.waits),
-            );
+            let lane = state.lanes.remove(&key);
+            failed.extend(lane.into_iter().flat_map(|lane| lane.waits.into_values()));
         }
         let withdrawn = std::mem::take(&mut state.withdrawn);
         drop(state);
@@ -752,16 +722,13 @@ impl Pool {
             reason: format!("no waiter thread could be started to serve it: {err}"),
             source: Some(crate::ErrorSource::new(err)),
         };
-        for (_, wait) in failed {
-            self.deliver(&wait.slot, Err(failure.clone()));
-            contain::drop(wait);
-        }
+        self.fail(failed, &failure);
         Action::default()
     }
 
     /// Give back what a waiter thread that unwound held (a bug in the
     /// waiter): fail the `batch` it had out of `batch_lane` and the wait it
-    /// was blocked on, uncount it, and queue its `lanes` for another thread.
+    /// held, uncount it, and queue its `lanes` for another thread.
     pub(super) fn recover(
         &self,
         owner: Owner,
@@ -770,7 +737,7 @@ impl Pool {
         batch: &mut Vec<Wait>,
     ) -> Vec<Action> {
         let (max_threads, watching) = (self.shared.config.max_threads, self.watching());
-        let mut blocked = Vec::new();
+        let mut held = Vec::new();
         let mut state = self.lock();
         if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
             lane.out = lane.out.saturating_sub(batch.len());
@@ -782,7 +749,7 @@ impl Pool {
             let Some(lane) = state.lane_of(key, owner) else {
                 continue;
             };
-            blocked.extend(lane.blocked_on.take());
+            held.extend(lane.held.take());
             lane.owner = Owner::Queued;
             if lane.is_idle() {
                 state.lanes.remove(&key);
@@ -799,16 +766,13 @@ impl Pool {
             actions.push(state.poller_for_work());
         }
         drop(state);
-        let failure = || ServerError::WaiterPanicked {
+        let failure = ServerError::WaiterPanicked {
             message: "a waiter thread unwound while it held this wait".to_owned(),
         };
-        for wait in batch.drain(..) {
-            // A no-op for those it had already resolved.
-            self.deliver(&wait.slot, Err(failure()));
-            contain::drop(wait);
-        }
-        for slot in blocked {
-            self.deliver(&slot, Err(failure()));
+        // A no-op for those of the batch it had already resolved.
+        self.fail(batch.drain(..), &failure);
+        for slot in held {
+            self.deliver(&slot, Err(failure.clone()));
         }
         actions
     }
@@ -832,67 +796,50 @@ impl Pool {
         (state.threads(), state.peak_threads)
     }
 
-    /// Waits handed off and not finished, and those of them whose future
-    /// was dropped while a lane thread is blocked on them.
+    /// Waits handed off and not finished, and those held whose future was
+    /// dropped.
     pub(crate) fn pending(&self) -> (usize, usize) {
         if self.is_forked() {
             return (0, 0);
         }
         let state = self.lock();
-        state.lanes.values().fold((0, 0), |(pending, held), lane| {
-            let blocked = lane.blocked_on.as_ref();
-            let given_up = blocked.is_some_and(|slot| slot.is_cancelled());
-            let waits = lane.waits.len() + lane.out + usize::from(blocked.is_some());
-            (pending + waits, held + usize::from(given_up))
-        })
+        state
+            .lanes
+            .values()
+            .fold((0, 0), |(pending, given_up), lane| {
+                let held = lane.held.as_ref();
+                let waits = lane.waits.len() + lane.out + usize::from(held.is_some());
+                let dropped = held.is_some_and(|slot| slot.is_cancelled());
+                (pending + waits, given_up + usize::from(dropped))
+            })
     }
 
     /// A spawn a test refused, if it planted one.
     pub(super) fn refused_spawn(&self) -> Option<std::io::Error> {
         #[cfg(test)]
-        if Plants::take(&self.shared.plants.refused_spawns) {
+        if super::plants::Plants::take(&self.shared.plants.refused_spawns) {
             return Some(std::io::Error::other("a spawn refused by a test"));
         }
         None
     }
 
-    /// Panic here if a test planted one: a thread holds waits and no call is
-    /// contained, so only its guard can give them back.
+    /// Panic if a test planted one (a thread holds a wait, outside any
+    /// contained call: only its guard can give it back).
     pub(super) fn planted_escape(&self) {
         #[cfg(test)]
-        if Plants::take(&self.shared.plants.escapes) {
+        if super::plants::Plants::take(&self.shared.plants.escapes) {
             panic!("a panic planted by a test, outside any contained call");
         }
     }
 
     #[cfg(test)]
-    pub(super) fn plants(&self) -> &Plants {
+    pub(super) fn plants(&self) -> &super::plants::Plants {
         &self.shared.plants
     }
 
     /// Lane threads asleep for work now, for tests that need one idle.
-    #[cfg(test)]
+    #[cfg(all(test, not(device_events_loom)))]
     pub(super) fn idle_threads(&self) -> usize {
         self.lock().idle
-    }
-}
-
-/// Faults a test plants in one pool: the next `escapes` times a thread
-/// holds waits it panics outside any contained call; the next
-/// `refused_spawns` spawns fail.
-#[cfg(test)]
-#[derive(Default)]
-pub(super) struct Plants {
-    pub(super) escapes: crate::loom::AtomicUsize,
-    pub(super) refused_spawns: crate::loom::AtomicUsize,
-}
-
-#[cfg(test)]
-impl Plants {
-    fn take(counter: &crate::loom::AtomicUsize) -> bool {
-        use std::sync::atomic::Ordering::SeqCst;
-        counter
-            .fetch_update(SeqCst, SeqCst, |left| left.checked_sub(1))
-            .is_ok()
     }
 }

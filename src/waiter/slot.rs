@@ -1,10 +1,6 @@
-//! [`Slot`]: where a waiter thread leaves a wait's result for its future.
-//!
-//! A mutex-guarded state rather than a lock-free cell: it is touched twice
-//! per wait (hand-off and completion), and a lock keeps it small enough for
-//! loom to check every interleaving. The future owns the waker it stores
-//! and the result once taken; the waiter owns the entry until it calls
-//! [`Slot::complete`]; `cancelled` is set only by the future's drop.
+//! [`Slot`]: where a waiter thread leaves a wait's result for its future:
+//! a mutex, not a lock-free cell, as it is touched twice per wait and loom
+//! checks it whole. `cancelled` is set only by the future's drop.
 
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
@@ -41,10 +37,8 @@ impl Slot {
     }
 
     /// Leave `result` for the future and wake it; a no-op once cancelled or
-    /// completed (the first result stands). `delivered` (whether it is `Ok`,
-    /// and when the wait was handed off) is called first, before the future
-    /// can see the result: to count it. A waker that panics costs only its
-    /// own wake-up.
+    /// completed. `delivered` (is it `Ok`, and when was it handed off) is
+    /// called first, before the future can see the result: to count it.
     pub(crate) fn complete(
         &self,
         result: Result<(), ServerError>,
@@ -79,8 +73,8 @@ impl Slot {
         Poll::Pending
     }
 
-    /// The future was dropped: nobody wants the result any more. Whether it
-    /// counts as cancelled: its result had not come, nor an earlier cancel.
+    /// The future was dropped. Whether it counts as cancelled: no result or
+    /// cancel came before.
     pub(crate) fn cancel(&self) -> bool {
         let (counts, waker) = {
             let mut state = self.state.lock();

@@ -9,12 +9,10 @@ pub const LATENCY_BUCKETS: usize = 32;
 
 /// A snapshot of a [`Waiter`](super::Waiter): [`Waiter::stats`](super::Waiter::stats).
 ///
-/// Gauges are what the waiter holds now; counters count since it was made
-/// and only grow. Every wait handed off ends as exactly one of `resolved`,
-/// `failed` or `cancelled` (whichever came first: its result, or its
-/// future's drop), and the counters are read so that, in every snapshot,
-/// `handed_off >= resolved + failed + cancelled` (the difference is the
-/// waits still out, about `pending` less `cancelled_held`).
+/// Gauges are what the waiter holds now; counters count since it was made.
+/// Every wait handed off ends as exactly one of `resolved`, `failed` or
+/// `cancelled` (its result or its future's drop, whichever came first), and
+/// every snapshot has `handed_off >= resolved + failed + cancelled`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -23,16 +21,12 @@ pub struct WaiterStats {
     pub threads: usize,
     /// The most threads alive at once.
     pub peak_threads: usize,
-    /// Waits handed off and not finished (see
-    /// [`Waiter::pending`](super::Waiter::pending)), `cancelled_held`
-    /// included.
+    /// [`Waiter::pending`](super::Waiter::pending), `cancelled_held` included.
     pub pending: usize,
     /// Waits whose future was dropped but that a lane thread is still
     /// blocked on: they leave `pending` when the device reaches them.
     pub cancelled_held: usize,
-    /// Streams whose oldest wait has gone longer than
-    /// [`stuck_after`](super::WaiterBuilder::stuck_after) without the
-    /// stream ending a wait (0 when that is off);
+    /// Stuck streams (0 while `stuck_after` is off), as
     /// [`Waiter::stuck`](super::Waiter::stuck) lists them.
     pub stuck: usize,
     /// Awaits answered at their first poll, without a hand-off: the fence
@@ -42,18 +36,15 @@ pub struct WaiterStats {
     pub handed_off: u64,
     /// Handed-off waits that resolved `Ok`.
     pub resolved: u64,
-    /// Handed-off waits that resolved with an error (a fault, the waiter's
-    /// shutdown, a panic in a backend call).
+    /// Handed-off waits that resolved with an error (a fault, a shutdown, a
+    /// panicking backend call).
     pub failed: u64,
     /// Handed-off waits whose future was dropped before their result came.
     pub cancelled: u64,
     /// How long `resolved` and `failed` waits took from hand-off to the
-    /// wake of their task: the device's work still to do when the wait was
-    /// handed off (its first poll found the fence not reached), plus the
-    /// time the waiter took to see the fence reached and wake the task. So
-    /// for work of a known length it is that length plus the wake-up; a
-    /// tail far above the work's own length means slow wake-ups (an
-    /// overloaded host, or more busy streams than `max_threads`).
+    /// wake of their task: the device's work left at the hand-off, plus the
+    /// wake-up. A tail far above the work's own length means slow wake-ups
+    /// (an overloaded host, or more busy streams than `max_threads`).
     pub wake_latency: LatencyHistogram,
 }
 
@@ -61,12 +52,10 @@ pub struct WaiterStats {
 /// under 1 µs, bucket `i` those from `2^(i-1)` µs up to `2^i` µs, and the last
 /// everything from `2^(LATENCY_BUCKETS - 2)` µs (about 18 minutes) on.
 ///
-/// [`buckets`](LatencyHistogram::buckets) gives each bucket's count with its
-/// upper bound, not added up: a Prometheus histogram (whose `le` buckets are
-/// cumulative) sums them in order, as `examples/http_service.rs` does. With
-/// the `serde` feature it serializes as
-/// `{"buckets": [32 counts, bucket 0 first], "sum_nanos": <the durations
-/// added up, in nanoseconds>}`.
+/// [`buckets`](LatencyHistogram::buckets) are not cumulative: a Prometheus
+/// histogram sums them in order, as `examples/http_service.rs` does. With the
+/// `serde` feature it serializes as `{"buckets": [32 counts, bucket 0
+/// first], "sum_nanos": <the durations added up, in nanoseconds>}`.
 ///
 /// ```
 /// use device_events::LatencyHistogram;
@@ -116,8 +105,7 @@ impl LatencyHistogram {
         if count == 0 || !(0.0..=100.0).contains(&percentile) {
             return None;
         }
-        // The rank of the duration wanted, 1-based: at least the first.
-        // Clamped to the count too: past 2^53 the float may round above it.
+        // 1-based, and at most the count (past 2^53 the float may round up).
         let rank = ((percentile / 100.0 * count as f64).ceil() as u64).clamp(1, count);
         let mut seen = 0;
         for (index, &bucket) in self.buckets.iter().enumerate() {
@@ -126,8 +114,7 @@ impl LatencyHistogram {
                 return Some(Self::upper_bound(index).unwrap_or(Duration::MAX));
             }
         }
-        // Not reached: the rank is at most the count, which `seen` ends at.
-        Some(Duration::MAX)
+        Some(Duration::MAX) // not reached: the rank is at most the count
     }
 
     /// The bucket `duration` falls in.
@@ -150,19 +137,16 @@ impl LatencyHistogram {
     }
 }
 
-/// How many stripes the counters are spread over: threads count on their
-/// own stripe (see [`crate::shards::home`]), so executor threads and waiter
-/// threads do not bounce one cache line.
+/// Threads count on their own stripe ([`crate::shards::home`]), so executor
+/// and waiter threads do not bounce one cache line.
 const STRIPES: usize = 16;
 
 /// The counters behind [`WaiterStats`], striped by thread.
 ///
-/// Each wait's outcome is counted with release ordering after its hand-off
-/// was counted, and its wake latency with release ordering after its
-/// outcome; [`Counters::read`] reads the latencies (acquire), then the
-/// outcomes (acquire), then the hand-offs: so a snapshot never shows more
-/// latencies than outcomes, nor more outcomes than hand-offs. At rest (no
-/// wait ending) the latencies are exactly the resolved and failed waits.
+/// A wait's outcome is counted (release) after its hand-off, its latency
+/// (release) after its outcome; [`Counters::read`] reads them in the other
+/// order (acquire), so a snapshot never shows more latencies than
+/// outcomes, nor more outcomes than hand-offs.
 pub(crate) struct Counters {
     stripes: Box<[Stripe]>,
 }

@@ -1,11 +1,9 @@
-//! Stuck streams: one whose oldest pending wait has gone
-//! [`WaiterBuilder::stuck_after`](super::WaiterBuilder::stuck_after)
-//! without its stream ending a wait. A leaf: it reads the [`Stall`] it is
-//! given and says whether it is stuck, and how the warning reads.
+//! Stuck streams. A leaf: it reads the [`Stall`] it is given, and says
+//! whether it is stuck and how the warning reads.
 
 use std::time::{Duration, Instant};
 
-use super::contain;
+use crate::panics;
 
 /// A stream whose oldest pending wait has gone longer than its waiter's
 /// [`stuck_after`](super::WaiterBuilder::stuck_after) without progress:
@@ -14,25 +12,20 @@ use super::contain;
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct StuckWait {
-    /// The stream, as the waiter names it in its log lines: the backend's
-    /// name and the `Debug` of the stream's handle, as in `Host stream
-    /// HostStreamHandle(3)`.
+    /// The backend's name and the `Debug` of the stream's handle, as in
+    /// `Host stream HostStreamHandle(3)`.
     pub stream: String,
-    /// The backend's number for the stream, which tells it apart from every
-    /// other stream of that backend alive with it: for a host stream, its
-    /// handle's number (`HostStreamHandle(3)`: 3).
+    /// The backend's number for the stream, unique among that backend's live
+    /// streams (`HostStreamHandle(3)`: 3).
     pub stream_id: u64,
     /// How long the stream has gone without ending a wait while one was
-    /// pending on it: since its oldest pending wait was handed off to an
-    /// idle stream, or since the wait before it ended. With the `serde`
-    /// feature it serializes as serde writes a `Duration`:
-    /// `{"secs": u64, "nanos": u32}`.
+    /// pending: since its oldest wait was handed off to an idle stream, or
+    /// the wait before it ended. Serialized as `{"secs": u64, "nanos": u32}`.
     pub waited: Duration,
     /// Waits queued behind the oldest, on the same stream.
     pub behind: usize,
-    /// Whether the future of the wait a thread is blocked on was dropped (a
-    /// timeout gave up on it): the stream is still held on it, and the
-    /// waits behind it with it.
+    /// Whether the oldest wait's future was dropped (a timeout gave up on
+    /// it) while a thread still holds it.
     pub given_up: bool,
 }
 
@@ -42,8 +35,8 @@ pub(super) struct Stall {
     pub(super) since: Instant,
     /// Waits queued or out in a batch.
     pub(super) queued: usize,
-    /// A lane thread is blocked on its oldest wait.
-    pub(super) blocked: bool,
+    /// A lane thread holds its oldest wait (blocked on it, or asking it).
+    pub(super) held: bool,
     /// That wait's future was dropped.
     pub(super) given_up: bool,
 }
@@ -59,28 +52,27 @@ impl Stall {
         stream_id: u64,
     ) -> Option<StuckWait> {
         let waited = now.saturating_duration_since(self.since);
-        if waited < after || (self.queued == 0 && !self.blocked) {
+        if waited < after || (self.queued == 0 && !self.held) {
             return None;
         }
         Some(StuckWait {
             stream: name.map_or_else(|| format!("a stream ({stream_id})"), str::to_owned),
             stream_id,
             waited,
-            behind: self.queued - usize::from(!self.blocked),
+            behind: self.queued - usize::from(!self.held),
             given_up: self.given_up,
         })
     }
 }
 
-/// Log the one warning about `wait`'s stall, for waiter `waiter` (its
-/// threads' name).
+/// Log the one warning about `wait`'s stall, for waiter `waiter`.
 pub(super) fn warn(waiter: &str, after: Duration, wait: &StuckWait) {
     let given_up = if wait.given_up {
         " (its future was dropped, and the stream is still held on it)"
     } else {
         ""
     };
-    contain::log(|| {
+    panics::log(|| {
         log::warn!(
             "waiter {waiter:?}: a wait on {} has been pending for {:?} (stuck_after \
              {after:?}){given_up}, with {} more queued behind it",

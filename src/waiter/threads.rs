@@ -1,6 +1,5 @@
-//! The waiter's threads (lane threads and the poller): how they start, how
-//! they resolve a lane's waits, and the guard that gives back what a thread
-//! held if it unwinds. What they act on, the [`Pool`] decides.
+//! The waiter's threads: how they start and serve lanes, and the guard that
+//! gives back what one held if it unwinds. The [`Pool`] decides what they do.
 
 use std::time::{Duration, Instant};
 
@@ -16,13 +15,11 @@ const BATCH: usize = 256;
 const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
 /// The poller's longest pause: the most latency a polled lane can add.
 const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
-/// Rounds with nothing to do the poller waits out before it exits; none
-/// under loom, whose models would explore each.
+/// Idle rounds before the poller exits (none under loom: fewer states).
 const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
 
-/// Wake and start what `action` says, with no lock held. A spawn that fails
-/// is worked around ([`Pool::spawn_failed`]). (A name std would panic on,
-/// with a NUL byte, never gets here: the pool refuses every hand-off then.)
+/// Wake and start what `action` says, with no lock held. (A name with a NUL
+/// byte, which std would panic on, never gets here: the pool refuses it.)
 pub(super) fn act(pool: &Pool, action: Action) {
     pool.notify(&action);
     let name = &pool.config().thread_name;
@@ -48,10 +45,9 @@ pub(super) fn act(pool: &Pool, action: Action) {
 }
 
 /// A waiter thread's hold on the pool: the lanes it serves and the batch it
-/// has out. No count outlives its thread and no wait is left pending: a
-/// thread that leaves is uncounted by the pool (and clears `counted`); one
-/// that unwinds (a bug in the waiter) has this guard give everything back
-/// ([`Pool::recover`]).
+/// has out. A thread that leaves is uncounted by the pool (and clears
+/// `counted`); one that unwinds (a bug in the waiter) has this guard give
+/// everything back ([`Pool::recover`]).
 struct WaiterThread {
     pool: Pool,
     owner: Owner,
@@ -114,19 +110,18 @@ impl WaiterThread {
         loop {
             self.pool.planted_escape();
             let result = contain::backend(|| wait.waitable.block());
-            let next = self.pool.end_blocked(key, owner, &wait.slot, result, true);
+            let next = self.pool.end_held(key, owner, &wait.slot, result, true);
             // Its future is woken first; then its fence (its event) goes.
             contain::drop(wait);
             let Some(next) = next else {
                 return;
             };
             wait = next;
-            // One query, with no permit: only a batch's queries take one.
             match contain::backend(|| wait.waitable.query()) {
                 Ok(false) => continue,
                 reached => {
                     let result = reached.map(drop);
-                    self.pool.end_blocked(key, owner, &wait.slot, result, false);
+                    self.pool.end_held(key, owner, &wait.slot, result, false);
                     contain::drop(wait);
                 }
             }
@@ -141,12 +136,11 @@ impl WaiterThread {
     }
 
     /// Resolve, in order, the waits of `key` that a query shows reached, up
-    /// to the first that is not, in batches: taken in one hold of the lock,
-    /// queried outside it (a lane thread with a resolve permit), the rest
-    /// put back in one more; then woken with no permit held (a waker may run
-    /// its task inline), then dropped. Each batch all reached doubles the
-    /// next, from 2 (1 for the poller, which mostly hears "not yet") up to
-    /// [`BATCH`], so a short run puts back no more than it resolved.
+    /// to the first that is not, in batches: taken out in one hold of the
+    /// lock, asked outside it, the rest put back in one more hold; then
+    /// woken and dropped. Each batch all reached doubles the next, from 2 (1
+    /// for the poller, which mostly hears "not yet") up to [`BATCH`]: a
+    /// short run puts back no more than it resolved.
     fn resolve_reached(&mut self, key: LaneKey) -> Resolved {
         let poller = self.owner == Owner::Poller;
         let mut limit = if poller { 1 } else { 2 };
@@ -163,10 +157,7 @@ impl WaiterThread {
             }
             self.batch_lane = Some(key);
             self.pool.planted_escape();
-            let (reached, failed) = {
-                let _permit = (!poller).then(|| self.pool.resolving().acquire());
-                reached_prefix(&self.batch)
-            };
+            let (reached, failed) = reached_prefix(&self.batch);
             let rest = self.batch.split_off(reached);
             let more = !rest.is_empty();
             resolved += reached;
@@ -195,8 +186,9 @@ impl WaiterThread {
     /// waits, ask its lanes, and pause (backing off while nothing moves);
     /// while `stuck_after` is on and a lane is left, it stays and warns.
     fn run_poller(&mut self) {
-        let stuck_after = self.pool.config().stuck_after;
-        let check_every = stuck_after.map(check_interval);
+        // Four looks per `stuck_after`, at most one a millisecond.
+        let check_every =
+            (self.pool.config().stuck_after).map(|after| (after / 4).max(Duration::from_millis(1)));
         let mut next_check = Instant::now();
         let mut backoff = POLL_BACKOFF_MIN;
         let mut idle_rounds = 0;
@@ -245,7 +237,7 @@ impl Drop for WaiterThread {
         if !self.counted {
             return;
         }
-        contain::log(|| {
+        crate::panics::log(|| {
             log::error!(
                 "waiter thread {:?} ({:?}) unwound (a bug in the waiter); its lanes and waits go \
                  back to the pool",
@@ -261,12 +253,6 @@ impl Drop for WaiterThread {
             act(&self.pool, action);
         }
     }
-}
-
-/// How often the poller looks for stalls: four times per `stuck_after`, at
-/// most once a millisecond.
-pub(super) fn check_interval(after: Duration) -> Duration {
-    (after / 4).max(Duration::from_millis(1))
 }
 
 /// How many of `batch`'s waits, from the oldest, a query shows reached (or

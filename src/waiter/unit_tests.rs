@@ -1,7 +1,7 @@
 //! The waiter's unit tests that need its internals: a slot's one result,
-//! the stats' counters and histogram, the resolve permits, and what serving
-//! a lane costs (one block and one query per wait for work that ends item
-//! after item; batches for a burst).
+//! the stats' counters and histogram, and what serving a lane costs (one
+//! block and one query per wait for work that ends item after item; batches
+//! for a burst).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -10,7 +10,6 @@ use std::time::{Duration, Instant};
 
 use super::mock_device::support::{eventually, result_of, submit, submit_placed};
 use super::mock_device::Device;
-use super::permits::Permits;
 use super::pool::{Action, State, Wait};
 use super::slot::Slot;
 use super::stats::{Counters, LatencyHistogram, LATENCY_BUCKETS};
@@ -209,26 +208,6 @@ fn a_snapshot_taken_while_waits_end_never_shows_more_than_has_happened() {
     assert_eq!(counts.wake_latency.count(), counts.resolved + counts.failed);
 }
 
-#[test]
-fn a_permit_is_taken_and_given_back() {
-    let permits = Permits::new(2);
-    let first = permits.acquire();
-    assert_eq!(permits.free(), 1);
-    let second = permits.acquire();
-    assert_eq!(permits.free(), 0);
-    drop(first);
-    assert_eq!(permits.free(), 1);
-    drop(second);
-    assert_eq!(permits.free(), 2);
-}
-
-#[test]
-fn there_is_always_at_least_one() {
-    let permits = Permits::new(0);
-    drop(permits.acquire());
-    assert_eq!(permits.free(), 1);
-}
-
 const WAITS: usize = 32;
 
 #[test]
@@ -357,7 +336,7 @@ fn a_withdrawn_wait_wakes_the_idle_thread_that_drops_it() {
     let (slot, place) = submit_placed(&pool, &held, 0, 1);
     assert!(slot.cancel());
     let key = super::waitable::LaneKey::for_tests(0);
-    super::threads::act(&pool, pool.withdraw(key, place, &slot));
+    super::threads::act(&pool, pool.withdraw(key, place));
     // Dropped by the idle thread, woken for it: not after its keep-alive.
     eventually("the withdrawn fence is dropped", || {
         held.fences_dropped.load(Ordering::SeqCst) == 1

@@ -36,8 +36,7 @@ impl LaneKey {
     }
 }
 
-/// What the waiter needs of a fence: which stream, where in it, and the two
-/// ways to ask the device.
+/// What the waiter needs of a fence.
 pub(crate) trait Waitable: Send + 'static {
     /// The lane (stream) this wait belongs to.
     fn lane(&self) -> LaneKey;

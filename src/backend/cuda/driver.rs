@@ -1,15 +1,13 @@
-//! The CUDA backend's FFI edge, as cudarc's `result.rs` sits under its `safe/`
-//! types: the driver's entry-point table and its one load state, the mapping
-//! of a status to a [`ServerError`] (all through [`check`]), and a thin safe
-//! wrapper ([`Driver`]) around each raw driver call the crate makes. Every
-//! `unsafe` of the backend is here; the binding guard, events, the fence-event
-//! pool and the kernels sit on these wrappers with none.
+//! The CUDA backend's FFI edge, as cudarc's `result.rs` sits under its `safe/` types: the
+//! driver's entry-point table and its one load state, the mapping of a status to a
+//! [`ServerError`] (all through [`check`]), and a thin safe wrapper ([`Driver`]) around each raw
+//! driver call the crate makes. The binding guard, events, the fence-event pool and the kernels
+//! sit on these wrappers with no `unsafe` of their own.
 //!
-//! cudarc's safe layer is used where it fits (contexts and streams); the calls
-//! here drop to `cudarc::driver::sys` because a fence event needs flags that
-//! cudarc's enum cannot express (`DISABLE_TIMING | BLOCKING_SYNC`), queries
-//! need all three outcomes, destroying an event must report its error to the
-//! caller, and binding a context must not take cudarc's stored errors.
+//! cudarc's safe layer is used where it fits (contexts and streams); the calls here drop to
+//! `cudarc::driver::sys` because a fence event needs flags that cudarc's enum cannot express
+//! (`DISABLE_TIMING | BLOCKING_SYNC`), queries need all three outcomes, destroying an event must
+//! report its error to the caller, and binding a context must not take cudarc's stored errors.
 //!
 //! The driver API pages the rules here come from (CUDA 12 and 13):
 //! - events (`cuEventCreate`, `cuEventRecord`, `cuEventQuery`,
@@ -27,8 +25,8 @@
 //! - modules and launches (`cuModuleLoadData`, `cuLaunchKernel`):
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html>,
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html>
-// The crate's one FFI edge: every `unsafe` of the crate is here, each with
-// a `// SAFETY:` comment (the crate root denies `unsafe_code` elsewhere).
+// Every `unsafe` of the crate is here, each with a `// SAFETY:` comment (the crate root denies
+// `unsafe_code` elsewhere).
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
@@ -43,10 +41,9 @@ use crate::{EventFlags, ServerError};
 
 pub(super) const BACKEND: &str = "Cuda";
 
-/// Every driver entry point this crate or the cudarc calls it makes resolve.
-/// cudarc resolves a symbol on first use and panics if it is missing, so all
-/// are probed once, up front, and a missing one makes the backend unavailable.
-/// Each exists in CUDA 12.0 and later drivers, CUDA 13 included.
+/// Every driver entry point this crate or the cudarc calls it makes resolve. cudarc resolves a
+/// symbol on first use and panics if it is missing, so all are probed once, up front, and a
+/// missing one makes the backend unavailable. Each exists in CUDA 12.0 and later, 13 included.
 pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuInit",
     "cuGetErrorName",
@@ -76,32 +73,26 @@ pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
-/// The names `cuEventElapsedTime` has had, preferred first: CUDA 12.8 added
-/// `_v2`, and CUDA 13 headers map the plain name to it; the legacy entry
-/// point can return unrelated asynchronous errors of earlier work, the `_v2`
-/// only the timing's own. Both take the same arguments (and, measured on an
-/// H200 with a 13.0 driver, give the same times), so the first one the
-/// library exports is used, and a driver with neither only loses timing, not
-/// the backend.
+/// The names `cuEventElapsedTime` has had, preferred first: CUDA 12.8 added `_v2`, and CUDA 13
+/// headers map the plain name to it; the legacy entry point can return unrelated asynchronous
+/// errors of earlier work, the `_v2` only the timing's own. Both take the same arguments (and,
+/// measured on an H200 with a 13.0 driver, give the same times), so the first one the library
+/// exports is used; a driver with neither only loses timing, not the backend.
 const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime_v2", "cuEventElapsedTime"];
 
-/// `cuCtxGetId` (CUDA 12.0): a context's number, unique for the life of the
-/// process, which tells apart contexts made one after another under one
-/// handle (a device's primary context released and retained again). Looked
-/// up as optional: a driver without it only shares less (see
-/// [`Driver::ctx_id`]).
+/// `cuCtxGetId` (CUDA 12.0): a context's number, unique for the life of the process, which tells
+/// apart contexts made one after another under one handle (a device's primary context released
+/// and retained again). Optional: a driver without it only shares less ([`Driver::ctx_id`]).
 const CTX_ID_SYMBOL: &str = "cuCtxGetId";
 
 /// A driver status, as the driver returns it: a C `enum`, which is an `int`.
 type Status = c_int;
 
-/// The driver entry points this crate calls itself, looked up once by name
-/// and typed to return the status as a plain integer. cudarc's `sys` bindings
-/// return a Rust `enum`, and a status that the compiled bindings do not list
-/// (a driver newer than the bindings a user picked: `CUDA_ERROR_CONTAINED`
-/// from a CUDA 13 driver under the CUDA 12.0 bindings, say) would be undefined
-/// behaviour the moment it came back. As an integer, any status is a number.
-/// Signatures: the CUDA driver API reference (links at the top of this file).
+/// The driver entry points this crate calls itself, looked up once by name and typed to return
+/// the status as a plain integer. cudarc's `sys` bindings return a Rust `enum`, and a status the
+/// compiled bindings do not list (`CUDA_ERROR_CONTAINED` from a CUDA 13 driver under the CUDA
+/// 12.0 bindings, say) would be undefined behaviour the moment it came back; as an integer, any
+/// status is a number. Signatures: the CUDA driver API reference (links at the top).
 struct Api {
     init: unsafe extern "C" fn(c_uint) -> Status,
     error_name: unsafe extern "C" fn(Status, *mut *const c_char) -> Status,
@@ -113,9 +104,7 @@ struct Api {
     event_query: unsafe extern "C" fn(sys::CUevent) -> Status,
     event_synchronize: unsafe extern "C" fn(sys::CUevent) -> Status,
     event_destroy: unsafe extern "C" fn(sys::CUevent) -> Status,
-    /// Under the first of its names the driver exports (see
-    /// [`ELAPSED_SYMBOLS`]), with that name; a driver with neither only
-    /// loses timing.
+    /// The first of [`ELAPSED_SYMBOLS`] the driver exports, with that name; `None`: no timing.
     #[allow(clippy::type_complexity)]
     event_elapsed: Option<(
         &'static str,
@@ -126,9 +115,9 @@ struct Api {
     stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
     stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
     /// `cuStreamGetCaptureInfo_v2` (CUDA 11.3; the name CUDA 12 headers map
-    /// `cuStreamGetCaptureInfo` to, exported by later drivers too): the
-    /// capture status as the `int` the C enum is, and the capture's id; the
-    /// graph and dependency outputs are optional, and left null.
+    /// `cuStreamGetCaptureInfo` to, exported by later drivers too): the capture status as the
+    /// `int` the C enum is, and the capture's id; the graph and dependency outputs are optional,
+    /// and left null.
     #[allow(clippy::type_complexity)]
     stream_capture_info: unsafe extern "C" fn(
         sys::CUstream,
@@ -138,8 +127,7 @@ struct Api {
         *mut *const sys::CUgraphNode,
         *mut usize,
     ) -> Status,
-    /// `cuDevicePrimaryCtxGetState`: the primary context's flags and whether
-    /// it is active.
+    /// `cuDevicePrimaryCtxGetState`: the primary context's flags and whether it is active.
     primary_ctx_state: unsafe extern "C" fn(sys::CUdevice, *mut c_uint, *mut c_int) -> Status,
     /// The capture mode as the `int` the C enum is.
     thread_exchange_capture_mode: unsafe extern "C" fn(*mut c_int) -> Status,
@@ -165,23 +153,21 @@ struct Api {
 /// The driver as [`load`] left it: its entry points, and `cuInit`'s answer.
 struct Loaded {
     api: Api,
-    /// An error makes the backend unavailable; the entry points still name
-    /// and describe statuses (see [`status_error`]).
+    /// An error makes the backend unavailable; the entry points still name and describe statuses.
     init: Result<(), ServerError>,
     /// The fork generation it was loaded in (see [`in_forked_child`]).
     generation: u64,
 }
 
-/// The one load state, set once by [`load`]: an error when the library is
-/// missing or lacks a required entry point.
+/// The one load state, set once by [`load`]: an error if the library or an entry point is missing.
 static DRIVER: OnceLock<Result<Loaded, ServerError>> = OnceLock::new();
 
 /// Load the driver library, probe its symbols and initialize it, once.
 ///
 /// # Errors
 ///
-/// [`ServerError::Unavailable`] when the library is missing, too old, or
-/// finds no device; [`ServerError::ShutDown`] once the driver has shut down.
+/// [`ServerError::Unavailable`] when the library is missing, too old, or finds no device;
+/// [`ServerError::ShutDown`] once the driver has shut down.
 pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
     driver().map(|_| ())
 }
@@ -190,8 +176,7 @@ pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
 ///
 /// # Errors
 ///
-/// As [`ensure_loaded`]; [`ServerError::ShutDown`] (naming the call that
-/// first saw it) once the driver has shut down.
+/// As [`ensure_loaded`]; the [`ServerError::ShutDown`] names the call that first saw it.
 pub(super) fn driver() -> Result<Driver, ServerError> {
     if let Some(first) = SHUT_DOWN.get() {
         live(first)?;
@@ -211,13 +196,12 @@ const FORKED: &str = "this process is a fork of the one that initialized the CUD
                       to other processes upon a call to fork\" (NVIDIA's CUDA C++ guidelines), so \
                       no CUDA call is made here; use CUDA in a child only after exec";
 
-/// Whether this process is a fork of the one that loaded the driver: there,
-/// any CUDA call is undefined ("Any use of CUDA after a call to fork and
-/// before a subsequent call to exec has undefined behavior", NVIDIA's CUDA
-/// C++ guidelines), and a lock of the crate's may have been held by a thread
-/// that stayed in the parent. So the backend refuses every call before it
-/// takes a lock of its own, and its drops forget what they hold (see
-/// [`crate::fork`]). One relaxed load once the driver is loaded.
+/// Whether this process is a fork of the one that loaded the driver: there, any CUDA call is
+/// undefined ("Any use of CUDA after a call to fork and before a subsequent call to exec has
+/// undefined behavior", NVIDIA's CUDA C++ guidelines), and a lock of the crate's may have been
+/// held by a thread that stayed in the parent. So the backend refuses every call before it takes
+/// a lock of its own, and its drops forget what they hold (see [`crate::fork`]). One relaxed
+/// load once the driver is loaded.
 pub(super) fn in_forked_child() -> bool {
     matches!(DRIVER.get(), Some(Ok(loaded)) if loaded.generation != crate::fork::current())
 }
@@ -234,29 +218,27 @@ pub(super) fn not_forked() -> Result<(), ServerError> {
     Ok(())
 }
 
-/// The entry points once cudarc has loaded the driver library and every
-/// symbol it needs was found (whatever `cuInit` answered): from then on the
-/// driver's error name and description lookups cannot panic. Never loads.
+/// The entry points once cudarc has loaded the driver library and every symbol it needs was
+/// found (whatever `cuInit` answered): from then on the driver's error name and description
+/// lookups cannot panic. Never loads.
 fn loaded_api() -> Option<&'static Api> {
     DRIVER.get()?.as_ref().ok().map(|loaded| &loaded.api)
 }
 
 fn load() -> Result<Loaded, ServerError> {
-    // SAFETY: loading the driver library runs only its initializers; the
-    // handle is dropped at once.
+    // SAFETY: loading the driver library runs only its initializers; the handle is dropped at once.
     if !unsafe { sys::is_culib_present() } {
         return Err(unavailable(
             "the CUDA driver library (libcuda.so / nvcuda.dll) was not found".to_owned(),
         ));
     }
-    // SAFETY: as above; the library was just found, so cudarc's loader does
-    // not reach its panic for a missing library.
+    // SAFETY: as above; the library was just found, so cudarc's loader does not reach its panic
+    // for a missing library.
     let library = unsafe { sys::culib() };
     let missing: Vec<&str> = REQUIRED_SYMBOLS
         .iter()
         .copied()
-        // SAFETY: the symbol is only looked up, never called through this
-        // type, so the placeholder signature does not matter.
+        // SAFETY: only looked up, never called through this type, so the signature is moot.
         .filter(|name| unsafe { library.get::<unsafe extern "C" fn()>(name.as_bytes()) }.is_err())
         .collect();
     if !missing.is_empty() {
@@ -265,14 +247,13 @@ fn load() -> Result<Loaded, ServerError> {
             missing.join(", ")
         )));
     }
-    // One entry point, typed by the `Api` field it fills: each field's type
-    // is the driver API's signature for that name, with `CUresult` as the
-    // `int` it is.
+    // One entry point, typed by the `Api` field it fills: the driver API's signature for that
+    // name, with `CUresult` as the `int` it is.
     macro_rules! entry {
         ($name:expr) => {
-            // SAFETY: the field's type is the symbol's C signature (see
-            // `Api`); the library stays loaded for the life of the process
-            // (cudarc keeps it in a static), so the pointer stays valid.
+            // SAFETY: the field's type is the symbol's C signature (see `Api`); the library stays
+            // loaded for the life of the process (cudarc keeps it in a static), so the pointer
+            // stays valid.
             match unsafe { library.get($name.as_bytes()) } {
                 Ok(symbol) => *symbol,
                 Err(_) => return Err(unavailable(format!("the CUDA driver lacks {}", $name))),
@@ -285,8 +266,7 @@ fn load() -> Result<Loaded, ServerError> {
             .ok()
             .map(|symbol| (*name, *symbol))
     });
-    // SAFETY: as in `entry!`: the field's type is cuCtxGetId's signature
-    // (`unsigned long long *` is a `u64` place).
+    // SAFETY: as in `entry!`: cuCtxGetId's signature (`unsigned long long *` is a `u64` place).
     let ctx_get_id = unsafe { library.get(CTX_ID_SYMBOL.as_bytes()) }
         .ok()
         .map(|symbol| *symbol);
@@ -312,8 +292,7 @@ fn load() -> Result<Loaded, ServerError> {
         module_get_function: entry!("cuModuleGetFunction"),
         launch_kernel: entry!("cuLaunchKernel"),
     };
-    // Taken first: a fork from now on is one of a process that may have
-    // initialized the driver.
+    // Taken first: a fork from now on is one of a process that may have initialized the driver.
     let generation = crate::fork::generation();
     // SAFETY: cuInit takes flags by value; 0 is the only documented value.
     let status = unsafe { (api.init)(0) };
@@ -333,18 +312,17 @@ fn unavailable(reason: String) -> ServerError {
     }
 }
 
-/// `CUDA_ERROR_DEINITIALIZED`: "This indicates that the CUDA driver is in
-/// the process of shutting down" (`CUresult`, link above). The driver tears
-/// itself down in an exit handler while other threads (the waiter's) may
-/// still call it; every call answers this from then on.
+/// `CUDA_ERROR_DEINITIALIZED`: "This indicates that the CUDA driver is in the process of
+/// shutting down" (`CUresult`, link above). The driver tears itself down in an exit handler
+/// while other threads (the waiter's) may still call it; every call answers this from then on.
 const CUDA_ERROR_DEINITIALIZED: Status = sys::CUresult::CUDA_ERROR_DEINITIALIZED as Status;
 
-/// The call that first saw [`CUDA_ERROR_DEINITIALIZED`], once one did: from
-/// then on no call reaches the driver (see [`live`]).
+/// The call that first saw [`CUDA_ERROR_DEINITIALIZED`]: from then on no call reaches the driver
+/// (see [`live`]).
 static SHUT_DOWN: OnceLock<&'static str> = OnceLock::new();
 
-/// Note that the driver is shutting down, as `call` found: logged once,
-/// quietly (at process exit it is expected, and nothing is wrong).
+/// Note that the driver is shutting down, as `call` found: logged once, quietly (at process
+/// exit it is expected).
 fn shutting_down(call: &'static str) -> ServerError {
     let mut first = false;
     SHUT_DOWN.get_or_init(|| {
@@ -385,13 +363,11 @@ const CUDA_SUCCESS: Status = sys::CUresult::CUDA_SUCCESS as Status;
 /// `CUDA_ERROR_NOT_READY`: `cuEventQuery`'s "not yet".
 const CUDA_ERROR_NOT_READY: Status = sys::CUresult::CUDA_ERROR_NOT_READY as Status;
 
-/// Status codes after which the process must restart: "This leaves the
-/// process in an inconsistent state and any further CUDA work will return the
-/// same error. To continue using CUDA, the process must be terminated and
-/// relaunched" (CUDA driver API, `CUresult`, CUDA 12 and 13 docs:
-/// <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html>).
-/// Taken from cudarc's `sys` enum wherever every binding this crate builds
-/// with (CUDA 12.0 and later) has the variant.
+/// Status codes after which the process must restart: "This leaves the process in an
+/// inconsistent state and any further CUDA work will return the same error. To continue using
+/// CUDA, the process must be terminated and relaunched" (`CUresult`, link at the top of the file).
+/// Taken from cudarc's `sys` enum wherever every binding this crate builds with (CUDA 12.0 and
+/// later) has the variant.
 const STICKY: &[sys::CUresult] = &[
     sys::CUresult::CUDA_ERROR_ECC_UNCORRECTABLE,
     sys::CUresult::CUDA_ERROR_ILLEGAL_ADDRESS,
@@ -407,18 +383,14 @@ const STICKY: &[sys::CUresult] = &[
     sys::CUresult::CUDA_ERROR_EXTERNAL_DEVICE,
 ];
 
-/// `CUDA_ERROR_CONTAINED` (CUDA 12.8): sticky, and missing from cudarc's
-/// bindings for CUDA 12.0 to 12.6, so it cannot be named through `sys` in
-/// every build.
+/// `CUDA_ERROR_CONTAINED` (CUDA 12.8).
 const CUDA_ERROR_CONTAINED: Status = 226;
 
-/// `CUDA_ERROR_TENSOR_MEMORY_LEAK` (CUDA 12.8): as [`CUDA_ERROR_CONTAINED`].
+/// `CUDA_ERROR_TENSOR_MEMORY_LEAK` (CUDA 12.8).
 const CUDA_ERROR_TENSOR_MEMORY_LEAK: Status = 721;
 
-/// Sticky codes that cudarc's bindings for CUDA 12.0 to 12.6 lack, so they
-/// cannot be named through `sys` in every build: `CUDA_ERROR_CONTAINED` (226,
-/// CUDA 12.8) and `CUDA_ERROR_TENSOR_MEMORY_LEAK` (721, CUDA 12.8); their
-/// driver docs say the process must be restarted, as above.
+/// Sticky codes that cudarc's bindings for CUDA 12.0 to 12.6 lack, so they cannot be named
+/// through `sys` in every build; their driver docs say the process must be restarted, as above.
 const STICKY_SINCE_12_8: &[Status] = &[CUDA_ERROR_CONTAINED, CUDA_ERROR_TENSOR_MEMORY_LEAK];
 
 /// Whether `code` leaves the context (and process) unusable for good.
@@ -426,8 +398,7 @@ fn is_sticky(code: Status) -> bool {
     STICKY.iter().any(|sticky| *sticky as Status == code) || STICKY_SINCE_12_8.contains(&code)
 }
 
-/// The one place a driver status becomes a result. `api` names and
-/// describes a failure: the loaded entry points, or none.
+/// The one place a status becomes a result; `api` (entry points, or none) names and describes it.
 fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), ServerError> {
     if status == CUDA_SUCCESS {
         Ok(())
@@ -440,11 +411,10 @@ fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), Se
     }
 }
 
-/// A cudarc error (from its own calls, or a user's), as this crate reports
-/// driver errors, with `err` as its source once the driver is loaded. Never
-/// panics, with or without a driver: without one the source is left out, as
-/// cudarc's `Display` of its error asks the driver for a description (and
-/// its loader panics where there is no driver library).
+/// A cudarc error (from its own calls, or a user's), as this crate reports driver errors, with
+/// `err` as its source once the driver is loaded. Never panics: without a driver the source is
+/// left out, as cudarc's `Display` of its error asks the driver for a description (and its
+/// loader panics where there is no driver library).
 pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError {
     if err.0 as Status == CUDA_ERROR_DEINITIALIZED {
         return shutting_down(call);
@@ -457,9 +427,8 @@ pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError 
     }
 }
 
-/// A failed status, named and described by the driver itself when it is
-/// loaded (`fallback` names it otherwise), marked faulted when it is one of
-/// the sticky ones.
+/// A failed status, named and described by the driver when it is loaded (`fallback` names it
+/// otherwise), marked faulted when it is one of the sticky ones.
 fn status_error(
     api: Option<&Api>,
     call: &'static str,
@@ -468,8 +437,8 @@ fn status_error(
 ) -> ServerError {
     let text = |lookup: unsafe extern "C" fn(Status, *mut *const c_char) -> Status| {
         let mut text = ptr::null();
-        // SAFETY: `text` is a valid place for the pointer; the driver points
-        // it at a static string (or leaves it null) for any status.
+        // SAFETY: `text` is a valid place for the pointer; the driver points it at a static
+        // string (or leaves it null) for any status.
         let status = unsafe { lookup(code, &mut text) };
         (status == CUDA_SUCCESS && !text.is_null()).then(|| {
             // SAFETY: a non-null answer is a NUL-terminated static string.
@@ -516,8 +485,8 @@ pub(super) fn invalid_context(call: &'static str, message: &str) -> ServerError 
     refused(call, sys::CUresult::CUDA_ERROR_INVALID_CONTEXT, message)
 }
 
-/// A call this crate refuses before the driver sees it (or whose answer it
-/// cannot use), with the status the driver would have given.
+/// A call this crate refuses before the driver sees it (or whose answer it cannot use), with
+/// the status the driver would have given.
 pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) -> ServerError {
     ServerError::Call {
         backend: BACKEND,
@@ -529,9 +498,9 @@ pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) ->
     }
 }
 
-/// `CUstreamCaptureMode`: the thread's mode under which "potentially unsafe
-/// API calls" are allowed whatever other threads capture
-/// (`CU_STREAM_CAPTURE_MODE_RELAXED`; `cuThreadExchangeStreamCaptureMode`).
+/// `CUstreamCaptureMode`: the thread's mode under which "potentially unsafe API calls" are
+/// allowed whatever other threads capture (`CU_STREAM_CAPTURE_MODE_RELAXED`;
+/// `cuThreadExchangeStreamCaptureMode`).
 pub(super) const CAPTURE_MODE_RELAXED: c_int = 2;
 
 /// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_NONE`, not capturing.
@@ -544,8 +513,8 @@ const CAPTURE_STATUS_ACTIVE: c_int = 1;
 pub(super) enum Capture {
     /// Not capturing: work runs.
     None,
-    /// Capturing, in the capture of this id ("unique over the lifetime of
-    /// the process", `cuStreamGetCaptureInfo`).
+    /// Capturing, in the capture of this id ("unique over the lifetime of the process",
+    /// `cuStreamGetCaptureInfo`).
     Active(u64),
     /// In a capture an error invalidated, not yet ended (no id is given).
     Invalidated,
@@ -555,9 +524,8 @@ pub(super) enum Capture {
 const EVENT_BLOCKING_SYNC: c_uint = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
 const EVENT_DISABLE_TIMING: c_uint = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
 
-/// The context current on a thread when [`Driver::ctx_get_current`] asked
-/// (null: none), to make current again with [`Driver::ctx_restore`]. Not
-/// `Send`: it is the thread's own.
+/// The context current on a thread when [`Driver::ctx_get_current`] asked (null: none), to make
+/// current again with [`Driver::ctx_restore`]. Not `Send`: it is the thread's own.
 pub(super) struct CurrentContext(sys::CUcontext);
 
 impl CurrentContext {
@@ -572,18 +540,16 @@ impl CurrentContext {
     }
 }
 
-/// An event made by [`Driver::event_create`] and not yet given to
-/// [`Driver::event_destroy`], which takes it by value: nothing else destroys
-/// one. Dropped, it is forgotten, not destroyed (its context frees it). Its
-/// holder keeps the event's context alive while it calls through it: a
-/// [`CudaEvent`](super::CudaEvent) holds the context, and an idle event in a
-/// fence pool is called through only once a `CudaEvent` holds it again (the
-/// pool destroys its idle events through a context object still alive, and
-/// forgets them only when it knows of none).
+/// An event made by [`Driver::event_create`] and not yet given to [`Driver::event_destroy`],
+/// which takes it by value: nothing else destroys one. Dropped, it is forgotten, not destroyed
+/// (its context frees it). Its holder keeps the event's context alive while it calls through
+/// it: a [`CudaEvent`](super::CudaEvent) holds the context, and an idle event in a fence pool is
+/// called through only once a `CudaEvent` holds it again (the pool destroys its idle events
+/// through a context object still alive, and forgets them only when it knows of none).
 pub(super) struct RawEvent(sys::CUevent);
 
-// SAFETY: a CUevent is a driver handle, not memory this process reads; the
-// driver API is thread-safe, so the handle may move between threads.
+// SAFETY: a CUevent is a driver handle, not memory this process reads; the driver API is
+// thread-safe, so the handle may move between threads.
 unsafe impl Send for RawEvent {}
 // SAFETY: as for `Send`; the driver serializes concurrent calls on one event.
 unsafe impl Sync for RawEvent {}
@@ -594,13 +560,11 @@ impl fmt::Debug for RawEvent {
     }
 }
 
-/// A module loaded by [`Driver::module_load_data`]. This crate never unloads
-/// one: `cuModuleUnload` makes no promise about launches still queued, and a
-/// module goes with its context anyway.
+/// A module loaded by [`Driver::module_load_data`]. Never unloaded: `cuModuleUnload` makes no
+/// promise about launches still queued, and a module goes with its context anyway.
 pub(super) struct Module(sys::CUmodule);
 
-/// A kernel found by [`Driver::module_get_function`]; its module is never
-/// unloaded, so it lives as long as its context.
+/// A kernel found by [`Driver::module_get_function`]; it lives as long as its context.
 pub(super) struct Function(sys::CUfunction);
 
 // SAFETY: the function is a driver handle; the driver API is thread-safe.
@@ -608,10 +572,9 @@ unsafe impl Send for Function {}
 // SAFETY: as for `Send`; launching is the only use and the driver serializes it.
 unsafe impl Sync for Function {}
 
-/// The loaded driver: a thin safe wrapper around each raw call the crate
-/// makes, its status turned into a result by [`check`]. Got from
-/// [`driver`] (a binding guard carries one); the calls act on the calling
-/// thread's current context, which the caller binds first.
+/// The loaded driver: a thin safe wrapper around each raw call the crate makes, its status
+/// turned into a result by [`check`]. Got from [`driver`] (a binding guard carries one); the
+/// calls act on the calling thread's current context, which the caller binds first.
 #[derive(Clone, Copy)]
 pub(super) struct Driver {
     api: &'static Api,
@@ -622,8 +585,7 @@ impl Driver {
         check(Some(self.api), call, status)
     }
 
-    /// `call` may reach the driver: every wrapper asks first, so that once
-    /// the driver has shut down no call reaches it.
+    /// `call` may reach the driver: every wrapper asks first, so none does once it has shut down.
     fn live(self, call: &'static str) -> Result<(), ServerError> {
         live(call)
     }
@@ -642,33 +604,30 @@ impl Driver {
     /// `cuCtxSetCurrent`: make `ctx` current on the calling thread.
     pub(super) fn ctx_set_current(self, ctx: &CudaContext) -> Result<(), ServerError> {
         self.live("cuCtxSetCurrent")?;
-        // SAFETY: the handle is live: `ctx` holds its primary-context retain
-        // for as long as the borrow lasts.
+        // SAFETY: the handle is live: `ctx` holds its primary-context retain for the borrow.
         self.check("cuCtxSetCurrent", unsafe {
             (self.api.ctx_set_current)(ctx.cu_ctx())
         })
     }
 
-    /// `cuCtxGetId`: `ctx`'s number, unique for the life of the process;
-    /// `None` when the driver lacks the entry point.
+    /// `cuCtxGetId`: `ctx`'s number, unique for the process's life; `None` if the driver lacks it.
     pub(super) fn ctx_id(self, ctx: &CudaContext) -> Result<Option<u64>, ServerError> {
         let Some(get_id) = self.api.ctx_get_id else {
             return Ok(None);
         };
         let mut id = 0u64;
-        // SAFETY: the handle is live (`ctx` holds its retain for the
-        // borrow); `id` is a valid place for the number.
+        // SAFETY: the handle is live (`ctx` holds its retain for the borrow); `id` is a valid
+        // place for the number.
         self.check("cuCtxGetId", unsafe { get_id(ctx.cu_ctx(), &mut id) })?;
         Ok(Some(id))
     }
 
-    /// `cuCtxSetCurrent`: make a context found by
-    /// [`ctx_get_current`](Self::ctx_get_current) current again.
+    /// `cuCtxSetCurrent`: make a context found by [`ctx_get_current`](Self::ctx_get_current)
+    /// current again.
     pub(super) fn ctx_restore(self, previous: CurrentContext) -> Result<(), ServerError> {
         self.live("cuCtxSetCurrent")?;
-        // SAFETY: `previous` was current on this thread when it was found (or
-        // null: no context), so it is the caller's to keep alive; a context
-        // destroyed meanwhile is a handle the driver rejects with an error.
+        // SAFETY: `previous` was current on this thread when it was found (or null: no context),
+        // so it is the caller's to keep alive; the driver rejects one destroyed meanwhile.
         self.check("cuCtxSetCurrent", unsafe {
             (self.api.ctx_set_current)(previous.0)
         })
@@ -685,8 +644,7 @@ impl Driver {
             bits |= EVENT_BLOCKING_SYNC;
         }
         let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid place for the new handle; the flags are a
-        // combination of documented bits.
+        // SAFETY: `raw` is a valid place for the new handle; the flags are documented bits.
         self.check("cuEventCreate", unsafe {
             (self.api.event_create)(&mut raw, bits)
         })?;
@@ -700,9 +658,8 @@ impl Driver {
         stream: &CudaStream,
     ) -> Result<(), ServerError> {
         self.live("cuEventRecord")?;
-        // SAFETY: both handles are live: the event until it is destroyed by
-        // value (see `RawEvent`), the stream borrowed from its owner for the
-        // call.
+        // SAFETY: both handles are live: the event until it is destroyed by value (see
+        // `RawEvent`), the stream borrowed from its owner for the call.
         self.check("cuEventRecord", unsafe {
             (self.api.event_record)(event.0, stream.cu_stream())
         })
@@ -728,8 +685,7 @@ impl Driver {
         })
     }
 
-    /// `cuEventElapsedTime_v2`, or the legacy `cuEventElapsedTime` where
-    /// the driver lacks it: milliseconds from `start` to `end`.
+    /// `cuEventElapsedTime_v2`, or the legacy one if missing: milliseconds from `start` to `end`.
     pub(super) fn event_elapsed_ms(
         self,
         start: &RawEvent,
@@ -743,15 +699,13 @@ impl Driver {
             ))
         })?;
         self.live(name)?;
-        // SAFETY: `ms` is a valid place for the result; both events are live
-        // (see `RawEvent`); `elapsed` has the driver's signature for these
-        // arguments.
+        // SAFETY: `ms` is a valid place for the result; both events are live (see `RawEvent`);
+        // `elapsed` has the driver's signature for these arguments.
         self.check(name, unsafe { elapsed(&mut ms, start.0, end.0) })?;
         Ok(ms)
     }
 
-    /// `cuEventDestroy`. Does not block: the driver releases an event with
-    /// pending work once the work completes.
+    /// `cuEventDestroy`. Does not block: the driver releases the event once its pending work ends.
     pub(super) fn event_destroy(self, event: RawEvent) -> Result<(), ServerError> {
         self.live("cuEventDestroy")?;
         // SAFETY: the event is live, and destroyed once: it is taken by value.
@@ -760,16 +714,15 @@ impl Driver {
         })
     }
 
-    /// `cuStreamWaitEvent`: make `stream` wait, on the device, for `event`'s
-    /// latest record. Works across contexts.
+    /// `cuStreamWaitEvent`: make `stream` wait, on the device, for `event`'s latest record.
+    /// Works across contexts.
     pub(super) fn stream_wait_event(
         self,
         stream: &CudaStream,
         event: &RawEvent,
     ) -> Result<(), ServerError> {
         self.live("cuStreamWaitEvent")?;
-        // SAFETY: both handles are live (see `event_record`); flag 0 is
-        // CU_EVENT_WAIT_DEFAULT.
+        // SAFETY: both handles are live (see `event_record`); flag 0 is CU_EVENT_WAIT_DEFAULT.
         self.check("cuStreamWaitEvent", unsafe {
             (self.api.stream_wait_event)(stream.cu_stream(), event.0, 0)
         })
@@ -784,14 +737,12 @@ impl Driver {
         })
     }
 
-    /// `cuStreamGetCaptureInfo`: whether `stream` is capturing a graph, and
-    /// in which capture. `call` names the caller's own call in an error (a
-    /// fault found here is the user's record or wait failing, not a capture
-    /// query of theirs). On the legacy default stream while a blocking
-    /// stream of its context captures, the driver answers
-    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` ("If called on CU_STREAM_LEGACY
-    /// (the NULL stream) while a stream not created with
-    /// CU_STREAM_NON_BLOCKING is capturing"): an error to report.
+    /// `cuStreamGetCaptureInfo`: whether `stream` is capturing a graph, and in which capture.
+    /// `call` names the caller's own call in an error (a fault found here is the user's record or
+    /// wait failing, not a capture query of theirs). On the legacy default stream while a
+    /// blocking stream of its context captures, the driver answers
+    /// `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT` ("If called on CU_STREAM_LEGACY (the NULL stream)
+    /// while a stream not created with CU_STREAM_NON_BLOCKING is capturing"): an error to report.
     pub(super) fn stream_capture(
         self,
         call: &'static str,
@@ -800,9 +751,9 @@ impl Driver {
         self.live(call)?;
         let mut status = CAPTURE_STATUS_NONE;
         let mut id = 0u64;
-        // SAFETY: the stream is live, borrowed from its owner for the call;
-        // `status` and `id` are valid places for the enum's `int` and the
-        // `cuuint64_t`; the three other outputs are optional (null).
+        // SAFETY: the stream is live, borrowed from its owner for the call; `status` and `id` are
+        // valid places for the enum's `int` and the `cuuint64_t`; the three other outputs are
+        // optional (null).
         self.check(call, unsafe {
             (self.api.stream_capture_info)(
                 stream.cu_stream(),
@@ -822,9 +773,8 @@ impl Driver {
         })
     }
 
-    /// `cuDevicePrimaryCtxGetState`: whether the primary context of `device`
-    /// is active (retained by someone, this process's other libraries
-    /// included).
+    /// `cuDevicePrimaryCtxGetState`: whether the primary context of `device` is active (retained
+    /// by someone, this process's other libraries included).
     pub(super) fn primary_ctx_active(self, device: sys::CUdevice) -> Result<bool, ServerError> {
         self.live("cuDevicePrimaryCtxGetState")?;
         let (mut flags, mut active) = (0, 0);
@@ -836,26 +786,23 @@ impl Driver {
         Ok(active != 0)
     }
 
-    /// `cuThreadExchangeStreamCaptureMode`: set the calling thread's capture
-    /// mode to `mode`, returning the one it had.
+    /// `cuThreadExchangeStreamCaptureMode`: set this thread's capture mode, returning the old one.
     pub(super) fn exchange_capture_mode(self, mode: c_int) -> Result<c_int, ServerError> {
         self.live("cuThreadExchangeStreamCaptureMode")?;
         let mut mode = mode;
-        // SAFETY: `mode` is a valid, initialized place for the enum's `int`;
-        // callers pass a documented mode or one the driver gave back.
+        // SAFETY: `mode` is a valid, initialized place for the enum's `int`; callers pass a
+        // documented mode or one the driver gave back.
         self.check("cuThreadExchangeStreamCaptureMode", unsafe {
             (self.api.thread_exchange_capture_mode)(&mut mode)
         })?;
         Ok(mode)
     }
 
-    /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the
-    /// current context.
+    /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the current context.
     pub(super) fn module_load_data(self, ptx: &CStr) -> Result<Module, ServerError> {
         self.live("cuModuleLoadData")?;
         let mut module = ptr::null_mut();
-        // SAFETY: `ptx` is a NUL-terminated image that outlives the call;
-        // `module` is a valid place for the handle.
+        // SAFETY: `ptx` is NUL-terminated and outlives the call; `module` is a valid place.
         self.check("cuModuleLoadData", unsafe {
             (self.api.module_load_data)(&mut module, ptx.as_ptr().cast())
         })?;
@@ -870,17 +817,16 @@ impl Driver {
     ) -> Result<Function, ServerError> {
         self.live("cuModuleGetFunction")?;
         let mut function = ptr::null_mut();
-        // SAFETY: the module is live (never unloaded); `name` is
-        // NUL-terminated; `function` is a valid place for the handle.
+        // SAFETY: the module is live (never unloaded); `name` is NUL-terminated; `function` is a
+        // valid place for the handle.
         self.check("cuModuleGetFunction", unsafe {
             (self.api.module_get_function)(&mut function, module.0, name.as_ptr())
         })?;
         Ok(Function(function))
     }
 
-    /// `cuLaunchKernel`: `function` on one thread of one block, with one
-    /// `u64` argument. Only for the kernels of this crate's PTX
-    /// (`kernels.rs`), every one of which takes exactly one `.u64`.
+    /// `cuLaunchKernel`: `function` on one thread of one block, with one `u64` argument. Only for
+    /// the kernels of this crate's PTX (`kernels.rs`), each of which takes exactly one `.u64`.
     pub(super) fn launch_u64(
         self,
         function: &Function,
@@ -889,11 +835,10 @@ impl Driver {
     ) -> Result<(), ServerError> {
         self.live("cuLaunchKernel")?;
         let mut params = [ptr::addr_of_mut!(argument).cast::<c_void>()];
-        // SAFETY: the function is live (its module is never unloaded) and is
-        // one of this crate's kernels, each of which takes exactly one u64
-        // parameter; the driver copies the parameter values before
-        // cuLaunchKernel returns, so pointers to locals are enough; the
-        // stream is borrowed from its owner for the call.
+        // SAFETY: the function is live (its module is never unloaded) and is one of this crate's
+        // kernels, each of which takes exactly one u64 parameter; the driver copies the parameter
+        // values before cuLaunchKernel returns, so pointers to locals are enough; the stream is
+        // borrowed from its owner for the call.
         self.check("cuLaunchKernel", unsafe {
             (self.api.launch_kernel)(
                 function.0,

@@ -1,7 +1,6 @@
-//! Test kernels, hand-written PTX JIT-compiled by the driver (no NVRTC or
-//! toolkit needed): [`SleepKernel`], device work of a known length, and
-//! `FaultKernel` (feature `test-util`), a write to an illegal address; both launch a [`Kernel`],
-//! one entry of the PTX loaded into a context.
+//! Test kernels, hand-written PTX JIT-compiled by the driver (no NVRTC or toolkit needed):
+//! [`SleepKernel`], device work of a known length, and `FaultKernel` (feature `test-util`), a
+//! write to an illegal address; both launch a [`Kernel`], one entry of the PTX in a context.
 
 use std::ffi::CStr;
 use std::sync::{Arc, OnceLock, Weak};
@@ -14,17 +13,15 @@ use super::driver::{invalid_context, Function};
 use crate::loom::Mutex;
 use crate::ServerError;
 
-/// `sleep_ns` spins one GPU thread on `%globaltimer` until the given number
-/// of nanoseconds has passed, or until it has spun once per nanosecond asked
-/// (`%rd5` counts down): the PTX ISA leaves `%globaltimer` unspecified when
-/// PTX is JIT-compiled for another target, so a timer that stalls must not
-/// hang the kernel. One spin reads the timer, which takes well over a
-/// nanosecond, so the count never ends a working sleep early; with a stalled
-/// timer the kernel still ends, within (nanoseconds asked) × (one spin's
-/// time). `write_u32` stores 1 at the given address. `{TARGET}` is filled in
-/// from [`TARGETS`]; every module is assembled by NVIDIA's `ptxas` in CI
-/// (`tests/ptx.rs`). Every entry takes exactly one `.u64` parameter: that is
-/// what [`Kernel::launch_u64`] passes.
+/// `sleep_ns` spins one GPU thread on `%globaltimer` until the given number of nanoseconds has
+/// passed, or until it has spun once per nanosecond asked (`%rd5` counts down): the PTX ISA
+/// leaves `%globaltimer` unspecified when PTX is JIT-compiled for another target, so a timer
+/// that stalls must not hang the kernel. One spin reads the timer, which takes well over a
+/// nanosecond, so the count never ends a working sleep early; with a stalled timer the kernel
+/// still ends, within (nanoseconds asked) × (one spin's time). `write_u32` stores 1 at the given
+/// address. `{TARGET}` is filled in from [`TARGETS`]; every module is assembled by NVIDIA's
+/// `ptxas` in CI (`tests/ptx.rs`). Every entry takes exactly one `.u64` parameter: that is what
+/// [`Kernel::launch_u64`] passes.
 const PTX: &str = r#"
 .version 7.0
 .target {TARGET}
@@ -66,11 +63,8 @@ DONE:
 }
 "#;
 
-/// One kernel of a PTX module loaded into a context.
-///
-/// The module is never unloaded by this crate: `cuModuleUnload` makes no
-/// promise about launches still queued, and a module goes with its context
-/// anyway. Load a kernel once per context, not once per launch.
+/// One kernel of a PTX module loaded into a context. The module is never unloaded (see
+/// `driver::Module`): load a kernel once per context, not once per launch.
 struct Kernel {
     function: Function,
     ctx: HeldContext,
@@ -80,9 +74,9 @@ impl Kernel {
     /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx` and find `name`.
     fn load(ctx: &Arc<CudaContext>, ptx: &CStr, name: &CStr) -> Result<Self, ServerError> {
         let bound = bind(ctx)?;
-        // In the relaxed capture mode: a load can synchronize the context, a
-        // call the driver prohibits (and which invalidates the capture) on a
-        // thread in the global mode while any thread captures in it.
+        // In the relaxed capture mode: a load can synchronize the context, a call the driver
+        // prohibits (and which invalidates the capture) on a thread in the global mode while any
+        // thread captures in it.
         let module = bound.relaxed(|driver| driver.module_load_data(ptx))?;
         let function = bound.driver().module_get_function(&module, name)?;
         Ok(Self {
@@ -124,10 +118,9 @@ fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
     }))
 }
 
-/// The PTX modules the crate ships, one per target it tries, in the order it
-/// tries them: `(target, NUL-free PTX text)`. For tests (feature
-/// `test-util`): checking them with NVIDIA's assembler (`ptxas
-/// -arch=<target>`) on a machine without a GPU.
+/// The PTX modules the crate ships, one per target, in the order they are tried: `(target,
+/// NUL-free PTX text)`. For tests (feature `test-util`): checking them with NVIDIA's assembler
+/// (`ptxas -arch=<target>`) on a machine without a GPU.
 ///
 /// ```
 /// let modules = device_events::cuda::ptx_modules();
@@ -147,8 +140,8 @@ fn modules() -> Vec<(&'static str, String)> {
         .collect()
 }
 
-/// Tried in order: the newest target first (drivers for CUDA 13 may no longer
-/// compile the oldest), the oldest last (for older GPUs on older drivers).
+/// Tried in order: the newest target first (drivers for CUDA 13 may no longer compile the
+/// oldest), the oldest last (for older GPUs on older drivers).
 const TARGETS: &[&str] = &["sm_75", "sm_60", "sm_50"];
 
 /// A kernel that keeps a stream busy for a given time: work of known length.
@@ -169,14 +162,13 @@ pub struct SleepKernel {
 }
 
 impl SleepKernel {
-    /// Load the kernel into `ctx`. Its module stays loaded as long as the
-    /// context: load once per context, not once per launch.
+    /// Load the kernel into `ctx`. Its module stays loaded as long as the context: load once per
+    /// context, not once per launch.
     ///
-    /// Load it before launching work that must run meanwhile: loading a
-    /// module can synchronize the context (the CUDA Programming Guide,
-    /// "Lazy Loading", warns that loading kernels "might require context
-    /// synchronization"; on an H200 a load on one thread held other
-    /// threads' calls until their running kernels had ended).
+    /// Load it before launching work that must run meanwhile: loading a module can synchronize
+    /// the context (the CUDA Programming Guide, "Lazy Loading", warns that loading kernels "might
+    /// require context synchronization"; on an H200 a load on one thread held other threads'
+    /// calls until their running kernels had ended).
     ///
     /// # Errors
     ///
@@ -187,11 +179,9 @@ impl SleepKernel {
         })
     }
 
-    /// The kernel loaded into `ctx`'s context, shared: loaded on the first
-    /// call, and the same `Arc` for every later call while any is alive, so
-    /// servers (or tests) that each need the kernel load it once per
-    /// context, not once each (a load can stall every other thread's calls
-    /// on the context, as [`new`](Self::new) says).
+    /// The kernel loaded into `ctx`'s context, shared: loaded on the first call, and the same
+    /// `Arc` for every later call while any is alive, so servers (or tests) that each need it
+    /// load it once per context (a load can stall other threads' calls, see [`new`](Self::new)).
     ///
     /// ```no_run
     /// use device_events::cuda::{self, SleepKernel};
@@ -206,12 +196,10 @@ impl SleepKernel {
     ///
     /// # Errors
     ///
-    /// As [`new`](Self::new), for the first call (or the first after every
-    /// `Arc` of it was dropped).
+    /// As [`new`](Self::new), for the first call (or the first after every `Arc` was dropped).
     pub fn shared(ctx: &Arc<CudaContext>) -> Result<Arc<Self>, ServerError> {
-        // Keyed by the context's handle: a live kernel holds its context,
-        // so no other context can have that handle meanwhile. Held over the
-        // load, so that callers racing for one context load it once.
+        // Keyed by the context's handle: a live kernel holds its context, so no other context can
+        // have that handle meanwhile. Held over the load, so racing callers load it once.
         static SHARED: OnceLock<Mutex<Vec<Weak<SleepKernel>>>> = OnceLock::new();
         super::driver::ensure_loaded()?;
         let mut shared = SHARED.get_or_init(Mutex::default).lock();
@@ -245,11 +233,10 @@ impl std::fmt::Debug for SleepKernel {
     }
 }
 
-/// A kernel that writes to an illegal address: it poisons its context on
-/// purpose, for tests of fault handling (feature `test-util`). After it runs, every call on the
-/// context fails with `CUDA_ERROR_ILLEGAL_ADDRESS` (a sticky
-/// [`ServerError::Faulted`]) for the rest of the process: run it in a test
-/// binary of its own.
+/// A kernel that writes to an illegal address: it poisons its context on purpose, for tests of
+/// fault handling (feature `test-util`). After it runs, every call on the context fails with
+/// `CUDA_ERROR_ILLEGAL_ADDRESS` (a sticky [`ServerError::Faulted`]) for the rest of the process:
+/// run it in a test binary of its own.
 ///
 /// ```no_run
 /// use device_events::cuda::{self, FaultKernel};
@@ -286,8 +273,7 @@ impl FaultKernel {
     ///
     /// The stream belongs to another context, or the launch was refused.
     pub fn launch(&self, stream: &CudaStream) -> Result<(), ServerError> {
-        // Far from any allocation, and 4-byte aligned: an illegal address,
-        // not a misaligned one.
+        // Far from any allocation, and 4-byte aligned: an illegal address, not a misaligned one.
         self.kernel.launch_u64(stream, 0x10)
     }
 }

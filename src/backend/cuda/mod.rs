@@ -1,18 +1,15 @@
 //! The CUDA backend, on cudarc's driver API loaded at run time.
 //!
-//! The crate builds and runs without CUDA: the driver library is looked for on
-//! first use, and its absence (or a driver too old, or no device) is a
-//! [`ServerError::Unavailable`], never a panic. Fence events are created with
-//! `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`, so a thread waiting on
-//! one sleeps in the driver instead of spinning; every call binds the
-//! stream's or event's context on the calling thread first, so any thread
-//! (a waiter thread has no current context) may wait. Your threads get
-//! their previous context back after each call (and after the crate drops
-//! the last handle of a context, which cudarc's drop leaves current); a
-//! binding left from a context torn down and made again under the same
-//! handle is bound afresh, not trusted. The crate's own threads
-//! (the waiter's, the drop queue's) keep the last one bound, which spares a
-//! waiter thread two `cuCtxSetCurrent` calls per query in a burst.
+//! The crate builds and runs without CUDA: the driver library is looked for on first use, and
+//! its absence (or a driver too old, or no device) is a [`ServerError::Unavailable`], never a
+//! panic. Fence events are created with `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`, so a
+//! thread waiting on one sleeps in the driver instead of spinning. Every call binds the stream's
+//! or event's context on the calling thread first, so any thread (a waiter thread has no current
+//! context) may wait. Your threads get their previous context back after each call (and after
+//! the crate drops the last handle of a context, which cudarc's drop leaves current); a binding
+//! left from a context torn down and made again under the same handle is bound afresh, not
+//! trusted. The crate's own threads (the waiter's, the drop queue's) keep the last one bound,
+//! which spares a waiter thread two `cuCtxSetCurrent` calls per query in a burst.
 //!
 //! From cudarc, a fence is one call:
 //!
@@ -47,9 +44,9 @@ pub use kernels::SleepKernel;
 #[cfg(feature = "test-util")]
 pub use kernels::{ptx_modules, FaultKernel};
 
-/// Every driver entry point the backend probes before its first call: a
-/// driver library missing any of them makes the backend unavailable. For
-/// tests (feature `test-util`) that build stand-in drivers.
+/// Every driver entry point the backend probes before its first call: a driver library missing
+/// any of them makes the backend unavailable. For tests (feature `test-util`) that build
+/// stand-in drivers.
 ///
 /// ```
 /// assert!(device_events::cuda::required_symbols().contains(&"cuEventQuery"));
@@ -61,14 +58,12 @@ pub fn required_symbols() -> &'static [&'static str] {
 }
 pub use stream::CudaStreamHandle;
 
-/// Counts of the events the backend made for `stream` and has not destroyed
-/// or given back to its context's pool: the same
-/// [`LiveEvents`](crate::LiveEvents) a host stream gives
-/// ([`HostStream::live_events`](crate::host::HostStream::live_events)), so a
-/// leak check runs the same on either backend (see
-/// [`AnyStream::live_events`](crate::AnyStream::live_events)). Idle events
-/// in the context's pool do not count; it stays readable after the stream
-/// is dropped. For tests: only with the `test-util` feature.
+/// Counts of the events the backend made for `stream` and has not destroyed or given back to its
+/// context's pool: the same [`LiveEvents`](crate::LiveEvents) a host stream gives
+/// ([`HostStream::live_events`](crate::host::HostStream::live_events)), so a leak check runs the
+/// same on either backend (see [`AnyStream::live_events`](crate::AnyStream::live_events)). Idle
+/// events in the context's pool do not count; it stays readable after the stream is dropped.
+/// For tests: only with the `test-util` feature.
 ///
 /// ```no_run
 /// use device_events::cuda;
@@ -92,8 +87,8 @@ pub fn live_events(stream: &Arc<CudaStream>) -> crate::LiveEvents {
 
 use crate::{EventApi, EventFence, EventFlags, ServerError};
 
-/// The CUDA backend; see the [module](self) docs. Named as the type
-/// parameter of the generic types, or through its aliases:
+/// The CUDA backend; see the [module](self) docs. Named as the type parameter of the generic
+/// types, or through its aliases:
 ///
 /// ```no_run
 /// use device_events::cuda::{self, Cuda, CudaStreamHandle};
@@ -122,8 +117,7 @@ pub struct Cuda;
 /// ```
 pub type CudaFence = EventFence<Cuda>;
 
-/// Whether the driver loads and reports at least one device: the switch
-/// between a CUDA path and a host fallback.
+/// Whether the driver loads and reports a device: the switch between a CUDA path and host fallback.
 ///
 /// ```
 /// if device_events::cuda::is_available() {
@@ -150,8 +144,7 @@ pub fn fence(stream: &Arc<CudaStream>) -> CudaFence {
     EventFence::new(CudaStreamHandle::new(stream))
 }
 
-/// `stream.fence()` on a cudarc `Arc<CudaStream>`: the same as
-/// [`cuda::fence(&stream)`](fence).
+/// `stream.fence()` on a cudarc `Arc<CudaStream>`: the same as [`cuda::fence(&stream)`](fence).
 ///
 /// ```no_run
 /// use device_events::cuda::{self, CudaStreamExt};
@@ -222,8 +215,7 @@ impl EventApi for Cuda {
 
     fn event_elapsed(start: &CudaEvent, end: &CudaEvent) -> Result<Duration, ServerError> {
         let ms = f64::from(end.elapsed_ms(start)?);
-        // The driver's time is signed: negative when the stop was reached
-        // before the start (they were recorded on different streams).
+        // Negative when the stop was reached before the start (recorded on different streams).
         let time = Duration::try_from_secs_f64(ms.abs() / 1000.0).map_err(|_| {
             driver::refused(
                 "cuEventElapsedTime",
@@ -240,12 +232,11 @@ impl EventApi for Cuda {
         Ok(time)
     }
 
-    /// The driver's id of the stream's context (`cuCtxGetId`: "unique for
-    /// the life of the program"), so a context made again under an old
-    /// handle gets a new key. A driver without it: the address of the
-    /// stream's cudarc context object, which every event made for the
-    /// stream holds, so it is not reused while such an event is alive (two
-    /// objects of one context then get two keys: less reuse, no error).
+    /// The driver's id of the stream's context (`cuCtxGetId`: "unique for the life of the
+    /// program"), so a context made again under an old handle gets a new key. A driver without
+    /// it: the address of the stream's cudarc context object, which every event made for the
+    /// stream holds, so it is not reused while such an event is alive (two objects of one context
+    /// then get two keys: less reuse, no error).
     fn stream_context(stream: CudaStreamHandle) -> Result<u64, ServerError> {
         let stream = stream.resolve("cuCtxGetId")?;
         let ctx = stream.context();
@@ -271,8 +262,8 @@ impl EventApi for Cuda {
         }
     }
 
-    /// Exact: the stream's registry number and, for a per-thread default
-    /// stream, its thread's number, side by side.
+    /// Exact: the stream's registry number and, for a per-thread default stream, its thread's
+    /// number, side by side.
     fn stream_id(stream: CudaStreamHandle) -> u64 {
         stream.lane_id()
     }

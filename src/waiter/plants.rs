@@ -1,0 +1,20 @@
+//! [`Plants`]: faults a test plants in one pool (test builds only).
+
+/// Faults a test plants in one pool: the next `escapes` times a thread
+/// holds waits it panics outside any contained call; the next
+/// `refused_spawns` spawns fail.
+#[derive(Default)]
+pub(super) struct Plants {
+    pub(super) escapes: crate::loom::AtomicUsize,
+    pub(super) refused_spawns: crate::loom::AtomicUsize,
+}
+
+impl Plants {
+    /// Whether a fault is left in `counter`; it is used up.
+    pub(super) fn take(counter: &crate::loom::AtomicUsize) -> bool {
+        use std::sync::atomic::Ordering::SeqCst;
+        counter
+            .fetch_update(SeqCst, SeqCst, |left| left.checked_sub(1))
+            .is_ok()
+    }
+}
