@@ -1,6 +1,4 @@
-//! [`AnyFence`]: one fence type for code that runs on a GPU when there is one
-//! and on host streams otherwise, without being generic over
-//! [`EventApi`].
+//! [`AnyFence`]: one fence type, not generic over [`EventApi`], for code on a GPU or host streams.
 
 use std::fmt;
 use std::future::{Future, IntoFuture};
@@ -16,11 +14,9 @@ use crate::{AnyStream, EventApi, EventFence, FenceFuture, ServerError, Waiter};
 
 /// A fence of either backend, to hold, wait on and `.await` alike.
 ///
-/// Made with `From` (or `.into()`) from an `EventFence<Cuda>` or an
-/// `EventFence<Host>`, or by [`AnyStream::fence`] (or
-/// [`AnyStream::try_fence`]). A device-side wait
-/// ([`wait_async`](Self::wait_async)) takes an [`AnyStream`] of the fence's
-/// own backend.
+/// Made with `From` (or `.into()`) from an `EventFence<Cuda>` or an `EventFence<Host>`, or by
+/// [`AnyStream::fence`] (or [`AnyStream::try_fence`]). A device-side wait
+/// ([`wait_async`](Self::wait_async)) takes an [`AnyStream`] of the fence's own backend.
 ///
 /// ```
 /// use device_events::host::HostStream;
@@ -57,8 +53,7 @@ impl AnyFence {
         }
     }
 
-    /// Block until the device has reached the fence; see
-    /// [`EventFence::wait_sync`].
+    /// Block until the device has reached the fence; see [`EventFence::wait_sync`].
     ///
     /// # Errors
     ///
@@ -71,8 +66,7 @@ impl AnyFence {
         }
     }
 
-    /// Whether the device has reached the fence, without blocking; see
-    /// [`EventFence::is_complete`].
+    /// Whether the device has reached the fence, not blocking; see [`EventFence::is_complete`].
     ///
     /// # Errors
     ///
@@ -85,8 +79,7 @@ impl AnyFence {
         }
     }
 
-    /// Whether the fence was reached when it was made (its event was refused
-    /// and its stream synchronized instead).
+    /// Whether the fence was reached when made (its event was refused, its stream synchronized).
     pub fn is_resolved_at_creation(&self) -> bool {
         match self {
             #[cfg(feature = "cuda")]
@@ -95,16 +88,13 @@ impl AnyFence {
         }
     }
 
-    /// Make `on` wait for this fence on the device; see
-    /// [`EventFence::wait_async`], whose fallback and errors it shares. The
-    /// fence is not used up.
+    /// Make `on` wait for this fence on the device; see [`EventFence::wait_async`], whose
+    /// fallback and errors it shares. The fence is not used up.
     ///
     /// # Errors
     ///
-    /// As for [`EventFence::wait_async`]; and
-    /// [`ServerError::InvalidArgument`], with no wait made, when `on` is a
-    /// stream of the other backend (a device cannot wait on another
-    /// backend's event).
+    /// As for [`EventFence::wait_async`]; and [`ServerError::InvalidArgument`], with no wait
+    /// made, when `on` is of the other backend (a device cannot wait on another backend's event).
     pub fn wait_async(&self, on: &AnyStream) -> Result<(), ServerError> {
         match self.paired(on, "AnyFence::wait_async")? {
             #[cfg(feature = "cuda")]
@@ -113,14 +103,13 @@ impl AnyFence {
         }
     }
 
-    /// Make `on` wait for this fence on the device, or return the driver's
-    /// refusal, with no host wait; see [`EventFence::try_wait_async`].
+    /// Make `on` wait for this fence on the device, or return the driver's refusal, with no
+    /// host wait; see [`EventFence::try_wait_async`].
     ///
     /// # Errors
     ///
-    /// As for [`EventFence::try_wait_async`]; and
-    /// [`ServerError::InvalidArgument`] when `on` is a stream of the other
-    /// backend.
+    /// As for [`EventFence::try_wait_async`]; and [`ServerError::InvalidArgument`] when `on`
+    /// is of the other backend.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -164,8 +153,7 @@ impl AnyFence {
         }
     }
 
-    /// A future of the fence, served by [`Waiter::global()`]; the same as
-    /// `fence.await`. On another waiter: `waiter.wait(fence)`.
+    /// A future on [`Waiter::global()`], as `fence.await`; on another waiter, `waiter.wait(fence)`.
     pub fn wait(self) -> AnyFenceFuture {
         Waiter::global().wait(self)
     }
@@ -224,8 +212,7 @@ impl fmt::Debug for AnyFence {
     }
 }
 
-/// The future of [`AnyFence::wait`] and `fence.await`; see [`FenceFuture`],
-/// whose errors and cancel safety it shares.
+/// The future of [`AnyFence::wait`] and `fence.await`, with [`FenceFuture`]'s errors.
 ///
 /// # Cancel safety
 ///

@@ -17,17 +17,14 @@ use crate::{
     ServerError, Waiter, DEFAULT_PROFILER_CAPACITY,
 };
 
-/// Measures device time between two points of an [`AnyStream`], whichever
-/// its backend: an [`EventProfiler`] per backend behind one type, so code
-/// written against `AnyStream` times its stages without knowing where they
-/// run.
+/// Measures device time between two points of an [`AnyStream`], whichever its backend: an
+/// [`EventProfiler`] per backend behind one type, so code written against `AnyStream` times its
+/// stages without knowing where they run.
 ///
-/// [`start`](Self::start) and [`stop`](Self::stop) take the stream by
-/// reference; the [`AnyProfile`] they give is read by
-/// [`wait_sync`](AnyProfile::wait_sync) or `.await`. Events are pooled as
-/// in [`EventProfiler`], per backend and per context, so one profiler
-/// serves every device and every host stream it is given; as there, a
-/// profile's start and stop must be on streams of one context.
+/// [`start`](Self::start) and [`stop`](Self::stop) take the stream by reference; the [`AnyProfile`]
+/// they give is read by [`wait_sync`](AnyProfile::wait_sync) or `.await`. Events are pooled as in
+/// [`EventProfiler`], per backend and per context, so one profiler serves every device and host
+/// stream it is given; as there, a profile's start and stop must be on streams of one context.
 ///
 /// ```
 /// use device_events::host::HostStream;
@@ -50,9 +47,8 @@ pub struct AnyProfiler {
     host: EventProfiler<Host>,
 }
 
-/// A started measurement of [`AnyProfiler`]; pass it to
-/// [`AnyProfiler::stop`] with a stream of the same backend. Dropping it
-/// returns its event to the pool.
+/// A started measurement of [`AnyProfiler`]; pass it to [`AnyProfiler::stop`] with a stream of the
+/// same backend. Dropping it returns its event to the pool.
 #[must_use = "a profile start measures nothing until it is stopped"]
 pub struct AnyProfileStart(Start);
 
@@ -62,9 +58,8 @@ enum Start {
     Host(ProfileStart<Host>),
 }
 
-/// A stopped measurement of [`AnyProfiler`]: the device time from start to
-/// stop, read with [`wait_sync`](Self::wait_sync) or `.await`; see
-/// [`Profile`].
+/// A stopped measurement of [`AnyProfiler`]: the device time from start to stop, read with
+/// [`wait_sync`](Self::wait_sync) or `.await`; see [`Profile`].
 #[must_use = "a profile is read with wait_sync() or .await"]
 pub struct AnyProfile(Stopped);
 
@@ -75,14 +70,12 @@ enum Stopped {
 }
 
 impl AnyProfiler {
-    /// A profiler keeping up to [`DEFAULT_PROFILER_CAPACITY`] idle events
-    /// per backend.
+    /// A profiler keeping up to [`DEFAULT_PROFILER_CAPACITY`] idle events per backend.
     pub fn new() -> Self {
         Self::with_capacity(DEFAULT_PROFILER_CAPACITY)
     }
 
-    /// A profiler keeping up to `capacity` idle events per backend (0
-    /// keeps none).
+    /// A profiler keeping up to `capacity` idle events per backend (0 keeps none).
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
             #[cfg(feature = "cuda")]
@@ -104,15 +97,13 @@ impl AnyProfiler {
         }))
     }
 
-    /// Record the end of the measurement `start` at the current end of
-    /// `stream` (usually the stream it started on).
+    /// Record the end of `start` at the current end of `stream` (usually the stream it started on).
     ///
     /// # Errors
     ///
-    /// As for [`EventProfiler::stop`]; and [`ServerError::InvalidArgument`],
-    /// with nothing recorded, when `stream` is of another backend than the
-    /// start's (a device cannot time one backend's event against another's).
-    /// Either way `start`'s event goes back to the pool.
+    /// As for [`EventProfiler::stop`]; and [`ServerError::InvalidArgument`], with nothing recorded,
+    /// when `stream` is of another backend than the start's (a device cannot time one backend's
+    /// event against another's). Either way `start`'s event goes back to the pool.
     pub fn stop(
         &self,
         start: AnyProfileStart,
@@ -160,8 +151,7 @@ impl AnyProfiler {
         cuda + self.host.created()
     }
 
-    /// [`created`](Self::created) and [`pooled`](Self::pooled) together,
-    /// both backends.
+    /// [`created`](Self::created) and [`pooled`](Self::pooled) together, both backends.
     pub fn stats(&self) -> ProfilerStats {
         ProfilerStats {
             created: self.created() as u64,
@@ -252,8 +242,7 @@ impl IntoFuture for AnyProfile {
 ///
 /// # Cancel safety
 ///
-/// As for [`ProfileFuture`]: dropping it cancels the wait without blocking,
-/// and its events go back to the pool.
+/// As [`ProfileFuture`]: a drop cancels the wait without blocking; its events go back to the pool.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct AnyProfileFuture(Reading);
 

@@ -1,5 +1,4 @@
-//! [`AnyStream`]: one stream type for code that runs on a GPU when there is
-//! one and on host streams otherwise, beside [`AnyFence`].
+//! [`AnyStream`]: one stream type for code on a GPU if there is one, host streams otherwise.
 
 use std::fmt;
 use std::sync::Arc;
@@ -9,13 +8,12 @@ use crate::cuda::{self, cudarc::driver::CudaStream, Cuda, CudaStreamHandle};
 use crate::host::{Host, HostStream};
 use crate::{AnyFence, EventApi, EventFence, ServerError};
 
-/// A stream of either backend: cheap to clone (one `Arc`), made with `From`
-/// (or `.into()`) from a cudarc `Arc<CudaStream>` or a [`HostStream`].
+/// A stream of either backend: cheap to clone (one `Arc`), made with `From` (or `.into()`) from
+/// a cudarc `Arc<CudaStream>` or a [`HostStream`].
 ///
-/// A service written against it differs per backend only where it launches
-/// its own work (a kernel is not a closure): [`fence`](Self::fence) records
-/// an [`AnyFence`], which `.await`s, waits, goes in a drop queue, and makes
-/// another `AnyStream` wait on the device ([`AnyFence::wait_async`]).
+/// A service written against it differs per backend only where it launches its own work (a kernel
+/// is not a closure): [`fence`](Self::fence) gives an [`AnyFence`] that `.await`s, waits, goes in a
+/// drop queue, and makes another `AnyStream` wait on the device ([`AnyFence::wait_async`]).
 ///
 /// ```
 /// use device_events::host::HostStream;
@@ -67,8 +65,7 @@ impl AnyStream {
         }
     }
 
-    /// Record a fence at the stream's current position; see
-    /// [`EventFence::new`](crate::EventFence::new).
+    /// A fence at the stream's current end ([`EventFence::new`](crate::EventFence::new)).
     pub fn fence(&self) -> AnyFence {
         match self {
             #[cfg(feature = "cuda")]
@@ -77,9 +74,8 @@ impl AnyStream {
         }
     }
 
-    /// Record a fence at the stream's current position, or return the
-    /// driver's refusal, with no stream synchronize; see
-    /// [`EventFence::try_new`].
+    /// A fence at the stream's current end, or the driver's refusal, with no stream
+    /// synchronize; see [`EventFence::try_new`].
     ///
     /// # Errors
     ///
@@ -119,9 +115,8 @@ impl AnyStream {
     }
 
     /// The stream's counts of its events in use, on either backend
-    /// ([`HostStream::live_events`](crate::host::HostStream::live_events),
-    /// `cuda::live_events`), for a leak check written once. For tests: only
-    /// with the `test-util` feature.
+    /// ([`HostStream::live_events`](crate::host::HostStream::live_events), `cuda::live_events`),
+    /// for a leak check written once. For tests: only with the `test-util` feature.
     ///
     /// ```
     /// use device_events::host::HostStream;

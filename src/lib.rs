@@ -78,9 +78,10 @@
 //! `shards` (how state is spread over locks: by hash, by thread),
 //! `idle_pool` (bounded pools of idle events: the fence-event pools),
 //! `live_events` (per-stream event counts for leak checks, feature
-//! `test-util`) and `plant` (the planted-defect hooks) serve every layer;
-//! they, like `api`
-//! and `error`, may be imported from any layer.
+//! `test-util`), `checked` (a lock guard that checks its state's
+//! invariants), `latency_histogram` ([`LatencyHistogram`]) and `plant` (the
+//! planted-defect hooks) serve every layer; they, like `api` and `error`,
+//! may be imported from any layer.
 //!
 //! # Backends
 //!
@@ -133,9 +134,13 @@ mod profiler;
 #[cfg(multi_threading)]
 mod any_profiler;
 
+#[cfg(multi_threading)]
+mod checked;
 mod fault_log;
 mod fork;
 mod idle_pool;
+#[cfg(multi_threading)]
+mod latency_histogram;
 mod live_events;
 mod loom;
 mod own_threads;
@@ -155,6 +160,8 @@ pub use backend::host;
 pub use error::{status, ErrorSource, ServerError};
 pub use event::Event;
 pub use fence::EventFence;
+#[cfg(multi_threading)]
+pub use latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
 #[cfg(any(test, feature = "test-util"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub use live_events::LiveEvents;
@@ -164,8 +171,8 @@ pub use profiler::{
 };
 #[cfg(multi_threading)]
 pub use waiter::{
-    Awaitable, FenceFuture, LatencyHistogram, StuckWait, Waiter, WaiterBuilder, WaiterStats,
-    DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, LATENCY_BUCKETS, MAX_SPIN_BUDGET, MAX_THREADS_LIMIT,
+    Awaitable, FenceFuture, StuckWait, Waiter, WaiterBuilder, WaiterStats, DEFAULT_KEEP_ALIVE,
+    DEFAULT_MAX_THREADS, MAX_SPIN_BUDGET, MAX_THREADS_LIMIT,
 };
 
 /// The README's examples, compiled and run as doctests.

@@ -1,13 +1,11 @@
-//! The crate's one kind of lock, condition variable and thread spawn: std's,
-//! swapped for loom's under `cfg(device_events_loom)` so the waiter's models can explore
-//! every interleaving (as tokio's `src/loom/` does).
+//! The crate's only locks, condition variable and thread spawn: std's, or loom's under
+//! `cfg(device_events_loom)` so the waiter's models explore every interleaving (as tokio's
+//! `src/loom/`).
 //!
-//! The locks ignore poisoning, as tokio's `loom/std/mutex.rs` does: every
-//! critical section in this crate leaves its state consistent before
-//! anything that can panic (user code and backend calls run outside locks,
-//! under `catch_unwind` where they may panic), so a panic elsewhere never
-//! leaves a lock's data half-changed, and no call site handles
-//! `PoisonError`.
+//! The locks ignore poisoning, as tokio's `loom/std/mutex.rs` does: every critical section in this
+//! crate leaves its state consistent before anything that can panic (user code and backend calls
+//! run outside locks, under `catch_unwind` where they may panic), so a panic elsewhere never leaves
+//! a lock's data half-changed, and no call site handles `PoisonError`.
 
 use std::fmt;
 use std::sync::PoisonError;
@@ -39,7 +37,6 @@ impl<T> Mutex<T> {
         Self(imp::Mutex::new(value))
     }
 
-    /// A new mutex.
     #[cfg(device_events_loom)]
     pub(crate) fn new(value: T) -> Self {
         Self(imp::Mutex::new(value))
@@ -111,7 +108,6 @@ impl Condvar {
         }
     }
 
-    /// A new condition variable.
     #[cfg(device_events_loom)]
     pub(crate) fn new() -> Self {
         Self {
@@ -148,17 +144,14 @@ impl Condvar {
 
     /// Wait at most `timeout`; also whether it timed out.
     ///
-    /// loom 0.7's own timed wait never times out, so a model could never see
-    /// an idle thread leave. Here a zero timeout (`keep_alive(0)`) is a
-    /// choice the schedule makes: the wait lets go of the lock, yields, and
-    /// takes the lock again; if a notification came meanwhile it was woken,
-    /// otherwise its time ran out. So loom explores a notification before
-    /// the timeout, after it (the thread has gone: the notification is lost,
-    /// as it is on a real condition variable), and every step of the other
-    /// threads in between. Any other timeout never runs out, as in loom
-    /// itself: the thread sleeps until notified, so a model with a long
-    /// keep-alive deadlocks on a lost wake-up instead of hiding it behind a
-    /// timeout.
+    /// loom 0.7's own timed wait never times out, so a model could never see an idle thread leave.
+    /// Here a zero timeout (`keep_alive(0)`) is a choice the schedule makes: the wait lets go of
+    /// the lock, yields, and takes the lock again; if a notification came meanwhile it was woken,
+    /// otherwise its time ran out. So loom explores a notification before the timeout, after it
+    /// (the thread has gone: the notification is lost, as it is on a real condition variable), and
+    /// every step of the other threads in between. Any other timeout never runs out, as in loom
+    /// itself: the thread sleeps until notified, so a model with a long keep-alive deadlocks on a
+    /// lost wake-up instead of hiding it behind a timeout.
     #[cfg(device_events_loom)]
     pub(crate) fn wait_timeout<'a, T>(
         &self,
@@ -198,9 +191,8 @@ impl fmt::Debug for Condvar {
     }
 }
 
-/// A read-write lock that ignores poisoning. Always std's: it guards the
-/// stream registries, which no loom model explores, and must be `const` for
-/// their statics.
+/// A read-write lock that ignores poisoning. Always std's: it guards the stream registries, which
+/// no loom model explores, and must be `const` for their statics.
 pub(crate) struct RwLock<T>(std::sync::RwLock<T>);
 
 impl<T> RwLock<T> {

@@ -1,5 +1,4 @@
-//! [`EventProfiler`]: device time between two points of a stream, with the
-//! timing events kept in a bounded pool.
+//! [`EventProfiler`]: device time between two stream points, from a bounded pool of timing events.
 
 use std::fmt;
 use std::future::{Future, IntoFuture};
@@ -11,6 +10,7 @@ use std::time::Duration;
 
 use futures::future::FusedFuture;
 
+use crate::checked::{Checked, Invariants};
 use crate::loom::Mutex;
 use crate::waiter::{Handoff, LaneKey, Waitable, Waiter};
 use crate::{Event, EventApi, EventFlags, ServerError};
@@ -20,25 +20,19 @@ pub const DEFAULT_PROFILER_CAPACITY: usize = 64;
 
 /// Measures device time between two points of a stream.
 ///
-/// [`start`](Self::start) and [`stop`](Self::stop) record timing events;
-/// the [`Profile`] they give resolves to the device time between them, by
-/// [`Profile::wait_sync`] or by `.await` (served by the [`Waiter`], so no
-/// executor thread blocks). Events come from a pool and go back to it once
-/// read, or when a [`ProfileStart`] or [`Profile`] is dropped unread, so a
-/// hot loop allocates no events after its first round. The pool keeps at most
-/// its capacity; events beyond it are destroyed.
+/// [`start`](Self::start) and [`stop`](Self::stop) record timing events; the [`Profile`] they give
+/// resolves to the device time between them, by [`Profile::wait_sync`] or `.await` (served by the
+/// [`Waiter`], so no executor thread blocks). Events come from a pool and go back to it once read,
+/// or when a [`ProfileStart`] or [`Profile`] is dropped unread, so a hot loop allocates no events
+/// after its first round. The pool keeps at most its capacity and destroys the rest.
 ///
-/// An event belongs to the context (CUDA device) of the stream it was made
-/// for, so the pool keeps its idle events per context
-/// ([`EventApi::stream_context`]), and one profiler serves every context it
-/// is given: two devices, or host streams however their contexts were
-/// made. The capacity counts them all; when it is reached, the context used
-/// least recently gives up an idle event to the one in use. The two points
-/// of one profile must be on streams of one context: a start and a stop on
-/// two are refused when the profile is read, as the driver refuses to time
-/// events of two contexts (`CUDA_ERROR_INVALID_HANDLE`; two host streams
-/// made with [`HostStream::new`](crate::host::HostStream::new) each have a
-/// context of their own).
+/// An event belongs to the context (CUDA device) of its stream, so the pool keeps idle events per
+/// context ([`EventApi::stream_context`]) and one profiler serves every context it is given: two
+/// devices, or host streams however their contexts were made. The capacity counts them all; once
+/// full, the context used least recently gives up an idle event to the one in use. A profile's two
+/// points must be on streams of one context: a start and a stop on two are refused when read, as
+/// the driver refuses to time events of two contexts (`CUDA_ERROR_INVALID_HANDLE`; each host stream
+/// made with [`HostStream::new`](crate::host::HostStream::new) has its own context).
 ///
 /// # Example
 ///
@@ -66,21 +60,19 @@ pub struct EventProfiler<A: EventApi> {
 struct EventPool<A: EventApi> {
     /// One lock: a profiler is used by whoever holds it.
     idle: Mutex<Idle<A>>,
-    /// The most idle events kept, over all contexts.
-    capacity: usize,
     created: AtomicUsize,
 }
 
 /// The idle events, by context key.
 struct Idle<A: EventApi> {
-    /// An entry per context key with idle events, and the entries emptied
-    /// since a key was last added (so a busy context keeps its `Vec`): about
-    /// one per device in use, so searched in turn.
+    /// An entry per context key with idle events, and the entries emptied since a key was last
+    /// added (so a busy context keeps its `Vec`): about one per device in use, so searched in turn.
     contexts: Vec<ContextEvents<A>>,
-    /// Idle events over all contexts: at most the pool's capacity.
+    /// Idle events over all contexts, at most `capacity`.
     len: usize,
-    /// Counts takes and give-backs, to tell which context was used least
-    /// recently.
+    /// The most idle events kept, over all contexts.
+    capacity: usize,
+    /// Counts takes and give-backs, to tell which context was used least recently.
     clock: u64,
 }
 
@@ -140,17 +132,16 @@ impl<A: EventApi> EventProfiler<A> {
         Self::with_capacity(DEFAULT_PROFILER_CAPACITY)
     }
 
-    /// A profiler keeping up to `capacity` idle events, over all contexts
-    /// (0 keeps none).
+    /// A profiler keeping up to `capacity` idle events, over all contexts (0 keeps none).
     pub fn with_capacity(capacity: usize) -> Self {
         Self {
             pool: Arc::new(EventPool {
                 idle: Mutex::new(Idle {
                     contexts: Vec::new(),
                     len: 0,
+                    capacity,
                     clock: 0,
                 }),
-                capacity,
                 created: AtomicUsize::new(0),
             }),
         }
@@ -160,11 +151,9 @@ impl<A: EventApi> EventProfiler<A> {
     ///
     /// # Errors
     ///
-    /// The driver refused to create or record a timing event, or the stream
-    /// is faulted or invalid; [`ServerError::InvalidArgument`] when the
-    /// backend gives streams of two contexts one key (the default
-    /// [`EventApi::stream_context`]) and the profiler's idle events are of
-    /// the other.
+    /// The driver refused to create or record a timing event, or the stream is faulted or invalid;
+    /// [`ServerError::InvalidArgument`] when the backend gives streams of two contexts one key (the
+    /// default [`EventApi::stream_context`]) and the profiler's idle events are of the other.
     pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
         let key = A::stream_context(stream)?;
         Ok(ProfileStart {
@@ -174,9 +163,8 @@ impl<A: EventApi> EventProfiler<A> {
         })
     }
 
-    /// Record the end of the measurement `start` at the current end of
-    /// `stream` (usually the stream it started on; one of another context
-    /// is recorded, and refused when the profile is read).
+    /// Record the end of the measurement `start` at the current end of `stream` (usually the one it
+    /// started on; one of another context is recorded, and refused when the profile is read).
     ///
     /// # Errors
     ///
@@ -227,17 +215,13 @@ impl<A: EventApi> Default for EventProfiler<A> {
 }
 
 impl<A: EventApi> EventPool<A> {
-    /// A pooled event of the context `key` (or a new one) recorded on
-    /// `stream`, of that context, with the record's place in the stream's
-    /// order.
-    ///
-    /// A pooled event the driver refuses goes back to the pool: when the
-    /// stream refuses new events too (faulted, or gone), with the stream's
-    /// error, so refused starts neither destroy healthy events nor make new
-    /// ones; when a new event is accepted where it was not, the pooled one
-    /// belongs to another context under the same key (a backend that keeps
-    /// the default [`EventApi::stream_context`]), and the profiler is being
-    /// used on a second context: an error, not a silent swap of its pool.
+    /// A pooled event of the context `key` (or a new one) recorded on `stream`, of that context,
+    /// with the record's place in the stream's order. A pooled event the driver refuses goes back
+    /// to the pool: when the stream refuses new events too (faulted, or gone), with the stream's
+    /// error, so refused starts neither destroy healthy events nor make new ones; when a new event
+    /// is accepted where it was not, the pooled one belongs to another context under the same key
+    /// (a backend with the default [`EventApi::stream_context`]), and the profiler is in use on a
+    /// second context: an error, not a silent swap of its pool.
     fn record(&self, key: u64, stream: A::Stream) -> Result<(Event<A>, u64), ServerError> {
         let pooled = self.take(key);
         let refused = match pooled {
@@ -286,22 +270,13 @@ impl<A: EventApi> EventPool<A> {
 
     /// An idle event of the context `key`, now in use.
     fn take(&self, key: u64) -> Option<Event<A>> {
-        let mut idle = self.idle.lock();
-        let event = idle.take(key);
-        idle.check_invariants(self.capacity);
-        event
+        Checked::lock(&self.idle).take(key)
     }
 
-    /// Keep `event`, of the context `key`, for a later measurement, or
-    /// destroy it (outside the pool's lock) when the pool is full; see
-    /// [`Idle::give_back`].
+    /// Keep `event`, of the context `key`, for a later measurement, or destroy it (outside the
+    /// pool's lock) when the pool is full; see [`Idle::give_back`].
     fn give_back(&self, key: u64, event: Event<A>) {
-        let destroyed = {
-            let mut idle = self.idle.lock();
-            let destroyed = idle.give_back(key, event, self.capacity);
-            idle.check_invariants(self.capacity);
-            destroyed
-        };
+        let destroyed = Checked::lock(&self.idle).give_back(key, event);
         drop(destroyed);
     }
 }
@@ -321,13 +296,12 @@ impl<A: EventApi> Idle<A> {
         Some(event)
     }
 
-    /// Keep `event`, of the context `key`; the event to destroy, if any.
-    /// Below `capacity` it is kept; at it, the context used least recently,
-    /// when that is another, gives up an idle event for it (contexts no
-    /// longer used, such as those of dropped host streams, make way for the
-    /// one in use), and otherwise `event` itself is destroyed.
-    fn give_back(&mut self, key: u64, event: Event<A>, capacity: usize) -> Option<Event<A>> {
-        if capacity == 0 {
+    /// Keep `event`, of the context `key`; the event to destroy, if any. Below the capacity it is
+    /// kept; at it, the context used least recently, when that is another, gives up an idle event
+    /// for it (contexts no longer used, such as those of dropped host streams, make way for the one
+    /// in use), and otherwise `event` itself is destroyed.
+    fn give_back(&mut self, key: u64, event: Event<A>) -> Option<Event<A>> {
+        if self.capacity == 0 {
             return Some(event);
         }
         self.clock += 1;
@@ -343,7 +317,7 @@ impl<A: EventApi> Idle<A> {
                 self.contexts.len() - 1
             }
         };
-        let evicted = if self.len < capacity {
+        let evicted = if self.len < self.capacity {
             self.len += 1;
             None
         } else {
@@ -363,37 +337,36 @@ impl<A: EventApi> Idle<A> {
         context.used = self.clock;
         evicted
     }
+}
 
-    /// In debug builds: `len` counts the idle events, within `capacity`,
-    /// and each key has one entry.
-    fn check_invariants(&self, capacity: usize) {
-        if cfg!(debug_assertions) {
-            let idle: usize = self
-                .contexts
-                .iter()
-                .map(|context| context.events.len())
-                .sum();
-            assert_eq!(self.len, idle, "the idle count drifted");
-            assert!(self.len <= capacity, "more idle events than the capacity");
-            for (index, context) in self.contexts.iter().enumerate() {
-                assert!(
-                    self.contexts[..index]
-                        .iter()
-                        .all(|earlier| earlier.key != context.key),
-                    "two entries for one context"
-                );
-            }
+/// `len` counts the idle events, within the capacity; one entry per key.
+impl<A: EventApi> Invariants for Idle<A> {
+    fn check_invariants(&self) {
+        let idle: usize = self
+            .contexts
+            .iter()
+            .map(|context| context.events.len())
+            .sum();
+        assert_eq!(self.len, idle, "the idle count drifted");
+        assert!(
+            self.len <= self.capacity,
+            "more idle events than the capacity"
+        );
+        for (index, context) in self.contexts.iter().enumerate() {
+            assert!(
+                self.contexts[..index]
+                    .iter()
+                    .all(|earlier| earlier.key != context.key),
+                "two entries for one context"
+            );
         }
     }
 }
 
 impl<A: EventApi> Profile<A> {
-    /// Block until the device reached both the start and the stop; the
-    /// device time from start to stop.
-    ///
-    /// Both are waited for because they may sit on different streams, and the
-    /// driver times two events only once both are complete
-    /// (`cuEventElapsedTime` returns `CUDA_ERROR_NOT_READY` otherwise).
+    /// Block until the device reached both the start and the stop (they may be on different
+    /// streams, and `cuEventElapsedTime` returns `CUDA_ERROR_NOT_READY` until both are complete);
+    /// the device time from start to stop.
     ///
     /// # Errors
     ///
@@ -483,21 +456,19 @@ impl<A: EventApi> Drop for ProfileStart<A> {
     }
 }
 
-/// What the waiter holds of a profile: its two events, weakly, upgraded only
-/// for the length of a query or a blocking wait and released before the
-/// future is woken. So a completed profile's events are back in the pool by
-/// the time its future returns: a loop that awaits each profile reuses the
-/// same two events.
+/// What the waiter holds of a profile: its two events, weakly, upgraded only for the length of a
+/// query or a blocking wait and released before the future is woken. So a completed profile's
+/// events are back in the pool by the time its future returns: a loop that awaits each profile
+/// reuses the same two events.
 struct PairWait<A: EventApi> {
     pair: Weak<EventPair<A>>,
     stream: A::Stream,
     sequence: u64,
 }
 
-/// The waiter waits for both events, on the stop stream's lane (the start is
-/// usually on the same stream; when it is on another, the lane's thread may
-/// block on that stream's work first). A pair already gone (its future
-/// dropped) has nothing left to wait for.
+/// The waiter waits for both events, on the stop stream's lane (the start is usually on the same
+/// stream; when it is on another, the lane's thread may block on that stream's work first). A pair
+/// already gone (its future dropped) has nothing left to wait for.
 impl<A: EventApi> Waitable for PairWait<A> {
     fn lane(&self) -> LaneKey {
         LaneKey::of::<A>(self.stream)
@@ -526,14 +497,12 @@ impl<A: EventApi> Waitable for PairWait<A> {
     }
 }
 
-/// The future of [`Profile::wait`] and `profile.await`: the device time
-/// between start and stop.
+/// The future of [`Profile::wait`] and `profile.await`: the device time between start and stop.
 ///
 /// # Cancel safety
 ///
-/// Dropping it cancels the wait without blocking. Its events go back to the
-/// pool at once, or, if a waiter thread is blocked on one of its events right
-/// then, as soon as that thread's wait ends.
+/// Dropping it cancels the wait without blocking. Its events go back to the pool at once, or, if a
+/// waiter thread is blocked on one of them right then, when that thread's wait ends.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct ProfileFuture<A: EventApi> {
     pair: Arc<EventPair<A>>,

@@ -1,14 +1,12 @@
 //! Copyable stream handles that cannot dangle.
 //!
-//! [`EventApi::Stream`](crate::EventApi::Stream) must be `Copy`, so a handle
-//! cannot own its stream. Each backend keeps a registry of weak references
-//! instead: a handle is a number, and a call through a handle whose stream has
-//! been dropped finds nothing and returns an error, never touches freed memory.
+//! [`EventApi::Stream`](crate::EventApi::Stream) must be `Copy`, so a handle cannot own its stream.
+//! Each backend keeps a registry of weak references instead: a handle is a number, and a call
+//! through one whose stream was dropped returns an error, never touches freed memory.
 //!
-//! Every fence resolves its stream here, from every executor thread, so the
-//! registry is split into shards, each behind its own read-write lock: a
-//! lookup, and the registration of a stream already known, take one shard's
-//! read lock; only a stream's first registration and its removal write.
+//! Every fence resolves its stream here, from every executor thread, so the registry is split into
+//! shards, each behind its own read-write lock: a lookup, and the registration of a stream already
+//! known, take one shard's read lock; only a stream's first registration and its removal write.
 //! Streams in different shards never touch the same lock.
 
 use std::collections::BTreeMap;
@@ -35,9 +33,8 @@ pub(crate) struct Registry<T, X = ()> {
 
 struct Shard<T, X> {
     by_id: BTreeMap<u64, (Weak<T>, X)>,
-    /// The id already given to a live `Arc`, so registering it again returns
-    /// the same handle. Sound as a key because a `Weak` in `by_id` keeps the
-    /// allocation, so its address cannot be reused while the entry exists.
+    /// The id given to a live `Arc`, so registering it again returns the same handle. The address
+    /// is a sound key: a `Weak` in `by_id` keeps the allocation while the entry lives.
     by_address: BTreeMap<usize, u64>,
     sweep_at: usize,
 }
@@ -57,9 +54,8 @@ impl<T, X: Clone> Registry<T, X> {
         }
     }
 
-    /// The id of `value` and its payload, registering it (with the payload
-    /// `payload` makes) if it has none yet. A value already registered costs
-    /// one shard's read lock.
+    /// The id of `value` and its payload, registering it (with the payload `payload` makes) if it
+    /// has none yet. A value already registered costs one shard's read lock.
     pub(crate) fn register(&self, value: &Arc<T>, payload: impl FnOnce() -> X) -> (u64, X) {
         let address = Arc::as_ptr(value) as usize;
         let index = shard_of_address(address);

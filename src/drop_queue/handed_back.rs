@@ -1,5 +1,4 @@
-//! [`Rejected`] and [`HandedBack`]: values the queue gives back to the
-//! caller, with their fences; the value must outlive its fence still.
+//! [`Rejected`] and [`HandedBack`]: values handed back with fences they must still outlive.
 
 use std::fmt;
 use std::ops::Deref;
@@ -11,18 +10,14 @@ use crate::ServerError;
 
 /// Why a push was refused, with the fence and value ([`Refused`]).
 ///
-/// Take both back with [`into_inner`](Self::into_inner) (then keeping the
-/// value alive until the fence passes is the caller's job), or wait for the
-/// fence here with [`wait_then_drop`](Self::wait_then_drop). Ignored
-/// (dropped, `.ok()`, carried away by `?`), it never frees the value early
-/// and never blocks: its drop queues the value all the same, past the
-/// capacity, even while the queue closes. Once the queue's thread has
-/// exited, it drops the value if the fence has passed, and otherwise leaks
-/// it (counted in [`leaked`](super::DropQueueStats::leaked)). To never hold
-/// a refused value, push with
-/// [`DropQueue::push_blocking`](super::DropQueue::push_blocking) or
-/// [`DropQueue::push_async`](super::DropQueue::push_async), which wait for
-/// room.
+/// Take both back with [`into_inner`](Self::into_inner) (then keeping the value alive until the
+/// fence passes is the caller's job), or wait for the fence here with
+/// [`wait_then_drop`](Self::wait_then_drop). Ignored (dropped, `.ok()`, carried away by `?`), it
+/// never frees the value early and never blocks: its drop queues the value all the same, past the
+/// capacity, even while the queue closes. Once the queue's thread has exited, it drops the value if
+/// the fence has passed, else leaks it (counted in [`leaked`](super::DropQueueStats::leaked)). To
+/// never hold a refused value, push with [`push_blocking`](super::DropQueue::push_blocking) or
+/// [`push_async`](super::DropQueue::push_async), which wait for room.
 ///
 /// ```
 /// use device_events::drop_queue::{DropQueue, Rejected};
@@ -53,9 +48,7 @@ pub enum Rejected<F, T> {
     Closed(Refused<F, T>),
 }
 
-/// The fence and value of a refused push: [`Rejected`] says why.
-///
-/// Dropped, it gives them to the queue as [`Rejected`] says.
+/// A refused push's fence and value: [`Rejected`] says why, and what its drop does with them.
 pub struct Refused<F, T> {
     /// The fence and value, until taken back or given to the queue.
     entry: Option<(F, T)>,
@@ -82,13 +75,12 @@ impl<F, T> Rejected<F, T> {
 }
 
 impl<F: Fence, T> Rejected<F, T> {
-    /// Block until the fence has passed, then drop the value, as the queue
-    /// would have.
+    /// Block until the fence has passed, then drop the value, as the queue would have.
     ///
     /// # Errors
     ///
-    /// The fence failed: the value is leaked, not dropped (see
-    /// [`DropQueue`](super::DropQueue)), and the error logged.
+    /// The fence failed: the value is leaked, not dropped (see [`DropQueue`](super::DropQueue)),
+    /// and the error logged.
     pub fn wait_then_drop(self) -> Result<(), ServerError> {
         let (fence, value) = self.into_inner();
         settle(fence, value)
@@ -103,8 +95,7 @@ impl<F, T> Refused<F, T> {
         }
     }
 
-    /// The fence and value, for the caller to keep alive until the fence
-    /// passes.
+    /// The fence and value, for the caller to keep alive until the fence passes.
     pub fn into_inner(mut self) -> (F, T) {
         let Some(entry) = self.entry.take() else {
             unreachable!("only into_inner and the drop take the entry")
@@ -132,14 +123,13 @@ impl<F, T> fmt::Display for Rejected<F, T> {
 
 impl<F, T> std::error::Error for Rejected<F, T> {}
 
-/// The values [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now) handed back, with their fences, in
-/// push order: none has passed yet.
+/// The values [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now) handed back, with
+/// their fences, in push order: none has passed yet.
 ///
-/// Read them as a slice; take them over with [`into_vec`](Self::into_vec) or
-/// by iterating (then keeping each value alive until its fence passes is
-/// the caller's job); or let [`wait_then_drop`](Self::wait_then_drop), or
-/// the drop, wait for each fence on this thread and drop its value (a value
-/// whose fence fails is leaked, as in the queue).
+/// Read them as a slice; take them over with [`into_vec`](Self::into_vec) or by iterating (then
+/// keeping each value alive until its fence passes is the caller's job); or let
+/// [`wait_then_drop`](Self::wait_then_drop), or the drop, wait for each fence on this thread and
+/// drop its value (a value whose fence fails is leaked, as in the queue).
 #[must_use = "dropping the handed-back values blocks until each fence has passed; \
               keep them alive, or call wait_then_drop() where blocking is fine"]
 pub struct HandedBack<F: Fence, T> {

@@ -13,11 +13,10 @@ use crate::panics;
 
 pub(super) struct Shared<F, T> {
     pub(super) state: Mutex<State<F, T>>,
-    /// The queue's thread waits here for entries; flushes and blocking
-    /// pushes wait here for progress.
+    /// The queue's thread waits here for entries, flushes and blocking pushes for progress.
     pub(super) changed: Condvar,
-    /// The queue's thread, set once it is started (before any value can
-    /// reach it): a value's drop runs there, and must not wait for it.
+    /// The queue's thread, set once it is started (before any value can reach it): a value's
+    /// drop runs there, and must not wait for it.
     pub(super) thread: OnceLock<ThreadId>,
 }
 
@@ -27,13 +26,12 @@ pub(super) struct State<F, T> {
     pub(super) capacity: usize,
     /// The push number of the entry the queue's thread is waiting on.
     pub(super) in_flight: Option<u64>,
-    /// The lowest push number among the entries [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now)
-    /// has taken out and not yet dropped or handed back.
+    /// The lowest push number among entries [`shutdown_now`](super::DropQueue::shutdown_now) took
+    /// out and has not yet dropped or handed back.
     pub(super) checking: Option<u64>,
     pub(super) closing: bool,
-    /// Set by the queue's thread, under this lock, when it has decided to
-    /// exit (closing, nothing queued): from then on nobody else will drop a
-    /// queued value.
+    /// Set by the queue's thread, under this lock, when it has decided to exit (closing,
+    /// nothing queued): from then on nobody else will drop a queued value.
     pub(super) exited: bool,
     pub(super) stats: DropQueueStats,
     /// Tasks awaiting progress ([`DropQueue::flush_async`](super::DropQueue::flush_async),
@@ -42,9 +40,8 @@ pub(super) struct State<F, T> {
     pub(super) wakers: Wakers,
 }
 
-/// The wakers of pending futures, one per future: a future dropped before
-/// it resolved takes its waker out again, so none is kept for a task that
-/// no longer waits, and a poll finds its own entry without a scan.
+/// The wakers of pending futures, one per future: a future dropped unresolved takes its waker
+/// out, so none is kept for a task that no longer waits, and a poll finds its entry without a scan.
 #[derive(Default)]
 pub(super) struct Wakers {
     next: u64,
@@ -58,8 +55,8 @@ impl Wakers {
         self.next
     }
 
-    /// Keep `waker` for future `id`; the waker it replaces comes back, to
-    /// be dropped outside the lock (a waker's drop is an executor's code).
+    /// Keep `waker` for future `id`; the waker it replaces comes back, to be dropped outside the
+    /// lock (a waker's drop is an executor's code).
     #[must_use]
     pub(super) fn register(&mut self, id: u64, waker: &Waker) -> Option<Waker> {
         match self.by_future.get(&id) {
@@ -68,22 +65,19 @@ impl Wakers {
         }
     }
 
-    /// Forget future `id`'s waker; it comes back, to be dropped outside the
-    /// lock.
+    /// Forget future `id`'s waker; it comes back, to be dropped outside the lock.
     #[must_use]
     pub(super) fn remove(&mut self, id: u64) -> Option<Waker> {
         self.by_future.remove(&id)
     }
 
-    /// All of them, to wake outside the lock (each woken future registers
-    /// again if it still waits).
+    /// All of them, to wake outside the lock (a woken future registers again if it still waits).
     pub(super) fn take(&mut self) -> Vec<Waker> {
         self.by_future.drain().map(|(_, waker)| waker).collect()
     }
 }
 
-/// Wake `wakers`; a waker that panics (a user's executor) costs only its
-/// own wake.
+/// Wake `wakers`; a waker that panics (a user's executor) costs only its own wake.
 fn wake_all(wakers: Vec<Waker>) {
     for waker in wakers {
         if let Err(message) = panics::catch(|| waker.wake()) {
@@ -122,15 +116,13 @@ impl<F, T> Shared<F, T> {
         self.thread.get() == Some(&current_thread())
     }
 
-    /// Refuse new pushes; wake the queue's thread, blocked pushers and
-    /// pending push futures, so they learn it now.
+    /// Refuse new pushes; wake the queue's thread, blocked pushers and pending push futures.
     pub(super) fn close(&self) {
         self.update_and_wake(|state| state.closing = true);
     }
 
-    /// Change the state, then tell everyone who waits on it: blocked
-    /// flushes and pushers (the condvar) and pending futures (their
-    /// wakers, woken outside the lock).
+    /// Change the state, then tell everyone who waits on it: blocked flushes and pushers (the
+    /// condvar) and pending futures (their wakers, woken outside the lock).
     pub(super) fn update_and_wake(&self, change: impl FnOnce(&mut State<F, T>)) {
         let wakers = {
             let mut state = self.lock();
@@ -147,8 +139,7 @@ pub(super) fn current_thread() -> ThreadId {
 }
 
 impl<F: Fence, T: Send + 'static> Shared<F, T> {
-    /// Queue an entry (the caller checked room and closing) and wake the
-    /// queue's thread.
+    /// Queue an entry (the caller checked room and closing) and wake the queue's thread.
     pub(super) fn enqueue(&self, mut state: MutexGuard<'_, State<F, T>>, fence: F, value: T) {
         state.stats.pushed += 1;
         let number = state.stats.pushed;
@@ -157,12 +148,10 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
         self.changed.notify_all();
     }
 
-    /// Take in a value whose push was refused or abandoned (its
-    /// [`Rejected`](super::Rejected) or future dropped): queued past the
-    /// capacity, even while closing, as long as the queue's thread will
-    /// still see it. Once that thread has exited, dropped here if its fence
-    /// has passed, and otherwise leaked: the dropping thread may be an
-    /// executor's, and must not wait.
+    /// Take in a value whose push was refused or abandoned (its [`Rejected`](super::Rejected)
+    /// or future dropped): queued past the capacity, even while closing, as long as the queue's
+    /// thread will still see it. Once that thread has exited, dropped here if its fence has
+    /// passed, else leaked: the dropping thread may be an executor's, and must not wait.
     pub(super) fn adopt(&self, fence: F, value: T) {
         let state = self.lock();
         if !state.exited {
@@ -190,8 +179,8 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
         state.count_settled(passed);
     }
 
-    /// The queue's thread: wait for each fence in push order, then drop its
-    /// value (or leak it if the fence failed).
+    /// The queue's thread: wait for each fence in push order, then drop its value (or leak it
+    /// if the fence failed).
     pub(super) fn run(&self) {
         crate::own_threads::enter();
         // Whichever way the thread ends, awaiting shutdowns learn it.
@@ -225,8 +214,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
     }
 }
 
-/// What a [`Rejected`](super::Rejected)'s drop needs of its queue, without
-/// the bounds the queue puts on `F` and `T`.
+/// What a [`Rejected`](super::Rejected)'s drop needs of its queue, without its bounds on `F`, `T`.
 pub(super) trait Adopt<F, T>: Send + Sync {
     /// As [`Shared::adopt`].
     fn adopt(&self, fence: F, value: T);
@@ -261,12 +249,10 @@ impl<F, T> State<F, T> {
         }
     }
 
-    /// Whether the first `target` values pushed are all dropped, leaked or
-    /// handed back: none of them is queued, waited on, or being checked by
-    /// `shutdown_now` (by push number, since `shutdown_now` hands back later
-    /// values while an earlier one is still waited on). Also once the
-    /// thread has exited with nothing being checked: nothing more will be
-    /// handled then.
+    /// Whether the first `target` values pushed are all dropped, leaked or handed back: none is
+    /// queued, waited on, or being checked by `shutdown_now` (by push number, since
+    /// `shutdown_now` hands back later values while an earlier one is still waited on). Also
+    /// once the thread has exited with nothing being checked: nothing more is handled then.
     pub(super) fn handled(&self, target: u64) -> bool {
         let after = |number: Option<u64>| number.is_none_or(|number| number > target);
         let settled = after(self.in_flight)

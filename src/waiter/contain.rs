@@ -14,27 +14,24 @@ pub(super) fn backend<T>(call: impl FnOnce() -> Result<T, ServerError>) -> Resul
     panics::catch(call).unwrap_or_else(|message| Err(ServerError::WaiterPanicked { message }))
 }
 
-/// Wake a task; a waker's panic is logged and goes no further (the result
-/// is already in its slot).
+/// Wake a task (its result is already in its slot).
 pub(super) fn wake(waker: Waker) {
-    if let Err(message) = panics::catch(|| waker.wake()) {
-        panics::log(|| {
-            log::error!(
-                "a task's waker panicked when the waiter woke it (the waiter goes on): {message}"
-            );
-        });
-    }
+    logged("a task's waker panicked when the waiter woke it", || {
+        waker.wake()
+    });
 }
 
-/// Drop `value` (a wait: its event); a panic in its drop is logged and goes
-/// no further.
+/// Drop `value` (a wait: its event).
 pub(super) fn drop<T>(value: T) {
-    if let Err(message) = panics::drop_caught(value) {
-        panics::log(|| {
-            log::error!(
-                "dropping a wait's fence panicked on a waiter thread (the waiter goes on): \
-                 {message}"
-            );
-        });
+    logged(
+        "dropping a wait's fence panicked on a waiter thread",
+        || std::mem::drop(value),
+    );
+}
+
+/// Run `call`; a panic in it is logged as `what` and goes no further.
+fn logged(what: &str, call: impl FnOnce()) {
+    if let Err(message) = panics::catch(call) {
+        panics::log(|| log::error!("{what} (the waiter goes on): {message}"));
     }
 }

@@ -13,11 +13,8 @@ use super::handoff::Handoff;
 use crate::{EventApi, EventFence, ServerError};
 
 /// The future of [`EventFence::wait`] and `fence.await`: resolves once the
-/// device has reached the fence, without blocking the polling thread.
-///
-/// The first poll asks the device once: a fence already reached is ready at
-/// once, with no allocation. Otherwise the [`Waiter`](super::Waiter)'s
-/// threads wait for it, asleep in the driver, and wake this task.
+/// device has reached the fence, without blocking the polling thread (see
+/// [`Waiter`](super::Waiter)).
 ///
 /// # Errors
 ///
@@ -31,9 +28,8 @@ use crate::{EventApi, EventFence, ServerError};
 /// # Cancel safety
 ///
 /// Dropping it cancels the wait and never blocks: its event is destroyed at
-/// once, or soon after by a waiter thread, so timeouts retried on a stuck
-/// stream pile nothing up. Only a wait a waiter thread is blocked on right
-/// then stays with it until its block ends. The stream's work goes on.
+/// once, or soon after by a waiter thread (one it is blocked on, when the
+/// block ends), so timeouts retried on a stuck stream pile nothing up.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct FenceFuture<A: EventApi> {
     handoff: Handoff<EventFence<A>>,
@@ -45,11 +41,8 @@ impl<A: EventApi> FenceFuture<A> {
     }
 
     /// Block the calling thread, asleep, until the fence is reached or
-    /// `timeout` passes: for synchronous code that must be able to give up
-    /// (a watchdog on a kernel that may hang).
-    ///
-    /// `None` when the time ran out: the future is left as it was, to wait
-    /// on again (this, or `.await`) or to drop. The stream's work goes on.
+    /// `timeout` passes (a watchdog on a kernel that may hang). `None` when
+    /// the time ran out: the future is left to wait on again, or to drop.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -70,13 +63,11 @@ impl<A: EventApi> FenceFuture<A> {
     ///
     /// # Errors
     ///
-    /// As for the future: `Some(Err(..))` with the fence's error, a fault,
-    /// or [`ServerError::WaiterGone`].
+    /// As for the future, as `Some(Err(..))`.
     #[doc(alias = "timeout")]
     pub fn wait_sync_timeout(&mut self, timeout: Duration) -> Option<Result<(), ServerError>> {
         let deadline = Instant::now().checked_add(timeout);
-        // A wake-up before the park is kept by the park token; a spurious
-        // one only polls again.
+        // A wake-up before the park is kept by its token.
         let waker = Waker::from(Arc::new(Unpark(std::thread::current())));
         let mut cx = Context::from_waker(&waker);
         loop {

@@ -24,7 +24,7 @@ fn is_panicked(result: &Result<(), ServerError>) -> bool {
 /// The pool's counts of waits handed off, resolved and failed: each wait
 /// counted once, whichever path ended it.
 fn outcomes(pool: &Pool) -> (u64, u64, u64) {
-    let counts = pool.counters().read();
+    let counts = pool.counters().read(Default::default());
     (counts.handed_off, counts.resolved, counts.failed)
 }
 
@@ -46,7 +46,7 @@ fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
     assert_eq!(result_of(&submit(&pool, &device, 0, 3)), Ok(()));
     assert_eq!(result_of(&submit(&pool, &device, 1, 1)), Ok(()));
     eventually("no thread counted and no wait pending", || {
-        pool.threads().0 == 0 && pool.pending().0 == 0
+        pool.gauges().threads == 0 && pool.gauges().pending == 0
     });
     assert_eq!(
         outcomes(&pool),
@@ -73,7 +73,7 @@ fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
     held.finish();
     assert_eq!(result_of(&blocked), Ok(()));
     eventually("no thread counted and no wait pending", || {
-        pool.threads().0 == 0 && pool.pending().0 == 0
+        pool.gauges().threads == 0 && pool.gauges().pending == 0
     });
     assert_eq!(outcomes(&pool), (3, 2, 1), "the poller's batch failed");
 }
@@ -87,7 +87,7 @@ fn a_refused_lane_thread_leaves_its_lane_to_the_poller() {
     device.finish();
     assert_eq!(result_of(&slot), Ok(()));
     eventually("no thread counted and no wait pending", || {
-        pool.threads().0 == 0 && pool.pending().0 == 0
+        pool.gauges().threads == 0 && pool.gauges().pending == 0
     });
     assert_eq!(outcomes(&pool), (1, 1, 0), "resolved by the poller");
 }
@@ -102,8 +102,8 @@ fn with_no_thread_at_all_the_waits_fail_instead_of_hanging() {
         result_of(&slot),
         Err(ServerError::ThreadSpawn { .. })
     ));
-    assert_eq!(pool.pending().0, 0);
-    assert_eq!(pool.threads().0, 0);
+    assert_eq!(pool.gauges().pending, 0);
+    assert_eq!(pool.gauges().threads, 0);
     assert_eq!(outcomes(&pool), (1, 0, 1), "failed for want of a thread");
     // The next wait starts a thread again.
     let device = Device::reached();
@@ -125,18 +125,22 @@ fn a_poller_that_unwinds_while_watching_is_started_again_and_watches_on() {
     eventually("the lane thread blocks", || {
         held.blocked.load(Ordering::SeqCst) == 1
     });
-    assert_eq!(pool.threads().0, 2, "a lane thread and the watching poller");
+    assert_eq!(
+        pool.gauges().threads,
+        2,
+        "a lane thread and the watching poller"
+    );
     pool.plants().escapes.store(1, Ordering::SeqCst);
     let polled = Arc::new(Device::default());
     assert!(is_panicked(&result_of(&submit(&pool, &polled, 1, 1))));
     // Lane 1 is gone with its wait; lane 0 is still held, so the poller is
     // started again to watch it, and lists it.
-    eventually("the poller watches again", || pool.threads().0 == 2);
+    eventually("the poller watches again", || pool.gauges().threads == 2);
     eventually("the held stream is listed", || pool.stuck().len() == 1);
     assert_eq!(pool.stuck()[0].stream, "mock stream 0");
     held.finish();
     assert_eq!(result_of(&blocked), Ok(()));
     eventually("no thread counted and no wait pending", || {
-        pool.threads().0 == 0 && pool.pending().0 == 0
+        pool.gauges().threads == 0 && pool.gauges().pending == 0
     });
 }

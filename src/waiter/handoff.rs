@@ -1,5 +1,4 @@
-//! [`Handoff`]: the state machine behind every future the waiter serves:
-//! ask on the first poll, hand off if not reached, then read the slot.
+//! [`Handoff`]: the state machine behind every future the waiter serves.
 
 use std::task::{Context, Poll};
 use std::time::Instant;
@@ -41,8 +40,7 @@ enum State<W> {
     Done,
 }
 
-/// A wait handed to the pool, and the process generation it was handed off
-/// in ([`crate::fork`]).
+/// A wait handed to the pool, and the process generation ([`crate::fork`]).
 struct Handed {
     slot: Arc<Slot>,
     lane: LaneKey,
@@ -95,8 +93,7 @@ impl<W: Waitable> Handoff<W> {
         }
     }
 
-    /// Ask (and spin, if allowed), then hand off. `Err` holds the result
-    /// when it is ready at once: reached, failed, or refused by the pool.
+    /// Ask (and spin, if allowed), then hand off; `Err`: ready at once.
     fn first_poll(
         &self,
         waitable: W,
@@ -108,8 +105,7 @@ impl<W: Waitable> Handoff<W> {
         let started = (!budget.is_zero()).then(Instant::now);
         let mut first = true;
         loop {
-            // Decided before the query: one preempted past the budget still
-            // makes the query due.
+            // Decided before the query, which one preempted past it still makes.
             let may_spin = started.is_some_and(|started| first || started.elapsed() < budget);
             first = false;
             match contain::backend(|| waitable.query()) {

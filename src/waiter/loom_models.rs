@@ -137,7 +137,7 @@ fn finish_on_a_thread(device: &Arc<Device>) -> thread::JoinHandle<()> {
 /// Yield until `fences` of `device`'s fences are dropped and `pool` holds
 /// `pending` waits.
 fn settle_down(pool: &Pool, device: &Device, fences: usize, pending: usize) {
-    while device.fences_dropped.load(SeqCst) < fences || pool.pending().0 != pending {
+    while device.fences_dropped.load(SeqCst) < fences || pool.gauges().pending != pending {
         thread::yield_now();
     }
 }
@@ -194,7 +194,7 @@ fn loom_a_future_is_handed_off_and_resolved() {
         let finisher = finish_on_a_thread(&device);
         assert_eq!(task.wait(|cx| future.poll(cx)), Ok(()));
         finisher.join().unwrap();
-        assert_eq!(pool.pending().0, 0, "left the pool before its result");
+        assert_eq!(pool.gauges().pending, 0, "left the pool before its result");
         pool.shutdown();
     });
 }
@@ -225,7 +225,7 @@ fn loom_a_cancelled_wait_is_dropped_and_counted_once() {
         let cancelled = slot.cancel();
         finisher.join().unwrap();
         settle_down(&pool, &device, 1, 0);
-        let counts = pool.counters().read();
+        let counts = pool.counters().read(Default::default());
         assert_eq!(u64::from(cancelled) + counts.resolved + counts.failed, 1);
         assert_eq!(device.fences_dropped.load(SeqCst), 1);
         pool.shutdown();
@@ -254,7 +254,7 @@ fn loom_shutdown_races_a_submit() {
             assert!(matches!(result, Ok(()) | Err(ServerError::WaiterGone)));
         }
         stopper.join().unwrap();
-        assert_eq!(pool.pending().0, 0);
+        assert_eq!(pool.gauges().pending, 0);
     });
 }
 
@@ -292,7 +292,7 @@ fn loom_a_dropped_future_withdraws_its_wait_or_leaves_it_to_the_thread() {
         let dropped_on = device.dropped_on.lock()[0];
         assert_ne!(dropped_on, thread::current().id(), "on a waiter thread");
         assert!(task.wakes() <= 1, "woken only if resolved before the drop");
-        let counts = pool.counters().read();
+        let counts = pool.counters().read(Default::default());
         assert_eq!(counts.cancelled + counts.resolved + counts.failed, 1);
         pool.shutdown();
     });
@@ -307,7 +307,7 @@ fn loom_shutdown_resolves_a_wait_a_thread_is_blocked_on() {
         let slot = submit(&pool, &device, 0, 1, &task);
         pool.shutdown();
         assert_eq!(task.wait_for(&slot), Err(ServerError::WaiterGone));
-        assert_eq!(pool.pending().0, 0);
+        assert_eq!(pool.gauges().pending, 0);
         device.finish(); // lets the thread's block end, so it can exit
     });
 }
@@ -326,7 +326,7 @@ fn loom_a_lane_its_thread_releases_races_a_submit_to_it() {
         let second = submit(&pool, &device, 0, 2, &task);
         assert_eq!(task.wait_for(&first), Ok(()));
         assert_eq!(task.wait_for(&second), Ok(()));
-        assert_eq!(pool.threads().1, 1, "peak threads");
+        assert_eq!(pool.gauges().peak_threads, 1, "peak threads");
         pool.shutdown();
     });
 }
@@ -352,7 +352,11 @@ fn loom_an_idle_thread_timing_out_races_a_submit() {
             })
         };
         assert_eq!(other.join().unwrap(), Ok(()));
-        assert!(pool.threads().1 <= 2, "peak threads: {}", pool.threads().1);
+        assert!(
+            pool.gauges().peak_threads <= 2,
+            "peak threads: {}",
+            pool.gauges().peak_threads
+        );
         pool.shutdown();
     });
 }
@@ -373,7 +377,11 @@ fn loom_two_idle_lane_threads_are_woken_for_new_lanes() {
             assert_eq!(task.wait_for(&first), Ok(()));
             assert_eq!(task.wait_for(&second), Ok(()));
         }
-        assert!(pool.threads().1 <= 2, "peak threads: {}", pool.threads().1);
+        assert!(
+            pool.gauges().peak_threads <= 2,
+            "peak threads: {}",
+            pool.gauges().peak_threads
+        );
         pool.shutdown();
     });
 }
@@ -412,8 +420,8 @@ fn loom_a_future_dropped_while_the_poller_has_its_wait_out() {
         assert_eq!(never.fences_dropped.load(SeqCst), 1);
         slow.finish();
         assert_eq!(task.wait_for(&blocked), Ok(()));
-        assert_eq!(pool.pending().0, 0);
-        let counts = pool.counters().read();
+        assert_eq!(pool.gauges().pending, 0);
+        let counts = pool.counters().read(Default::default());
         let outcomes = (counts.resolved, counts.failed, counts.cancelled);
         assert_eq!(outcomes, (1, 0, 1));
         pool.shutdown();

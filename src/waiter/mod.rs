@@ -4,55 +4,48 @@
 //! # Words
 //!
 //! - **wait**: a handed-off future's fence, and the `Slot` its result goes to.
-//! - **lane**: one stream's pending waits, in the stream's order, keyed by
-//!   the backend and `EventApi::stream_id`.
-//! - **waiter threads**: a **lane thread** serves one lane at a time; the
-//!   **poller** (at most one) asks the oldest waits of the lanes past
-//!   `max_threads` in rounds, drops withdrawn waits and watches for stalls.
+//! - **lane**: one stream's pending waits in order, keyed by the backend and
+//!   `EventApi::stream_id`.
+//! - **lane thread**: serves one lane at a time. **Poller** (at most one):
+//!   asks the lanes past `max_threads` in rounds, drops withdrawn waits,
+//!   watches for stalls.
 //! - **hand-off**: a first poll that found the fence not reached puts its
 //!   wait in its lane. **Resolve**: leave a result in the slot, wake the task.
-//! - **held**: the wait a lane thread has out, to block on or ask once.
-//!   **batch**: waits a thread takes out to ask together; **settle**: put
-//!   back those not reached.
+//! - **held**: the wait a lane thread has out to block on or ask. **batch**:
+//!   waits taken out to ask together; **settle**: put back those not reached.
 //! - **withdraw**: a dropped future's wait leaves its lane, for a waiter
-//!   thread to drop (its event is destroyed off the dropping thread).
-//! - **stall**: a lane whose stream has ended no wait for `stuck_after`.
+//!   thread to drop. **stall**: no wait of a lane ended for `stuck_after`.
 //!
 //! # The lane algorithm
 //!
 //! 1. **First poll** (`handoff.rs`): one query (more within a spin budget);
 //!    reached is ready at once, with no allocation.
-//! 2. **Hand-off** (`pool.rs`): the wait goes into its lane under the pool's
-//!    one lock. A wait that makes its lane picks who serves it: an idle lane
+//! 2. **Hand-off** (`pool.rs`): the wait goes into its lane under the one
+//!    lock. A wait that makes its lane picks who serves it: an idle lane
 //!    thread, else one between lanes, else a new one (up to `max_threads`),
 //!    else the poller. Decided under the lock, done after it (`Action`).
-//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait (asleep in
-//!    the driver); then, in one hold of the lock, resolve it and take the
-//!    next, and ask that once. Not reached (work ending item after item):
-//!    block on it. Reached (a burst): ask the later waits in batches, each
-//!    twice the last (2 up to 256) while all are reached. An idle lane is
-//!    removed; its thread takes a queued lane, or one back from the poller,
-//!    or exits after its keep-alive.
-//! 4. **The poller** asks its lanes' oldest waits in batches (from 1), backing
-//!    off from 50 µs to 1 ms while nothing moves, and wakes an idle lane
-//!    thread to take a lane back. It exits after six idle rounds, unless
-//!    `stuck_after` is on and a lane is left: then it looks every quarter of
-//!    `stuck_after` and warns once per stall.
+//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait; then, in
+//!    one hold of the lock, resolve it and take the next, and ask that once.
+//!    Not reached (work ending item after item): block on it. Reached (a
+//!    burst): ask the later waits in batches, doubling from 2 to 256 while
+//!    all are reached. An idle lane is removed; its thread takes a queued
+//!    lane, or one back from the poller, or exits after its keep-alive.
+//! 4. **The poller** asks its lanes in batches (from 1), backing off from
+//!    50 µs to 1 ms while nothing moves, and wakes an idle lane thread to take
+//!    a lane back. It exits after six idle rounds, unless `stuck_after` is on
+//!    and a lane is left: then it looks every quarter of `stuck_after` and
+//!    warns once per stall.
 //! 5. **Withdraw**: the wait goes to the withdrawn list, for the poller or an
-//!    idle lane thread to drop; one held or out in a batch stays with its
-//!    thread until it lets go.
+//!    idle lane thread to drop; one held or in a batch stays with its thread.
 //! 6. **Faults** (`contain.rs`): code the waiter does not own is called with
-//!    no lock held and under `catch_unwind`: a panic costs only its wait. A
-//!    waiter thread that unwinds anyway gives back what it held
-//!    (`Pool::recover`).
-//! 7. **Shutdown** fails every wait, held ones too; batches out fail as they
-//!    settle. A pool made before a **fork** refuses everything in the child
-//!    and touches nothing.
+//!    no lock held, under `catch_unwind`: a panic costs only its wait. A
+//!    thread that unwinds anyway gives back what it held (`Pool::recover`).
+//! 7. **Shutdown** fails every wait, held ones too. A pool made before a
+//!    **fork** refuses everything in the child and touches nothing.
 //!
-//! `pool::State`'s invariants are checked each time the lock is let go, in
-//! debug and loom builds (`checked.rs`); the loom models: `loom_models.rs`.
+//! `pool::State`'s invariants are checked as the lock is let go (debug and
+//! loom builds, `checked.rs`); the loom models are in `loom_models.rs`.
 
-mod checked;
 mod contain;
 mod future;
 #[cfg(all(test, not(device_events_loom)))]
@@ -82,7 +75,7 @@ pub use future::FenceFuture;
 pub(crate) use handoff::Handoff;
 use handoff::PoolRef;
 use pool::{Config, Pool};
-pub use stats::{LatencyHistogram, WaiterStats, LATENCY_BUCKETS};
+pub use stats::WaiterStats;
 pub use stuck::StuckWait;
 pub(crate) use waitable::{LaneKey, Waitable};
 
@@ -125,15 +118,14 @@ pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 ///   it ask again for a while).
 /// - **Otherwise a waiter thread waits, asleep** in the driver (on CUDA,
 ///   `cuEventSynchronize` on a blocking-sync event), and wakes the task.
-///   One thread serves a stream's waits in order: 10,000 pending awaits on
-///   16 streams need 16 threads.
+///   One thread serves a stream's waits in order: 10,000 awaits on 16
+///   streams need 16 threads.
 /// - **Bounded threads**, started on demand: at most
 ///   [`max_threads`](WaiterBuilder::max_threads) that block, plus one that
 ///   polls the streams past that (a fast stream never waits behind a slow
 ///   one); they leave after [`keep_alive`](WaiterBuilder::keep_alive) idle.
-/// - **Cancel is drop.** The wait leaves at once and a waiter thread
-///   destroys its event soon after, off the dropping thread; a wait a
-///   thread is blocked on right then stays with it until its block ends.
+/// - **Cancel is drop.** The wait leaves at once; a waiter thread destroys
+///   its event soon after (one it is blocked on, when the block ends).
 /// - **Faults stay with their wait.** A panicking backend call resolves its
 ///   wait with [`ServerError::WaiterPanicked`]; a panicking waker, fence
 ///   drop or logger costs only that call. [`Waiter::shutdown`] resolves
@@ -150,8 +142,7 @@ pub struct Waiter {
 
 impl Waiter {
     /// The process-wide waiter of `fence.await` and [`EventFence::wait`],
-    /// with the default settings; never shut down. A forked child gets its
-    /// own.
+    /// with the default settings; never shut down. A forked child has its own.
     pub fn global() -> &'static Waiter {
         static GLOBAL: OnceLock<Waiter> = OnceLock::new();
         let global = GLOBAL.get_or_init(Waiter::new_global);
@@ -190,9 +181,8 @@ impl Waiter {
     }
 
     /// A future that resolves once the device has reached `target` (an
-    /// [`EventFence`], a [`Profile`](crate::Profile), an
-    /// [`AnyFence`](crate::AnyFence) or an [`AnyProfile`](crate::AnyProfile)),
-    /// served by this waiter: `target.await` on [`Waiter::global()`].
+    /// [`EventFence`], [`Profile`](crate::Profile), [`AnyFence`](crate::AnyFence)
+    /// or [`AnyProfile`](crate::AnyProfile)), served by this waiter.
     pub fn wait<T: Awaitable>(&self, target: T) -> T::Future {
         target.wait_on(self)
     }
@@ -200,7 +190,6 @@ impl Waiter {
     /// The state machine of a future this waiter serves, for `waitable`.
     pub(crate) fn handoff<W: Waitable>(&self, waitable: W) -> Handoff<W> {
         let pool = if self.global {
-            // The global waiter and its clones share the static one's pool.
             PoolRef::Global(|| &Waiter::global().pool)
         } else {
             PoolRef::Owned(self.pool.clone())
@@ -210,23 +199,21 @@ impl Waiter {
 
     /// Threads alive now: lane threads, plus the poller if it runs.
     pub fn threads(&self) -> usize {
-        self.pool.threads().0
+        self.pool.gauges().threads
     }
 
     /// The most threads this waiter has had alive at once.
     pub fn peak_threads(&self) -> usize {
-        self.pool.threads().1
+        self.pool.gauges().peak_threads
     }
 
-    /// Waits handed to the threads and not finished. One whose future was
-    /// dropped leaves at once, unless a thread holds it right then (blocked
-    /// on, or asking it). A fence ready at its first poll is never counted.
+    /// Waits handed to the threads and not finished; a dropped one leaves at
+    /// once, unless a thread holds it right then.
     pub fn pending(&self) -> usize {
-        self.pool.pending().0
+        self.pool.gauges().pending
     }
 
-    /// A snapshot of what this waiter holds and has done ([`WaiterStats`]),
-    /// read without stopping it and without side effects.
+    /// What this waiter holds and has done, read without side effects.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -240,30 +227,23 @@ impl Waiter {
     /// # Ok::<(), device_events::ServerError>(())
     /// ```
     pub fn stats(&self) -> WaiterStats {
-        let (pending, cancelled_held) = self.pool.pending();
-        let (threads, peak_threads) = self.pool.threads();
-        WaiterStats {
-            threads,
-            peak_threads,
-            pending,
-            cancelled_held,
-            stuck: self.pool.stuck().len(),
-            ..self.pool.counters().read()
-        }
+        let stuck = self.pool.stuck().len();
+        self.pool.counters().read(WaiterStats {
+            stuck,
+            ..self.pool.gauges()
+        })
     }
 
-    /// The streams whose oldest pending wait has gone longer than
-    /// [`stuck_after`](WaiterBuilder::stuck_after) without the stream ending
-    /// a wait, one [`StuckWait`] per stream, for a health endpoint. Empty
-    /// when `stuck_after` is off. Reading it changes and logs nothing.
+    /// The streams that have ended no pending wait for longer than
+    /// [`stuck_after`](WaiterBuilder::stuck_after), one [`StuckWait`] each,
+    /// for a health endpoint; empty while it is off. Changes and logs nothing.
     pub fn stuck(&self) -> Vec<StuckWait> {
         self.pool.stuck()
     }
 
     /// Resolve every pending wait with [`ServerError::WaiterGone`] (those a
-    /// thread is blocked on too), refuse new ones the same way, and let the
-    /// threads exit; never blocks. On [`Waiter::global()`], which every
-    /// `fence.await` uses, it only logs a warning.
+    /// thread is blocked on too), refuse new ones so, and let the threads
+    /// exit; never blocks. On [`Waiter::global()`] it only logs a warning.
     pub fn shutdown(&self) {
         if self.global {
             log::warn!(
@@ -311,7 +291,6 @@ pub trait Awaitable: sealed::Sealed {
 
 /// Keeps [`Awaitable`] implemented by this crate's types only.
 pub(crate) mod sealed {
-    /// The seal: a public trait in a private module.
     #[allow(unreachable_pub)]
     pub trait Sealed {}
 }
@@ -327,9 +306,8 @@ impl<A: EventApi> Awaitable for EventFence<A> {
 }
 
 impl<A: EventApi> EventFence<A> {
-    /// A future that resolves once the device has reached this fence, served
-    /// by [`Waiter::global()`]: `fence.await`, for combinators that want a
-    /// [`Future`](std::future::Future) (`futures::join!`, `select`, timeouts).
+    /// `fence.await` as a [`Future`](std::future::Future), for combinators
+    /// (`futures::join!`, `select`, timeouts); served by [`Waiter::global()`].
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -375,9 +353,9 @@ impl Default for WaiterBuilder {
 }
 
 impl WaiterBuilder {
-    /// How many threads may sleep in the driver at once, one per busy
-    /// stream: 1 to [`MAX_THREADS_LIMIT`] (clamped); default
-    /// [`DEFAULT_MAX_THREADS`]. One more polls the streams beyond that.
+    /// How many threads may sleep in the driver at once, one per busy stream
+    /// (1 to [`MAX_THREADS_LIMIT`], clamped; default [`DEFAULT_MAX_THREADS`]).
+    /// One more polls the streams beyond that.
     pub fn max_threads(mut self, max_threads: usize) -> Self {
         self.config.max_threads = max_threads.clamp(1, MAX_THREADS_LIMIT);
         self
@@ -399,23 +377,18 @@ impl WaiterBuilder {
     }
 
     /// How long a first poll may spin on queries before handing the wait to
-    /// a thread: a core for the last microseconds of wake latency. Default
-    /// zero; at most [`MAX_SPIN_BUDGET`] (clamped), as it spins on the
-    /// executor's thread.
+    /// a thread, on the executor's thread: default zero, at most
+    /// [`MAX_SPIN_BUDGET`] (clamped).
     pub fn spin_budget(mut self, spin_budget: Duration) -> Self {
         self.config.spin_budget = spin_budget.min(MAX_SPIN_BUDGET);
         self
     }
 
-    /// Report streams stuck for longer than `after` (see [`StuckWait`]):
-    /// listed by [`Waiter::stuck`], and warned about once per stall. Off by
-    /// default (a kernel may rightly run for minutes); zero turns it off.
-    ///
-    /// While it is on and a wait is pending, the poller runs (within
-    /// [`max_threads`](Self::max_threads) + 1) and looks every quarter of
-    /// `after` (at most once a millisecond); the warning comes from it, never
-    /// from a task's poll or a read of the stats. Each hand-off also formats
-    /// its stream's name (the `Debug` of its handle).
+    /// Report streams stuck for longer than `after` ([`Waiter::stuck`]) and
+    /// warn once per stall. Off by default (a kernel may rightly run for
+    /// minutes); zero turns it off. While it is on and a wait is pending, the
+    /// poller runs (within [`max_threads`](Self::max_threads) + 1) and looks
+    /// every quarter of `after`, at most once a millisecond.
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self
@@ -434,12 +407,9 @@ impl WaiterBuilder {
         Ok(self.build())
     }
 
-    /// Build the waiter. No thread starts until a wait needs one.
-    ///
-    /// A setting no thread could be started with is logged as an error, and
-    /// every wait that needs a thread fails with that
-    /// [`ServerError::InvalidArgument`] (a fence reached at its first poll
-    /// still resolves `Ok`): [`try_build`](Self::try_build) shows it at once.
+    /// Build the waiter; no thread starts until a wait needs one. A setting
+    /// no thread could start with is logged, and fails each wait that needs a
+    /// thread ([`try_build`](Self::try_build) returns it instead).
     pub fn build(self) -> Waiter {
         if let Some(unusable) = self.config.unusable() {
             log::error!("{unusable}");

@@ -1,16 +1,15 @@
-//! [`Pool`]: a waiter's state behind one lock, and every decision made
-//! under it; what is left to do once it is let go is an [`Action`]. The
-//! algorithm and its words: the docs of [`crate::waiter`].
+//! [`Pool`]: a waiter's state behind one lock and every decision made under
+//! it; what is left to do after is an [`Action`]. See [`crate::waiter`].
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::{Duration, Instant};
 
-use super::checked::{Checked, Invariants};
 use super::contain;
 use super::slot::Slot;
-use super::stats::Counters;
+use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::waitable::{LaneKey, Waitable};
+use crate::checked::{Checked, Invariants};
 use crate::loom::{Arc, Condvar, Mutex};
 use crate::ServerError;
 
@@ -67,7 +66,6 @@ pub(crate) type Place = (u64, u64);
 pub(super) enum Owner {
     /// Its key is in a queue, for a lane thread or the poller.
     Queued,
-    /// The lane thread with this number.
     Thread(usize),
     Poller,
 }
@@ -78,8 +76,8 @@ pub(crate) struct Wait {
     pub(crate) slot: Arc<Slot>,
     lane: LaneKey,
     place: Place,
-    /// Its stream's name while stuck streams are reported (the backend's
-    /// `Debug`, so made before the hand-off, not under the lock).
+    /// Its stream's name while stuck streams are reported (made before the
+    /// hand-off: the backend's `Debug`).
     name: Option<std::sync::Arc<str>>,
 }
 
@@ -105,13 +103,12 @@ impl Wait {
 struct Lane {
     waits: BTreeMap<Place, Wait>,
     owner: Owner,
-    /// The wait its lane thread has taken out to block on or ask, so
-    /// shutdown can resolve it.
+    /// The wait its lane thread has out, for shutdown to resolve.
     held: Option<Arc<Slot>>,
-    /// Its waits out in a batch, not settled yet.
+    /// Its waits out in a batch.
     out: usize,
-    /// Since when its stream has ended no wait: the hand-off that found it
-    /// idle, or the end of its last wait (kept while `stuck_after` is on).
+    /// Since when it has ended no wait: the hand-off that found it idle, or
+    /// its last wait's end (kept while `stuck_after` is on).
     since: Instant,
     /// The stall since `since` was warned about.
     reported: bool,
@@ -139,8 +136,7 @@ impl Lane {
 #[derive(Default)]
 pub(super) struct State {
     lanes: BTreeMap<LaneKey, Lane>,
-    /// Lanes for lane threads, oldest first: one was woken or started for
-    /// each, or one between lanes finds it.
+    /// Lanes for lane threads (one woken, started or between lanes each).
     for_threads: VecDeque<LaneKey>,
     /// Lanes for the poller; a lane thread out of work takes them first.
     for_poller: VecDeque<LaneKey>,
@@ -163,7 +159,6 @@ pub(super) struct State {
 #[must_use]
 pub(super) struct Action {
     pub(super) wake_thread: bool,
-    /// The number of a lane thread to start.
     pub(super) spawn_thread: Option<usize>,
     pub(super) wake_poller: bool,
     pub(super) spawn_poller: bool,
@@ -171,9 +166,8 @@ pub(super) struct Action {
 
 impl State {
     /// Queue new lane `key` and decide who serves it: an idle lane thread,
-    /// else one between lanes (there are at least as many lane threads as
-    /// lanes), else a new one, else the poller. While `watching` (stuck
-    /// streams reported) the poller runs too.
+    /// else one between lanes (as many lane threads as lanes), else a new
+    /// one, else the poller. While `watching` the poller runs too.
     pub(super) fn place(&mut self, key: LaneKey, max_threads: usize, watching: bool) -> Action {
         let mut action = Action::default();
         if self.shutdown {
@@ -213,16 +207,14 @@ impl State {
         self.poller_for_work()
     }
 
-    /// Count a wake-up for an idle lane thread not woken yet, if there is
-    /// one (one that wakes on its own finds the work as well).
+    /// Count a wake-up for an idle lane thread not woken yet, if any.
     fn wake_idle(&mut self) -> bool {
         let idle = self.idle > self.notified;
         self.notified += usize::from(idle);
         idle
     }
 
-    /// A lane thread woke (notified, spuriously, or timed out): it takes a
-    /// wake-up if one is outstanding.
+    /// A lane thread woke (notified, spuriously, or timed out).
     fn woke(&mut self) {
         if !crate::plant::planted("woke-keeps-idle-count") {
             self.idle -= 1;
@@ -279,8 +271,7 @@ impl State {
         made
     }
 
-    /// Lane thread `owner` is done with `key`: whether it has waits again;
-    /// if it is idle, it is removed.
+    /// Lane thread `owner` is done with `key`: whether it has waits again.
     fn release(&mut self, key: LaneKey, owner: Owner) -> bool {
         let Some(lane) = self.lane_of(key, owner) else {
             return false;
@@ -300,8 +291,8 @@ impl State {
         Some(wait)
     }
 
-    /// Take the lanes queued for threads, else for the poller, else (while
-    /// the poller runs) one of its lanes with nothing out, for `owner`.
+    /// For `owner`: a lane queued for threads, else for the poller, else one
+    /// of the poller's with nothing out.
     fn claim(&mut self, owner: Owner) -> Option<LaneKey> {
         let queued = self.for_threads.pop_front();
         let key = match queued.or_else(|| self.for_poller.pop_front()) {
@@ -380,8 +371,7 @@ impl Pool {
         self.shared.fork_generation
     }
 
-    /// A forked child of the process that made the pool: its threads, and
-    /// whoever held its lock at the fork, are not here.
+    /// In a forked child, without the pool's threads (or its lock's holder).
     pub(crate) fn is_forked(&self) -> bool {
         self.shared.fork_generation != crate::fork::current()
     }
@@ -392,13 +382,8 @@ impl Pool {
         slot.complete(result, |ok, since| counters.delivered(ok, since));
     }
 
-    /// Hand `wait` to the pool: its place (for [`Pool::withdraw`]) and what
-    /// to do next.
-    ///
-    /// # Errors
-    ///
-    /// [`ServerError::WaiterForked`] in a forked child, the settings' error
-    /// if no thread can start, [`ServerError::WaiterGone`] after shutdown.
+    /// Hand `wait` to the pool: its place and what to do next. Refused in a
+    /// forked child, with unusable settings, or after shutdown.
     pub(super) fn submit(&self, mut wait: Wait) -> Result<(Place, Action), ServerError> {
         if self.is_forked() {
             return Err(ServerError::WaiterForked);
@@ -425,14 +410,13 @@ impl Pool {
         Ok((place, state.place(key, max_threads, self.watching())))
     }
 
-    /// The future of the wait at `place` in lane `key` was dropped: take it
-    /// out, unless a thread holds it, for a waiter thread to drop.
+    /// The future of the wait at `place` in `key` was dropped: take it out
+    /// (unless a thread holds it) for a waiter thread to drop.
     pub(super) fn withdraw(&self, key: LaneKey, place: Place) -> Action {
         if self.is_forked() {
             return Action::default();
         }
         let mut state = self.lock();
-        // A place is the wait's alone: its ticket is never given out again.
         let lane = state.lanes.get_mut(&key);
         let Some(wait) = lane.and_then(|lane| lane.waits.remove(&place)) else {
             return Action::default();
@@ -441,8 +425,7 @@ impl Pool {
         state.dispose()
     }
 
-    /// Resolve every pending wait with [`ServerError::WaiterGone`], blocked
-    /// and held ones too, and let the threads exit.
+    /// Fail every pending wait, held ones too, and let the threads exit.
     pub(crate) fn shutdown(&self) {
         if self.is_forked() {
             return;
@@ -479,10 +462,9 @@ impl Pool {
         self.lock().take_oldest(key, owner)
     }
 
-    /// Lane thread `owner`'s block on (or query of) its held wait, `slot`'s,
-    /// ended with `result`: unless shutdown resolved it meanwhile, its
-    /// stream made progress and it is delivered once the lock is let go.
-    /// With `next`, the next oldest is taken out in the same hold.
+    /// Lane thread `owner`'s held wait, `slot`'s, ended with `result`: unless
+    /// shutdown resolved it meanwhile, it is delivered after the lock. With
+    /// `next`, the next oldest is taken out in the same hold.
     pub(super) fn end_held(
         &self,
         key: LaneKey,
@@ -508,8 +490,7 @@ impl Pool {
     }
 
     /// Move up to `limit` of `key`'s oldest waits into `batch`, if `owner`
-    /// serves it; false when there are none (an idle lane of the poller's is
-    /// removed).
+    /// serves it; false if none (an idle lane of the poller's is removed).
     pub(super) fn take_batch(
         &self,
         key: LaneKey,
@@ -537,10 +518,9 @@ impl Pool {
         true
     }
 
-    /// A batch of `key`'s is back: `resolved` of it reached (the caller
-    /// delivers them), `rest` not, put back at their places. Those of the
-    /// rest whose futures were dropped meanwhile (withdraw could not find
-    /// them) are dropped instead; after shutdown the rest fail.
+    /// A batch of `key`'s is back: `resolved` reached (the caller delivers
+    /// them), `rest` not, put back (or dropped, if their futures were;
+    /// failed, after shutdown).
     pub(super) fn settle(&self, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
         let watching = self.watching();
         let mut state = self.lock();
@@ -559,11 +539,10 @@ impl Pool {
         cancelled.into_iter().for_each(contain::drop);
     }
 
-    /// The next lane for lane thread `owner`, which just `finished` one (or
-    /// none): its own again if it has waits, else [`State::claim`], else it
-    /// sleeps for work, dropping withdrawn waits on the way. `None` (and
-    /// uncounted) when it should exit: idle past its keep-alive, or shut
-    /// down.
+    /// The next lane for lane thread `owner`, which `finished` one (or
+    /// none): that one again if it has waits, else [`State::claim`], else it
+    /// sleeps for work, dropping withdrawn waits. `None` (and uncounted) when
+    /// it should exit: idle past its keep-alive, or shut down.
     pub(super) fn next_lane(&self, owner: Owner, finished: Option<LaneKey>) -> Option<LaneKey> {
         let mut state = self.lock();
         if finished.is_some_and(|key| state.release(key, owner)) {
@@ -596,10 +575,9 @@ impl Pool {
         }
     }
 
-    /// The start of a poller's round: adopt the lanes queued for it into
-    /// `lanes`, and take the withdrawn waits to drop. `None` (and uncounted)
-    /// when it should exit: nothing to serve or watch for `linger` rounds,
-    /// or shut down. While it has lanes it wakes an idle lane thread.
+    /// A poller's round: adopt the lanes queued for it into `lanes`, take
+    /// the withdrawn waits, wake an idle lane thread if it has lanes. `None`
+    /// (and uncounted) when it should exit: idle `linger` rounds, or shut down.
     pub(super) fn poller_round(
         &self,
         lanes: &mut Vec<LaneKey>,
@@ -640,14 +618,12 @@ impl Pool {
         }
     }
 
-    /// The streams stalled past `stuck_after` (none when it is off), read
-    /// without changing anything.
+    /// The streams stalled past `stuck_after` (none when it is off).
     pub(crate) fn stuck(&self) -> Vec<StuckWait> {
         self.collect_stuck(false)
     }
 
-    /// Warn once about each stall not warned about yet (the poller does, as
-    /// it watches), with no lock held.
+    /// Warn once about each stall not warned about yet, with no lock held.
     pub(super) fn warn_stuck(&self) {
         if let Some(after) = self.shared.config.stuck_after {
             for wait in self.collect_stuck(true) {
@@ -656,8 +632,7 @@ impl Pool {
         }
     }
 
-    /// The stalled streams; with `mark`, only those not reported before,
-    /// marked reported.
+    /// The stalled streams; with `mark`, those not reported yet, now marked.
     fn collect_stuck(&self, mark: bool) -> Vec<StuckWait> {
         let Some(after) = self.shared.config.stuck_after else {
             return Vec::new();
@@ -688,8 +663,7 @@ impl Pool {
     }
 
     /// Thread `owner` could not be started: uncount it. A lane thread's lanes
-    /// go to the poller; those of a poller that could not start fail, rather
-    /// than wait for a lane thread that may never be free.
+    /// go to the poller; a poller's fail (no lane thread may ever be free).
     pub(super) fn spawn_failed(&self, owner: Owner, err: std::io::Error) -> Action {
         crate::panics::log(|| log::error!("a waiter thread could not be started: {err}"));
         let mut state = self.lock();
@@ -726,9 +700,8 @@ impl Pool {
         Action::default()
     }
 
-    /// Give back what a waiter thread that unwound held (a bug in the
-    /// waiter): fail the `batch` it had out of `batch_lane` and the wait it
-    /// held, uncount it, and queue its `lanes` for another thread.
+    /// Give back what a thread that unwound held: fail its `batch` (out of
+    /// `batch_lane`) and held wait, uncount it, queue its `lanes` again.
     pub(super) fn recover(
         &self,
         owner: Owner,
@@ -787,31 +760,20 @@ impl Pool {
         }
     }
 
-    /// Threads alive now and the most at once (none in a forked child).
-    pub(crate) fn threads(&self) -> (usize, usize) {
+    /// [`WaiterStats`]' threads and pending waits (none in a forked child).
+    pub(crate) fn gauges(&self) -> WaiterStats {
+        let mut gauges = WaiterStats::default();
         if self.is_forked() {
-            return (0, 0);
+            return gauges;
         }
         let state = self.lock();
-        (state.threads(), state.peak_threads)
-    }
-
-    /// Waits handed off and not finished, and those held whose future was
-    /// dropped.
-    pub(crate) fn pending(&self) -> (usize, usize) {
-        if self.is_forked() {
-            return (0, 0);
+        (gauges.threads, gauges.peak_threads) = (state.threads(), state.peak_threads);
+        for lane in state.lanes.values() {
+            let held = lane.held.as_ref();
+            gauges.pending += lane.waits.len() + lane.out + usize::from(held.is_some());
+            gauges.cancelled_held += usize::from(held.is_some_and(|slot| slot.is_cancelled()));
         }
-        let state = self.lock();
-        state
-            .lanes
-            .values()
-            .fold((0, 0), |(pending, given_up), lane| {
-                let held = lane.held.as_ref();
-                let waits = lane.waits.len() + lane.out + usize::from(held.is_some());
-                let dropped = held.is_some_and(|slot| slot.is_cancelled());
-                (pending + waits, given_up + usize::from(dropped))
-            })
+        gauges
     }
 
     /// A spawn a test refused, if it planted one.
@@ -823,8 +785,7 @@ impl Pool {
         None
     }
 
-    /// Panic if a test planted one (a thread holds a wait, outside any
-    /// contained call: only its guard can give it back).
+    /// Panic if a test planted one, outside any contained call.
     pub(super) fn planted_escape(&self) {
         #[cfg(test)]
         if super::plants::Plants::take(&self.shared.plants.escapes) {

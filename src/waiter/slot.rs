@@ -1,6 +1,5 @@
-//! [`Slot`]: where a waiter thread leaves a wait's result for its future:
-//! a mutex, not a lock-free cell, as it is touched twice per wait and loom
-//! checks it whole. `cancelled` is set only by the future's drop.
+//! [`Slot`]: where a waiter thread leaves a wait's result for its future (a
+//! mutex, touched twice per wait, that loom checks whole).
 
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
@@ -36,9 +35,8 @@ impl Slot {
         }
     }
 
-    /// Leave `result` for the future and wake it; a no-op once cancelled or
-    /// completed. `delivered` (is it `Ok`, and when was it handed off) is
-    /// called first, before the future can see the result: to count it.
+    /// Leave `result` for the future and wake it, once, unless cancelled.
+    /// `delivered` (is it `Ok`; the hand-off's time) counts it first.
     pub(crate) fn complete(
         &self,
         result: Result<(), ServerError>,
@@ -73,8 +71,7 @@ impl Slot {
         Poll::Pending
     }
 
-    /// The future was dropped. Whether it counts as cancelled: no result or
-    /// cancel came before.
+    /// The future was dropped: whether it counts as cancelled (first).
     pub(crate) fn cancel(&self) -> bool {
         let (counts, waker) = {
             let mut state = self.state.lock();
@@ -88,7 +85,6 @@ impl Slot {
         counts
     }
 
-    /// When the wait was handed off.
     pub(crate) fn handed_at(&self) -> Instant {
         self.handed_at
     }

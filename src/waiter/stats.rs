@@ -1,11 +1,9 @@
-//! [`WaiterStats`]: what a waiter holds and has done, read without stopping
-//! it; and [`Counters`], the striped counters behind it.
+//! [`WaiterStats`], and the striped [`Counters`] behind it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-/// How many buckets a [`LatencyHistogram`] has.
-pub const LATENCY_BUCKETS: usize = 32;
+use crate::latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
 
 /// A snapshot of a [`Waiter`](super::Waiter): [`Waiter::stats`](super::Waiter::stats).
 ///
@@ -48,104 +46,13 @@ pub struct WaiterStats {
     pub wake_latency: LatencyHistogram,
 }
 
-/// Counts of durations in log2 buckets of microseconds: bucket 0 holds those
-/// under 1 µs, bucket `i` those from `2^(i-1)` µs up to `2^i` µs, and the last
-/// everything from `2^(LATENCY_BUCKETS - 2)` µs (about 18 minutes) on.
-///
-/// [`buckets`](LatencyHistogram::buckets) are not cumulative: a Prometheus
-/// histogram sums them in order, as `examples/http_service.rs` does. With the
-/// `serde` feature it serializes as `{"buckets": [32 counts, bucket 0
-/// first], "sum_nanos": <the durations added up, in nanoseconds>}`.
-///
-/// ```
-/// use device_events::LatencyHistogram;
-/// use std::time::Duration;
-///
-/// let empty = LatencyHistogram::default();
-/// assert_eq!(empty.count(), 0);
-/// assert_eq!(empty.percentile(50.0), None);
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize))]
-pub struct LatencyHistogram {
-    buckets: [u64; LATENCY_BUCKETS],
-    /// The durations added up, in nanoseconds (saturating).
-    sum_nanos: u64,
-}
-
-impl LatencyHistogram {
-    /// How many durations it holds.
-    pub fn count(&self) -> u64 {
-        self.buckets
-            .iter()
-            .fold(0u64, |count, &bucket| count.saturating_add(bucket))
-    }
-
-    /// The durations it holds, added up (for a mean, or a Prometheus
-    /// histogram's `_sum`).
-    pub fn sum(&self) -> Duration {
-        Duration::from_nanos(self.sum_nanos)
-    }
-
-    /// The count in each bucket, with the bucket's upper bound (exclusive;
-    /// `None` for the last, which has none).
-    pub fn buckets(&self) -> impl Iterator<Item = (Option<Duration>, u64)> + '_ {
-        self.buckets
-            .iter()
-            .enumerate()
-            .map(|(index, &count)| (Self::upper_bound(index), count))
-    }
-
-    /// The upper bound of the bucket that holds the `percentile`-th
-    /// duration (0 to 100): at least `percentile` percent of the durations
-    /// were under it. `None` when it holds none, or `percentile` is out of
-    /// range (or NaN); [`Duration::MAX`] when that bucket is the last.
-    pub fn percentile(&self, percentile: f64) -> Option<Duration> {
-        let count = self.count();
-        if count == 0 || !(0.0..=100.0).contains(&percentile) {
-            return None;
-        }
-        // 1-based, and at most the count (past 2^53 the float may round up).
-        let rank = ((percentile / 100.0 * count as f64).ceil() as u64).clamp(1, count);
-        let mut seen = 0;
-        for (index, &bucket) in self.buckets.iter().enumerate() {
-            seen = bucket.saturating_add(seen);
-            if seen >= rank {
-                return Some(Self::upper_bound(index).unwrap_or(Duration::MAX));
-            }
-        }
-        Some(Duration::MAX) // not reached: the rank is at most the count
-    }
-
-    /// The bucket `duration` falls in.
-    pub(crate) fn bucket_of(duration: Duration) -> usize {
-        let micros = u64::try_from(duration.as_micros()).unwrap_or(u64::MAX);
-        let bits = (u64::BITS - micros.leading_zeros()) as usize;
-        bits.min(LATENCY_BUCKETS - 1)
-    }
-
-    fn upper_bound(index: usize) -> Option<Duration> {
-        (index < LATENCY_BUCKETS - 1).then(|| Duration::from_micros(1 << index))
-    }
-
-    #[cfg(all(test, not(device_events_loom)))]
-    pub(crate) fn from_buckets(buckets: [u64; LATENCY_BUCKETS]) -> Self {
-        Self {
-            buckets,
-            sum_nanos: 0,
-        }
-    }
-}
-
-/// Threads count on their own stripe ([`crate::shards::home`]), so executor
-/// and waiter threads do not bounce one cache line.
+/// Stripes, one per thread's [`crate::shards::home`]: executor and waiter
+/// threads do not bounce one cache line.
 const STRIPES: usize = 16;
 
-/// The counters behind [`WaiterStats`], striped by thread.
-///
-/// A wait's outcome is counted (release) after its hand-off, its latency
-/// (release) after its outcome; [`Counters::read`] reads them in the other
-/// order (acquire), so a snapshot never shows more latencies than
+/// The counters behind [`WaiterStats`]. An outcome is counted (release)
+/// after its hand-off, its latency after it; [`Counters::read`] reads them
+/// in the other order (acquire), so no snapshot shows more latencies than
 /// outcomes, nor more outcomes than hand-offs.
 pub(crate) struct Counters {
     stripes: Box<[Stripe]>,
@@ -177,7 +84,6 @@ impl Counters {
         &self.stripes[crate::shards::home(STRIPES)]
     }
 
-    /// An await was answered at its first poll.
     pub(crate) fn ready_at_first_poll(&self) {
         self.stripe()
             .ready_at_first_poll
@@ -189,8 +95,7 @@ impl Counters {
         self.stripe().handed_off.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// A handed-off wait's result reached its future, `ok` or not, `since`
-    /// its hand-off.
+    /// A handed-off wait's result, `ok` or not, reached its future.
     pub(crate) fn delivered(&self, ok: bool, since: Instant) {
         let stripe = self.stripe();
         let took = since.elapsed();
@@ -201,14 +106,12 @@ impl Counters {
         stripe.latency[LatencyHistogram::bucket_of(took)].fetch_add(1, Ordering::Release);
     }
 
-    /// A handed-off wait's future was dropped before its result came.
     pub(crate) fn cancelled(&self) {
         self.stripe().cancelled.fetch_add(1, Ordering::Release);
     }
 
-    /// The counters (gauges left 0): latencies, then outcomes, then the rest
-    /// (see the type's docs for why in that order).
-    pub(crate) fn read(&self) -> WaiterStats {
+    /// `gauges` with the counters, read in the order the type's docs say.
+    pub(crate) fn read(&self, gauges: WaiterStats) -> WaiterStats {
         let sum = |field: fn(&Stripe) -> &AtomicU64| -> u64 {
             self.stripes
                 .iter()
@@ -232,8 +135,8 @@ impl Counters {
             resolved,
             failed,
             cancelled,
-            wake_latency: LatencyHistogram { buckets, sum_nanos },
-            ..WaiterStats::default()
+            wake_latency: LatencyHistogram::new(buckets, sum_nanos),
+            ..gauges
         }
     }
 }

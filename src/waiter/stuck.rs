@@ -5,9 +5,8 @@ use std::time::{Duration, Instant};
 
 use crate::panics;
 
-/// A stream whose oldest pending wait has gone longer than its waiter's
-/// [`stuck_after`](super::WaiterBuilder::stuck_after) without progress:
-/// blocked on by a waiter thread or next in line.
+/// A stream that has ended no pending wait for longer than its waiter's
+/// [`stuck_after`](super::WaiterBuilder::stuck_after).
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -18,14 +17,13 @@ pub struct StuckWait {
     /// The backend's number for the stream, unique among that backend's live
     /// streams (`HostStreamHandle(3)`: 3).
     pub stream_id: u64,
-    /// How long the stream has gone without ending a wait while one was
-    /// pending: since its oldest wait was handed off to an idle stream, or
-    /// the wait before it ended. Serialized as `{"secs": u64, "nanos": u32}`.
+    /// Since its oldest wait was handed off to an idle stream, or the wait
+    /// before it ended. Serialized as `{"secs": u64, "nanos": u32}`.
     pub waited: Duration,
     /// Waits queued behind the oldest, on the same stream.
     pub behind: usize,
-    /// Whether the oldest wait's future was dropped (a timeout gave up on
-    /// it) while a thread still holds it.
+    /// The oldest wait's future was dropped (a timeout gave up on it) while
+    /// a thread still holds it.
     pub given_up: bool,
 }
 
@@ -42,8 +40,7 @@ pub(super) struct Stall {
 }
 
 impl Stall {
-    /// The entry for this stall at `now`, if it has lasted `after`; `None`
-    /// for a lane with nothing pending.
+    /// This stall at `now`, if it has lasted `after` with a wait pending.
     pub(super) fn stuck(
         &self,
         now: Instant,
@@ -65,7 +62,7 @@ impl Stall {
     }
 }
 
-/// Log the one warning about `wait`'s stall, for waiter `waiter`.
+/// Log the one warning about `wait`'s stall.
 pub(super) fn warn(waiter: &str, after: Duration, wait: &StuckWait) {
     let given_up = if wait.given_up {
         " (its future was dropped, and the stream is still held on it)"

@@ -1,5 +1,5 @@
 //! The waiter's threads: how they start and serve lanes, and the guard that
-//! gives back what one held if it unwinds. The [`Pool`] decides what they do.
+//! gives back what one held if it unwinds.
 
 use std::time::{Duration, Instant};
 
@@ -18,8 +18,8 @@ const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
 /// Idle rounds before the poller exits (none under loom: fewer states).
 const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
 
-/// Wake and start what `action` says, with no lock held. (A name with a NUL
-/// byte, which std would panic on, never gets here: the pool refuses it.)
+/// Wake and start what `action` says, with no lock held (a thread name std
+/// would panic on never gets here: the pool refuses it).
 pub(super) fn act(pool: &Pool, action: Action) {
     pool.notify(&action);
     let name = &pool.config().thread_name;
@@ -44,10 +44,8 @@ pub(super) fn act(pool: &Pool, action: Action) {
     }
 }
 
-/// A waiter thread's hold on the pool: the lanes it serves and the batch it
-/// has out. A thread that leaves is uncounted by the pool (and clears
-/// `counted`); one that unwinds (a bug in the waiter) has this guard give
-/// everything back ([`Pool::recover`]).
+/// A waiter thread's lanes and batch. One that unwinds (a bug in the
+/// waiter) has this guard give them back ([`Pool::recover`]).
 struct WaiterThread {
     pool: Pool,
     owner: Owner,
@@ -56,14 +54,8 @@ struct WaiterThread {
     batch: Vec<Wait>,
     /// The lane the batch was taken from, while it is out.
     batch_lane: Option<LaneKey>,
+    /// Cleared once the pool has uncounted it as it left.
     counted: bool,
-}
-
-/// What [`WaiterThread::resolve_reached`] did; `more`: the lane still has
-/// waits and is still this thread's.
-struct Resolved {
-    resolved: usize,
-    more: bool,
 }
 
 impl WaiterThread {
@@ -83,7 +75,6 @@ impl WaiterThread {
             Owner::Poller => this.run_poller(),
             _ => this.run_lane_thread(),
         }
-        // Uncounted by the pool as it left.
         this.counted = false;
     }
 
@@ -98,10 +89,8 @@ impl WaiterThread {
         }
     }
 
-    /// Serve lane `key` until it is empty or no longer this thread's: block
-    /// on the oldest wait, then take the next and ask it once; not reached
-    /// (item after item), block on it; reached (a burst), resolve the later
-    /// waits reached in batches.
+    /// Serve lane `key` until it is empty or no longer this thread's (the
+    /// steps: [`crate::waiter`]'s docs).
     fn serve_lane(&mut self, key: LaneKey) {
         let owner = self.owner;
         let Some(mut wait) = self.pool.take_oldest(key, owner) else {
@@ -125,7 +114,7 @@ impl WaiterThread {
                     contain::drop(wait);
                 }
             }
-            if !self.resolve_reached(key).more {
+            if !self.resolve_reached(key).1 {
                 return;
             }
             let Some(next) = self.pool.take_oldest(key, owner) else {
@@ -135,13 +124,13 @@ impl WaiterThread {
         }
     }
 
-    /// Resolve, in order, the waits of `key` that a query shows reached, up
-    /// to the first that is not, in batches: taken out in one hold of the
-    /// lock, asked outside it, the rest put back in one more hold; then
-    /// woken and dropped. Each batch all reached doubles the next, from 2 (1
-    /// for the poller, which mostly hears "not yet") up to [`BATCH`]: a
-    /// short run puts back no more than it resolved.
-    fn resolve_reached(&mut self, key: LaneKey) -> Resolved {
+    /// Resolve, in order, the waits of `key` a query shows reached, up to
+    /// the first that is not, in batches: taken out in one hold of the lock,
+    /// asked outside it, the rest put back in one more. Each batch all
+    /// reached doubles the next, from 2 (1 for the poller, which mostly hears
+    /// "not yet") up to [`BATCH`]. How many it resolved, and whether the lane
+    /// has more and is still this thread's.
+    fn resolve_reached(&mut self, key: LaneKey) -> (usize, bool) {
         let poller = self.owner == Owner::Poller;
         let mut limit = if poller { 1 } else { 2 };
         let mut resolved = 0;
@@ -150,10 +139,7 @@ impl WaiterThread {
                 .pool
                 .take_batch(key, self.owner, limit, &mut self.batch)
             {
-                return Resolved {
-                    resolved,
-                    more: false,
-                };
+                return (resolved, false);
             }
             self.batch_lane = Some(key);
             self.pool.planted_escape();
@@ -174,17 +160,13 @@ impl WaiterThread {
             self.batch.drain(..).for_each(contain::drop);
             self.batch_lane = None;
             if more {
-                return Resolved {
-                    resolved,
-                    more: true,
-                };
+                return (resolved, true);
             }
         }
     }
 
-    /// The poller: each round, adopt the lanes queued for it, drop withdrawn
-    /// waits, ask its lanes, and pause (backing off while nothing moves);
-    /// while `stuck_after` is on and a lane is left, it stays and warns.
+    /// The poller: each round, adopt lanes, drop withdrawn waits, ask its
+    /// lanes, warn of stalls, and pause (backing off while nothing moves).
     fn run_poller(&mut self) {
         // Four looks per `stuck_after`, at most one a millisecond.
         let check_every =
@@ -203,9 +185,9 @@ impl WaiterThread {
             withdrawn.into_iter().for_each(contain::drop);
             let mut index = 0;
             while let Some(&key) = self.lanes.get(index) {
-                let round = self.resolve_reached(key);
-                progressed |= round.resolved > 0;
-                if round.more {
+                let (resolved, more) = self.resolve_reached(key);
+                progressed |= resolved > 0;
+                if more {
                     index += 1;
                 } else {
                     self.lanes.remove(index);
@@ -255,8 +237,8 @@ impl Drop for WaiterThread {
     }
 }
 
-/// How many of `batch`'s waits, from the oldest, a query shows reached (or
-/// failed) before the first not reached; and the failures, by index.
+/// How many of `batch`'s waits a query shows reached (or failed) before the
+/// first not reached, and the failures by index.
 fn reached_prefix(batch: &[Wait]) -> (usize, Vec<(usize, ServerError)>) {
     let mut failed = Vec::new();
     for (index, wait) in batch.iter().enumerate() {

@@ -12,7 +12,7 @@ use super::mock_device::support::{eventually, result_of, submit, submit_placed};
 use super::mock_device::Device;
 use super::pool::{Action, State, Wait};
 use super::slot::Slot;
-use super::stats::{Counters, LatencyHistogram, LATENCY_BUCKETS};
+use super::stats::Counters;
 use crate::ServerError;
 
 struct Counting(AtomicUsize);
@@ -91,68 +91,9 @@ fn each_wait_counts_one_outcome_whichever_comes_first() {
     let failed = Slot::new(waker);
     failed.complete(Err(ServerError::WaiterGone), count);
     failed.complete(Err(ServerError::WaiterGone), count);
-    let counts = counters.read();
+    let counts = counters.read(Default::default());
     assert_eq!((counts.resolved, counts.failed), (1, 1));
     assert_eq!(counts.wake_latency.count(), 2);
-}
-
-#[test]
-fn durations_fall_in_log2_buckets_of_microseconds() {
-    let bucket = |micros| LatencyHistogram::bucket_of(Duration::from_micros(micros));
-    assert_eq!(LatencyHistogram::bucket_of(Duration::from_nanos(999)), 0);
-    assert_eq!(bucket(1), 1);
-    assert_eq!(bucket(2), 2);
-    assert_eq!(bucket(3), 2);
-    assert_eq!(bucket(4), 3);
-    assert_eq!(bucket(1023), 10);
-    assert_eq!(bucket(1024), 11);
-    assert_eq!(bucket(u64::MAX), LATENCY_BUCKETS - 1);
-    assert_eq!(
-        LatencyHistogram::bucket_of(Duration::MAX),
-        LATENCY_BUCKETS - 1
-    );
-}
-
-#[test]
-fn a_percentile_is_the_upper_bound_of_its_bucket() {
-    let mut buckets = [0; LATENCY_BUCKETS];
-    buckets[1] = 90; // 1 to 2 µs
-    buckets[11] = 9; // 1024 to 2048 µs
-    buckets[LATENCY_BUCKETS - 1] = 1; // the open last bucket
-    let histogram = LatencyHistogram::from_buckets(buckets);
-    assert_eq!(histogram.count(), 100);
-    assert_eq!(histogram.percentile(0.0), Some(Duration::from_micros(2)));
-    assert_eq!(histogram.percentile(50.0), Some(Duration::from_micros(2)));
-    assert_eq!(histogram.percentile(90.0), Some(Duration::from_micros(2)));
-    assert_eq!(
-        histogram.percentile(90.5),
-        Some(Duration::from_micros(2048))
-    );
-    assert_eq!(
-        histogram.percentile(99.0),
-        Some(Duration::from_micros(2048))
-    );
-    assert_eq!(histogram.percentile(100.0), Some(Duration::MAX));
-    assert_eq!(histogram.percentile(100.5), None);
-    assert_eq!(histogram.percentile(-1.0), None);
-    assert_eq!(histogram.percentile(f64::NAN), None);
-    let bounds: Vec<_> = histogram.buckets().map(|(bound, _)| bound).collect();
-    assert_eq!(bounds[0], Some(Duration::from_micros(1)));
-    assert_eq!(bounds[LATENCY_BUCKETS - 1], None);
-}
-
-#[test]
-fn counts_past_what_a_float_holds_exactly_do_not_panic() {
-    // 2^54 - 1 is odd: as a float it rounds up, past the count.
-    let mut buckets = [0; LATENCY_BUCKETS];
-    buckets[3] = (1 << 54) - 1;
-    let histogram = LatencyHistogram::from_buckets(buckets);
-    assert_eq!(histogram.percentile(100.0), Some(Duration::from_micros(8)));
-    // More than a u64 holds, added up: the count saturates.
-    buckets[4] = u64::MAX;
-    let histogram = LatencyHistogram::from_buckets(buckets);
-    assert_eq!(histogram.count(), u64::MAX);
-    assert_eq!(histogram.percentile(50.0), Some(Duration::from_micros(16)));
 }
 
 #[test]
@@ -169,7 +110,7 @@ fn counts_from_many_threads_all_add_up() {
             });
         }
     });
-    let counts = counters.read();
+    let counts = counters.read(Default::default());
     assert_eq!(counts.handed_off, 8000);
     assert_eq!(counts.resolved, 7200);
     assert_eq!(counts.failed, 800);
@@ -193,7 +134,7 @@ fn a_snapshot_taken_while_waits_end_never_shows_more_than_has_happened() {
         }
         let mut snapshots = 0u64;
         while writing.load(Ordering::SeqCst) > 0 || snapshots == 0 {
-            let counts = counters.read();
+            let counts = counters.read(Default::default());
             let outcomes = counts.resolved + counts.failed;
             assert!(
                 counts.wake_latency.count() <= outcomes,
@@ -204,7 +145,7 @@ fn a_snapshot_taken_while_waits_end_never_shows_more_than_has_happened() {
             snapshots += 1;
         }
     });
-    let counts = counters.read();
+    let counts = counters.read(Default::default());
     assert_eq!(counts.wake_latency.count(), counts.resolved + counts.failed);
 }
 
@@ -341,7 +282,7 @@ fn a_withdrawn_wait_wakes_the_idle_thread_that_drops_it() {
     eventually("the withdrawn fence is dropped", || {
         held.fences_dropped.load(Ordering::SeqCst) == 1
     });
-    assert_eq!(pool.threads().0, 2, "no poller was started for it");
+    assert_eq!(pool.gauges().threads, 2, "no poller was started for it");
     held.finish();
     result_of(&blocked).expect("resolved");
 }

@@ -26,7 +26,6 @@ impl LaneKey {
         self.stream
     }
 
-    /// A lane for the unit tests and loom models, which have no backend.
     #[cfg(test)]
     pub(crate) fn for_tests(stream: u64) -> Self {
         Self {

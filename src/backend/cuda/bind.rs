@@ -1,7 +1,6 @@
-//! [`Bound`]: a context made current on the calling thread, and the
-//! previous one made current again afterwards; [`HeldContext`]: a context
-//! the crate holds, whose last handle is dropped without changing the
-//! calling thread's current context.
+//! [`Bound`]: a context made current on the calling thread, and the previous one made current again
+//! afterwards; [`HeldContext`]: a context the crate holds, whose last handle is dropped without
+//! changing the calling thread's current context.
 
 use std::cell::{Cell, RefCell};
 use std::ops::Deref;
@@ -13,26 +12,22 @@ use cudarc::driver::CudaContext;
 use super::driver::{driver, CurrentContext, Driver, CAPTURE_MODE_RELAXED};
 use crate::ServerError;
 
-/// A context made current on the calling thread for the guard's life; the
-/// context that was current before is made current again when it drops, as a
-/// device guard does, so executor threads (and threads that drop events) are
-/// left as found and multi-GPU code on them keeps its device.
+/// A context made current on the calling thread for the guard's life; the context that was current
+/// before is made current again when it drops, as a device guard does, so executor threads (and
+/// threads that drop events) are left as found and multi-GPU code on them keeps its device.
 ///
-/// It binds through the driver, not cudarc's `bind_to_thread`: that first
-/// takes any error a cudarc `Drop` stored in the context (cudarc's drops store
-/// failures there instead of panicking), which belongs to the user's next
-/// cudarc call, and would come back from here mislabelled as this crate's.
+/// It binds through the driver, not cudarc's `bind_to_thread`: that first takes any error a cudarc
+/// `Drop` stored in the context (cudarc's drops store failures there, not panicking), which belongs
+/// to the user's next cudarc call and would come back mislabelled as this crate's.
 ///
 /// On the crate's own threads (the waiter's and the drop queue's, see
-/// [`own_threads`](crate::own_threads)) nothing is restored: the context
-/// stays bound, so a waiter thread querying a batch of fences of one context
-/// switches contexts once, not twice per query. No executor runs there, and
-/// user code that does (a value the drop queue drops) finds some context
+/// [`own_threads`](crate::own_threads)) nothing is restored: the context stays bound, so a waiter
+/// thread querying a batch of fences of one context switches contexts once, not twice per query. No
+/// executor runs there, and user code that does (a value the drop queue drops) finds some context
 /// current, as it would after any CUDA call; cudarc binds its own first.
 #[must_use = "the context is current only while the guard lives"]
 pub(super) struct Bound {
-    /// What was current before, to restore; `None` when it already was `ctx`,
-    /// or on the crate's own threads.
+    /// What was current before, to restore; `None` if it was `ctx` or on the crate's own threads.
     previous: Option<CurrentContext>,
     driver: Driver,
     /// Whether this is one of the crate's own threads (already in the
@@ -46,17 +41,14 @@ impl Bound {
         self.driver
     }
 
-    /// Make `call`, one of the driver's "potentially unsafe" calls during a
-    /// graph capture (a query or a synchronize), in the relaxed capture mode,
-    /// so that it cannot invalidate a capture another thread (or this one)
-    /// is making. The driver prohibits such calls on a thread in the default
-    /// global mode while any thread captures in global mode, and invalidates
-    /// that capture (`cuThreadExchangeStreamCaptureMode`: "if any other
-    /// thread has a concurrent capture sequence initiated with
-    /// CU_STREAM_CAPTURE_MODE_GLOBAL, this thread is prohibited from
-    /// potentially unsafe API calls"; relaxed: "the local thread is not
-    /// prohibited"). A user's thread gets its own mode back afterwards; the
-    /// crate's own threads stay relaxed (set once, when they first bind).
+    /// Make `call`, one of the driver's "potentially unsafe" calls during a graph capture (a query
+    /// or a synchronize), in the relaxed capture mode, so it cannot invalidate a capture another
+    /// thread (or this one) is making. The driver prohibits such calls on a thread in the default
+    /// global mode while any thread captures in global mode, and invalidates that capture
+    /// (`cuThreadExchangeStreamCaptureMode`: "if any other thread has a concurrent capture sequence
+    /// initiated with CU_STREAM_CAPTURE_MODE_GLOBAL, this thread is prohibited from potentially
+    /// unsafe API calls"; relaxed: "the local thread is not prohibited"). A user's thread gets its
+    /// own mode back after; the crate's own threads stay relaxed (set once, at first bind).
     pub(super) fn relaxed<T>(
         &self,
         call: impl FnOnce(Driver) -> Result<T, ServerError>,
@@ -87,11 +79,10 @@ thread_local! {
     /// relaxed already (see [`Bound::relaxed`]).
     static RELAXED: Cell<bool> = const { Cell::new(false) };
 
-    /// The context object that this thread's binding was last made (or
-    /// checked) for by [`bind`]: on the crate's own threads, the context
-    /// left bound; on other threads, the one found already current and
-    /// bound afresh. Weak, so it holds the allocation (no other context can
-    /// take its address while it is kept here) and not the context.
+    /// The context object that this thread's binding was last made (or checked) for by [`bind`]: on
+    /// the crate's own threads, the context left bound; on other threads, the one found already
+    /// current and bound afresh. Weak, so it holds the allocation (no other context can take its
+    /// address while it is kept here) and not the context.
     static LEFT_BOUND: RefCell<Weak<CudaContext>> = const { RefCell::new(Weak::new()) };
 }
 
@@ -104,15 +95,13 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
         relax_own_thread(driver);
     }
     let previous = driver.ctx_get_current()?;
-    // A handle equal to the target is not proof that the target is bound:
-    // after a context current on this thread was torn down, a context made
-    // later (a device's primary context retained anew, say) can have the
-    // same handle, and the thread's binding may be stale (some drivers
-    // answer CUDA_ERROR_CONTEXT_IS_DESTROYED through it until the thread
-    // binds again). So it counts only if this very context object bound it
-    // on this thread, alive all along since (its `Arc` holds the context's
-    // retain, so no context has been torn down under that handle since);
-    // otherwise the context is bound afresh, once per thread and object.
+    // A handle equal to the target does not prove the target is bound: after a context current on
+    // this thread was torn down, a context made later (a device's primary context retained anew,
+    // say) can have the same handle, and the thread's binding may be stale (some drivers answer
+    // CUDA_ERROR_CONTEXT_IS_DESTROYED through it until the thread binds again). So it counts only
+    // if this very context object bound it on this thread and stayed alive since (its `Arc` holds
+    // the context's retain, so no context was torn down under that handle); otherwise the context
+    // is bound afresh, once per thread and object.
     if previous.is(ctx) && left_bound_by(ctx) {
         return Ok(Bound {
             previous: None,
@@ -122,9 +111,8 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     }
     driver.ctx_set_current(ctx)?;
     if own || previous.is(ctx) {
-        // Left bound: nothing to restore (the handle was already current on
-        // a thread not the crate's). During the thread's exit nothing is
-        // remembered: the next bind (if any) switches again.
+        // Left bound: nothing to restore (the handle was current already, on a thread not the
+        // crate's). At thread exit nothing is remembered: the next bind (if any) switches again.
         let _ = LEFT_BOUND.try_with(|left| *left.borrow_mut() = Arc::downgrade(ctx));
         return Ok(Bound {
             previous: None,
@@ -139,10 +127,9 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     })
 }
 
-/// Run `make`, a cudarc call that binds a context to the calling thread and
-/// leaves it bound (`CudaContext::new` does), then make the thread's previous
-/// context current again, as [`Bound`] does: threads not the crate's are left
-/// as found. On the crate's own threads the new binding stays.
+/// Run `make`, a cudarc call that leaves a context bound to the calling thread (`CudaContext::new`
+/// does), then make the thread's previous context current again, as [`Bound`] does: threads not the
+/// crate's are left as found. The crate's own threads keep the new binding.
 ///
 /// # Errors
 ///
@@ -170,10 +157,9 @@ pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerEr
     Ok(made)
 }
 
-/// Put one of the crate's own threads in the relaxed capture mode, once: its
-/// queries and waits must never invalidate a user's graph capture (see
-/// [`Bound::relaxed`]). No executor or user code runs there but what the drop
-/// queue drops, for which the relaxed mode only allows more.
+/// Put one of the crate's own threads in the relaxed capture mode, once: its queries and waits must
+/// never invalidate a user's graph capture (see [`Bound::relaxed`]). No executor or user code runs
+/// there but what the drop queue drops, for which the relaxed mode only allows more.
 fn relax_own_thread(driver: Driver) {
     let _ = RELAXED.try_with(|relaxed| {
         if relaxed.get() {
@@ -201,8 +187,7 @@ impl Drop for Bound {
         let Some(previous) = self.previous.take() else {
             return;
         };
-        // A context destroyed meanwhile is refused by the driver with an
-        // error, reported here.
+        // A context destroyed meanwhile is refused by the driver with an error, reported here.
         match self.driver.ctx_restore(previous) {
             Ok(()) => {}
             // Logged once, where the shutdown was first seen.
@@ -214,13 +199,10 @@ impl Drop for Bound {
     }
 }
 
-/// A context the crate holds (an event's, a kernel's, a pool's). cudarc's
-/// `Drop` of the last handle of a context makes it current on the dropping
-/// thread and releases it there, leaving the released context current;
-/// dropped through this, the last handle is let go with the thread's
-/// current context saved first and made current again after, so threads
-/// not the crate's are left as found even when the crate drops the last
-/// handle. Any other handle drops as an `Arc` does.
+/// A context the crate holds (an event's, a kernel's, a pool's). cudarc's `Drop` of a context's
+/// last handle makes it current on the dropping thread, releases it there and leaves it current;
+/// through this, the thread's current context is saved first and restored after, so threads not the
+/// crate's are left as found. Other handles drop as an `Arc` does.
 pub(super) struct HeldContext(Option<Arc<CudaContext>>);
 
 impl HeldContext {
@@ -251,13 +233,11 @@ impl Drop for HeldContext {
             return;
         };
         if super::driver::in_forked_child() {
-            // cudarc's drop would call the driver, which a forked child
-            // must not (see `in_forked_child`).
+            // cudarc's drop calls the driver: a forked child must not (see `in_forked_child`).
             std::mem::forget(ctx);
             return;
         }
-        // One atomic decrement, as dropping the `Arc` is: the value comes
-        // back only when this was the last handle.
+        // As cheap as dropping the `Arc` (one atomic decrement); `Some` only for the last handle.
         let Some(last) = Arc::into_inner(ctx) else {
             return;
         };

@@ -12,9 +12,8 @@ use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
 use crate::{status, EventFlags, ServerError};
 
-/// The CUDA backend's raw event. It keeps its context alive, and is destroyed
-/// when dropped if [`Cuda::event_destroy`](super::Cuda) did not already.
-/// Usually held inside an [`Event`](crate::Event) or a fence:
+/// The CUDA backend's raw event. It keeps its context alive; a drop destroys it unless
+/// [`Cuda::event_destroy`](super::Cuda) did. Usually held in an [`Event`](crate::Event) or a fence:
 ///
 /// ```no_run
 /// use device_events::cuda::{self, Cuda, CudaStreamHandle};
@@ -29,51 +28,43 @@ use crate::{status, EventFlags, ServerError};
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
 pub struct CudaEvent {
-    /// `None` only once destroyed or pooled: every path that takes it
-    /// consumes the event, but for [`Drop`].
+    /// `None` only once destroyed or pooled; all that take it but [`Drop`] consume the event.
     raw: Option<RawEvent>,
-    /// The pool a fence event goes back to, and the shard it came from.
-    /// Dropped before `ctx`: a pool whose last handle this is destroys its
-    /// idle events through a context object it knows to be alive, and this
-    /// event's may be the last one.
+    /// The pool a fence event goes back to, and the shard it came from. Dropped before `ctx`: a
+    /// pool whose last handle this is destroys its idle events through a context object it knows to
+    /// be alive, and this event's may be the last one.
     pool: Option<(Arc<FencePool>, usize)>,
     /// Dropped after the event is destroyed (fields drop after `Drop`),
     /// leaving the thread's current context as found if it is the last.
     ctx: HeldContext,
     /// Where its latest record was made (see [`Self::record`]).
     recorded: Mutex<Recorded>,
-    /// The counts of the stream it is in use for, until destroyed or given
-    /// back (feature `test-util`; see [`LiveEvents`]).
+    /// Its stream's counts until destroyed or given back (`test-util` feature; [`LiveEvents`]).
     live: Option<LiveEvents>,
 }
 
-/// Where an event's latest record was made: in a graph capture it marks a
-/// place in the graph, not work that runs, and the driver refuses to query
-/// or wait on it (a query during the capture invalidates the capture; after
-/// it, the driver answers `CUDA_ERROR_INVALID_VALUE`, as measured on an
-/// H200), so this crate refuses first.
+/// Where an event's latest record was made: in a graph capture it marks a place in the graph, not
+/// work that runs, and the driver refuses to query or wait on it (a query during the capture
+/// invalidates the capture; after it, the driver answers `CUDA_ERROR_INVALID_VALUE`, as measured on
+/// an H200), so this crate refuses first.
 #[derive(Clone, Default)]
 enum Recorded {
     /// Outside any capture (or never recorded): work that runs.
     #[default]
     Outside,
-    /// In the capture of this id, on `stream` (held weakly, to ask whether
-    /// the capture still goes on).
+    /// In the capture of this id, on `stream` (held weakly, to ask whether the capture goes on).
     InCapture { id: u64, stream: Weak<CudaStream> },
-    /// A capture began or ended on the stream while the record was made
-    /// (another thread's): the record may be in a graph or not, and nothing
-    /// the driver says tells which, so it is treated as captured.
+    /// A capture began or ended on the stream (another thread's) during the record: it may be in a
+    /// graph or not, and nothing the driver says tells which, so it counts as captured.
     Unknown,
 }
 
 impl Recorded {
-    /// From the stream's capture state asked just before and just after the
-    /// record: the same capture on both sides holds the record (ids are
-    /// unique for the process, and a capture that ended never resumes);
-    /// none on both sides means outside, unless a whole capture began and
-    /// ended inside the call (then the driver's later answer,
-    /// `CUDA_ERROR_INVALID_VALUE`, is read as captured: see
-    /// [`CudaEvent::query`]).
+    /// From the stream's capture state just before and just after the record: the same capture on
+    /// both sides holds the record (ids are unique for the process, and a capture that ended never
+    /// resumes); none on both sides means outside, unless a whole capture began and ended inside
+    /// the call (then the driver's later answer, `CUDA_ERROR_INVALID_VALUE`, is read as captured:
+    /// see [`CudaEvent::query`]).
     fn of(before: Capture, after: Capture, stream: &Arc<CudaStream>) -> Self {
         match (before, after) {
             (Capture::None, Capture::None) => Self::Outside,
@@ -129,20 +120,17 @@ impl CudaEvent {
         self
     }
 
-    /// The handle; held from creation until the event is consumed.
     fn raw(&self) -> &RawEvent {
         self.raw
             .as_ref()
             .expect("a CudaEvent holds its handle until it is consumed")
     }
 
-    /// Give a fence event back to its context's pool, or destroy it when the
-    /// pool is full (or it has none). Its last record may still be pending:
-    /// the next `cuEventRecord` replaces it, which the driver allows.
+    /// Return a fence event to its context's pool, or destroy it if there is none or it is full. A
+    /// pending last record is fine: the next `cuEventRecord` replaces it, which the driver allows.
     pub(super) fn release(mut self) -> Result<(), ServerError> {
         if in_forked_child() {
-            // Forgotten by the drop: the pool's locks may be held in the
-            // parent.
+            // Forgotten by the drop: the pool's locks may be held in the parent.
             return Ok(());
         }
         if let (Some((pool, shard)), Some(raw)) = (self.pool.take(), self.raw.take()) {
@@ -157,16 +145,13 @@ impl CudaEvent {
         self.destroy()
     }
 
-    /// Record at the current end of `stream`; the stream must share the
-    /// event's context. On a stream capturing a graph the record is legal
-    /// and becomes a node of the graph. Which capture (if any) holds it is
-    /// asked of the driver just before and just after the record, so a
-    /// capture another thread begins or ends meanwhile is never missed (see
-    /// [`Recorded::of`]): such a record fails its waits, it never frees a
-    /// value a graph may still read. While the record is made (and after
-    /// it, if the second question fails), it counts as [`Recorded::Unknown`]:
-    /// a thread that queries the event meanwhile is refused rather than
-    /// sent to the driver with a record that may be in a capture.
+    /// Record at the current end of `stream`, which must share the event's context. On a capturing
+    /// stream the record is legal and becomes a graph node. The driver is asked which capture (if
+    /// any) holds it just before and just after, so a capture another thread begins or ends
+    /// meanwhile is never missed (see [`Recorded::of`]): such a record fails its waits, never frees
+    /// a value a graph may still read. While the record is made (and after, if the second question
+    /// fails), it counts as [`Recorded::Unknown`]: a thread querying the event meanwhile is
+    /// refused, not sent to the driver with a record that may be in a capture.
     pub(super) fn record(&self, stream: &Arc<CudaStream>) -> Result<(), ServerError> {
         const CALL: &str = "cuEventRecord";
         same_context(CALL, &self.ctx, stream)?;
@@ -197,11 +182,10 @@ impl CudaEvent {
         }
     }
 
-    /// The driver's answer for an event recorded outside any capture, as far
-    /// as the crate could see: `CUDA_ERROR_INVALID_VALUE`, which it gives for
-    /// an event whose capture has ended, may mean that a whole capture began
-    /// and ended on another thread inside the record, so it is reported as
-    /// a capture status (never a reason to fall back and free a value).
+    /// The driver's answer for an event recorded outside any capture, as far as the crate could
+    /// see: `CUDA_ERROR_INVALID_VALUE`, its answer for an event whose capture has ended, may mean
+    /// that a whole capture began and ended on another thread inside the record, so it is reported
+    /// as a capture status (never a reason to fall back and free a value).
     fn answered<T>(call: &'static str, answer: Result<T, ServerError>) -> Result<T, ServerError> {
         answer.map_err(|err| {
             if err.code() != Some(status::INVALID_VALUE) {
@@ -238,17 +222,14 @@ impl CudaEvent {
         )
     }
 
-    /// Make `stream` wait for this event's latest record, on the device. Works
-    /// across contexts. What the driver would refuse, invalidating captures
-    /// ("Stream capture" in its docs), is refused here first:
-    /// - a capturing stream may wait only on an event recorded in its own
-    ///   capture: one recorded outside is `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`,
-    ///   one of another capture `CUDA_ERROR_STREAM_CAPTURE_MERGE`;
-    /// - a stream not capturing may wait on an event of a capture that goes
-    ///   on (it joins that capture), but not of one that has ended: its
-    ///   record marks a place in a graph, with nothing to wait for;
-    /// - a record whose capture is unknown (see [`Recorded::Unknown`]) is
-    ///   waited on by no stream.
+    /// Make `stream` (of any context) wait on the device for this event's latest record. What the
+    /// driver would refuse, invalidating captures ("Stream capture" in its docs), is refused first:
+    /// - a capturing stream may wait only on events of its own capture (else
+    ///   `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` for one recorded outside,
+    ///   `CUDA_ERROR_STREAM_CAPTURE_MERGE` for another capture's);
+    /// - a stream not capturing may wait on an event of a capture that goes on (joining it), but
+    ///   not of one that has ended: its record marks a place in a graph, with nothing to wait for;
+    /// - no stream waits on a record whose capture is unknown (see [`Recorded::Unknown`]).
     pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
         const CALL: &str = "cuStreamWaitEvent";
         let bound = bind(stream.context())?;
@@ -303,9 +284,8 @@ impl CudaEvent {
             == Capture::Active(id))
     }
 
-    /// Milliseconds from `start` to `self`, as the driver measures them;
-    /// refused before the driver when the two events belong to different
-    /// contexts (the driver answers `CUDA_ERROR_INVALID_HANDLE` there).
+    /// Milliseconds from `start` to `self`, as the driver measures them; refused first when the two
+    /// events belong to different contexts (the driver answers `CUDA_ERROR_INVALID_HANDLE`).
     pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
         start.not_captured("cuEventElapsedTime")?;
         self.not_captured("cuEventElapsedTime")?;
@@ -338,8 +318,7 @@ impl CudaEvent {
             std::mem::forget(self.pool.take());
             return Err(forked);
         }
-        // The destroy is attempted even if the bind fails (a faulted
-        // context, say): skipping it would leak the event for good.
+        // Destroyed even if the bind fails (say, a faulted context), else it leaks for good.
         let bound = bind(&self.ctx);
         let destroyed = driver().and_then(|driver| driver.event_destroy(raw));
         drop(bound);
@@ -351,8 +330,7 @@ impl Drop for CudaEvent {
     fn drop(&mut self) {
         match self.destroy_raw() {
             Ok(()) => {}
-            // Gone with the driver (at process exit, say): the driver's
-            // shutdown was logged once, where it was first seen.
+            // Gone with the driver (at exit, say): its shutdown was logged once, where first seen.
             Err(err) if err.is_shut_down() || err.is_unavailable() => log::trace!("{err}"),
             Err(err) => log::error!("a CUDA event could not be destroyed: {err}"),
         }
@@ -397,8 +375,7 @@ fn captured(call: &'static str) -> ServerError {
     )
 }
 
-/// As [`captured`], for a record that may be in a capture: `why` says what
-/// left it in doubt.
+/// As [`captured`], for a record that may be in a capture: `why` says what left it in doubt.
 fn maybe_captured(call: &'static str, why: &str) -> ServerError {
     refused(
         call,
@@ -421,8 +398,7 @@ fn same_context(
     if stream.context().cu_ctx() == ctx.cu_ctx() {
         return Ok(());
     }
-    // The driver's own answer (measured: an H200, driver 13000), whichever
-    // context is current.
+    // The driver's own answer (measured: an H200, driver 13000), whichever context is current.
     Err(refused(
         call,
         sys::CUresult::CUDA_ERROR_INVALID_HANDLE,

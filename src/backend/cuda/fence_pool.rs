@@ -12,38 +12,30 @@ use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
 use crate::{EventFlags, ServerError};
 
-/// The most idle fence events a context's pool keeps, over
-/// [`FENCE_POOL_SHARDS`] shards.
+/// The most idle fence events a context's pool keeps, over [`FENCE_POOL_SHARDS`] shards.
 const FENCE_POOL_CAPACITY: usize = 512;
 
-/// How many locks a context's pool is split into. Every executor thread
-/// makes fences on the same context, so one lock would be a lock shared by
-/// all of them; each thread takes from its own shard, or another's when its
-/// own is empty, and an event goes back to the shard of the thread that
-/// took it (see [`IdlePool`]).
+/// How many locks a context's pool is split into: every executor thread makes fences on the same
+/// context, so one lock would be shared by all. Each thread takes from its own shard, or another's
+/// when its own is empty; an event goes back to its taker's shard (see [`IdlePool`]).
 const FENCE_POOL_SHARDS: usize = 8;
 
-/// One context's idle fence events (`DISABLE_TIMING | BLOCKING_SYNC`), for
-/// later fences: on busy GPUs `cuEventCreate` contends on the driver's
-/// context lock, so a steady loop of fences creates none after warm-up. At
-/// most [`FENCE_POOL_CAPACITY`] idle events, spread over
+/// One context's idle fence events (`DISABLE_TIMING | BLOCKING_SYNC`), for later fences: on busy
+/// GPUs `cuEventCreate` contends on the driver's context lock, so a steady loop of fences creates
+/// none after warm-up. At most [`FENCE_POOL_CAPACITY`] idle events, spread over
 /// [`FENCE_POOL_SHARDS`] locks.
 ///
-/// One pool per driver context, not per `CudaContext` object: cudarc makes
-/// an object (and a primary-context retain) per `CudaContext::new`, and
-/// objects come and go while another (or another library) keeps the
-/// context alive; their events are the context's, and go on serving it.
-/// The driver's context id (`cuCtxGetId`) tells the context apart from one
-/// made later under the same handle; a driver without it gets a pool per
-/// object.
+/// One pool per driver context, not per `CudaContext` object: cudarc makes an object (and a
+/// primary-context retain) per `CudaContext::new`, and objects come and go while another (or
+/// another library) keeps the context alive; their events are the context's, and go on serving it.
+/// The driver's context id (`cuCtxGetId`) tells the context apart from one made later under the
+/// same handle; a driver without it gets a pool per object.
 ///
-/// Idle events do not keep the context alive (the pool holds its objects
-/// weakly): when the pool goes, it destroys them through any of its
-/// objects still alive, or through the device's primary context when that
-/// is provably the same one still alive (something the pool never saw keeps
-/// it: another cudarc object, another library, the CUDA runtime); only a
-/// context that is gone has its events forgotten, as the driver freed them
-/// with it.
+/// Idle events do not keep the context alive (the pool holds its objects weakly): when the pool
+/// goes, it destroys them through any of its objects still alive, or through the device's primary
+/// context when that is provably the same one still alive (something the pool never saw keeps it:
+/// another cudarc object, another library, the CUDA runtime); only a context that is gone has its
+/// events forgotten, as the driver freed them with it.
 pub(crate) struct FencePool {
     /// The driver's id of the context, when it has `cuCtxGetId`.
     id: Option<u64>,
@@ -51,9 +43,8 @@ pub(crate) struct FencePool {
     ordinal: usize,
     device: sys::CUdevice,
     handle: usize,
-    /// The context objects whose streams use the pool: any one alive keeps
-    /// the driver context alive. Without an id, only the first, whose
-    /// allocation (held by the `Weak`) identifies the pool.
+    /// Objects of the driver context whose streams use the pool: any one alive keeps it alive.
+    /// Without an id, only the first, whose allocation (held by the `Weak`) identifies the pool.
     objects: Mutex<Vec<Weak<CudaContext>>>,
     idle: IdlePool<IdleEvent, FENCE_POOL_SHARDS>,
 }
@@ -108,10 +99,9 @@ impl FencePool {
         })
     }
 
-    /// An idle fence event of this pool's context from the calling thread's
-    /// shard, or a new one. `ctx` is an object of the pool's context, kept
+    /// An idle fence event of this pool's context from the calling thread's shard, or a new one,
+    /// counted in `live` (its stream's counts). `ctx` is an object of the pool's context, kept
     /// alive by the caller's stream.
-    /// It is counted in `live`, its stream's counts.
     pub(crate) fn take(
         self: &Arc<Self>,
         ctx: &Arc<CudaContext>,
@@ -138,10 +128,9 @@ impl FencePool {
 }
 
 impl FencePool {
-    /// The device's primary context, when it is still the pool's own: active
-    /// (retained by someone), under the same handle and with the same id,
-    /// which a context made again would not have ("unique for the life of
-    /// the program", `cuCtxGetId`). Retained for the call, not made: an
+    /// The device's primary context, when it is still the pool's own: active (retained by someone),
+    /// under the same handle and with the same id, which a context made again would not have
+    /// ("unique for the life of the program", `cuCtxGetId`). Retained for the call, not made: an
     /// inactive primary context is not looked at.
     fn primary_still_alive(&self) -> Option<Arc<CudaContext>> {
         let id = self.id?;
@@ -155,8 +144,7 @@ impl FencePool {
         if same {
             return Some(ctx);
         }
-        // Not the pool's: dropped as a held context, leaving the thread's
-        // current context as found.
+        // Not the pool's: dropped as a held context, leaving the thread's current context as found.
         drop(HeldContext::from(ctx));
         None
     }
@@ -174,12 +162,10 @@ impl Drop for FencePool {
         }
         let known = self.objects.lock().iter().find_map(Weak::upgrade);
         let Some(ctx) = known.or_else(|| self.primary_still_alive()) else {
-            // The context is gone (or cannot be told from one made later),
-            // and the driver freed its events with it.
+            // Gone, or not told apart from a later context: the driver freed its events with it.
             return;
         };
-        // Held, so that if it is the last handle, the thread's current
-        // context is left as found.
+        // Held, so that if it is the last handle, the thread's current context is left as found.
         let ctx = HeldContext::from(ctx);
         for IdleEvent(raw) in idle {
             drop(CudaEvent::from_raw(raw, &ctx));

@@ -14,8 +14,7 @@ use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
 use crate::ServerError;
 
-/// Every cudarc stream a handle was made for, held weakly, with what this
-/// crate keeps per stream.
+/// Every cudarc stream a handle was made for, held weakly, with what this crate keeps per stream.
 static STREAMS: Registry<CudaStream, Arc<PerStream>> = Registry::new();
 
 /// What this crate keeps per registered stream.
@@ -24,9 +23,8 @@ pub(super) struct PerStream {
     pub(super) pool: Arc<FencePool>,
     /// The stream's counts of its events in use (feature `test-util`).
     pub(super) live: LiveEvents,
-    /// The next number in the order of points recorded on the stream, for
-    /// the waiter. A lock, not an atomic: a record and its number are taken
-    /// under it as one step ([`record_in_order`](Self::record_in_order)).
+    /// The waiter's next number in the stream's order of recorded points. A lock, not an atomic:
+    /// [`record_in_order`](Self::record_in_order) takes a record and its number as one step.
     sequence: Mutex<u64>,
 }
 
@@ -36,12 +34,10 @@ impl PerStream {
         take_next(&mut self.sequence.lock())
     }
 
-    /// Run `record` (a `cuEventRecord` on this stream) and number it, as one
-    /// step: numbered after the call returned, two threads recording on one
-    /// stream could take their numbers in the opposite order to their
-    /// records, and a waiter lane would block on the newer record first. The
-    /// lock is the stream's own, uncontended unless two threads record on
-    /// one stream at once, whose records the driver serializes anyway.
+    /// Run `record` (a `cuEventRecord` on this stream) and number it as one step: numbered after
+    /// the call, two threads recording could take numbers in the opposite order to their records,
+    /// and a waiter lane would block on the newer one first. The lock is the stream's: only two
+    /// threads recording on it at once contend, and the driver serializes those anyway.
     pub(super) fn record_in_order(
         &self,
         record: impl FnOnce() -> Result<(), ServerError>,
@@ -59,29 +55,25 @@ fn take_next(next: &mut u64) -> u64 {
 }
 
 /// A copyable handle to an `Arc<cudarc::driver::CudaStream>`, taken by
-/// [`EventFence::new`](crate::EventFence::new) and the
-/// [`Cuda`](super::Cuda) calls.
+/// [`EventFence::new`](crate::EventFence::new) and the [`Cuda`](super::Cuda) calls.
 ///
-/// The handle does not keep the stream alive (it is `Copy`, so it cannot own
-/// anything): while the `Arc<CudaStream>` lives, calls through the handle use
-/// it; once every `Arc` is dropped, they return an invalid-handle error instead
-/// of touching a destroyed stream. A fence does not need its stream once
-/// recorded: its event keeps the stream's context alive.
+/// The handle does not keep the stream alive (it is `Copy`, so it cannot own anything): while the
+/// `Arc<CudaStream>` lives, calls through the handle use it; once every `Arc` is dropped, they
+/// return an invalid-handle error instead of touching a destroyed stream. A fence does not need its
+/// stream once recorded: its event keeps the stream's context alive.
 ///
 /// Handles made from the same `Arc` are equal; two `Arc<CudaStream>` made
 /// separately for the same raw stream give different handles.
 ///
 /// # Per-thread default streams
 ///
-/// `CU_STREAM_PER_THREAD` (cudarc's `ctx.per_thread_stream()`) means "the
-/// calling thread's default stream": the same handle names a different stream
-/// on every thread. A handle made for one therefore belongs to the thread that
-/// made it, and a stream call through it on another thread (a drop queue's
-/// fallback synchronize, say) is refused with `CUDA_ERROR_INVALID_HANDLE`
-/// instead of silently using that thread's stream. Events and fences are not
-/// affected: a fence is recorded on the caller's thread, and waiting on its
-/// event is correct from any thread. The legacy default stream (null or
-/// `CU_STREAM_LEGACY`) is one per context and may be used from any thread.
+/// `CU_STREAM_PER_THREAD` (cudarc's `ctx.per_thread_stream()`) means "the calling thread's default
+/// stream": the same handle names a different stream on every thread. A handle made for one
+/// therefore belongs to the thread that made it, and a stream call through it on another thread (a
+/// drop queue's fallback synchronize, say) is refused with `CUDA_ERROR_INVALID_HANDLE` instead of
+/// silently using that thread's stream. Events and fences are not affected: a fence is recorded on
+/// the caller's thread, and waiting on its event is correct from any thread. The legacy default
+/// stream (null or `CU_STREAM_LEGACY`) is one per context and may be used from any thread.
 ///
 /// ```no_run
 /// use device_events::cuda::{self, Cuda, CudaStreamHandle};
@@ -98,8 +90,7 @@ fn take_next(next: &mut u64) -> u64 {
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CudaStreamHandle {
     id: u64,
-    /// For a per-thread default stream, the thread the handle belongs to (see
-    /// [`thread_key`]); 0 for every other stream.
+    /// Per-thread default stream: the thread the handle belongs to (see [`thread_key`]); else 0.
     thread: u64,
 }
 
@@ -117,10 +108,9 @@ fn thread_key() -> u64 {
 }
 
 impl CudaStreamHandle {
-    /// The handle for `stream`. Infallible and cheap after the first call for
-    /// the same `Arc` (one map lookup). For a per-thread default stream, the
-    /// handle belongs to the calling thread (see the type's docs). In a
-    /// forked child of a process that used CUDA, a handle that names no
+    /// The handle for `stream`. Infallible and cheap after the first call for the same `Arc` (one
+    /// map lookup). For a per-thread default stream, the handle belongs to the calling thread (see
+    /// the type's docs). In a forked child of a process that used CUDA, a handle that names no
     /// stream: no CUDA call may be made there.
     pub fn new(stream: &Arc<CudaStream>) -> Self {
         let per_thread = stream.cu_stream() as usize == PER_THREAD_STREAM;
@@ -151,13 +141,11 @@ impl CudaStreamHandle {
         STREAMS.get(self.id).map(|(stream, _)| stream)
     }
 
-    /// A number no other stream alive at the same time has, a per-thread
-    /// default stream counting as one stream per thread (see
-    /// [`EventApi::stream_id`](crate::EventApi::stream_id)).
+    /// A number no other stream alive at the same time has, a per-thread default stream counting as
+    /// one stream per thread (see [`EventApi::stream_id`](crate::EventApi::stream_id)).
     pub(super) fn lane_id(self) -> u64 {
-        // Both are counters from 1 (the registry's, times its 16 shards,
-        // plus the shard; the thread's, or 0 for a stream not per-thread)
-        // that stay far below 2^32 in any process, so the number is exact.
+        // Both are counters from 1 (the registry's, times its 16 shards, plus the shard; the
+        // thread's, or 0 if not per-thread), far below 2^32 in any process: the number is exact.
         self.id | self.thread << 32
     }
 
@@ -167,8 +155,7 @@ impl CudaStreamHandle {
         self.resolve_per_stream(call).map(|(stream, _)| stream)
     }
 
-    /// As [`resolve`](Self::resolve), with what this crate keeps for the
-    /// stream.
+    /// As [`resolve`](Self::resolve), with what this crate keeps for the stream.
     pub(super) fn resolve_per_stream(
         self,
         call: &'static str,
@@ -189,10 +176,9 @@ impl CudaStreamHandle {
     }
 }
 
-/// Block until all work queued on `stream` is done. A stream capturing a
-/// graph runs nothing to wait for: it is refused here with
-/// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, before the driver refuses it the
-/// same way and invalidates the capture.
+/// Block until all work queued on `stream` is done. A stream capturing a graph runs nothing to wait
+/// for: it is refused here with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, before the driver refuses
+/// it the same way and invalidates the capture.
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
     let bound = bind(stream.context())?;
     if bound

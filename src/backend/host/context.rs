@@ -1,5 +1,4 @@
-//! [`HostContext`]: the fault domain of host streams, as a CUDA context is
-//! of its streams.
+//! [`HostContext`]: the fault domain of host streams, as a CUDA context is of its streams.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,31 +9,23 @@ use super::stream::{HostStream, StreamShared};
 use crate::loom::Mutex;
 use crate::ServerError;
 
-/// A group of host streams that a fault poisons as a whole, the way a fault
-/// poisons a CUDA context.
+/// A cheap handle to a group of host streams that a fault poisons as a whole, as a fault poisons a
+/// CUDA context; clones name the same context.
 ///
-/// The CUDA driver's rule for a fault such as an illegal address
-/// (`CUDA_ERROR_ILLEGAL_ADDRESS`, driver API error codes): "This leaves the
-/// process in an inconsistent state and any further CUDA work will return
-/// the same error. To continue using CUDA, the process must be terminated
-/// and relaunched." Every stream of the context fails, not only the one
-/// whose kernel faulted. So here: once work launched on any stream of a
-/// context panics, every stream of that context is faulted for good. Its
-/// queued work never runs, its pending records fail their waiters, and
-/// every later launch, record, event creation, wait or synchronize on it,
-/// and every new stream on the context, returns [`ServerError::Faulted`].
-/// Other contexts carry on, except a stream of another context that waits
-/// on a record the fault lost: it is faulted too (the driver docs do not
-/// say; the stricter reading keeps work that depends on lost work from
-/// running).
+/// The CUDA driver's rule for a fault such as an illegal address (`CUDA_ERROR_ILLEGAL_ADDRESS`,
+/// driver API error codes): "This leaves the process in an inconsistent state and any further CUDA
+/// work will return the same error. To continue using CUDA, the process must be terminated and
+/// relaunched." Every stream of the context fails, not only the faulting one. So here, once work on
+/// any stream of a context panics, all its streams are faulted for good: queued work never runs,
+/// pending records fail their waiters, and every later launch, record, event creation, wait or
+/// synchronize, and every new stream on the context, returns [`ServerError::Faulted`]. Other
+/// contexts carry on, except a stream waiting on a record the fault lost: it is faulted too (the
+/// driver docs do not say; the stricter reading keeps work that depends on lost work from running).
 ///
-/// [`HostStream::new`] gives each stream a context of its own, so a panic
-/// in its work faults that stream alone (and a stream that waits on a
-/// record the fault lost, as above): host streams are CPU queues, not a
-/// device that the process shares, and one panicking job must not take the
-/// host backend away from every other test or pipeline in the process.
-/// Streams put on one context with [`new_stream`](Self::new_stream) keep
-/// CUDA's rule, the whole context:
+/// [`HostStream::new`] gives each stream a context of its own, so a panic in its work faults that
+/// stream alone (and, as above, streams waiting on a record it lost): host streams are CPU queues,
+/// not a shared device, and one panicking job must not break every other test or pipeline. Streams
+/// put on one context with [`new_stream`](Self::new_stream) keep CUDA's rule, the whole context:
 ///
 /// ```
 /// use device_events::host::{HostContext, HostStream};
@@ -51,19 +42,13 @@ use crate::ServerError;
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
 ///
-/// An event belongs to the context of the stream it was created for, and
-/// is recorded only on that context's streams (`cuEventRecord`: "hEvent
-/// and hStream must be from the same context otherwise
-/// CUDA_ERROR_INVALID_HANDLE is returned"); a stream may wait on an event of
-/// any context (`cuStreamWaitEvent`: "hEvent may be from a different context
-/// or device than hStream"); two events of different contexts are not timed
-/// against each other (the driver answers `CUDA_ERROR_INVALID_HANDLE`). So
-/// across two streams made with [`HostStream::new`], fences and device-side
-/// waits work, while an event is recorded only on its own stream and a
-/// profile whose start and stop are on the two is refused when read: put
-/// streams that share events or profiles on one context.
-///
-/// A cheap handle: clones name the same context.
+/// An event belongs to the context of the stream it was created for, and is recorded only on that
+/// context's streams (`cuEventRecord`: "hEvent and hStream must be from the same context otherwise
+/// CUDA_ERROR_INVALID_HANDLE is returned"); a stream may wait on an event of any context
+/// (`cuStreamWaitEvent`: "hEvent may be from a different context or device than hStream"); a
+/// profile whose two events are of different contexts is refused when read (the driver answers
+/// `CUDA_ERROR_INVALID_HANDLE`). So across two streams made with [`HostStream::new`], fences and
+/// device-side waits work, but streams that share events or profiles go on one context.
 #[derive(Clone)]
 pub struct HostContext {
     shared: Arc<ContextShared>,
@@ -71,8 +56,8 @@ pub struct HostContext {
 
 pub(super) struct ContextShared {
     id: u64,
-    /// The fork generation it was made in (see [`crate::fork`]): in a
-    /// forked child its streams' workers are in the parent.
+    /// The fork generation it was made in (see [`crate::fork`]): in a forked child its
+    /// streams' workers are in the parent.
     generation: u64,
     /// The first fault's message; set once, never cleared.
     fault: OnceLock<String>,
@@ -97,14 +82,12 @@ impl HostContext {
         }
     }
 
-    /// One context for the whole process, the same on every call: for code
-    /// that wants its streams to share a context the way CUDA code shares a
-    /// device's primary context. Its streams may record each other's events
-    /// and be profiled together, and a panic in work on any of them faults
-    /// all of them, and every stream made on it later, for the rest of the
-    /// process. [`HostStream::new`] does not use it: put a stream here with
-    /// `HostContext::primary().new_stream()`. A forked child gets one of its
-    /// own (the parent's streams' workers stayed in the parent).
+    /// One context for the whole process, the same on every call, for streams that share it as CUDA
+    /// code shares a device's primary context: they may record each other's events and be profiled
+    /// together, and a panic in work on any of them faults all of them, and every stream made on it
+    /// later, for the rest of the process. [`HostStream::new`] does not use it: use
+    /// `HostContext::primary().new_stream()`. A forked child gets its own (the parent's workers
+    /// stayed in the parent).
     pub fn primary() -> Self {
         static PRIMARY: OnceLock<Mutex<HostContext>> = OnceLock::new();
         let mut primary = PRIMARY.get_or_init(|| Mutex::new(Self::new())).lock();
@@ -118,9 +101,8 @@ impl HostContext {
     ///
     /// # Errors
     ///
-    /// [`ServerError::Faulted`] once the context is faulted;
-    /// [`ServerError::ThreadSpawn`] when the operating system refused to
-    /// start the stream's thread.
+    /// [`ServerError::Faulted`] once the context is faulted; [`ServerError::ThreadSpawn`] when
+    /// the operating system refused to start the stream's thread.
     pub fn new_stream(&self) -> Result<HostStream, ServerError> {
         HostStream::on(self)
     }
@@ -149,9 +131,8 @@ impl ContextShared {
         self.fault.get()
     }
 
-    /// An error for `call` when the context was made before this process
-    /// forked: its streams' workers stayed in the parent, so nothing queued
-    /// on them runs here, and a wait on it would never end.
+    /// An error for `call` if the context was made before this process forked: its streams'
+    /// workers stayed in the parent, so nothing queued runs here and a wait would never end.
     pub(super) fn not_forked(&self, call: &'static str) -> Result<(), ServerError> {
         if self.generation == crate::fork::current() {
             return Ok(());
@@ -164,8 +145,7 @@ impl ContextShared {
         ))
     }
 
-    /// An error for `call` when the context is faulted, or was made before
-    /// this process forked.
+    /// An error for `call` when the context is faulted, or was made before this process forked.
     pub(super) fn check(&self, call: &'static str) -> Result<(), ServerError> {
         self.not_forked(call)?;
         match self.fault() {
@@ -174,9 +154,8 @@ impl ContextShared {
         }
     }
 
-    /// Count `stream` among the context's streams, unless the context is
-    /// faulted (checked under the same lock that [`poison`](Self::poison)
-    /// takes, so no stream joins a context that is being poisoned unseen).
+    /// Count `stream` among the context's streams unless the context is faulted, checked under
+    /// the lock [`poison`](Self::poison) takes: no stream joins a context being poisoned unseen.
     pub(super) fn join(&self, stream: &Arc<StreamShared>) -> Result<(), ServerError> {
         self.not_forked("stream_create")?;
         let mut streams = self.streams.lock();
@@ -186,8 +165,7 @@ impl ContextShared {
         Ok(())
     }
 
-    /// A fault on one of the context's streams: fault them all. The first
-    /// fault's message is the context's, whichever stream reports it.
+    /// A fault on one of the context's streams: fault them all; the first fault's message is kept.
     pub(super) fn poison(&self, message: String) {
         let streams: Vec<Arc<StreamShared>> = {
             let streams = self.streams.lock();

@@ -46,11 +46,10 @@ impl FencePool {
 }
 
 impl FencePool {
-    /// Free the idle events now (their stream is dropped); events given
-    /// back later still come here while queued work runs.
+    /// Free the idle events now (their stream is dropped); events given back later still come
+    /// here while queued work runs.
     pub(super) fn clear(&self) {
-        // The gauge before the frees: a count read meanwhile is too high,
-        // never too low.
+        // The gauge before the frees: a count read meanwhile is too high, never too low.
         let freed = self.idle.take_all(|idle| self.live.set_idle(idle));
         drop(freed);
     }
@@ -63,19 +62,15 @@ impl Drop for FencePool {
     }
 }
 
-/// The host backend's raw event: shared by its owner and the stream markers
-/// that will signal it.
+/// The host backend's raw event: shared by its owner and the stream markers that will signal it.
 ///
-/// Each record starts a new *generation*, and a waiter waits for the
-/// generation that was latest when it asked, that one only. That is the
-/// driver's rule (`cuEventRecord`, CUDA driver API): "Other APIs such as
-/// `cuStreamWaitEvent()` use the most recently captured state at the time of
-/// the API call, and are not affected by later calls to `cuEventRecord()`."
-/// So a later record (on another, idle stream, say) reaching first does not
-/// release a wait on an earlier one, and a fault that loses a later record
-/// does not fail a wait on an earlier one; a query looks at the latest
-/// record only ("Any subsequent calls which examine the status of hEvent
-/// will only examine the completion of this most recent call").
+/// Each record starts a new *generation*; a waiter waits for the one latest when it asked, only
+/// that one. That is the driver's rule (`cuEventRecord`, CUDA driver API): "Other APIs such as
+/// `cuStreamWaitEvent()` use the most recently captured state at the time of the API call, and are
+/// not affected by later calls to `cuEventRecord()`." So a later record (on another, idle stream,
+/// say) reaching first does not release a wait on an earlier one, nor does a fault that loses a
+/// later record fail it; a query looks at the latest record only ("Any subsequent calls which
+/// examine the status of hEvent will only examine the completion of this most recent call").
 #[derive(Clone)]
 pub struct HostEvent {
     pub(super) inner: Arc<EventInner>,
@@ -87,8 +82,7 @@ pub(super) struct EventInner {
     timing: bool,
     /// The creating stream's counts.
     live: LiveEvents,
-    /// The creating stream's context: the only one it may be recorded on,
-    /// and whose fault it reports.
+    /// The creating stream's context: the only one it may be recorded on, whose fault it reports.
     context: Arc<ContextShared>,
     /// The fence-event pool it goes back to, for fence events.
     pool: Option<Weak<FencePool>>,
@@ -98,20 +92,16 @@ pub(super) struct EventInner {
 struct EventState {
     /// The generation of the latest record; 0 when never recorded.
     recorded: u64,
-    /// Generations whose marker is queued on a stream and not yet passed,
-    /// in ascending order (each record takes the next): usually one or two,
-    /// but an event recorded over and over on a busy stream has one per
-    /// record, so it is searched, not scanned, and the oldest (the one a
-    /// stream passes first) leaves from the front. A pooled event keeps
-    /// the buffer, so a record allocates nothing.
+    /// Generations whose marker is queued on a stream and not yet passed, ascending (each record
+    /// takes the next). Usually one or two, but one per record for an event recorded over and
+    /// over on a busy stream: so it is searched, not scanned, and the oldest (passed first)
+    /// leaves from the front. A pooled event keeps the buffer, so a record allocates nothing.
     pending: VecDeque<u64>,
     /// When the latest record was reached, for timing events.
     reached_at: Option<Instant>,
-    /// Generations whose marker a fault dropped, with the fault. Bounded:
-    /// a faulted context takes no more records.
+    /// Generations lost to a fault, with its message; bounded: a faulted context takes no records.
     faulted: Vec<(u64, String)>,
-    /// Threads waiting on `changed`: without any, a signal skips the
-    /// notification (a futex wake, a system call, on every record).
+    /// Threads waiting on `changed`; with none, a signal skips the notify (a system call).
     waiting: usize,
 }
 
@@ -140,8 +130,7 @@ impl EventState {
 }
 
 impl HostEvent {
-    /// A new event of `context`, counted in `live` (its stream's counts)
-    /// until freed.
+    /// A new event of `context`, counted in `live` (its stream's counts) until freed.
     pub(super) fn new(timing: bool, live: &LiveEvents, context: &Arc<ContextShared>) -> Self {
         Self::create(timing, live, context, None)
     }
@@ -165,9 +154,8 @@ impl HostEvent {
         }
     }
 
-    /// Give a fence event back to its stream's pool (or free it, when the
-    /// pool is full or gone). Its queued markers, if any, still signal it;
-    /// its next record starts a new generation, as a driver's does.
+    /// Give a fence event back to its stream's pool, or free it if the pool is full or gone.
+    /// Queued markers still signal it; its next record starts a new generation, as a driver's.
     pub(super) fn release(self) {
         let Some(pool) = self.inner.pool.as_ref().and_then(Weak::upgrade) else {
             return;
@@ -179,8 +167,7 @@ impl HostEvent {
         drop(full);
     }
 
-    /// An error for `call` when the event's context was made before this
-    /// process forked (see [`ContextShared::not_forked`]).
+    /// An error for `call` if the event's context predates a fork ([`ContextShared::not_forked`]).
     pub(super) fn not_forked(&self, call: &'static str) -> Result<(), ServerError> {
         self.inner.context.not_forked(call)
     }
@@ -200,9 +187,8 @@ impl HostEvent {
         generation
     }
 
-    /// Record a new generation that is reached at once (its stream is
-    /// idle): [`next_generation`](Self::next_generation) and
-    /// [`signal`](Self::signal) in one lock.
+    /// Record a new generation that is reached at once (its stream is idle):
+    /// [`next_generation`](Self::next_generation) and [`signal`](Self::signal) in one lock.
     pub(super) fn record_reached(&self) {
         let mut state = self.inner.lock();
         state.recorded += 1;
@@ -245,10 +231,9 @@ impl HostEvent {
         }
     }
 
-    /// Whether the latest record has been passed; a fault is an error: a
-    /// fault of the record, or of the event's context (sticky: after a
-    /// fault "any further CUDA work will return the same error", so a
-    /// record passed before it reports the fault too).
+    /// Whether the latest record has been passed; a fault of the record or of the event's
+    /// context is an error (sticky: after a fault "any further CUDA work will return the same
+    /// error", so a record passed before it reports the fault too).
     pub(super) fn query(&self, call: &'static str) -> Result<bool, ServerError> {
         self.inner.context.check(call)?;
         let state = self.inner.lock();
@@ -259,18 +244,17 @@ impl HostEvent {
         }
     }
 
-    /// Block until `generation` is passed or lost to a fault; once the
-    /// event's context is faulted, its error (as [`query`](Self::query)).
+    /// Block until `generation` is passed or lost to a fault; once the event's context is
+    /// faulted, its error (as [`query`](Self::query)).
     pub(super) fn wait_for(&self, generation: u64, call: &'static str) -> Result<(), ServerError> {
         self.inner.context.check(call)?;
         self.wait_record(generation, call)?;
         self.inner.context.check(call)
     }
 
-    /// Block until `generation` is passed or lost to a fault, whatever
-    /// became of the context since: what a stream of another context waits
-    /// for (`cuStreamWaitEvent` captures the record; the docs do not say
-    /// that a later fault of the event's context reaches the waiting one).
+    /// Block until `generation` is passed or lost to a fault, whatever became of the context
+    /// since: what a stream of another context waits for (`cuStreamWaitEvent` captures the
+    /// record; the docs do not say that a later fault of the event's context reaches the waiter).
     pub(super) fn wait_record(
         &self,
         generation: u64,
@@ -315,9 +299,8 @@ impl HostEvent {
             .ok_or_else(|| error::call(call, error::NOT_READY, "the event is not reached yet"))
     }
 
-    /// Device time from `start` to `end`; refused when they belong to
-    /// different contexts, whose times a driver does not compare (CUDA
-    /// answers `CUDA_ERROR_INVALID_HANDLE`).
+    /// Device time from `start` to `end`; refused across contexts, whose times a driver does not
+    /// compare (CUDA answers `CUDA_ERROR_INVALID_HANDLE`).
     pub(super) fn elapsed(start: &Self, end: &Self) -> Result<Duration, ServerError> {
         const CALL: &str = "event_elapsed";
         if start.context() != end.context() {

@@ -18,34 +18,27 @@ use crate::{panics, EventFence, ServerError};
 /// Every live host stream, so a copied handle can never dangle.
 static STREAMS: Registry<StreamShared> = Registry::new();
 
-/// A CPU stream: closures launched on it run one after another, in order, on
-/// the stream's own worker thread, the way kernels run on a GPU stream.
+/// A CPU stream: launched closures run in order on its worker thread, as kernels on a GPU stream.
 ///
-/// Events recorded on it are markers in its queue, reached when the worker
-/// passes them; a device-side wait is a queued wait on the worker. A stream
-/// belongs to a [`HostContext`] ([`new`](Self::new): one of its own), and a
-/// panic in launched work faults that whole context for good, as an illegal
-/// address faults a CUDA context: every later launch, record, wait or
-/// synchronize on any of its streams returns [`ServerError::Faulted`], and
-/// pending waits resolve with that error.
+/// Events recorded on it are queue markers the worker passes; a device-side wait is a queued wait.
+/// It belongs to a [`HostContext`] ([`new`](Self::new): one of its own), which a panic in launched
+/// work faults for good, as an illegal address faults a CUDA context: later launches, records,
+/// waits and synchronizes on its streams return [`ServerError::Faulted`], as do pending waits.
 ///
-/// Dropping the stream returns at once, as `cuStreamDestroy` does ("in case
-/// the device is still doing work in the stream hStream when
-/// cuStreamDestroy() is called, the function will return immediately and
-/// the resources associated with hStream will be released automatically
-/// once the device has completed all work in hStream"): work queued on it
-/// still runs, on its worker, which then exits. So a buffer that queued
-/// work reads must outlive that work, not the stream: synchronize the
-/// stream (or wait a fence recorded after the work) before freeing it. A
-/// [`HostStreamHandle`] that outlives the stream gives an error when used.
+/// Dropping the stream returns at once, as `cuStreamDestroy` does ("in case the device is still
+/// doing work in the stream hStream when cuStreamDestroy() is called, the function will return
+/// immediately and the resources associated with hStream will be released automatically once
+/// the device has completed all work in hStream"): queued work still runs, then the worker exits.
+/// So a buffer that queued work reads must outlive that work, not the stream: synchronize the
+/// stream (or wait a fence recorded after the work) before freeing it. A [`HostStreamHandle`]
+/// that outlives the stream gives an error when used.
 pub struct HostStream {
     shared: Arc<StreamShared>,
     handle: HostStreamHandle,
 }
 
-/// A copyable handle to a [`HostStream`], taken by [`EventFence::new`] and
-/// the [`Host`] calls. It does not keep the stream alive: calls through the
-/// handle of a dropped stream return an invalid-handle error.
+/// A copyable handle to a [`HostStream`], taken by [`EventFence::new`] and the [`Host`] calls.
+/// It does not keep the stream alive: calls after the stream's drop return an invalid-handle error.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HostStreamHandle {
     id: u64,
@@ -55,13 +48,11 @@ pub(super) struct StreamShared {
     state: Mutex<StreamState>,
     /// The context whose fault is this stream's.
     context: Arc<ContextShared>,
-    /// The worker waits here for work.
     work_queued: Condvar,
     /// Synchronizing threads wait here for the worker's progress.
     progressed: Condvar,
     /// Counts of the events created for this stream.
     live_events: LiveEvents,
-    /// Idle fence events, for later fences on this stream.
     fence_pool: Arc<FencePool>,
     /// The order of points recorded on this stream, for the waiter.
     sequence: AtomicU64,
@@ -76,8 +67,8 @@ struct StreamState {
     finished: u64,
     /// Set when the owner drops the stream: no new work.
     closing: bool,
-    /// The worker waits on `work_queued`: only then does a push wake it (a
-    /// futex wake is a system call; a busy worker finds the work anyway).
+    /// The worker waits on `work_queued`: only then does a push wake it (a futex wake is a
+    /// system call; a busy worker finds the work anyway).
     worker_waiting: bool,
     /// Threads waiting on `progressed` in `synchronize`.
     synchronizing: usize,
@@ -92,26 +83,21 @@ enum Op {
 impl HostStream {
     /// Start a stream and its worker thread on a [`HostContext`] of its own.
     ///
-    /// A panic in its work faults this stream for good, as CUDA's sticky
-    /// errors fault a context ("any further CUDA work will return the same
-    /// error"; see [`HostContext`]), and no other stream: not one made by
-    /// `new` before or after it, in this test or another running beside it.
-    /// Fences and device-side waits work across such streams; an event is
-    /// recorded only on the stream it was created for, and a profile whose
-    /// start and stop are on two of them is refused when read, as the
-    /// driver refuses across contexts. Streams that share events, profiles
-    /// or faults go on one context: [`HostContext::new_stream`].
+    /// A panic in its work faults this stream for good, as CUDA's sticky errors fault a context
+    /// ("any further CUDA work will return the same error"; see [`HostContext`]), and no other
+    /// stream, even one made by `new` in a test beside it. Across such streams, fences and
+    /// device-side waits work, but events are recorded only on their own stream, and a profile
+    /// spanning two is refused when read, as the driver refuses across contexts. Streams that share
+    /// events, profiles or faults go on one context: [`HostContext::new_stream`].
     ///
     /// # Errors
     ///
-    /// [`ServerError::ThreadSpawn`] when the operating system refused to
-    /// start the thread.
+    /// [`ServerError::ThreadSpawn`] when the operating system refused to start the thread.
     pub fn new() -> Result<Self, ServerError> {
         Self::on(&HostContext::new())
     }
 
-    /// Start a stream and its worker thread on `context`
-    /// ([`HostContext::new_stream`]).
+    /// Start a stream and its worker thread on `context` ([`HostContext::new_stream`]).
     pub(super) fn on(context: &HostContext) -> Result<Self, ServerError> {
         let context = context.shared().clone();
         let live_events = LiveEvents::default();
@@ -152,9 +138,8 @@ impl HostStream {
         self.shared.push("launch", Op::Work(Box::new(work)))
     }
 
-    /// A fence at the current end of this stream's work; the same as
-    /// `EventFence::<Host>::new(stream.handle())`, and the host twin of
-    /// `cuda::fence` (CUDA backend).
+    /// A fence at the current end of this stream's work, the host twin of `cuda::fence` (CUDA
+    /// backend); the same as `EventFence::<Host>::new(stream.handle())`.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -168,9 +153,8 @@ impl HostStream {
         EventFence::new(self.handle)
     }
 
-    /// Block the calling thread until all work queued on this stream before
-    /// the call has finished; the same as
-    /// [`Host::stream_synchronize`](crate::EventApi::stream_synchronize).
+    /// Block the calling thread until all work queued on this stream before the call has
+    /// finished; as [`Host::stream_synchronize`](crate::EventApi::stream_synchronize).
     ///
     /// # Errors
     ///
@@ -184,11 +168,9 @@ impl HostStream {
         self.handle
     }
 
-    /// A counter of the events created for this stream that are alive; see
-    /// [`LiveEvents::count`]. For tests: only with the `test-util` feature. It stays readable after the stream is dropped;
-    /// markers still queued then count until the worker passes them.
-    ///
-    /// For leak checks that other streams cannot disturb:
+    /// A counter of this stream's live events ([`LiveEvents::count`]), for leak checks other
+    /// streams cannot disturb; readable after the stream's drop, when markers still queued count
+    /// until the worker passes them. For tests: only with the `test-util` feature.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -207,8 +189,7 @@ impl HostStream {
         self.shared.live_events.clone()
     }
 
-    /// Whether work launched on a stream of this stream's context has
-    /// panicked.
+    /// Whether work launched on a stream of this stream's context has panicked.
     pub fn is_faulted(&self) -> bool {
         self.shared.context.fault().is_some()
     }
@@ -220,9 +201,8 @@ impl HostStream {
 }
 
 impl Drop for HostStream {
-    /// Returns at once; the worker runs what is queued, then exits. The
-    /// idle fence events are freed here, so the stream's `live_events`
-    /// (feature `test-util`) are exact once this returns.
+    /// Returns at once; the worker runs what is queued, then exits. Idle fence events are
+    /// freed here, so the stream's `live_events` (feature `test-util`) are exact on return.
     fn drop(&mut self) {
         STREAMS.remove(self.handle.id);
         self.shared.fence_pool.clear();
@@ -263,8 +243,7 @@ impl StreamShared {
         Ok(HostEvent::new(timing, &self.live_events, &self.context))
     }
 
-    /// A fence event from this stream's pool, or a new one; refused once the
-    /// context is faulted.
+    /// A fence event from this stream's pool, or a new one; refused once the context is faulted.
     pub(super) fn take_fence_event(&self) -> Result<HostEvent, ServerError> {
         self.context.check("event_create")?;
         Ok(self.fence_pool.take())
@@ -284,10 +263,8 @@ impl StreamShared {
         Ok(())
     }
 
-    /// Queue `op` (the caller checked the stream accepts it, under the lock
-    /// it hands over), and wake the worker if it sleeps.
-    // Not inlined: a record on an idle stream (the common fence) returns
-    // before it, and measurably faster without its body in `record`.
+    /// Queue `op` (the caller checked it under the lock it hands over) and wake a sleeping worker.
+    // Not inlined: an idle stream's `record` (the common fence) skips it and is faster without it.
     #[inline(never)]
     fn enqueue(&self, mut state: MutexGuard<'_, StreamState>, op: Op) {
         state.queue.push_back(op);
@@ -299,12 +276,10 @@ impl StreamShared {
         }
     }
 
-    /// Queue a marker for a new generation of `event`; the record's number
-    /// in the stream's order of recorded points.
+    /// Queue a marker for a new generation of `event`; returns the record's sequence number.
     pub(super) fn record(&self, event: &HostEvent) -> Result<u64, ServerError> {
-        // Lock order: stream, then event. Taking the generation and the
-        // sequence under the stream lock keeps both in queue order on this
-        // stream.
+        // Lock order: stream, then event. Taking the generation and the sequence under the
+        // stream lock keeps both in queue order on this stream.
         if event.context() != self.context.id() {
             return Err(error::call(
                 "event_record",
@@ -317,9 +292,7 @@ impl StreamShared {
         self.accepting(&state, "event_record")?;
         let sequence = self.next_sequence();
         if state.queue.is_empty() && state.finished == state.queued {
-            // Idle: everything queued before this record has run, so the
-            // event is reached now, as the worker would signal it: no marker,
-            // no wake-up of the worker.
+            // Idle: all work before it has run, so the event is reached now: no marker, no wake-up.
             event.record_reached();
             return Ok(sequence);
         }
@@ -370,10 +343,8 @@ impl StreamShared {
         Ok(())
     }
 
-    /// The context is faulted: drop what is queued, failing its markers,
-    /// and wake whoever synchronizes. Called for every stream of the context
-    /// ([`ContextShared::poison`]), and by a worker that finds work queued
-    /// after the fault.
+    /// The context is faulted: drop the queue, failing its markers, and wake synchronizers; called
+    /// per stream by [`ContextShared::poison`], and by a worker that finds work queued after it.
     pub(super) fn fault_with(&self, message: &str) {
         let (dropped, synchronizing) = {
             let mut state = self.lock();
@@ -389,9 +360,8 @@ impl StreamShared {
         if synchronizing {
             self.progressed.notify_all();
         }
-        // User closures are dropped outside the lock (their drops may do
-        // anything, including touching this stream), each on its own: one
-        // that panics costs only itself.
+        // User closures are dropped outside the lock (their drops may do anything, even touch
+        // this stream), each on its own: one that panics costs only itself.
         for op in dropped {
             if let Err(message) = panics::drop_caught(op) {
                 panics::log(|| log::error!("dropping work a fault discarded panicked: {message}"));
@@ -399,8 +369,8 @@ impl StreamShared {
         }
     }
 
-    /// The worker: run operations in order until closed and drained. It
-    /// outlives the [`HostStream`] when work is still queued at its drop.
+    /// The worker: run operations in order until closed and drained; it outlives the
+    /// [`HostStream`] when work is still queued at its drop.
     fn run(&self) {
         loop {
             let op = {
@@ -408,8 +378,7 @@ impl StreamShared {
                 loop {
                     if let Some(message) = self.context.fault() {
                         if !state.queue.is_empty() {
-                            // Queued before the fault reached this stream:
-                            // it never runs.
+                            // Queued before the fault reached this stream: never runs.
                             drop(state);
                             self.fault_with(message);
                             state = self.lock();

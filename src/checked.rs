@@ -1,6 +1,5 @@
 //! [`Checked`]: a lock guard that checks its state's invariants as the lock
-//! is let go (debug and loom builds): a broken state fails where it broke,
-//! not as a hang later.
+//! is let go (debug and loom builds), so a broken state fails where it broke.
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
@@ -8,7 +7,7 @@ use std::time::Duration;
 use crate::loom::{Condvar, Mutex, MutexGuard};
 
 /// State whose invariants one look can check.
-pub(super) trait Invariants {
+pub(crate) trait Invariants {
     /// Panic if an invariant does not hold.
     fn check_invariants(&self);
 }
@@ -17,22 +16,22 @@ pub(super) trait Invariants {
 const CHECKING: bool = cfg!(any(debug_assertions, device_events_loom));
 
 /// A guard of a [`Mutex`] around state with [`Invariants`].
-pub(super) struct Checked<'a, T: Invariants> {
+pub(crate) struct Checked<'a, T: Invariants> {
     /// `None` only while it waits, and in its drop.
     guard: Option<MutexGuard<'a, T>>,
 }
 
 impl<'a, T: Invariants> Checked<'a, T> {
     /// Lock `mutex`.
-    pub(super) fn lock(mutex: &'a Mutex<T>) -> Self {
+    pub(crate) fn lock(mutex: &'a Mutex<T>) -> Self {
         Self {
             guard: Some(mutex.lock()),
         }
     }
 
-    /// Let go of the lock (checked) and wait on `condvar` at most `timeout`;
-    /// then hold it again. Also whether the wait timed out.
-    pub(super) fn wait_timeout(mut self, condvar: &Condvar, timeout: Duration) -> (Self, bool) {
+    /// Let go of the lock (checked), wait on `condvar` at most `timeout`,
+    /// hold it again; and whether it timed out.
+    pub(crate) fn wait_timeout(mut self, condvar: &Condvar, timeout: Duration) -> (Self, bool) {
         let guard = self.guard.take().expect("a checked guard holds its lock");
         if CHECKING {
             guard.check_invariants();
