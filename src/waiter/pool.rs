@@ -216,6 +216,7 @@ impl State {
 
     /// A lane thread woke (notified, spuriously, or timed out).
     fn woke(&mut self) {
+        // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
         if !crate::plant::planted("woke-keeps-idle-count") {
             self.idle -= 1;
         }
@@ -393,6 +394,7 @@ impl Pool {
         }
         let key = wait.lane;
         let mut state = self.lock();
+        // Plant for loom model `loom_shutdown_races_a_submit`.
         if state.shutdown && !crate::plant::planted("submit-after-shutdown-queued") {
             drop(state);
             contain::drop(wait);
@@ -567,6 +569,7 @@ impl Pool {
                 state = woken;
                 state.woke();
                 timed_out = timeout;
+                // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
                 if timeout && crate::plant::planted("idle-thread-leaves-without-looking") {
                     state.leave(owner);
                     return None;
@@ -670,6 +673,7 @@ impl Pool {
         state.leave(owner);
         if owner != Owner::Poller {
             let lanes = std::mem::take(&mut state.for_threads);
+            // Plant for loom model `loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller`.
             if crate::plant::planted("refused-lane-left-for-threads") {
                 state.for_threads.extend(lanes);
             } else {
@@ -752,6 +756,7 @@ impl Pool {
 
     /// Wake what `action` says to wake; the caller starts the rest.
     pub(super) fn notify(&self, action: &Action) {
+        // Plant for loom model `loom_two_idle_lane_threads_are_woken_for_new_lanes`.
         if action.wake_thread && !crate::plant::planted("idle-thread-wake-never-sent") {
             self.shared.work.notify_one();
         }

@@ -21,7 +21,7 @@
 //!   (`CUevent_flags`): <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html>
 //! - stream capture (`cuStreamGetCaptureInfo`,
 //!   `cuThreadExchangeStreamCaptureMode`, the capture statuses 900 to 908):
-//!   the stream management page above and the status page below
+//!   the stream management and type pages above
 //! - modules and launches (`cuModuleLoadData`, `cuLaunchKernel`):
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html>,
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html>
@@ -206,7 +206,7 @@ pub(super) fn in_forked_child() -> bool {
     matches!(DRIVER.get(), Some(Ok(loaded)) if loaded.generation != crate::fork::current())
 }
 
-/// [`in_forked_child`] as an error for `call`'s caller.
+/// [`in_forked_child`] as an error for the caller.
 ///
 /// # Errors
 ///
