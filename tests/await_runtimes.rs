@@ -368,6 +368,32 @@ fn wait_sync_timeout_gives_up_on_a_held_stream_and_can_wait_again() {
     assert_eq!(ready.wait_sync_timeout(Duration::ZERO), Some(Ok(())));
 }
 
+/// Waits on one stream are served in the stream's order, not in the order
+/// they were handed off: an earlier fence handed off after a later one does
+/// not wait behind it.
+#[test]
+fn an_earlier_fence_handed_off_later_is_not_served_behind_a_later_one() {
+    let waiter = Waiter::builder().build();
+    let stream = HostStream::new().unwrap();
+    let first_gate = Gate::hold(&stream);
+    let mut first = waiter.wait(stream.fence());
+    let mut earlier = waiter.wait(stream.fence());
+    let last_gate = Gate::hold(&stream);
+    let mut later = waiter.wait(stream.fence());
+    // Handed off in this order: the lane's thread takes `first`, and
+    // `later` and then `earlier` queue behind it.
+    assert_eq!(first.wait_sync_timeout(Duration::ZERO), None);
+    assert_eq!(later.wait_sync_timeout(Duration::ZERO), None);
+    assert_eq!(earlier.wait_sync_timeout(Duration::ZERO), None);
+    first_gate.open();
+    let limit = Duration::from_secs(20);
+    assert_eq!(first.wait_sync_timeout(limit), Some(Ok(())));
+    // Reached while `later`'s gate is still shut.
+    assert_eq!(earlier.wait_sync_timeout(limit), Some(Ok(())));
+    last_gate.open();
+    assert_eq!(later.wait_sync_timeout(limit), Some(Ok(())));
+}
+
 /// A waiter's `Debug` shows its counts and the settings it was built with.
 #[test]
 fn a_waiters_debug_shows_its_counts_and_settings() {

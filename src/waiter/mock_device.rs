@@ -38,6 +38,14 @@ impl Device {
         *self.reached.lock() = true;
         self.changed.notify_all();
     }
+
+    /// Sleep until its work ends.
+    pub(super) fn wait_reached(&self) {
+        let mut reached = self.reached.lock();
+        while !*reached {
+            reached = self.changed.wait(reached);
+        }
+    }
 }
 
 /// A fence on a [`Device`], in lane `lane` at `sequence`.
@@ -63,11 +71,12 @@ impl Waitable for MockFence {
 
     fn block(&self) -> Result<(), ServerError> {
         self.device.blocked.fetch_add(1, Ordering::SeqCst);
-        let mut reached = self.device.reached.lock();
-        while !*reached {
-            reached = self.device.changed.wait(reached);
-        }
+        self.device.wait_reached();
         Ok(())
+    }
+
+    fn stream_name(&self) -> String {
+        format!("mock stream {}", self.lane)
     }
 }
 

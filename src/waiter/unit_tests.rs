@@ -1,7 +1,8 @@
 //! The waiter's unit tests that need its internals: a slot's one result,
-//! the stats' counters and histogram, and what serving a lane costs (one
-//! block and one query per wait for work that ends item after item; batches
-//! for a burst).
+//! the stats' counters and histogram, what serving a lane costs (one block
+//! and one query per wait for work that ends item after item; batches for a
+//! burst), what counts as a stall's progress, and the poller's pauses and
+//! leaving.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -300,4 +301,155 @@ fn two_new_lanes_with_one_idle_thread_wake_it_once_and_start_another() {
     second.finish();
     result_of(&blocked).expect("resolved");
     result_of(&behind).expect("resolved");
+}
+
+/// A pool whose one lane thread is blocked on lane 0 (so that lane 1 goes
+/// to the poller), reporting stalls after `stuck_after`: the pool, lane 0's
+/// device and held wait.
+fn one_lane_thread_blocked(
+    stuck_after: Option<Duration>,
+) -> (super::pool::Pool, Arc<Device>, Arc<Slot>) {
+    let pool = super::mock_device::support::pool(1, Duration::from_secs(600), stuck_after);
+    let held = Arc::new(Device::default());
+    let blocked = submit(&pool, &held, 0, 0);
+    eventually("the lane thread blocks", || {
+        held.blocked.load(Ordering::SeqCst) == 1
+    });
+    (pool, held, blocked)
+}
+
+#[test]
+fn new_waits_on_a_stalled_stream_do_not_hide_its_stall() {
+    let after = Duration::from_millis(100);
+    let (pool, held, blocked) = one_lane_thread_blocked(Some(after));
+    let started = Instant::now();
+    let mut behind = Vec::new();
+    // A hand-off is not progress: waits keep coming, far more often than
+    // `after`, and the stream still ends none.
+    while pool.stuck().is_empty() {
+        assert!(
+            started.elapsed() < super::mock_device::support::LIMIT,
+            "the stall was never reported"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+        behind.push(submit(&pool, &held, 0, behind.len() as u64 + 1));
+    }
+    assert_eq!(pool.stuck()[0].stream_id, 0);
+    held.finish();
+    result_of(&blocked).expect("resolved");
+    for slot in &behind {
+        result_of(slot).expect("resolved");
+    }
+}
+
+#[test]
+fn a_polled_stream_that_ends_a_wait_is_no_longer_stuck() {
+    let (pool, held, blocked) = one_lane_thread_blocked(Some(Duration::from_millis(200)));
+    let (first, second) = (Arc::new(Device::default()), Arc::new(Device::default()));
+    let polled = submit(&pool, &first, 1, 0);
+    let behind = submit(&pool, &second, 1, 1);
+    let stuck_on_1 = |pool: &super::pool::Pool| pool.stuck().iter().any(|wait| wait.stream_id == 1);
+    eventually("stream 1 is reported stuck", || stuck_on_1(&pool));
+    first.finish();
+    result_of(&polled).expect("resolved");
+    // The poller resolved it in a batch: that is progress too.
+    assert!(!stuck_on_1(&pool), "{:?}", pool.stuck());
+    second.finish();
+    held.finish();
+    result_of(&behind).expect("resolved");
+    result_of(&blocked).expect("resolved");
+}
+
+/// A fence whose query waits for `gate`'s work (an outside backend's slow
+/// query), so a test can look at the pool while its batch is out.
+struct GatedFence {
+    gate: Arc<Device>,
+    queries: Arc<AtomicUsize>,
+}
+
+impl super::waitable::Waitable for GatedFence {
+    fn lane(&self) -> super::waitable::LaneKey {
+        super::waitable::LaneKey::for_tests(1)
+    }
+
+    fn sequence(&self) -> u64 {
+        0
+    }
+
+    fn query(&self) -> Result<bool, ServerError> {
+        self.queries.fetch_add(1, Ordering::SeqCst);
+        self.gate.wait_reached();
+        Ok(true)
+    }
+
+    fn block(&self) -> Result<(), ServerError> {
+        self.gate.wait_reached();
+        Ok(())
+    }
+
+    fn stream_name(&self) -> String {
+        "gated stream".to_owned()
+    }
+}
+
+#[test]
+fn a_wait_out_in_a_batch_is_still_pending() {
+    // Every stream with a pending wait counts as stuck at once.
+    let (pool, held, blocked) = one_lane_thread_blocked(Some(Duration::ZERO));
+    let (gate, queries) = (Arc::new(Device::default()), Arc::new(AtomicUsize::new(0)));
+    let fence = GatedFence {
+        gate: gate.clone(),
+        queries: queries.clone(),
+    };
+    let slot = Arc::new(Slot::new(futures::task::noop_waker()));
+    let key = super::waitable::LaneKey::for_tests(1);
+    let (_, action) = pool
+        .submit(Wait::new(Box::new(fence), slot.clone(), key, None))
+        .expect("submitted");
+    super::threads::act(&pool, action);
+    eventually("the poller asks it", || queries.load(Ordering::SeqCst) == 1);
+    assert_eq!(pool.gauges().pending, 2, "the held wait and the one out");
+    let stuck = pool.stuck();
+    let out = stuck.iter().find(|wait| wait.stream_id == 1);
+    assert_eq!(out.map(|wait| wait.behind), Some(0), "{stuck:?}");
+    gate.finish();
+    result_of(&slot).expect("resolved");
+    held.finish();
+    result_of(&blocked).expect("resolved");
+    eventually("none pending", || pool.gauges().pending == 0);
+}
+
+#[test]
+fn the_poller_leaves_once_its_lanes_are_done_while_a_lane_thread_blocks() {
+    let (pool, held, blocked) = one_lane_thread_blocked(None);
+    result_of(&submit(&pool, &Device::reached(), 1, 0)).expect("resolved by the poller");
+    eventually("only the lane thread is left", || {
+        pool.gauges().threads == 1
+    });
+    held.finish();
+    result_of(&blocked).expect("resolved");
+}
+
+#[test]
+fn the_poller_backs_off_while_its_lane_does_not_move() {
+    let (pool, held, blocked) = one_lane_thread_blocked(None);
+    let stalled = Arc::new(Device::default());
+    let polled = submit(&pool, &stalled, 1, 0);
+    eventually("the poller asks", || {
+        stalled.queried.load(Ordering::SeqCst) > 0
+    });
+    let window = Instant::now();
+    std::thread::sleep(Duration::from_millis(200));
+    let elapsed_ms = window.elapsed().as_millis() as usize;
+    // Pauses double up to a millisecond: about one query a millisecond, far
+    // fewer than a poller that never pauses makes.
+    let queries = stalled.queried.load(Ordering::SeqCst);
+    assert!(
+        queries <= 10 * elapsed_ms + 100,
+        "{queries} queries in {elapsed_ms} ms"
+    );
+    stalled.finish();
+    held.finish();
+    result_of(&polled).expect("resolved");
+    result_of(&blocked).expect("resolved");
 }

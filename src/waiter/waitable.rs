@@ -46,9 +46,7 @@ pub(crate) trait Waitable: Send + 'static {
     /// Block the calling thread until reached (sleeping in the driver).
     fn block(&self) -> Result<(), ServerError>;
     /// The stream, as its backend shows it, for stuck-stream reports.
-    fn stream_name(&self) -> String {
-        format!("{:?}", self.lane())
-    }
+    fn stream_name(&self) -> String;
 }
 
 impl<A: EventApi> Waitable for EventFence<A> {
