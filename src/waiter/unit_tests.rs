@@ -344,7 +344,8 @@ fn new_waits_on_a_stalled_stream_do_not_hide_its_stall() {
 
 #[test]
 fn a_polled_stream_that_ends_a_wait_is_no_longer_stuck() {
-    let (pool, held, blocked) = one_lane_thread_blocked(Some(Duration::from_millis(200)));
+    // Long enough that the read after the resolve comes well inside it.
+    let (pool, held, blocked) = one_lane_thread_blocked(Some(Duration::from_secs(1)));
     let (first, second) = (Arc::new(Device::default()), Arc::new(Device::default()));
     let polled = submit(&pool, &first, 1, 0);
     let behind = submit(&pool, &second, 1, 1);
