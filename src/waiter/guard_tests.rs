@@ -8,13 +8,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::mock_device::support::{eventually, result_of, submit};
+use super::mock_device::support::{eventually, one_lane_thread_blocked, result_of, submit};
 use super::mock_device::Device;
 use super::pool::Pool;
 use crate::ServerError;
 
+/// Idle threads leave soon, so each test can see every thread gone.
+const KEEP_ALIVE: Duration = Duration::from_millis(20);
+
 fn pool(max_threads: usize) -> Pool {
-    super::mock_device::support::pool(max_threads, Duration::from_millis(20), None)
+    super::mock_device::support::pool(max_threads, KEEP_ALIVE, None)
 }
 
 fn is_panicked(result: &Result<(), ServerError>) -> bool {
@@ -58,12 +61,7 @@ fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
 #[test]
 fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
     // One lane thread, blocked on lane 0: lane 1 goes to the poller.
-    let pool = pool(1);
-    let held = Arc::new(Device::default());
-    let blocked = submit(&pool, &held, 0, 1);
-    eventually("the lane thread blocks", || {
-        held.blocked.load(Ordering::SeqCst) == 1
-    });
+    let (pool, held, blocked) = one_lane_thread_blocked(KEEP_ALIVE, None);
     pool.plants().escapes.store(1, Ordering::SeqCst);
     let reached = Device::reached();
     // The poller takes it out to query it, and unwinds there.
@@ -115,16 +113,7 @@ fn with_no_thread_at_all_the_waits_fail_instead_of_hanging() {
 fn a_poller_that_unwinds_while_watching_is_started_again_and_watches_on() {
     // One lane thread, blocked on lane 0; the poller polls lane 1 and
     // watches for stuck streams.
-    let pool = super::mock_device::support::pool(
-        1,
-        Duration::from_millis(20),
-        Some(Duration::from_millis(1)),
-    );
-    let held = Arc::new(Device::default());
-    let blocked = submit(&pool, &held, 0, 1);
-    eventually("the lane thread blocks", || {
-        held.blocked.load(Ordering::SeqCst) == 1
-    });
+    let (pool, held, blocked) = one_lane_thread_blocked(KEEP_ALIVE, Some(Duration::from_millis(1)));
     assert_eq!(
         pool.gauges().threads,
         2,

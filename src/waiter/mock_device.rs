@@ -91,6 +91,7 @@ impl Drop for MockFence {
 /// waits handed to it, and waiting with a limit (a failure, not a hang).
 #[cfg(not(device_events_loom))]
 pub(super) mod support {
+    use std::sync::atomic::Ordering;
     use std::sync::Arc;
     use std::task::{Context, Poll, Wake, Waker};
     use std::thread::Thread;
@@ -100,7 +101,7 @@ pub(super) mod support {
     use crate::waiter::pool::{Config, Place, Pool, Wait};
     use crate::waiter::slot::Slot;
     use crate::waiter::threads;
-    use crate::waiter::waitable::LaneKey;
+    use crate::waiter::waitable::Waitable;
     use crate::ServerError;
 
     /// The longest any test here waits for anything.
@@ -146,25 +147,43 @@ pub(super) mod support {
         lane: u64,
         sequence: u64,
     ) -> (Arc<Slot>, Place) {
-        let slot = Arc::new(Slot::new(waker()));
         let fence = MockFence {
             device: device.clone(),
             lane,
             sequence,
         };
+        submit_fence(pool, Box::new(fence))
+    }
+
+    /// Hand a wait on `fence` to `pool`, as a first poll that found it not
+    /// reached does: its slot, and where it was placed.
+    pub(crate) fn submit_fence(pool: &Pool, fence: Box<dyn Waitable>) -> (Arc<Slot>, Place) {
+        let slot = Arc::new(Slot::new(waker()));
         let name = pool
             .config()
             .stuck_after
-            .map(|_| format!("mock stream {lane}").into());
-        let wait = Wait::new(
-            Box::new(fence),
-            slot.clone(),
-            LaneKey::for_tests(lane),
-            name,
-        );
+            .map(|_| fence.stream_name().into());
+        let lane = fence.lane();
+        let wait = Wait::new(fence, slot.clone(), lane, name);
         let (place, action) = pool.submit(wait).expect("submitted");
         threads::act(pool, action);
         (slot, place)
+    }
+
+    /// A pool with one lane thread (idle for up to `keep_alive`), blocked on
+    /// a wait in lane 0, so that lane 1 goes to the poller: the pool, lane
+    /// 0's device and that wait's slot.
+    pub(crate) fn one_lane_thread_blocked(
+        keep_alive: Duration,
+        stuck_after: Option<Duration>,
+    ) -> (Pool, Arc<Device>, Arc<Slot>) {
+        let pool = pool(1, keep_alive, stuck_after);
+        let held = Arc::new(Device::default());
+        let blocked = submit(&pool, &held, 0, 0);
+        eventually("the lane thread blocks", || {
+            held.blocked.load(Ordering::SeqCst) == 1
+        });
+        (pool, held, blocked)
     }
 
     /// The slot's result, sleeping until it is woken; a failure (not a

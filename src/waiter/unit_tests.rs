@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
 
-use super::mock_device::support::{eventually, result_of, submit, submit_placed};
+use super::mock_device::support::{eventually, result_of, submit, submit_fence, submit_placed};
 use super::mock_device::Device;
 use super::pool::{Action, State, Wait};
 use super::slot::Slot;
@@ -303,19 +303,12 @@ fn two_new_lanes_with_one_idle_thread_wake_it_once_and_start_another() {
     result_of(&behind).expect("resolved");
 }
 
-/// A pool whose one lane thread is blocked on lane 0 (so that lane 1 goes
-/// to the poller), reporting stalls after `stuck_after`: the pool, lane 0's
-/// device and held wait.
+/// [`one_lane_thread_blocked`](super::mock_device::support::one_lane_thread_blocked),
+/// its idle thread kept past any test's limit.
 fn one_lane_thread_blocked(
     stuck_after: Option<Duration>,
 ) -> (super::pool::Pool, Arc<Device>, Arc<Slot>) {
-    let pool = super::mock_device::support::pool(1, Duration::from_secs(600), stuck_after);
-    let held = Arc::new(Device::default());
-    let blocked = submit(&pool, &held, 0, 0);
-    eventually("the lane thread blocks", || {
-        held.blocked.load(Ordering::SeqCst) == 1
-    });
-    (pool, held, blocked)
+    super::mock_device::support::one_lane_thread_blocked(Duration::from_secs(600), stuck_after)
 }
 
 #[test]
@@ -361,11 +354,11 @@ fn a_polled_stream_that_ends_a_wait_is_no_longer_stuck() {
     result_of(&blocked).expect("resolved");
 }
 
-/// A fence whose query waits for `gate`'s work (an outside backend's slow
-/// query), so a test can look at the pool while its batch is out.
+/// A fence in lane 1 whose query waits for `gate`'s work (an outside
+/// backend's slow query), counted in `gate.queried`, so a test can look at
+/// the pool while its batch is out.
 struct GatedFence {
     gate: Arc<Device>,
-    queries: Arc<AtomicUsize>,
 }
 
 impl super::waitable::Waitable for GatedFence {
@@ -378,7 +371,7 @@ impl super::waitable::Waitable for GatedFence {
     }
 
     fn query(&self) -> Result<bool, ServerError> {
-        self.queries.fetch_add(1, Ordering::SeqCst);
+        self.gate.queried.fetch_add(1, Ordering::SeqCst);
         self.gate.wait_reached();
         Ok(true)
     }
@@ -397,18 +390,12 @@ impl super::waitable::Waitable for GatedFence {
 fn a_wait_out_in_a_batch_is_still_pending() {
     // Every stream with a pending wait counts as stuck at once.
     let (pool, held, blocked) = one_lane_thread_blocked(Some(Duration::ZERO));
-    let (gate, queries) = (Arc::new(Device::default()), Arc::new(AtomicUsize::new(0)));
-    let fence = GatedFence {
-        gate: gate.clone(),
-        queries: queries.clone(),
-    };
-    let slot = Arc::new(Slot::new(futures::task::noop_waker()));
-    let key = super::waitable::LaneKey::for_tests(1);
-    let (_, action) = pool
-        .submit(Wait::new(Box::new(fence), slot.clone(), key, None))
-        .expect("submitted");
-    super::threads::act(&pool, action);
-    eventually("the poller asks it", || queries.load(Ordering::SeqCst) == 1);
+    let gate = Arc::new(Device::default());
+    let fence = GatedFence { gate: gate.clone() };
+    let (slot, _) = submit_fence(&pool, Box::new(fence));
+    eventually("the poller asks it", || {
+        gate.queried.load(Ordering::SeqCst) == 1
+    });
     assert_eq!(pool.gauges().pending, 2, "the held wait and the one out");
     let stuck = pool.stuck();
     let out = stuck.iter().find(|wait| wait.stream_id == 1);
