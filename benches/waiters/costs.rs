@@ -142,7 +142,7 @@ pub fn idle_cpu<R: Rig>(rig: &R, settings: &Settings, clock: Clock) -> Table {
                 }
             })
             .collect();
-        let finish = strategies::start(strategy, &runtime, &waiter, fences, &wakes, clock);
+        let finish = strategies::start(strategy, &runtime, &waiter, fences, (&ends, &wakes), clock);
         // Let hand-offs settle before measuring the quiet window.
         std::thread::sleep(Duration::from_millis(100));
         let cpu = process_cpu();

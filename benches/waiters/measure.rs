@@ -2,10 +2,14 @@
 // FFI: clock_gettime for process CPU time, with a SAFETY note.
 #![allow(unsafe_code)]
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::task::Poll;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use futures::task::AtomicWaker;
 
 /// Nanoseconds since the benchmark's epoch, so instants fit in atomics.
 #[derive(Clone, Copy)]
@@ -29,24 +33,51 @@ impl Clock {
     }
 }
 
-/// One timestamp per wait, written by whoever observes the moment.
-pub struct Stamps(Vec<AtomicU64>);
+/// One timestamp per wait, written by whoever observes the moment, and a
+/// task that awaits the stamp ([`Stamps::stamped`]), woken by its writer.
+pub struct Stamps {
+    stamps: Vec<AtomicU64>,
+    wakers: Vec<AtomicWaker>,
+}
 
 impl Stamps {
     pub fn new(len: usize) -> Arc<Self> {
-        Arc::new(Self((0..len).map(|_| AtomicU64::new(0)).collect()))
+        Arc::new(Self {
+            stamps: (0..len).map(|_| AtomicU64::new(0)).collect(),
+            wakers: (0..len).map(|_| AtomicWaker::new()).collect(),
+        })
     }
 
+    /// Stamp `index` (never 0: the clock's epoch is before any work) and
+    /// wake the task awaiting it.
     pub fn set(&self, index: usize, nanos: u64) {
-        self.0[index].store(nanos, Ordering::SeqCst);
+        self.stamps[index].store(nanos.max(1), Ordering::SeqCst);
+        self.wakers[index].wake();
     }
 
     pub fn get(&self, index: usize) -> u64 {
-        self.0[index].load(Ordering::SeqCst)
+        self.stamps[index].load(Ordering::SeqCst)
     }
 
     pub fn len(&self) -> usize {
-        self.0.len()
+        self.stamps.len()
+    }
+
+    /// Ready once `index` is stamped: the one-hop floor's wait, woken by
+    /// the thread that stamps it.
+    pub fn stamped(&self, index: usize) -> impl Future<Output = ()> + '_ {
+        std::future::poll_fn(move |cx| {
+            if self.get(index) != 0 {
+                return Poll::Ready(());
+            }
+            self.wakers[index].register(cx.waker());
+            // Stamped between the look and the registration: seen now.
+            if self.get(index) != 0 {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
     }
 }
 

@@ -22,6 +22,13 @@ pub trait Rig: Send + Sync + 'static {
         None
     }
 
+    /// Whether [`work`](Self::work) stamps its end as it ends, from the
+    /// stream's own thread (host), so that a task can await the stamp: the
+    /// one-hop floor. Not where the end is estimated (CUDA).
+    fn work_stamps_its_end(&self) -> bool {
+        false
+    }
+
     fn handle(&self, stream: usize) -> <Self::Api as EventApi>::Stream;
 
     /// Queue `length` of work on `stream`; `ends[index]` receives when it
@@ -74,6 +81,10 @@ impl Rig for HostRig {
 
     fn device_threads(&self) -> Option<&'static str> {
         Some("host-stream")
+    }
+
+    fn work_stamps_its_end(&self) -> bool {
+        true
     }
 
     fn handle(&self, stream: usize) -> <Host as EventApi>::Stream {

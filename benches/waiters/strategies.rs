@@ -26,6 +26,10 @@ pub enum Strategy {
     /// In scenario 1 that thread is parked in a channel; in scenario 8 it is
     /// the item's task, woken through a oneshot by its stream's raw thread.
     RawHandoff,
+    /// The floor of any waiter (host backend only): the stream's own worker
+    /// wakes the item's task the moment the item ends, one hop, with no
+    /// waiter thread and no fence wait. The fence is recorded and dropped.
+    OneHop,
 }
 
 pub const ALL: [Strategy; 5] = [
@@ -36,14 +40,15 @@ pub const ALL: [Strategy; 5] = [
     Strategy::RawThread,
 ];
 
-/// Scenario 1's rows: every strategy, and the hand-off floor.
-pub const SINGLE: [Strategy; 6] = [
+/// Scenario 1's and 8's rows: every strategy, and the hand-off floors.
+pub const SINGLE: [Strategy; 7] = [
     Strategy::Await,
     Strategy::SpawnBlocking,
     Strategy::ThreadPerWait,
     Strategy::QueryYield,
     Strategy::RawThread,
     Strategy::RawHandoff,
+    Strategy::OneHop,
 ];
 
 impl Strategy {
@@ -56,6 +61,7 @@ impl Strategy {
             Self::QueryYield => "query_yield",
             Self::RawThread => "raw",
             Self::RawHandoff => "raw_handoff",
+            Self::OneHop => "one_hop",
         }
     }
 
@@ -67,6 +73,7 @@ impl Strategy {
             Self::QueryYield => "query + yield_now",
             Self::RawThread => "raw blocked thread",
             Self::RawHandoff => "raw thread + hand-off",
+            Self::OneHop => "one hop (stream -> task)",
         }
     }
 }
@@ -79,13 +86,14 @@ pub struct Pending<A: EventApi> {
 }
 
 /// Start waiting for every fence with `strategy`, stamping each wake into
-/// `wakes`. Returns a handle that blocks until all are resolved.
+/// `wakes` (`ends`: where the work stamps its end, which the one-hop floor
+/// awaits). Returns a handle that blocks until all are resolved.
 pub fn start<A: EventApi>(
     strategy: Strategy,
     runtime: &Runtime,
     waiter: &Waiter,
     fences: Vec<Pending<A>>,
-    wakes: &Arc<Stamps>,
+    (ends, wakes): (&Arc<Stamps>, &Arc<Stamps>),
     clock: Clock,
 ) -> Box<dyn FnOnce()> {
     match strategy {
@@ -97,7 +105,7 @@ pub fn start<A: EventApi>(
     let tasks: Vec<_> = fences
         .into_iter()
         .map(|Pending { index, fence, .. }| {
-            let wakes = wakes.clone();
+            let (ends, wakes) = (ends.clone(), wakes.clone());
             let waiter = waiter.clone();
             let countdown = countdown.clone();
             runtime.spawn(async move {
@@ -125,6 +133,11 @@ pub fn start<A: EventApi>(
                             Err(err) => break Err(err),
                         }
                     },
+                    Strategy::OneHop => {
+                        drop(fence);
+                        ends.stamped(index).await;
+                        Ok(())
+                    }
                     Strategy::RawThread | Strategy::RawHandoff => {
                         unreachable!("not run as tasks")
                     }
@@ -272,7 +285,7 @@ pub fn wait_one<A: EventApi>(
     runtime: &Runtime,
     waiter: &Waiter,
     pending: Pending<A>,
-    wakes: &Arc<Stamps>,
+    (ends, wakes): (&Arc<Stamps>, &Arc<Stamps>),
     clock: Clock,
 ) {
     match strategy {
@@ -294,7 +307,14 @@ pub fn wait_one<A: EventApi>(
             sender.send(()).expect("the parked thread waits");
             woken.join().expect("the parked thread");
         }
-        _ => start(strategy, runtime, waiter, vec![pending], wakes, clock)(),
+        _ => start(
+            strategy,
+            runtime,
+            waiter,
+            vec![pending],
+            (ends, wakes),
+            clock,
+        )(),
     }
 }
 

@@ -67,6 +67,16 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                 "INFO [{backend}] 1: wake p50 vs raw thread + hand-off: {value:.2}"
             ));
         }
+        // The floor of any waiter: the stream's own thread wakes the task
+        // (host only: a GPU stream cannot run a waker).
+        let one_hop = Strategy::OneHop.name();
+        if backend == "host" {
+            check(
+                format!("[{backend}] 1: wake p50 vs one-hop floor"),
+                ratio(single, Metric::P50Us, one_hop),
+                1.25,
+            );
+        }
         let ready = find(Scenario::ReadyFence, backend).and_then(|table| {
             Some(
                 table.value(costs::READY_AWAIT, Metric::NsPerOp)?
@@ -153,6 +163,7 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                     "raw thread + hand-off",
                     2.0,
                 ),
+                ("wake p50", Metric::P50Us, one_hop, "one-hop floor", 1.25),
                 ("wake p99", Metric::P99Us, blocking, "spawn_blocking", 1.0),
                 // Against the floor, not spawn_blocking: the floor itself
                 // spends about 0.7x spawn_blocking's CPU.
@@ -164,6 +175,9 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                     1.15,
                 ),
             ] {
+                if other == one_hop && backend != "host" {
+                    continue;
+                }
                 check(
                     format!("[{backend}] {id}: {what} vs {label}"),
                     ratio(table, metric, other),
