@@ -1,4 +1,4 @@
-//! [`AnyFence`]: one fence type, not generic over [`EventApi`], for code on a GPU or host streams.
+//! [`AnyFence`]: one fence type for either backend, not generic over [`EventApi`](crate::EventApi).
 
 use std::fmt;
 use std::future::{Future, IntoFuture};
@@ -10,7 +10,7 @@ use futures::future::FusedFuture;
 #[cfg(feature = "cuda")]
 use crate::cuda::Cuda;
 use crate::host::Host;
-use crate::{AnyStream, EventApi, EventFence, FenceFuture, ServerError, Waiter};
+use crate::{AnyStream, EventFence, FenceFuture, ServerError, Waiter};
 
 /// A fence of either backend, to hold, wait on and `.await` alike.
 ///
@@ -46,11 +46,7 @@ pub enum AnyFence {
 impl AnyFence {
     /// The backend's name, `"Cuda"` or `"Host"`.
     pub fn backend(&self) -> &'static str {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(_) => <Cuda as EventApi>::BACKEND,
-            Self::Host(_) => <Host as EventApi>::BACKEND,
-        }
+        match_backend!(self, AnyFence(_) => BACKEND)
     }
 
     /// Block until the device has reached the fence; see [`EventFence::wait_sync`].
@@ -59,11 +55,7 @@ impl AnyFence {
     ///
     /// As for [`EventFence::wait_sync`].
     pub fn wait_sync(self) -> Result<(), ServerError> {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(fence) => fence.wait_sync(),
-            Self::Host(fence) => fence.wait_sync(),
-        }
+        match_backend!(self, AnyFence(fence) => fence.wait_sync())
     }
 
     /// Whether the device has reached the fence, not blocking; see [`EventFence::is_complete`].
@@ -72,20 +64,12 @@ impl AnyFence {
     ///
     /// As for [`EventFence::is_complete`].
     pub fn is_complete(&self) -> Result<bool, ServerError> {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(fence) => fence.is_complete(),
-            Self::Host(fence) => fence.is_complete(),
-        }
+        match_backend!(self, AnyFence(fence) => fence.is_complete())
     }
 
     /// Whether the fence was reached when made (its event was refused, its stream synchronized).
     pub fn is_resolved_at_creation(&self) -> bool {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(fence) => fence.is_resolved_at_creation(),
-            Self::Host(fence) => fence.is_resolved_at_creation(),
-        }
+        match_backend!(self, AnyFence(fence) => fence.is_resolved_at_creation())
     }
 
     /// Make `on` wait for this fence on the device; see [`EventFence::wait_async`], whose
@@ -96,11 +80,8 @@ impl AnyFence {
     /// As for [`EventFence::wait_async`]; and [`ServerError::InvalidArgument`], with no wait
     /// made, when `on` is of the other backend (a device cannot wait on another backend's event).
     pub fn wait_async(&self, on: &AnyStream) -> Result<(), ServerError> {
-        match self.paired(on, "AnyFence::wait_async")? {
-            #[cfg(feature = "cuda")]
-            Paired::Cuda(fence, stream) => fence.wait_async(stream),
-            Paired::Host(fence, stream) => fence.wait_async(stream),
-        }
+        let paired = self.paired(on, "AnyFence::wait_async")?;
+        match_backend!(paired, Paired(fence, stream) => fence.wait_async(stream))
     }
 
     /// Make `on` wait for this fence on the device, or return the driver's refusal, with no
@@ -122,11 +103,8 @@ impl AnyFence {
     /// # Ok::<(), device_events::ServerError>(())
     /// ```
     pub fn try_wait_async(&self, on: &AnyStream) -> Result<(), ServerError> {
-        match self.paired(on, "AnyFence::try_wait_async")? {
-            #[cfg(feature = "cuda")]
-            Paired::Cuda(fence, stream) => fence.try_wait_async(stream),
-            Paired::Host(fence, stream) => fence.try_wait_async(stream),
-        }
+        let paired = self.paired(on, "AnyFence::try_wait_async")?;
+        match_backend!(paired, Paired(fence, stream) => fence.try_wait_async(stream))
     }
 
     /// This fence and `on`'s handle, when both are of one backend.
@@ -204,11 +182,7 @@ impl IntoFuture for AnyFence {
 
 impl fmt::Debug for AnyFence {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(fence) => fence.fmt(f),
-            Self::Host(fence) => fence.fmt(f),
-        }
+        match_backend!(self, AnyFence(fence) => fence.fmt(f))
     }
 }
 
@@ -230,30 +204,18 @@ impl Future for AnyFenceFuture {
     type Output = Result<(), ServerError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.get_mut().0 {
-            #[cfg(feature = "cuda")]
-            Inner::Cuda(future) => Pin::new(future).poll(cx),
-            Inner::Host(future) => Pin::new(future).poll(cx),
-        }
+        match_backend!(&mut self.get_mut().0, Inner(future) => Pin::new(future).poll(cx))
     }
 }
 
 impl FusedFuture for AnyFenceFuture {
     fn is_terminated(&self) -> bool {
-        match &self.0 {
-            #[cfg(feature = "cuda")]
-            Inner::Cuda(future) => future.is_terminated(),
-            Inner::Host(future) => future.is_terminated(),
-        }
+        match_backend!(&self.0, Inner(future) => future.is_terminated())
     }
 }
 
 impl fmt::Debug for AnyFenceFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0 {
-            #[cfg(feature = "cuda")]
-            Inner::Cuda(future) => future.fmt(f),
-            Inner::Host(future) => future.fmt(f),
-        }
+        match_backend!(&self.0, Inner(future) => future.fmt(f))
     }
 }

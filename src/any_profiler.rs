@@ -13,8 +13,8 @@ use futures::future::FusedFuture;
 use crate::cuda::{Cuda, CudaStreamHandle};
 use crate::host::Host;
 use crate::{
-    AnyStream, EventApi, EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats,
-    ServerError, Waiter, DEFAULT_PROFILER_CAPACITY,
+    AnyStream, EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats, ServerError,
+    Waiter, DEFAULT_PROFILER_CAPACITY,
 };
 
 /// Measures device time between two points of an [`AnyStream`], whichever its backend: an
@@ -124,7 +124,7 @@ impl AnyProfiler {
                     reason: format!(
                         "a profile started on a {} stream cannot stop on a {} stream: both \
                          must be of one backend",
-                        start.backend(),
+                        match_backend!(&start, Start(_) => BACKEND),
                         stream.backend()
                     ),
                 })
@@ -166,31 +166,17 @@ impl Default for AnyProfiler {
     }
 }
 
-impl Start {
-    fn backend(&self) -> &'static str {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(_) => <Cuda as EventApi>::BACKEND,
-            Self::Host(_) => <Host as EventApi>::BACKEND,
-        }
-    }
-}
-
 impl AnyProfileStart {
     /// The backend's name, `"Cuda"` or `"Host"`, as [`AnyStream::backend`].
     pub fn backend(&self) -> &'static str {
-        self.0.backend()
+        match_backend!(&self.0, Start(_) => BACKEND)
     }
 }
 
 impl AnyProfile {
     /// The backend's name, `"Cuda"` or `"Host"`, as [`AnyStream::backend`].
     pub fn backend(&self) -> &'static str {
-        match &self.0 {
-            #[cfg(feature = "cuda")]
-            Stopped::Cuda(_) => <Cuda as EventApi>::BACKEND,
-            Stopped::Host(_) => <Host as EventApi>::BACKEND,
-        }
+        match_backend!(&self.0, Stopped(_) => BACKEND)
     }
 
     /// Block until the device reached both the start and the stop; the
@@ -200,11 +186,7 @@ impl AnyProfile {
     ///
     /// As for [`Profile::wait_sync`].
     pub fn wait_sync(self) -> Result<Duration, ServerError> {
-        match self.0 {
-            #[cfg(feature = "cuda")]
-            Stopped::Cuda(profile) => profile.wait_sync(),
-            Stopped::Host(profile) => profile.wait_sync(),
-        }
+        match_backend!(self.0, Stopped(profile) => profile.wait_sync())
     }
 
     /// A future of the device time, served by [`Waiter::global()`]; the
@@ -256,21 +238,13 @@ impl Future for AnyProfileFuture {
     type Output = Result<Duration, ServerError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match &mut self.get_mut().0 {
-            #[cfg(feature = "cuda")]
-            Reading::Cuda(future) => Pin::new(future).poll(cx),
-            Reading::Host(future) => Pin::new(future).poll(cx),
-        }
+        match_backend!(&mut self.get_mut().0, Reading(future) => Pin::new(future).poll(cx))
     }
 }
 
 impl FusedFuture for AnyProfileFuture {
     fn is_terminated(&self) -> bool {
-        match &self.0 {
-            #[cfg(feature = "cuda")]
-            Reading::Cuda(future) => future.is_terminated(),
-            Reading::Host(future) => future.is_terminated(),
-        }
+        match_backend!(&self.0, Reading(future) => future.is_terminated())
     }
 }
 
@@ -285,30 +259,18 @@ impl fmt::Debug for AnyProfiler {
 
 impl fmt::Debug for AnyProfileStart {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0 {
-            #[cfg(feature = "cuda")]
-            Start::Cuda(start) => start.fmt(f),
-            Start::Host(start) => start.fmt(f),
-        }
+        match_backend!(&self.0, Start(start) => start.fmt(f))
     }
 }
 
 impl fmt::Debug for AnyProfile {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0 {
-            #[cfg(feature = "cuda")]
-            Stopped::Cuda(profile) => profile.fmt(f),
-            Stopped::Host(profile) => profile.fmt(f),
-        }
+        match_backend!(&self.0, Stopped(profile) => profile.fmt(f))
     }
 }
 
 impl fmt::Debug for AnyProfileFuture {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.0 {
-            #[cfg(feature = "cuda")]
-            Reading::Cuda(future) => future.fmt(f),
-            Reading::Host(future) => future.fmt(f),
-        }
+        match_backend!(&self.0, Reading(future) => future.fmt(f))
     }
 }

@@ -6,7 +6,7 @@ use std::sync::Arc;
 #[cfg(feature = "cuda")]
 use crate::cuda::{self, cudarc::driver::CudaStream, Cuda, CudaStreamHandle};
 use crate::host::{Host, HostStream};
-use crate::{AnyFence, EventApi, EventFence, ServerError};
+use crate::{AnyFence, EventFence, ServerError};
 
 /// A stream of either backend: cheap to clone (one `Arc`), made with `From` (or `.into()`) from
 /// a cudarc `Arc<CudaStream>` or a [`HostStream`].
@@ -58,11 +58,7 @@ pub enum AnyStream {
 impl AnyStream {
     /// The backend's name, `"Cuda"` or `"Host"`, as [`AnyFence::backend`].
     pub fn backend(&self) -> &'static str {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(_) => <Cuda as EventApi>::BACKEND,
-            Self::Host(_) => <Host as EventApi>::BACKEND,
-        }
+        match_backend!(self, AnyStream(_) => BACKEND)
     }
 
     /// A fence at the stream's current end ([`EventFence::new`](crate::EventFence::new)).
@@ -108,7 +104,7 @@ impl AnyStream {
         match self {
             #[cfg(feature = "cuda")]
             Self::Cuda(stream) => {
-                <Cuda as EventApi>::stream_synchronize(CudaStreamHandle::new(stream))
+                <Cuda as crate::EventApi>::stream_synchronize(CudaStreamHandle::new(stream))
             }
             Self::Host(stream) => stream.synchronize(),
         }
@@ -160,10 +156,7 @@ impl From<Arc<HostStream>> for AnyStream {
 
 impl fmt::Debug for AnyStream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(stream) => f.debug_tuple("Cuda").field(stream).finish(),
-            Self::Host(stream) => f.debug_tuple("Host").field(stream).finish(),
-        }
+        let name = self.backend();
+        match_backend!(self, AnyStream(stream) => f.debug_tuple(name).field(stream).finish())
     }
 }

@@ -156,9 +156,7 @@ impl std::panic::RefUnwindSafe for ErrorSource {}
 /// [`call`](Self::call), [`faulted`](Self::faulted) and [`thread_spawn`](Self::thread_spawn), add
 /// a source with [`with_source`](Self::with_source), and match them with `..`.
 ///
-/// `code` fields carry the driver's status code. The host backend reuses the CUDA code of the
-/// same meaning ([`status::INVALID_HANDLE`] for a dropped stream, [`status::LAUNCH_FAILED`] for
-/// a fault), so a caller can match one set of codes for both backends.
+/// `code` fields carry the driver's status code, the same on both backends (see [`status`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServerError {

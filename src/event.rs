@@ -120,10 +120,7 @@ impl<A: EventApi> Event<A> {
     /// The raw event, for backends and the waiter.
     pub fn raw(&self) -> &A::Event {
         // The only `None` is set in `drop`, after which `self` is gone.
-        match &self.raw {
-            Some(raw) => raw,
-            None => unreachable!("an Event is only emptied by its drop"),
-        }
+        self.raw.as_ref().expect("emptied only by its drop")
     }
 }
 

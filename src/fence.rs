@@ -104,35 +104,32 @@ impl<A: EventApi> EventFence<A> {
         // A capture refused the record: synchronizing the capturing stream would be refused
         // too, and would invalidate the capture. A shut-down driver answers every call the same
         // way. The fence fails with the driver's answer.
-        if err.is_shut_down() || err.is_stream_capture() {
-            return Self {
-                event: Err(err),
-                stream,
-                sequence,
-                refused: None,
-            };
-        }
-        crate::fault_log::warn(
-            A::BACKEND,
-            &stream,
-            &err,
-            &format!(
-                "a {} fence could not be recorded, synchronizing its stream instead: {err}",
-                A::BACKEND
-            ),
-        );
-        // A failed synchronize gets the refusal as its source, unless the backend gave it one.
-        let event = A::stream_synchronize(stream)
-            .map(|()| None)
-            .map_err(|failed| match failed.error_source() {
-                Some(_) => failed,
-                None => failed.with_source(err.clone()),
-            });
+        let (event, refused) = if err.is_shut_down() || err.is_stream_capture() {
+            (Err(err), None)
+        } else {
+            crate::fault_log::warn(
+                A::BACKEND,
+                &stream,
+                &err,
+                &format!(
+                    "a {} fence could not be recorded, synchronizing its stream instead: {err}",
+                    A::BACKEND
+                ),
+            );
+            // A failed synchronize gets the refusal as its source, unless the backend gave it one.
+            let event = A::stream_synchronize(stream)
+                .map(|()| None)
+                .map_err(|failed| match failed.error_source() {
+                    Some(_) => failed,
+                    None => failed.with_source(err.clone()),
+                });
+            (event, Some(Box::new(err)))
+        };
         Self {
             event,
             stream,
             sequence,
-            refused: Some(Box::new(err)),
+            refused,
         }
     }
 

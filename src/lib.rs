@@ -108,6 +108,26 @@
 #![warn(missing_debug_implementations, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+/// `match $value` over an enum with a `Cuda` (feature `cuda`) and a `Host` variant, both arms
+/// binding `$x..` and giving `$body` (or, for `(_) => BACKEND`, the variant's backend name): the
+/// one-backend-at-a-time dispatch of the `Any*` types.
+macro_rules! match_backend {
+    ($value:expr, $enum:ident(_) => BACKEND) => {
+        match $value {
+            #[cfg(feature = "cuda")]
+            $enum::Cuda(_) => <$crate::cuda::Cuda as $crate::EventApi>::BACKEND,
+            $enum::Host(_) => <$crate::host::Host as $crate::EventApi>::BACKEND,
+        }
+    };
+    ($value:expr, $enum:ident($($x:ident),+) => $body:expr) => {
+        match $value {
+            #[cfg(feature = "cuda")]
+            $enum::Cuda($($x),+) => $body,
+            $enum::Host($($x),+) => $body,
+        }
+    };
+}
+
 // In the order of the layers, bottom up (see "Architecture" above); the
 // blank lines keep rustfmt from sorting them.
 mod api;

@@ -31,11 +31,8 @@ pub(crate) struct LiveEvents(());
 #[cfg(not(any(test, feature = "test-util")))]
 impl LiveEvents {
     pub(crate) fn allocated(&self) {}
-
     pub(crate) fn reused(&self) {}
-
     pub(crate) fn freed(&self) {}
-
     pub(crate) fn set_idle(&self, _idle: usize) {}
 }
 

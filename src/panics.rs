@@ -5,7 +5,6 @@
 //! dropped under `catch_unwind` as well, and a second payload is forgotten
 //! (leaked) rather than risk a third.
 
-use std::any::Any;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::ServerError;
@@ -13,7 +12,13 @@ use crate::ServerError;
 /// Run `call`; a panic comes back as its message, with its payload already
 /// dropped (under `catch_unwind`).
 pub(crate) fn catch<T>(call: impl FnOnce() -> T) -> Result<T, String> {
-    catch_unwind(AssertUnwindSafe(call)).map_err(message_of)
+    catch_unwind(AssertUnwindSafe(call)).map_err(|payload| {
+        let message = ServerError::panic_message(payload.as_ref());
+        if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
+            std::mem::forget(again);
+        }
+        message
+    })
 }
 
 /// Drop `value`; a panic in its drop comes back as its message.
@@ -25,16 +30,6 @@ pub(crate) fn drop_caught<T>(value: T) -> Result<(), String> {
 /// logger that panics loses the line, nothing else.
 pub(crate) fn log(line: impl FnOnce()) {
     let _ = catch(line);
-}
-
-/// The message of a panic's `payload`, which is dropped here, under
-/// `catch_unwind` too.
-pub(crate) fn message_of(payload: Box<dyn Any + Send>) -> String {
-    let message = ServerError::panic_message(payload.as_ref());
-    if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
-        std::mem::forget(again);
-    }
-    message
 }
 
 #[cfg(test)]

@@ -223,7 +223,7 @@ impl<A: EventApi> EventPool<A> {
     /// (a backend with the default [`EventApi::stream_context`]), and the profiler is in use on a
     /// second context: an error, not a silent swap of its pool.
     fn record(&self, key: u64, stream: A::Stream) -> Result<(Event<A>, u64), ServerError> {
-        let pooled = self.take(key);
+        let pooled = Checked::lock(&self.idle).take(key);
         let refused = match pooled {
             Some(event) => match event.record_sequenced(stream) {
                 Ok(sequence) => return Ok((event, sequence)),
@@ -266,11 +266,6 @@ impl<A: EventApi> EventPool<A> {
                 Err(err)
             }
         }
-    }
-
-    /// An idle event of the context `key`, now in use.
-    fn take(&self, key: u64) -> Option<Event<A>> {
-        Checked::lock(&self.idle).take(key)
     }
 
     /// Keep `event`, of the context `key`, for a later measurement, or destroy it (outside the
@@ -381,8 +376,14 @@ impl<A: EventApi> Profile<A> {
     pub fn wait(self) -> ProfileFuture<A> {
         Waiter::global().wait(self)
     }
+}
 
-    fn handed_to(self, waiter: &Waiter) -> ProfileFuture<A> {
+impl<A: EventApi> crate::waiter::sealed::Sealed for Profile<A> {}
+
+impl<A: EventApi> crate::waiter::Awaitable for Profile<A> {
+    type Future = ProfileFuture<A>;
+
+    fn wait_on(self, waiter: &Waiter) -> ProfileFuture<A> {
         let wait = PairWait {
             pair: Arc::downgrade(&self.pair),
             stream: self.stream,
@@ -395,29 +396,13 @@ impl<A: EventApi> Profile<A> {
     }
 }
 
-impl<A: EventApi> crate::waiter::sealed::Sealed for Profile<A> {}
-
-impl<A: EventApi> crate::waiter::Awaitable for Profile<A> {
-    type Future = ProfileFuture<A>;
-
-    fn wait_on(self, waiter: &Waiter) -> ProfileFuture<A> {
-        self.handed_to(waiter)
-    }
-}
-
 impl<A: EventApi> EventPair<A> {
     fn start(&self) -> &Event<A> {
-        match &self.start {
-            Some(start) => start,
-            None => unreachable!("an EventPair is only emptied by its drop"),
-        }
+        self.start.as_ref().expect("emptied only by its drop")
     }
 
     fn end(&self) -> &Event<A> {
-        match &self.end {
-            Some(end) => end,
-            None => unreachable!("an EventPair is only emptied by its drop"),
-        }
+        self.end.as_ref().expect("emptied only by its drop")
     }
 
     /// Whether the device reached both events (three outcomes, as a query).

@@ -11,7 +11,7 @@
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, RwLockReadGuard, RwLockWriteGuard, Weak};
+use std::sync::{Arc, Weak};
 
 use crate::loom::RwLock;
 use crate::shards;
@@ -58,15 +58,16 @@ impl<T, X: Clone> Registry<T, X> {
     /// has none yet. A value already registered costs one shard's read lock.
     pub(crate) fn register(&self, value: &Arc<T>, payload: impl FnOnce() -> X) -> (u64, X) {
         let address = Arc::as_ptr(value) as usize;
-        let index = shard_of_address(address);
+        // The shard of an allocation: its address, mixed.
+        let index = shards::of_hash(shards::hash_address(address), SHARDS);
         {
-            let shard = self.read(index);
+            let shard = self.shards[index].read();
             if let Some(found) = shard.known(address) {
                 return found;
             }
         }
         let payload = payload();
-        let mut shard = self.write(index);
+        let mut shard = self.shards[index].write();
         if let Some(found) = shard.known(address) {
             return found;
         }
@@ -83,31 +84,18 @@ impl<T, X: Clone> Registry<T, X> {
 
     /// The value behind `id` and its payload, while the value is alive.
     pub(crate) fn get(&self, id: u64) -> Option<(Arc<T>, X)> {
-        let shard = self.read(shard_of_id(id));
+        let shard = self.shards[shard_of_id(id)].read();
         let (weak, payload) = shard.by_id.get(&id)?;
         Some((weak.upgrade()?, payload.clone()))
     }
 
     /// Forget `id` (its owner is being dropped).
     pub(crate) fn remove(&self, id: u64) {
-        let mut shard = self.write(shard_of_id(id));
+        let mut shard = self.shards[shard_of_id(id)].write();
         if let Some((weak, _)) = shard.by_id.remove(&id) {
             shard.by_address.remove(&(weak.as_ptr() as usize));
         }
     }
-
-    fn read(&self, index: usize) -> RwLockReadGuard<'_, Shard<T, X>> {
-        self.shards[index].read()
-    }
-
-    fn write(&self, index: usize) -> RwLockWriteGuard<'_, Shard<T, X>> {
-        self.shards[index].write()
-    }
-}
-
-/// The shard of an allocation: its address, mixed.
-fn shard_of_address(address: usize) -> usize {
-    shards::of_hash(shards::hash_address(address), SHARDS)
 }
 
 /// The shard of an id: ids are handed out in turn, so their low bits spread.

@@ -64,11 +64,7 @@ impl<A: EventApi> Fence for EventFence<A> {
 /// [`EventFence`] does.
 impl Fence for AnyFence {
     fn wait_blocking(self) -> Result<(), ServerError> {
-        match self {
-            #[cfg(feature = "cuda")]
-            AnyFence::Cuda(fence) => fence.wait_blocking(),
-            AnyFence::Host(fence) => fence.wait_blocking(),
-        }
+        match_backend!(self, AnyFence(fence) => fence.wait_blocking())
     }
 
     fn is_passed(&self) -> Result<bool, ServerError> {

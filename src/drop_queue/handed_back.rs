@@ -97,10 +97,7 @@ impl<F, T> Refused<F, T> {
 
     /// The fence and value, for the caller to keep alive until the fence passes.
     pub fn into_inner(mut self) -> (F, T) {
-        let Some(entry) = self.entry.take() else {
-            unreachable!("only into_inner and the drop take the entry")
-        };
-        entry
+        self.entry.take().expect("taken only here and by the drop")
     }
 }
 
@@ -150,11 +147,7 @@ impl<F: Fence, T> HandedBack<F, T> {
     pub fn wait_then_drop(mut self) -> Result<(), ServerError> {
         let mut first = Ok(());
         for (fence, value) in std::mem::take(&mut self.entries) {
-            if let Err(err) = settle(fence, value) {
-                if first.is_ok() {
-                    first = Err(err);
-                }
-            }
+            first = first.and(settle(fence, value));
         }
         first
     }

@@ -137,7 +137,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     pub fn push_blocking(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
         let mut state = self.shared.lock();
         // On its own thread the thread has not exited and will see the entry, closing or not.
-        let own_thread = self.on_own_thread();
+        let own_thread = self.shared.on_own_thread();
         loop {
             if state.closing && !own_thread {
                 return Err(Rejected::closed(self.shared.clone(), fence, value));
@@ -170,11 +170,6 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
     }
 
-    /// Whether the caller is the queue's own thread: in a value's drop.
-    fn on_own_thread(&self) -> bool {
-        self.shared.on_own_thread()
-    }
-
     /// The most values that may wait at once.
     pub fn capacity(&self) -> usize {
         self.shared.lock().capacity
@@ -187,7 +182,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// On the queue's own thread (in a value's drop) it returns at once: the queue cannot wait
     /// for itself.
     pub fn flush(&self) {
-        if self.on_own_thread() {
+        if self.shared.on_own_thread() {
             panics::log(|| {
                 log::warn!(
                     "DropQueue::flush called by a value's drop on the queue's own thread \

@@ -207,11 +207,6 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
             });
         }
     }
-
-    /// The thread's last act: say it exits, and wake who awaits that.
-    pub(super) fn exit(&self) {
-        self.update_and_wake(|state| state.exited = true);
-    }
 }
 
 /// What a [`Rejected`](super::Rejected)'s drop needs of its queue, without its bounds on `F`, `T`.
@@ -226,12 +221,12 @@ impl<F: Fence, T: Send + 'static> Adopt<F, T> for Shared<F, T> {
     }
 }
 
-/// Calls [`Shared::exit`] when the queue's thread ends, even by a panic.
+/// The queue's thread's last act, even by a panic: say it exits, and wake who awaits that.
 struct ExitGuard<'a, F: Fence, T: Send + 'static>(&'a Shared<F, T>);
 
 impl<F: Fence, T: Send + 'static> Drop for ExitGuard<'_, F, T> {
     fn drop(&mut self) {
-        self.0.exit();
+        self.0.update_and_wake(|state| state.exited = true);
     }
 }
 

@@ -110,18 +110,14 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
         });
     }
     driver.ctx_set_current(ctx)?;
-    if own || previous.is(ctx) {
+    let left_bound = own || previous.is(ctx);
+    if left_bound {
         // Left bound: nothing to restore (the handle was current already, on a thread not the
         // crate's). At thread exit nothing is remembered: the next bind (if any) switches again.
         let _ = LEFT_BOUND.try_with(|left| *left.borrow_mut() = Arc::downgrade(ctx));
-        return Ok(Bound {
-            previous: None,
-            driver,
-            own,
-        });
     }
     Ok(Bound {
-        previous: Some(previous),
+        previous: (!left_bound).then_some(previous),
         driver,
         own,
     })
@@ -204,12 +200,6 @@ impl Drop for Bound {
 /// through this, the thread's current context is saved first and restored after, so threads not the
 /// crate's are left as found. Other handles drop as an `Arc` does.
 pub(super) struct HeldContext(Option<Arc<CudaContext>>);
-
-impl HeldContext {
-    pub(super) fn new(ctx: &Arc<CudaContext>) -> Self {
-        Self(Some(ctx.clone()))
-    }
-}
 
 impl From<Arc<CudaContext>> for HeldContext {
     fn from(ctx: Arc<CudaContext>) -> Self {

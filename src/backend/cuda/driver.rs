@@ -324,12 +324,7 @@ static SHUT_DOWN: OnceLock<&'static str> = OnceLock::new();
 /// Note that the driver is shutting down, as `call` found: logged once, quietly (at process
 /// exit it is expected).
 fn shutting_down(call: &'static str) -> ServerError {
-    let mut first = false;
-    SHUT_DOWN.get_or_init(|| {
-        first = true;
-        call
-    });
-    if first {
+    if SHUT_DOWN.set(call).is_ok() {
         log::debug!(
             "the CUDA driver is shutting down ({call} returned CUDA_ERROR_DEINITIALIZED; at \
              process exit, say): no more CUDA calls are made, and pending waits fail"
@@ -345,16 +340,13 @@ fn shut_down(call: &'static str) -> ServerError {
     }
 }
 
-/// `call` may reach the driver: not once it has shut down.
+/// `call` may reach the driver: not once it has shut down. Every [`Driver`] wrapper asks first.
 ///
 /// # Errors
 ///
 /// [`ServerError::ShutDown`] once any call saw the driver shut down.
 fn live(call: &'static str) -> Result<(), ServerError> {
-    match SHUT_DOWN.get() {
-        Some(_) => Err(shut_down(call)),
-        None => Ok(()),
-    }
+    SHUT_DOWN.get().map_or(Ok(()), |_| Err(shut_down(call)))
 }
 
 /// `CUDA_SUCCESS`, as the integer [`Api`]'s entry points return.
@@ -383,15 +375,10 @@ const STICKY: &[sys::CUresult] = &[
     sys::CUresult::CUDA_ERROR_EXTERNAL_DEVICE,
 ];
 
-/// `CUDA_ERROR_CONTAINED` (CUDA 12.8).
-const CUDA_ERROR_CONTAINED: Status = 226;
-
-/// `CUDA_ERROR_TENSOR_MEMORY_LEAK` (CUDA 12.8).
-const CUDA_ERROR_TENSOR_MEMORY_LEAK: Status = 721;
-
-/// Sticky codes that cudarc's bindings for CUDA 12.0 to 12.6 lack, so they cannot be named
-/// through `sys` in every build; their driver docs say the process must be restarted, as above.
-const STICKY_SINCE_12_8: &[Status] = &[CUDA_ERROR_CONTAINED, CUDA_ERROR_TENSOR_MEMORY_LEAK];
+/// Sticky codes of CUDA 12.8 that cudarc's bindings for CUDA 12.0 to 12.6 lack, so they cannot be
+/// named through `sys` in every build: `CUDA_ERROR_CONTAINED` (226) and
+/// `CUDA_ERROR_TENSOR_MEMORY_LEAK` (721). Their driver docs say the process must be restarted.
+const STICKY_SINCE_12_8: &[Status] = &[226, 721];
 
 /// Whether `code` leaves the context (and process) unusable for good.
 fn is_sticky(code: Status) -> bool {
@@ -454,23 +441,9 @@ fn status_error(
         .and_then(|api| text(api.error_string))
         .unwrap_or_default();
     if is_sticky(code) {
-        ServerError::Faulted {
-            backend: BACKEND,
-            call,
-            code,
-            name,
-            message,
-            source: None,
-        }
+        ServerError::faulted(BACKEND, call, code, name, message)
     } else {
-        ServerError::Call {
-            backend: BACKEND,
-            call,
-            code,
-            name,
-            message,
-            source: None,
-        }
+        ServerError::call(BACKEND, call, code, name, message)
     }
 }
 
@@ -488,14 +461,7 @@ pub(super) fn invalid_context(call: &'static str, message: &str) -> ServerError 
 /// A call this crate refuses before the driver sees it (or whose answer it cannot use), with
 /// the status the driver would have given.
 pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) -> ServerError {
-    ServerError::Call {
-        backend: BACKEND,
-        call,
-        code: code as Status,
-        name: format!("{code:?}"),
-        message: message.to_owned(),
-        source: None,
-    }
+    ServerError::call(BACKEND, call, code as Status, format!("{code:?}"), message)
 }
 
 /// `CUstreamCaptureMode`: the thread's mode under which "potentially unsafe API calls" are
@@ -585,14 +551,9 @@ impl Driver {
         check(Some(self.api), call, status)
     }
 
-    /// `call` may reach the driver: every wrapper asks first, so none does once it has shut down.
-    fn live(self, call: &'static str) -> Result<(), ServerError> {
-        live(call)
-    }
-
     /// `cuCtxGetCurrent`: the calling thread's current context.
     pub(super) fn ctx_get_current(self) -> Result<CurrentContext, ServerError> {
-        self.live("cuCtxGetCurrent")?;
+        live("cuCtxGetCurrent")?;
         let mut current = ptr::null_mut();
         // SAFETY: `current` is a valid place for the handle.
         self.check("cuCtxGetCurrent", unsafe {
@@ -603,7 +564,7 @@ impl Driver {
 
     /// `cuCtxSetCurrent`: make `ctx` current on the calling thread.
     pub(super) fn ctx_set_current(self, ctx: &CudaContext) -> Result<(), ServerError> {
-        self.live("cuCtxSetCurrent")?;
+        live("cuCtxSetCurrent")?;
         // SAFETY: the handle is live: `ctx` holds its primary-context retain for the borrow.
         self.check("cuCtxSetCurrent", unsafe {
             (self.api.ctx_set_current)(ctx.cu_ctx())
@@ -625,7 +586,7 @@ impl Driver {
     /// `cuCtxSetCurrent`: make a context found by [`ctx_get_current`](Self::ctx_get_current)
     /// current again.
     pub(super) fn ctx_restore(self, previous: CurrentContext) -> Result<(), ServerError> {
-        self.live("cuCtxSetCurrent")?;
+        live("cuCtxSetCurrent")?;
         // SAFETY: `previous` was current on this thread when it was found (or null: no context),
         // so it is the caller's to keep alive; the driver rejects one destroyed meanwhile.
         self.check("cuCtxSetCurrent", unsafe {
@@ -635,7 +596,7 @@ impl Driver {
 
     /// `cuEventCreate` in the current context.
     pub(super) fn event_create(self, flags: EventFlags) -> Result<RawEvent, ServerError> {
-        self.live("cuEventCreate")?;
+        live("cuEventCreate")?;
         let mut bits = 0;
         if !flags.timing {
             bits |= EVENT_DISABLE_TIMING;
@@ -657,7 +618,7 @@ impl Driver {
         event: &RawEvent,
         stream: &CudaStream,
     ) -> Result<(), ServerError> {
-        self.live("cuEventRecord")?;
+        live("cuEventRecord")?;
         // SAFETY: both handles are live: the event until it is destroyed by value (see
         // `RawEvent`), the stream borrowed from its owner for the call.
         self.check("cuEventRecord", unsafe {
@@ -667,7 +628,7 @@ impl Driver {
 
     /// `cuEventQuery`: reached, not yet, or an error; all three outcomes.
     pub(super) fn event_query(self, event: &RawEvent) -> Result<bool, ServerError> {
-        self.live("cuEventQuery")?;
+        live("cuEventQuery")?;
         // SAFETY: the event is live (see `RawEvent`).
         match unsafe { (self.api.event_query)(event.0) } {
             CUDA_SUCCESS => Ok(true),
@@ -678,7 +639,7 @@ impl Driver {
 
     /// `cuEventSynchronize`: block until `event` is reached.
     pub(super) fn event_synchronize(self, event: &RawEvent) -> Result<(), ServerError> {
-        self.live("cuEventSynchronize")?;
+        live("cuEventSynchronize")?;
         // SAFETY: the event is live (see `RawEvent`).
         self.check("cuEventSynchronize", unsafe {
             (self.api.event_synchronize)(event.0)
@@ -698,7 +659,7 @@ impl Driver {
                 ELAPSED_SYMBOLS.join(" nor ")
             ))
         })?;
-        self.live(name)?;
+        live(name)?;
         // SAFETY: `ms` is a valid place for the result; both events are live (see `RawEvent`);
         // `elapsed` has the driver's signature for these arguments.
         self.check(name, unsafe { elapsed(&mut ms, start.0, end.0) })?;
@@ -707,7 +668,7 @@ impl Driver {
 
     /// `cuEventDestroy`. Does not block: the driver releases the event once its pending work ends.
     pub(super) fn event_destroy(self, event: RawEvent) -> Result<(), ServerError> {
-        self.live("cuEventDestroy")?;
+        live("cuEventDestroy")?;
         // SAFETY: the event is live, and destroyed once: it is taken by value.
         self.check("cuEventDestroy", unsafe {
             (self.api.event_destroy)(event.0)
@@ -721,7 +682,7 @@ impl Driver {
         stream: &CudaStream,
         event: &RawEvent,
     ) -> Result<(), ServerError> {
-        self.live("cuStreamWaitEvent")?;
+        live("cuStreamWaitEvent")?;
         // SAFETY: both handles are live (see `event_record`); flag 0 is CU_EVENT_WAIT_DEFAULT.
         self.check("cuStreamWaitEvent", unsafe {
             (self.api.stream_wait_event)(stream.cu_stream(), event.0, 0)
@@ -730,7 +691,7 @@ impl Driver {
 
     /// `cuStreamSynchronize`: block until all work queued on `stream` is done.
     pub(super) fn stream_synchronize(self, stream: &CudaStream) -> Result<(), ServerError> {
-        self.live("cuStreamSynchronize")?;
+        live("cuStreamSynchronize")?;
         // SAFETY: the stream is live, borrowed from its owner for the call.
         self.check("cuStreamSynchronize", unsafe {
             (self.api.stream_synchronize)(stream.cu_stream())
@@ -748,7 +709,7 @@ impl Driver {
         call: &'static str,
         stream: &CudaStream,
     ) -> Result<Capture, ServerError> {
-        self.live(call)?;
+        live(call)?;
         let mut status = CAPTURE_STATUS_NONE;
         let mut id = 0u64;
         // SAFETY: the stream is live, borrowed from its owner for the call; `status` and `id` are
@@ -776,7 +737,7 @@ impl Driver {
     /// `cuDevicePrimaryCtxGetState`: whether the primary context of `device` is active (retained
     /// by someone, this process's other libraries included).
     pub(super) fn primary_ctx_active(self, device: sys::CUdevice) -> Result<bool, ServerError> {
-        self.live("cuDevicePrimaryCtxGetState")?;
+        live("cuDevicePrimaryCtxGetState")?;
         let (mut flags, mut active) = (0, 0);
         // SAFETY: a device handle is a plain number the driver validates;
         // `flags` and `active` are valid places for the outputs.
@@ -788,7 +749,7 @@ impl Driver {
 
     /// `cuThreadExchangeStreamCaptureMode`: set this thread's capture mode, returning the old one.
     pub(super) fn exchange_capture_mode(self, mode: c_int) -> Result<c_int, ServerError> {
-        self.live("cuThreadExchangeStreamCaptureMode")?;
+        live("cuThreadExchangeStreamCaptureMode")?;
         let mut mode = mode;
         // SAFETY: `mode` is a valid, initialized place for the enum's `int`; callers pass a
         // documented mode or one the driver gave back.
@@ -800,7 +761,7 @@ impl Driver {
 
     /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the current context.
     pub(super) fn module_load_data(self, ptx: &CStr) -> Result<Module, ServerError> {
-        self.live("cuModuleLoadData")?;
+        live("cuModuleLoadData")?;
         let mut module = ptr::null_mut();
         // SAFETY: `ptx` is NUL-terminated and outlives the call; `module` is a valid place.
         self.check("cuModuleLoadData", unsafe {
@@ -815,7 +776,7 @@ impl Driver {
         module: &Module,
         name: &CStr,
     ) -> Result<Function, ServerError> {
-        self.live("cuModuleGetFunction")?;
+        live("cuModuleGetFunction")?;
         let mut function = ptr::null_mut();
         // SAFETY: the module is live (never unloaded); `name` is NUL-terminated; `function` is a
         // valid place for the handle.
@@ -833,7 +794,7 @@ impl Driver {
         stream: &CudaStream,
         mut argument: u64,
     ) -> Result<(), ServerError> {
-        self.live("cuLaunchKernel")?;
+        live("cuLaunchKernel")?;
         let mut params = [ptr::addr_of_mut!(argument).cast::<c_void>()];
         // SAFETY: the function is live (its module is never unloaded) and is one of this crate's
         // kernels, each of which takes exactly one u64 parameter; the driver copies the parameter

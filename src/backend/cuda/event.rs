@@ -95,7 +95,7 @@ impl CudaEvent {
         Self {
             raw: Some(raw),
             pool: None,
-            ctx: HeldContext::new(ctx),
+            ctx: HeldContext::from(ctx.clone()),
             recorded: Mutex::default(),
             live: None,
         }
@@ -154,7 +154,15 @@ impl CudaEvent {
     /// refused, not sent to the driver with a record that may be in a capture.
     pub(super) fn record(&self, stream: &Arc<CudaStream>) -> Result<(), ServerError> {
         const CALL: &str = "cuEventRecord";
-        same_context(CALL, &self.ctx, stream)?;
+        // The driver's own answer to a handle of one context on a stream of another, whichever
+        // context is current (measured: an H200, driver 13000), given before calling it.
+        if stream.context().cu_ctx() != self.ctx.cu_ctx() {
+            return Err(refused(
+                CALL,
+                sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
+                "the handle and the stream belong to different contexts",
+            ));
+        }
         let bound = bind(&self.ctx)?;
         let driver = bound.driver();
         let before = driver.stream_capture(CALL, stream)?;
@@ -386,22 +394,4 @@ fn maybe_captured(call: &'static str, why: &str) -> ServerError {
              record fences on a stream only while no other thread begins or ends a capture of it"
         ),
     )
-}
-
-/// The driver refuses a handle of one context used on a stream of another
-/// (`CUDA_ERROR_INVALID_HANDLE`): say so before calling it.
-fn same_context(
-    call: &'static str,
-    ctx: &CudaContext,
-    stream: &CudaStream,
-) -> Result<(), ServerError> {
-    if stream.context().cu_ctx() == ctx.cu_ctx() {
-        return Ok(());
-    }
-    // The driver's own answer (measured: an H200, driver 13000), whichever context is current.
-    Err(refused(
-        call,
-        sys::CUresult::CUDA_ERROR_INVALID_HANDLE,
-        "the handle and the stream belong to different contexts",
-    ))
 }

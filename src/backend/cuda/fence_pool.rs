@@ -125,9 +125,7 @@ impl FencePool {
             .give_back(shard, IdleEvent(raw), |_| {})
             .map_err(|IdleEvent(raw)| raw)
     }
-}
 
-impl FencePool {
     /// The device's primary context, when it is still the pool's own: active (retained by someone),
     /// under the same handle and with the same id, which a context made again would not have
     /// ("unique for the life of the program", `cuCtxGetId`). Retained for the call, not made: an

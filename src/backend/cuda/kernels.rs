@@ -81,7 +81,7 @@ impl Kernel {
         let function = bound.driver().module_get_function(&module, name)?;
         Ok(Self {
             function,
-            ctx: HeldContext::new(ctx),
+            ctx: HeldContext::from(ctx.clone()),
         })
     }
 

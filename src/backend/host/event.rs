@@ -43,9 +43,7 @@ impl FencePool {
         }
         HostEvent::create(false, &self.live, &self.context, Some(Arc::downgrade(self)))
     }
-}
 
-impl FencePool {
     /// Free the idle events now (their stream is dropped); events given back later still come
     /// here while queued work runs.
     pub(super) fn clear(&self) {
@@ -111,14 +109,8 @@ impl EventState {
         if self.pending.binary_search(&target).is_ok() {
             return None;
         }
-        match self
-            .faulted
-            .iter()
-            .find(|(generation, _)| *generation == target)
-        {
-            Some((_, message)) => Some(Err(message.clone())),
-            None => Some(Ok(())),
-        }
+        let fault = self.faulted.iter().find(|(lost, _)| *lost == target);
+        Some(fault.map_or(Ok(()), |(_, message)| Err(message.clone())))
     }
 
     /// `generation`'s marker has left its stream's queue (passed or dropped).
@@ -130,12 +122,9 @@ impl EventState {
 }
 
 impl HostEvent {
-    /// A new event of `context`, counted in `live` (its stream's counts) until freed.
-    pub(super) fn new(timing: bool, live: &LiveEvents, context: &Arc<ContextShared>) -> Self {
-        Self::create(timing, live, context, None)
-    }
-
-    fn create(
+    /// A new event of `context`, counted in `live` (its stream's counts) until freed; a fence
+    /// event goes back to `pool` when released.
+    pub(super) fn create(
         timing: bool,
         live: &LiveEvents,
         context: &Arc<ContextShared>,
@@ -193,11 +182,7 @@ impl HostEvent {
         let mut state = self.inner.lock();
         state.recorded += 1;
         state.reached_at = self.inner.timing.then(Instant::now);
-        let waiting = state.waiting > 0;
-        drop(state);
-        if waiting {
-            self.inner.changed.notify_all();
-        }
+        self.inner.wake(state);
     }
 
     /// The generation a waiter asking now refers to.
@@ -212,11 +197,7 @@ impl HostEvent {
         if generation == state.recorded && self.inner.timing {
             state.reached_at = Some(Instant::now());
         }
-        let waiting = state.waiting > 0;
-        drop(state);
-        if waiting {
-            self.inner.changed.notify_all();
-        }
+        self.inner.wake(state);
     }
 
     /// The stream holding the marker of `generation` faulted.
@@ -224,11 +205,7 @@ impl HostEvent {
         let mut state = self.inner.lock();
         state.settle(generation);
         state.faulted.push((generation, message.to_owned()));
-        let waiting = state.waiting > 0;
-        drop(state);
-        if waiting {
-            self.inner.changed.notify_all();
-        }
+        self.inner.wake(state);
     }
 
     /// Whether the latest record has been passed; a fault of the record or of the event's
@@ -324,6 +301,15 @@ impl EventInner {
     fn lock(&self) -> MutexGuard<'_, EventState> {
         self.state.lock()
     }
+
+    /// Let go of `state`, then wake the threads waiting on `changed`, if any.
+    fn wake(&self, state: MutexGuard<'_, EventState>) {
+        let waiting = state.waiting > 0;
+        drop(state);
+        if waiting {
+            self.changed.notify_all();
+        }
+    }
 }
 
 impl Drop for EventInner {
@@ -348,7 +334,7 @@ mod tests {
 
     fn event() -> HostEvent {
         let context = super::super::HostContext::new();
-        HostEvent::new(false, &LiveEvents::default(), context.shared())
+        HostEvent::create(false, &LiveEvents::default(), context.shared(), None)
     }
 
     #[test]

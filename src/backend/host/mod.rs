@@ -74,9 +74,8 @@ impl EventApi for Host {
     }
 
     fn event_destroy(event: HostEvent) -> Result<(), ServerError> {
-        // Markers still queued hold their own reference; the event is freed
-        // when the last of them is passed, as a driver frees a destroyed event
-        // once its work completes.
+        // Markers still queued hold their own reference; the event is freed when the last of them
+        // is passed, as a driver frees a destroyed event once its work completes.
         drop(event);
         Ok(())
     }
@@ -127,10 +126,7 @@ impl EventApi for Host {
         crate::api::record_fence_event(
             || stream.take_fence_event(),
             |event| stream.record(event),
-            |event| {
-                event.release();
-                Ok(())
-            },
+            Self::fence_event_release,
         )
     }
 }

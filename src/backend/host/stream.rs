@@ -240,7 +240,8 @@ impl StreamShared {
     /// A new event of this stream's context; refused once it is faulted.
     pub(super) fn create_event(&self, timing: bool) -> Result<HostEvent, ServerError> {
         self.context.check("event_create")?;
-        Ok(HostEvent::new(timing, &self.live_events, &self.context))
+        let event = HostEvent::create(timing, &self.live_events, &self.context, None);
+        Ok(event)
     }
 
     /// A fence event from this stream's pool, or a new one; refused once the context is faulted.
