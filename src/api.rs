@@ -6,7 +6,7 @@ use core::time::Duration;
 use std::collections::hash_map::DefaultHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::ServerError;
+use crate::{ProgressWord, ServerError};
 
 /// Orders recorded points across the process: for backends that keep no per-stream order (the
 /// default `EventApi::stream_sequence`), and for fences resolved at creation.
@@ -57,10 +57,11 @@ impl EventFlags {
 ///
 /// The trait also has hooks for fence events, hidden from these docs as they are for backends,
 /// not callers: `fence_event_acquire`, `fence_event_release`, `fence_event_record`,
-/// `stream_sequence` and `stream_id`. Their defaults (create, destroy, create-then-record, one
-/// process-wide counter, a hash of the handle) are correct for any backend; a backend may
-/// override them to pool fence events, keep a counter per stream or number its streams
-/// exactly. Their contracts are documented in the source, `src/api.rs`.
+/// `event_record_sequenced`, `stream_sequence`, `stream_id` and `stream_progress`. Their
+/// defaults (create, destroy, create-then-record, record-then-number, one process-wide counter,
+/// a hash of the handle, no progress word) are correct for any backend; a backend may override
+/// them to pool fence events, keep a counter per stream, number its streams exactly or publish
+/// its streams' progress. Their contracts are documented in the source, `src/api.rs`.
 pub trait EventApi: Sized + Send + Sync + 'static {
     /// The backend's name, e.g. `"Cuda"` or `"Host"`.
     const BACKEND: &'static str;
@@ -211,6 +212,17 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         let mut hasher = DefaultHasher::new();
         stream.hash(&mut hasher);
         hasher.finish()
+    }
+
+    /// `stream`'s progress word, if this backend keeps one: set by the stream itself, in its
+    /// order, as it passes each point recorded on it, so that `passed(n)` tells that the point
+    /// numbered `n` by [`stream_sequence`](Self::stream_sequence) was reached, with one load. A
+    /// waiter may watch it rather than block; the point's event stays the truth (for faults, and
+    /// to block on). The default keeps none.
+    #[doc(hidden)]
+    fn stream_progress(stream: Self::Stream) -> Option<ProgressWord> {
+        let _ = stream;
+        None
     }
 
     /// [`event_record`](Self::event_record) and the record's

@@ -60,7 +60,7 @@
 //!
 //! | layer | owns | may not import |
 //! |---|---|---|
-//! | `api`, `error` | the backend contract ([`EventApi`], [`EventFlags`], the process-wide order of recorded points) and [`ServerError`] | anything else of the crate (`api` names `error`) |
+//! | `api`, `error` | the backend contract ([`EventApi`], [`EventFlags`], the process-wide order of recorded points) and [`ServerError`] | anything else of the crate (`api` names `error` and `progress_word`) |
 //! | `backend::{host, cuda}` | raw events and streams, the stream registry, fence-event pools; all `unsafe` (the FFI file `backend/cuda/driver.rs`; the binding guard, events, pool and kernels sit on it without `unsafe`) | `event`, `fence`, the waiter and everything above them (they name [`EventFence`] only to offer `cuda::fence` and [`host::HostStream::fence`]) |
 //! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | any backend, fences, the waiter |
 //! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | the waiter, any backend by name |
@@ -77,6 +77,7 @@
 //! `fork` (whether this process is a fork of the one that made a pool),
 //! `shards` (how state is spread over locks: by hash, by thread),
 //! `idle_pool` (bounded pools of idle events: the fence-event pools),
+//! `progress_word` (a stream's progress in host memory, set by the stream),
 //! `live_events` (per-stream event counts for leak checks, feature
 //! `test-util`), `checked` (a lock guard that checks its state's
 //! invariants), `latency_histogram` ([`LatencyHistogram`]) and `plant` (the
@@ -166,6 +167,7 @@ mod loom;
 mod own_threads;
 mod panics;
 mod plant;
+mod progress_word;
 mod shards;
 
 #[cfg(multi_threading)]
@@ -189,6 +191,8 @@ pub use live_events::LiveEvents;
 pub use profiler::{
     EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats, DEFAULT_PROFILER_CAPACITY,
 };
+#[doc(hidden)]
+pub use progress_word::ProgressWord;
 #[cfg(multi_threading)]
 pub use waiter::{
     Awaitable, FenceFuture, StuckWait, Waiter, WaiterBuilder, WaiterStats, DEFAULT_KEEP_ALIVE,

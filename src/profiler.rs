@@ -480,6 +480,10 @@ impl<A: EventApi> Waitable for PairWait<A> {
     fn stream_name(&self) -> String {
         format!("{} stream {:?}", A::BACKEND, self.stream)
     }
+
+    fn progress(&self) -> Option<crate::ProgressWord> {
+        None
+    }
 }
 
 /// The future of [`Profile::wait`] and `profile.await`: the device time between start and stop.

@@ -302,3 +302,67 @@ fn live_streams_have_distinct_ids_and_a_handle_keeps_its_own() {
         Host::stream_id(first.handle())
     );
 }
+
+#[test]
+fn a_streams_progress_word_passes_each_fence_as_the_worker_passes_it_in_order() {
+    let stream = HostStream::new().unwrap();
+    let word = Host::stream_progress(stream.handle()).expect("a live stream has a word");
+    let idle = EventFence::<Host>::new(stream.handle());
+    assert!(
+        word.passed(idle.sequence()),
+        "a record on an idle stream is passed at once"
+    );
+    let first_gate = Gate::hold(&stream);
+    let first = EventFence::<Host>::new(stream.handle());
+    let (started, second_started) = std::sync::mpsc::channel();
+    stream
+        .launch(move || started.send(()).unwrap())
+        .expect("launch");
+    let second_gate = Gate::hold(&stream);
+    let second = EventFence::<Host>::new(stream.handle());
+    assert!(!word.passed(first.sequence()) && !word.passed(second.sequence()));
+    first_gate.open();
+    // The work after the first marker runs only once the worker passed it.
+    second_started.recv().unwrap();
+    assert!(word.passed(first.sequence()));
+    assert!(!word.passed(second.sequence()), "not past work still held");
+    second_gate.open();
+    Host::stream_synchronize(stream.handle()).unwrap();
+    assert!(word.passed(second.sequence()));
+    first.wait_sync().unwrap();
+    second.wait_sync().unwrap();
+}
+
+#[test]
+fn a_faulted_streams_word_stops_before_the_markers_the_fault_dropped() {
+    let stream = HostStream::new().unwrap();
+    let word = Host::stream_progress(stream.handle()).unwrap();
+    let (open, opened) = std::sync::mpsc::channel::<()>();
+    stream
+        .launch(move || {
+            let _ = opened.recv();
+            panic!("the kernel faults");
+        })
+        .unwrap();
+    let lost = EventFence::<Host>::new(stream.handle());
+    open.send(()).unwrap();
+    assert!(Host::stream_synchronize(stream.handle())
+        .unwrap_err()
+        .is_faulted());
+    assert!(
+        !word.passed(lost.sequence()),
+        "a dropped marker is never passed"
+    );
+    assert!(lost.wait_sync().unwrap_err().is_faulted());
+}
+
+#[test]
+fn a_dropped_stream_has_no_progress_word_and_a_word_held_outlives_it() {
+    let stream = HostStream::new().unwrap();
+    let handle = stream.handle();
+    let word = Host::stream_progress(handle).unwrap();
+    let fence = EventFence::<Host>::new(handle);
+    drop(stream);
+    assert!(Host::stream_progress(handle).is_none());
+    assert!(word.passed(fence.sequence()));
+}

@@ -3,8 +3,8 @@
 use std::collections::{BTreeMap as Map, BTreeSet as Set};
 /// Each layer, bottom up as in the Architecture table, and what it may import besides itself
 /// (`module::Name`: that name only; a module in no layer: nothing); `*`: the helpers.
-const LAYERS: &str = "*: api error loom fault_log own_threads panics fork plant shards idle_pool
-    live_events checked latency_histogram; error:; api: error; event: *; fence: * event; waiter: * event fence; backend: *
+const LAYERS: &str = "*: api error loom fault_log own_threads panics fork plant shards idle_pool progress_word
+    live_events checked latency_histogram; error:; api: error progress_word; event: *; fence: * event; waiter: * event fence; backend: *
     fence::EventFence; any_fence: * backend event fence waiter any_stream; any_stream: * backend
     event fence waiter any_fence; profiler: * backend event fence waiter any_fence; drop_queue: *
     backend event fence waiter any_fence; any_profiler: * backend event fence waiter any_fence

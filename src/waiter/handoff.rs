@@ -104,16 +104,27 @@ impl<W: Waitable> Handoff<W> {
         // The clock is read only when spinning: a ready await is one query.
         let started = (!budget.is_zero()).then(Instant::now);
         let mut first = true;
+        let mut word = None;
         loop {
             // Decided before the query, which one preempted past it still makes.
             let may_spin = started.is_some_and(|started| first || started.elapsed() < budget);
-            first = false;
             match contain::backend(|| waitable.query()) {
                 Ok(true) => return Err(Ok(())),
                 Err(err) => return Err(Err(err)),
-                Ok(false) if may_spin => std::hint::spin_loop(),
+                Ok(false) if may_spin => {}
                 Ok(false) => break,
             }
+            if std::mem::take(&mut first) {
+                word = contain::backend(|| Ok(waitable.progress())).ok().flatten();
+            }
+            // With a progress word, spin on it (a load, not a driver call) and ask once it
+            // says passed, or once the budget is spent.
+            let sequence = waitable.sequence();
+            let in_budget = || started.is_some_and(|started| started.elapsed() < budget);
+            while word.as_ref().is_some_and(|word| !word.passed(sequence)) && in_budget() {
+                std::hint::spin_loop();
+            }
+            std::hint::spin_loop();
         }
         // The lane and the name come from the backend's handle: its code.
         let lane = contain::backend(|| Ok(waitable.lane())).map_err(Err)?;

@@ -78,6 +78,10 @@ impl Waitable for MockFence {
     fn stream_name(&self) -> String {
         format!("mock stream {}", self.lane)
     }
+
+    fn progress(&self) -> Option<crate::ProgressWord> {
+        None
+    }
 }
 
 impl Drop for MockFence {

@@ -376,9 +376,12 @@ impl WaiterBuilder {
         self
     }
 
-    /// How long a first poll may spin on queries before handing the wait to
-    /// a thread, on the executor's thread: default zero, at most
-    /// [`MAX_SPIN_BUDGET`] (clamped).
+    /// How long a first poll may spin before handing the wait to a thread,
+    /// on the executor's thread: default zero, at most [`MAX_SPIN_BUDGET`]
+    /// (clamped). Where the backend publishes the stream's progress in host
+    /// memory (the host backend does), it spins reading that, with no driver
+    /// call, and asks the event once the stream is there; elsewhere it spins
+    /// on queries.
     pub fn spin_budget(mut self, spin_budget: Duration) -> Self {
         self.config.spin_budget = spin_budget.min(MAX_SPIN_BUDGET);
         self

@@ -384,6 +384,10 @@ impl super::waitable::Waitable for GatedFence {
     fn stream_name(&self) -> String {
         "gated stream".to_owned()
     }
+
+    fn progress(&self) -> Option<crate::ProgressWord> {
+        None
+    }
 }
 
 #[test]
@@ -440,4 +444,99 @@ fn the_poller_backs_off_while_its_lane_does_not_move() {
     held.finish();
     result_of(&polled).expect("resolved");
     result_of(&blocked).expect("resolved");
+}
+
+/// A fence with a progress word, its queries counted; `answer` gives each
+/// query's answer from its number (from 1) and what the word says.
+struct WordFence {
+    word: Arc<crate::progress_word::HostWord>,
+    queries: Arc<AtomicUsize>,
+    answer: fn(usize, bool) -> Result<bool, ServerError>,
+}
+
+impl super::waitable::Waitable for WordFence {
+    fn lane(&self) -> super::waitable::LaneKey {
+        super::waitable::LaneKey::for_tests(7)
+    }
+
+    fn sequence(&self) -> u64 {
+        3
+    }
+
+    fn query(&self) -> Result<bool, ServerError> {
+        let number = self.queries.fetch_add(1, Ordering::SeqCst) + 1;
+        (self.answer)(
+            number,
+            crate::ProgressWord::new(self.word.clone()).passed(3),
+        )
+    }
+
+    fn block(&self) -> Result<(), ServerError> {
+        Ok(())
+    }
+
+    fn stream_name(&self) -> String {
+        "word stream".to_owned()
+    }
+
+    fn progress(&self) -> Option<crate::ProgressWord> {
+        Some(crate::ProgressWord::new(self.word.clone()))
+    }
+}
+
+/// The first poll of `fence` in a pool that spins for the longest budget.
+fn first_poll_spinning(fence: WordFence) -> Poll<Result<(), ServerError>> {
+    let pool = super::pool::Pool::new(super::pool::Config {
+        max_threads: 1,
+        keep_alive: Duration::from_secs(1),
+        thread_name: "unit-test-waiter".to_owned(),
+        spin_budget: super::MAX_SPIN_BUDGET,
+        stuck_after: None,
+    });
+    let mut handoff = super::Handoff::new(fence, super::handoff::PoolRef::Owned(pool.clone()));
+    let waker = futures::task::noop_waker();
+    let polled = handoff.poll(&mut Context::from_waker(&waker));
+    drop(handoff);
+    pool.shutdown();
+    polled
+}
+
+#[test]
+fn a_first_poll_spins_on_the_progress_word_not_on_queries() {
+    let queries = Arc::new(AtomicUsize::new(0));
+    let fence = WordFence {
+        word: Arc::default(),
+        queries: queries.clone(),
+        answer: |_, passed| Ok(passed),
+    };
+    let started = Instant::now();
+    assert!(first_poll_spinning(fence).is_pending(), "never reached");
+    assert!(
+        started.elapsed() >= super::MAX_SPIN_BUDGET,
+        "spun its budget"
+    );
+    // One query first, one as the budget ends; none while the word is read.
+    assert_eq!(queries.load(Ordering::SeqCst), 2);
+}
+
+#[test]
+fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
+    let word = Arc::new(crate::progress_word::HostWord::default());
+    word.advance(3);
+    let queries = Arc::new(AtomicUsize::new(0));
+    // The first query says "not yet", the next one the stream's fault.
+    let fence = WordFence {
+        word,
+        queries: queries.clone(),
+        answer: |number, _| match number {
+            1 => Ok(false),
+            _ => Err(ServerError::faulted("Mock", "query", 719, "faulted", "")),
+        },
+    };
+    let polled = first_poll_spinning(fence);
+    assert!(
+        matches!(&polled, Poll::Ready(Err(err)) if err.is_faulted()),
+        "{polled:?}"
+    );
+    assert_eq!(queries.load(Ordering::SeqCst), 2);
 }

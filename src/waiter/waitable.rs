@@ -2,7 +2,7 @@
 
 use std::any::TypeId;
 
-use crate::{EventApi, EventFence, ServerError};
+use crate::{EventApi, EventFence, ProgressWord, ServerError};
 
 /// A stream's lane: its backend's type and the backend's number for it
 /// (`EventApi::stream_id`), which tells live streams apart.
@@ -47,6 +47,8 @@ pub(crate) trait Waitable: Send + 'static {
     fn block(&self) -> Result<(), ServerError>;
     /// The stream, as its backend shows it, for stuck-stream reports.
     fn stream_name(&self) -> String;
+    /// The stream's progress word, if its backend keeps one (asked once per lane).
+    fn progress(&self) -> Option<ProgressWord>;
 }
 
 impl<A: EventApi> Waitable for EventFence<A> {
@@ -68,5 +70,9 @@ impl<A: EventApi> Waitable for EventFence<A> {
 
     fn stream_name(&self) -> String {
         format!("{} stream {:?}", A::BACKEND, self.stream())
+    }
+
+    fn progress(&self) -> Option<ProgressWord> {
+        A::stream_progress(self.stream())
     }
 }

@@ -36,7 +36,7 @@ pub use context::HostContext;
 pub use event::HostEvent;
 pub use stream::{HostStream, HostStreamHandle};
 
-use crate::{EventApi, EventFlags, ServerError};
+use crate::{EventApi, EventFlags, ProgressWord, ServerError};
 
 const BACKEND: &str = "Host";
 
@@ -119,6 +119,15 @@ impl EventApi for Host {
     /// Exact: the stream's registry number, never given to two streams.
     fn stream_id(stream: HostStreamHandle) -> u64 {
         stream.id()
+    }
+
+    /// Advanced by the stream's worker as it passes each marker (at once for a record on an
+    /// idle stream); a dropped stream has none.
+    fn stream_progress(stream: HostStreamHandle) -> Option<ProgressWord> {
+        stream
+            .resolve("stream_progress")
+            .ok()
+            .map(|stream| stream.progress())
     }
 
     fn fence_event_record(stream: HostStreamHandle) -> Result<(HostEvent, u64), ServerError> {

@@ -13,7 +13,8 @@ use super::Host;
 use crate::backend::registry::Registry;
 use crate::live_events::LiveEvents;
 use crate::loom::{Condvar, Mutex, MutexGuard};
-use crate::{panics, EventFence, ServerError};
+use crate::progress_word::HostWord;
+use crate::{panics, EventFence, ProgressWord, ServerError};
 
 /// Every live host stream, so a copied handle can never dangle.
 static STREAMS: Registry<StreamShared> = Registry::new();
@@ -56,6 +57,8 @@ pub(super) struct StreamShared {
     fence_pool: Arc<FencePool>,
     /// The order of points recorded on this stream, for the waiter.
     sequence: AtomicU64,
+    /// The latest point passed, in that order: advanced by the worker as it passes each.
+    progress: Arc<HostWord>,
 }
 
 #[derive(Default)]
@@ -76,7 +79,8 @@ struct StreamState {
 
 enum Op {
     Work(Box<dyn FnOnce() + Send + 'static>),
-    Signal(HostEvent, u64),
+    /// An event's record: its generation, and its number in the stream's order.
+    Signal(HostEvent, u64, u64),
     Wait(HostEvent, u64),
 }
 
@@ -109,6 +113,7 @@ impl HostStream {
             progressed: Condvar::new(),
             live_events,
             sequence: AtomicU64::new(0),
+            progress: Arc::default(),
         });
         shared.context.join(&shared)?;
         let (id, ()) = STREAMS.register(&shared, || ());
@@ -237,6 +242,11 @@ impl StreamShared {
         self.sequence.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// This stream's progress word.
+    pub(super) fn progress(&self) -> ProgressWord {
+        ProgressWord::new(self.progress.clone())
+    }
+
     /// A new event of this stream's context; refused once it is faulted.
     pub(super) fn create_event(&self, timing: bool) -> Result<HostEvent, ServerError> {
         self.context.check("event_create")?;
@@ -293,12 +303,14 @@ impl StreamShared {
         self.accepting(&state, "event_record")?;
         let sequence = self.next_sequence();
         if state.queue.is_empty() && state.finished == state.queued {
-            // Idle: all work before it has run, so the event is reached now: no marker, no wake-up.
+            // Idle: all work before it has run, so the event is reached now: no marker, no
+            // wake-up. (The worker advanced the word for every point before, then counted it.)
             event.record_reached();
+            self.progress.advance(sequence);
             return Ok(sequence);
         }
         let generation = event.next_generation();
-        self.enqueue(state, Op::Signal(event.clone(), generation));
+        self.enqueue(state, Op::Signal(event.clone(), generation, sequence));
         Ok(sequence)
     }
 
@@ -351,7 +363,7 @@ impl StreamShared {
             let mut state = self.lock();
             let dropped: Vec<Op> = state.queue.drain(..).collect();
             for op in &dropped {
-                if let Op::Signal(event, generation) = op {
+                if let Op::Signal(event, generation, _) = op {
                     event.fail(*generation, message);
                 }
             }
@@ -399,8 +411,9 @@ impl StreamShared {
             };
             let fault = match op {
                 Op::Work(work) => panics::catch(work).err(),
-                Op::Signal(event, generation) => {
+                Op::Signal(event, generation, sequence) => {
                     event.signal(generation);
+                    self.progress.advance(sequence);
                     None
                 }
                 Op::Wait(event, generation) => event
