@@ -6,7 +6,7 @@
 # equivalent mutant). Each known missed mutant is listed in scripts/README.md
 # with the test that kills it or the reason it is equivalent.
 #
-#   bash scripts/mutants.sh                 # src/waiter/ and src/fence.rs
+#   bash scripts/mutants.sh                 # src/waiter/, src/fence.rs, src/progress_word.rs
 #   bash scripts/mutants.sh src/waiter/slot.rs   # one file
 #
 # Not in CI: it builds and tests a few hundred mutants (see scripts/README.md
@@ -25,13 +25,14 @@ fi
 
 files=("$@")
 if ((${#files[@]} == 0)); then
-    files=("src/waiter/*.rs" src/fence.rs)
+    files=("src/waiter/*.rs" src/fence.rs src/progress_word.rs)
 fi
 args=()
 for file in "${files[@]}"; do args+=(--file "$file"); done
 
 # The tests that exercise the waiter and the fence: its unit tests (with the
-# guards' planted panics) and the host-backend suites, the stats ones too. The loom models need
+# guards' planted panics) and the host-backend suites (the stream's own, for its progress
+# word), the stats ones too. The loom models need
 # other build flags, and the test-only modules are not mutated.
 exec cargo mutants "${args[@]}" \
     --exclude src/waiter/loom_models.rs \
@@ -44,4 +45,4 @@ exec cargo mutants "${args[@]}" \
     --jobs "${MUTANTS_JOBS:-1}" \
     -- --lib --test await_faults --test await_panics --test await_runtimes \
     --test await_load --test fence --test fallbacks --test properties --test event \
-    --test fork --test profiler --test waiter_stats
+    --test fork --test profiler --test waiter_stats --test host_stream
