@@ -5,14 +5,6 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-/// The memory a progress word lives in (a host cache line; on CUDA, pinned host memory the
-/// device writes), kept alive by every [`ProgressWord`] that reads it.
-pub(crate) trait WordMemory: Send + Sync + 'static {
-    /// The word: 0 until the stream passes its first recorded point, then one more than the
-    /// number (`EventApi::stream_sequence`) of the latest point it passed. It only grows.
-    fn word(&self) -> &AtomicU64;
-}
-
 /// A stream's progress word, from `EventApi::stream_progress`: whether the stream has passed a
 /// recorded point, read with one load. Cheap to clone.
 ///
@@ -20,43 +12,41 @@ pub(crate) trait WordMemory: Send + Sync + 'static {
 /// succeeded is the point's event's to say (a faulted stream stops moving its word, and its
 /// events fail), so a waiter confirms with one query of the event before resolving a wait.
 #[derive(Clone)]
-pub struct ProgressWord(Arc<dyn WordMemory>);
+pub struct ProgressWord(Arc<HostWord>);
 
 impl ProgressWord {
-    pub(crate) fn new(memory: Arc<dyn WordMemory>) -> Self {
+    pub(crate) fn new(memory: Arc<HostWord>) -> Self {
         Self(memory)
     }
 
     /// Whether the stream has passed its point numbered `sequence`; never blocks.
     pub fn passed(&self, sequence: u64) -> bool {
-        self.0.word().load(Ordering::Acquire) > sequence
+        self.0.get() > sequence
     }
 }
 
 impl fmt::Debug for ProgressWord {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let word = self.0.word().load(Ordering::Relaxed);
-        f.debug_tuple("ProgressWord").field(&word).finish()
+        f.debug_tuple("ProgressWord").field(&self.0.get()).finish()
     }
 }
 
-/// A progress word in ordinary host memory, on a cache line of its own (the host backend's: its
-/// stream's worker advances it).
+/// A progress word in host memory, on a cache line of its own (the host backend's: its stream's
+/// worker advances it): 0 until the stream passes its first recorded point, then one more than
+/// the number (`EventApi::stream_sequence`) of the latest point it passed. It only grows.
 #[derive(Debug, Default)]
 #[repr(align(64))]
 pub(crate) struct HostWord(AtomicU64);
 
 impl HostWord {
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::Acquire)
+    }
+
     /// The stream has passed its point numbered `sequence`, and every point before it.
     pub(crate) fn advance(&self, sequence: u64) {
         self.0
             .fetch_max(sequence.saturating_add(1), Ordering::Release);
-    }
-}
-
-impl WordMemory for HostWord {
-    fn word(&self) -> &AtomicU64 {
-        &self.0
     }
 }
 

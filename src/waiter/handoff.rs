@@ -103,11 +103,13 @@ impl<W: Waitable> Handoff<W> {
         let budget = pool.config().spin_budget;
         // The clock is read only when spinning: a ready await is one query.
         let started = (!budget.is_zero()).then(Instant::now);
+        let in_budget = || started.is_some_and(|started| started.elapsed() < budget);
+        let sequence = waitable.sequence();
         let mut first = true;
         let mut word = None;
         loop {
             // Decided before the query, which one preempted past it still makes.
-            let may_spin = started.is_some_and(|started| first || started.elapsed() < budget);
+            let may_spin = started.is_some() && (first || in_budget());
             match contain::backend(|| waitable.query()) {
                 Ok(true) => return Err(Ok(())),
                 Err(err) => return Err(Err(err)),
@@ -119,8 +121,6 @@ impl<W: Waitable> Handoff<W> {
             }
             // With a progress word, spin on it (a load, not a driver call) and ask once it
             // says passed, or once the budget is spent.
-            let sequence = waitable.sequence();
-            let in_budget = || started.is_some_and(|started| started.elapsed() < budget);
             while word.as_ref().is_some_and(|word| !word.passed(sequence)) && in_budget() {
                 std::hint::spin_loop();
             }
