@@ -20,7 +20,7 @@ for strict in 0 1; do
     FAKE_CUDA_STRICT_REBIND=$strict \
         cargo test --test cuda --test cuda_binding --test cuda_faults --test cuda_contexts --test cuda_capture --test cuda_fence_pool --test any_stream --test http_service
 done
-cargo test --test cuda_exit --test cuda_elapsed --test cuda_record_order --test cuda_fork
+cargo test --test cuda_exit --test cuda_elapsed --test cuda_record_order --test cuda_fork --test cuda_progress_word
 cargo run --example fences
 cargo run --example join_streams
 cargo run --example tokio_service

@@ -22,10 +22,14 @@
 #   pending waits (exit status 0, no warnings or errors logged).
 # - tests/cuda_contexts.rs, tests/cuda_elapsed.rs: a primary context
 #   released and retained again, cuEventElapsedTime_v2, cross-context calls.
+# - tests/cuda_progress_word.rs: the device's stream memory operations and
+#   host-mapped memory (a stream's word lands past each fence only once the
+#   work before it is done; no write on a capturing stream).
 # Not yet measured on a GPU: the benchmark's scenario 8 (streams ending
 # items one after another; a lane thread makes one cuEventQuery and one
-# cuEventSynchronize per item), and the cost of the capture checks
-# (scenarios 3 and 4 against the last GPU run's figures).
+# cuEventSynchronize per item), and the cost of the capture checks and of
+# the progress word's write per fence (scenarios 3 and 4 against the last
+# GPU run's figures).
 set -u
 bin=${1:-device-bin}
 mode=${2:-}

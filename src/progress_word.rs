@@ -12,10 +12,10 @@ use std::sync::Arc;
 /// succeeded is the point's event's to say (a faulted stream stops moving its word, and its
 /// events fail), so a waiter confirms with one query of the event before resolving a wait.
 #[derive(Clone)]
-pub struct ProgressWord(Arc<HostWord>);
+pub struct ProgressWord(Arc<dyn WordMemory>);
 
 impl ProgressWord {
-    pub(crate) fn new(memory: Arc<HostWord>) -> Self {
+    pub(crate) fn new(memory: Arc<dyn WordMemory>) -> Self {
         Self(memory)
     }
 
@@ -25,6 +25,13 @@ impl ProgressWord {
     }
 }
 
+/// Where a backend keeps a stream's word: 0 until the stream passes its first recorded point,
+/// then one more than the number (`EventApi::stream_sequence`) of the latest point it passed.
+pub(crate) trait WordMemory: Send + Sync {
+    /// The word now, with acquire ordering.
+    fn get(&self) -> u64;
+}
+
 impl fmt::Debug for ProgressWord {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_tuple("ProgressWord").field(&self.0.get()).finish()
@@ -32,17 +39,18 @@ impl fmt::Debug for ProgressWord {
 }
 
 /// A progress word in host memory, on a cache line of its own (the host backend's: its stream's
-/// worker advances it): 0 until the stream passes its first recorded point, then one more than
-/// the number (`EventApi::stream_sequence`) of the latest point it passed. It only grows.
+/// worker advances it). It only grows.
 #[derive(Debug, Default)]
 #[repr(align(64))]
 pub(crate) struct HostWord(AtomicU64);
 
-impl HostWord {
+impl WordMemory for HostWord {
     fn get(&self) -> u64 {
         self.0.load(Ordering::Acquire)
     }
+}
 
+impl HostWord {
     /// The stream has passed its point numbered `sequence`, and every point before it.
     pub(crate) fn advance(&self, sequence: u64) {
         self.0

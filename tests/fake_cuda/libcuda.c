@@ -70,12 +70,17 @@
  * - Elapsed time under both names, each counted (see "Elapsed time" below);
  *   built with -DFAKE_CUDA_NO_ELAPSED_V2 it exports only the legacy name.
  * - cuEventRecord numbers the records of each stream (see "Record order").
+ * - Page-locked, device-mapped host memory and cuStreamWriteValue64, each
+ *   refusable on demand (see "Host-mapped memory and stream writes").
  *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
  * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device),
  * fakeCudaFailNextQuery(status), and the capture races of "Stream capture"
  * (fakeCudaCaptureInNextRecord, fakeCudaLastRecordCapture), and a record
- * held in the call (fakeCudaHoldNextRecord, fakeCudaRecordHeld), found by
+ * held in the call (fakeCudaHoldNextRecord, fakeCudaRecordHeld), the
+ * stream writes' refusals and counts (fakeCudaRefuseProgressWord,
+ * fakeCudaHostAllocations, fakeCudaStreamWrites, fakeCudaWritesAfterFree,
+ * fakeCudaPendingWrites), found by
  * the tests with dlsym.
  *
  * It validates nothing of PTX or of real hardware; scripts/fake-cuda.sh
@@ -93,6 +98,7 @@
 enum {
     SUCCESS = 0,
     INVALID_VALUE = 1,
+    OUT_OF_MEMORY = 2,
     DEINITIALIZED = 4,
     NO_DEVICE = 100,
     INVALID_DEVICE = 101,
@@ -101,6 +107,7 @@ enum {
     NOT_FOUND = 500,
     NOT_READY = 600,
     ILLEGAL_ADDRESS = 700,
+    NOT_SUPPORTED = 801,
     CONTEXT_IS_DESTROYED = 709,
     ILLEGAL_STATE = 401,
     STREAM_CAPTURE_UNSUPPORTED = 900,
@@ -501,6 +508,8 @@ int cuGetErrorName(int error, const char **name) {
     switch (error) {
     case SUCCESS: *name = "CUDA_SUCCESS"; break;
     case INVALID_VALUE: *name = "CUDA_ERROR_INVALID_VALUE"; break;
+    case OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case NOT_SUPPORTED: *name = "CUDA_ERROR_NOT_SUPPORTED"; break;
     case DEINITIALIZED: *name = "CUDA_ERROR_DEINITIALIZED"; break;
     case NO_DEVICE: *name = "CUDA_ERROR_NO_DEVICE"; break;
     case INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; break;
@@ -553,12 +562,21 @@ int cuDeviceGet(int *device, int ordinal) {
     return SUCCESS;
 }
 
+static int refuse_word_mask; /* see fakeCudaRefuseProgressWord */
+
 int cuDeviceGetAttribute(int *value, int attribute, int device) {
-    (void)attribute;
     if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
-    *value = 0;
+    /* 19: CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY; 122:
+     * CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS (its number in CUDA
+     * 12 and 13 headers). Every other attribute reads 0. */
+    pthread_mutex_lock(&lock);
+    int no_memops = refuse_word_mask & 1;
+    pthread_mutex_unlock(&lock);
+    *value = attribute == 19 || (attribute == 122 && !no_memops);
     return SUCCESS;
 }
+
+static void free_context_memory(ctx_t *c);
 
 int cuDevicePrimaryCtxRetain(void **context, int device) {
     if (deinitialized()) return DEINITIALIZED;
@@ -591,6 +609,7 @@ int cuDevicePrimaryCtxRelease_v2(int device) {
             free(s);
         }
         c->streams = NULL;
+        free_context_memory(c);
         c->generation++;
     }
     pthread_mutex_unlock(&lock);
@@ -1152,6 +1171,278 @@ int cuGraphLaunch(void *exec, void *stream) {
 int cuGraphUpload(void *exec, void *stream) { (void)exec; (void)stream; return SUCCESS; }
 int cuGraphExecDestroy(void *exec) { free(exec); return SUCCESS; }
 int cuGraphDestroy(void *graph) { free(graph); return SUCCESS; }
+
+/* ---- Host-mapped memory and stream writes ----
+ * Driver API "Memory Management" and "Stream Memory Operations":
+ * - cuMemHostAlloc "allocates bytesize bytes of host memory that is
+ *   page-locked and accessible to the device", in the current context; flags
+ *   PORTABLE (0x1), DEVICEMAP (0x2) and WRITECOMBINED (0x4), any other bit
+ *   CUDA_ERROR_INVALID_VALUE. The memory is freed with its context
+ *   (cuDevicePrimaryCtxRelease tearing it down).
+ * - cuMemHostGetDevicePointer_v2: "Flags provided for future releases. For
+ *   now, it must be set to 0"; only for memory allocated with DEVICEMAP, of
+ *   the current context unless PORTABLE. The device address is the host
+ *   address plus DEVICE_ALIAS, never the host address itself, so a caller
+ *   that passes a host pointer to a device call fails here.
+ * - cuMemFreeHost of the start of a live allocation. The docs do not say
+ *   which context must be current; the fake takes the strict reading (the
+ *   allocation's own). Freeing while a write queued to it has not landed is
+ *   the caller's bug (on a GPU the device would write into freed memory):
+ *   counted (fakeCudaWritesAfterFree), and the write dropped.
+ * - cuStreamWriteValue64_v2 (the name CUDA 12 headers map
+ *   cuStreamWriteValue64 to): flags 0 (DEFAULT: "the write is preceded by a
+ *   memory barrier") or 1 (NO_MEMORY_BARRIER); the address "must be aligned
+ *   to 8 bytes" and here must be a device address of mapped memory of the
+ *   stream's context. On a capturing stream the write is captured, not run.
+ *   Otherwise it lands when the stream gets there (after its queued work; it
+ *   takes no device time itself), through one copy-engine thread, as an
+ *   atomic store with release order; a write due at or after its context's
+ *   fault never lands (a faulted context runs nothing more). Writes of one
+ *   stream land in the order queued.
+ * - fakeCudaRefuseProgressWord(mask) sets refusals and returns the previous
+ *   mask: 1 attribute 122 reads 0, 2 cuMemHostAlloc is
+ *   CUDA_ERROR_OUT_OF_MEMORY, 4 cuMemHostGetDevicePointer_v2 and 8
+ *   cuStreamWriteValue64_v2 are CUDA_ERROR_NOT_SUPPORTED. fakeCudaStreamWrites
+ *   (0: accepted, 1: of those, captured) counts the calling thread's writes.
+ */
+#define DEVICE_ALIAS 0x100000000000ULL
+#define MEMHOSTALLOC_PORTABLE 0x1
+#define MEMHOSTALLOC_DEVICEMAP 0x2
+#define MEMHOSTALLOC_WRITECOMBINED 0x4
+
+typedef struct host_alloc {
+    void *p;
+    size_t size;
+    ctx_t *ctx;
+    unsigned flags;
+    struct host_alloc *next;
+} host_alloc_t;
+
+typedef struct pending_write {
+    _Atomic unsigned long long *host;
+    unsigned long long value;
+    int64_t at;
+    ctx_t *ctx;
+    struct pending_write *next;
+} pending_write_t;
+
+static host_alloc_t *host_allocs;
+static pending_write_t *pending_writes; /* in the order queued */
+static pthread_cond_t write_queued;
+static int engine_started;
+static int writes_after_free;
+static __thread int writes_accepted, writes_captured;
+
+/* Drop the pending writes into [p, p + size). Called with the lock held. */
+static int drop_writes(const void *p, size_t size) {
+    int dropped = 0;
+    for (pending_write_t **link = &pending_writes; *link;) {
+        pending_write_t *w = *link;
+        if ((const char *)w->host >= (const char *)p && (const char *)w->host < (const char *)p + size) {
+            *link = w->next;
+            free(w);
+            dropped++;
+        } else {
+            link = &w->next;
+        }
+    }
+    return dropped;
+}
+
+static void free_context_memory(ctx_t *c) {
+    for (host_alloc_t **link = &host_allocs; *link;) {
+        host_alloc_t *a = *link;
+        if (a->ctx == c) {
+            drop_writes(a->p, a->size);
+            *link = a->next;
+            free(a->p);
+            free(a);
+        } else {
+            link = &a->next;
+        }
+    }
+}
+
+/* The allocation holding [p, p + size), or NULL. Called with the lock held. */
+static host_alloc_t *host_alloc_of(const void *p, size_t size) {
+    for (host_alloc_t *a = host_allocs; a; a = a->next)
+        if ((const char *)p >= (char *)a->p && (const char *)p + size <= (char *)a->p + a->size)
+            return a;
+    return NULL;
+}
+
+static void *copy_engine(void *unused) {
+    (void)unused;
+    pthread_mutex_lock(&lock);
+    for (;;) {
+        int64_t now = now_ns(), next = INT64_MAX;
+        /* Due writes land in queue order; a stream's later write is never
+         * due before its earlier one (its stream gets there later). */
+        for (pending_write_t **link = &pending_writes; *link;) {
+            pending_write_t *w = *link;
+            if (w->at <= now) {
+                if (w->at < w->ctx->fault_at)
+                    atomic_store_explicit(w->host, w->value, memory_order_release);
+                *link = w->next;
+                free(w);
+            } else {
+                next = min64(next, w->at);
+                link = &w->next;
+            }
+        }
+        if (next == INT64_MAX) {
+            pthread_cond_wait(&write_queued, &lock);
+        } else {
+            struct timespec t = {next / 1000000000, next % 1000000000};
+            pthread_cond_timedwait(&write_queued, &lock, &t);
+        }
+    }
+    return NULL;
+}
+
+int cuMemHostAlloc(void **pp, size_t bytesize, unsigned flags) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    if (status == SUCCESS && (bytesize == 0 || (flags & ~7u) != 0)) status = INVALID_VALUE;
+    if (status == SUCCESS && (refuse_word_mask & 2)) status = OUT_OF_MEMORY;
+    host_alloc_t *a = NULL;
+    if (status == SUCCESS) {
+        size_t size = (bytesize + 4095) & ~(size_t)4095;
+        a = calloc(1, sizeof *a);
+        void *p = NULL;
+        if (a == NULL || posix_memalign(&p, 4096, size) != 0) {
+            free(a);
+            status = OUT_OF_MEMORY;
+        } else {
+            /* Not zeroed: the driver does not say it is. */
+            memset(p, 0xa5, size);
+            *a = (host_alloc_t){.p = p, .size = size, .ctx = current, .flags = flags, .next = host_allocs};
+            host_allocs = a;
+            *pp = p;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuMemHostGetDevicePointer_v2(unsigned long long *pdptr, void *p, unsigned flags) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    host_alloc_t *a = status == SUCCESS ? host_alloc_of(p, 1) : NULL;
+    if (status == SUCCESS && (flags != 0 || a == NULL || !(a->flags & MEMHOSTALLOC_DEVICEMAP)))
+        status = INVALID_VALUE;
+    if (status == SUCCESS && a->ctx != current && !(a->flags & MEMHOSTALLOC_PORTABLE))
+        status = INVALID_CONTEXT;
+    if (status == SUCCESS && (refuse_word_mask & 4)) status = NOT_SUPPORTED;
+    if (status == SUCCESS) *pdptr = (unsigned long long)(uintptr_t)p + DEVICE_ALIAS;
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuMemFreeHost(void *p) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    host_alloc_t **link = &host_allocs;
+    while (*link && (*link)->p != p) link = &(*link)->next;
+    int status = *link == NULL ? INVALID_VALUE : (*link)->ctx != current ? INVALID_CONTEXT : SUCCESS;
+    if (status == SUCCESS) status = current_usable();
+    if (status == SUCCESS) {
+        host_alloc_t *a = *link;
+        writes_after_free += drop_writes(a->p, a->size);
+        *link = a->next;
+        free(a->p);
+        free(a);
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuStreamWriteValue64_v2(void *stream, unsigned long long addr, unsigned long long value,
+                            unsigned flags) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    if (status == SUCCESS) status = implicit_dependency(s);
+    host_alloc_t *a = NULL;
+    if (status == SUCCESS) {
+        a = addr % 8 == 0 && addr >= DEVICE_ALIAS ? host_alloc_of((void *)(uintptr_t)(addr - DEVICE_ALIAS), 8) : NULL;
+        if (flags > 1 || a == NULL || !(a->flags & MEMHOSTALLOC_DEVICEMAP) ||
+            (a->ctx != s->ctx && !(a->flags & MEMHOSTALLOC_PORTABLE)))
+            status = INVALID_VALUE;
+    }
+    if (status == SUCCESS && (refuse_word_mask & 8)) status = NOT_SUPPORTED;
+    int captured = status == SUCCESS ? captured_work(s, 0) : 0;
+    if (captured < 0) status = -captured;
+    if (status == SUCCESS) {
+        writes_accepted++;
+        writes_captured += captured;
+    }
+    if (status == SUCCESS && !captured) {
+        pending_write_t *w = calloc(1, sizeof *w);
+        if (w == NULL) {
+            status = OUT_OF_MEMORY;
+        } else {
+            *w = (pending_write_t){.host = (void *)(uintptr_t)(addr - DEVICE_ALIAS), .value = value,
+                                   .at = ready_at(s), .ctx = s->ctx};
+            pending_write_t **link = &pending_writes;
+            while (*link) link = &(*link)->next;
+            *link = w;
+            if (!engine_started) {
+                pthread_condattr_t attr;
+                pthread_condattr_init(&attr);
+                pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+                pthread_cond_init(&write_queued, &attr);
+                pthread_t engine;
+                engine_started = pthread_create(&engine, NULL, copy_engine, NULL) == 0;
+                if (engine_started) pthread_detach(engine);
+            }
+            pthread_cond_signal(&write_queued);
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int fakeCudaRefuseProgressWord(int mask) {
+    pthread_mutex_lock(&lock);
+    int previous = refuse_word_mask;
+    refuse_word_mask = mask;
+    pthread_mutex_unlock(&lock);
+    return previous;
+}
+
+int fakeCudaHostAllocations(int device) {
+    if (device < 0 || device >= DEVICES) return -1;
+    pthread_mutex_lock(&lock);
+    int live = 0;
+    for (host_alloc_t *a = host_allocs; a; a = a->next) live += a->ctx == &contexts[device];
+    pthread_mutex_unlock(&lock);
+    return live;
+}
+
+int fakeCudaStreamWrites(int captured) { return captured ? writes_captured : writes_accepted; }
+
+int fakeCudaWritesAfterFree(int unused) {
+    (void)unused;
+    pthread_mutex_lock(&lock);
+    int count = writes_after_free;
+    pthread_mutex_unlock(&lock);
+    return count;
+}
+
+int fakeCudaPendingWrites(int unused) {
+    (void)unused;
+    pthread_mutex_lock(&lock);
+    int count = 0;
+    for (pending_write_t *w = pending_writes; w; w = w->next) count++;
+    pthread_mutex_unlock(&lock);
+    return count;
+}
+/* ---- end of host-mapped memory and stream writes ---- */
 
 /* Test hooks: not part of the driver API. */
 int fakeCudaLiveEvents(int device) {

@@ -22,6 +22,10 @@
 //! - stream capture (`cuStreamGetCaptureInfo`,
 //!   `cuThreadExchangeStreamCaptureMode`, the capture statuses 900 to 908):
 //!   the stream management and type pages above
+//! - page-locked, device-mapped host memory (`cuMemHostAlloc`, `cuMemHostGetDevicePointer`,
+//!   `cuMemFreeHost`): <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
+//! - stream memory operations (`cuStreamWriteValue64`):
+//!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEMOP.html>
 //! - modules and launches (`cuModuleLoadData`, `cuLaunchKernel`):
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html>,
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html>
@@ -31,7 +35,8 @@
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
-use std::ptr;
+use std::ptr::{self, NonNull};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::result::DriverError;
@@ -85,6 +90,16 @@ const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime_v2", "cuEventElapsedTime
 /// and retained again). Optional: a driver without it only shares less ([`Driver::ctx_id`]).
 const CTX_ID_SYMBOL: &str = "cuCtxGetId";
 
+/// The entry points of a stream's progress word (`progress.rs`), each in CUDA 12.0 and later; all
+/// or none: a driver lacking one waits on fences through their events alone. CUDA 12 headers map
+/// `cuStreamWriteValue64` and `cuMemHostGetDevicePointer` to these names.
+const WORD_SYMBOLS: [&str; 4] = [
+    "cuMemHostAlloc",
+    "cuMemHostGetDevicePointer_v2",
+    "cuMemFreeHost",
+    "cuStreamWriteValue64_v2",
+];
+
 /// A driver status, as the driver returns it: a C `enum`, which is an `int`.
 type Status = c_int;
 
@@ -113,6 +128,9 @@ struct Api {
     /// Optional (see [`CTX_ID_SYMBOL`]).
     ctx_get_id: Option<unsafe extern "C" fn(sys::CUcontext, *mut u64) -> Status>,
     stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
+    device_attribute: unsafe extern "C" fn(*mut c_int, c_int, sys::CUdevice) -> Status,
+    /// Optional (see [`WORD_SYMBOLS`]).
+    word: Option<WordApi>,
     stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
     /// `cuStreamGetCaptureInfo_v2` (CUDA 11.3; the name CUDA 12 headers map
     /// `cuStreamGetCaptureInfo` to, exported by later drivers too): the capture status as the
@@ -148,6 +166,14 @@ struct Api {
         *mut *mut c_void,
         *mut *mut c_void,
     ) -> Status,
+}
+
+/// [`WORD_SYMBOLS`], typed.
+struct WordApi {
+    host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> Status,
+    host_device_pointer: unsafe extern "C" fn(*mut sys::CUdeviceptr, *mut c_void, c_uint) -> Status,
+    free_host: unsafe extern "C" fn(*mut c_void) -> Status,
+    write_value64: unsafe extern "C" fn(sys::CUstream, sys::CUdeviceptr, u64, c_uint) -> Status,
 }
 
 /// The driver as [`load`] left it: its entry points, and `cuInit`'s answer.
@@ -270,6 +296,17 @@ fn load() -> Result<Loaded, ServerError> {
     let ctx_get_id = unsafe { library.get(CTX_ID_SYMBOL.as_bytes()) }
         .ok()
         .map(|symbol| *symbol);
+    let word = (|| {
+        // SAFETY: as in `entry!`: each field's type is its symbol's C signature (see `WordApi`).
+        unsafe {
+            Some(WordApi {
+                host_alloc: *library.get(WORD_SYMBOLS[0].as_bytes()).ok()?,
+                host_device_pointer: *library.get(WORD_SYMBOLS[1].as_bytes()).ok()?,
+                free_host: *library.get(WORD_SYMBOLS[2].as_bytes()).ok()?,
+                write_value64: *library.get(WORD_SYMBOLS[3].as_bytes()).ok()?,
+            })
+        }
+    })();
     let api = Api {
         init: entry!("cuInit"),
         error_name: entry!("cuGetErrorName"),
@@ -284,6 +321,8 @@ fn load() -> Result<Loaded, ServerError> {
         event_elapsed: elapsed,
         ctx_get_id,
         stream_wait_event: entry!("cuStreamWaitEvent"),
+        device_attribute: entry!("cuDeviceGetAttribute"),
+        word,
         stream_synchronize: entry!("cuStreamSynchronize"),
         stream_capture_info: entry!("cuStreamGetCaptureInfo_v2"),
         primary_ctx_state: entry!("cuDevicePrimaryCtxGetState"),
@@ -538,6 +577,43 @@ unsafe impl Send for Function {}
 // SAFETY: as for `Send`; launching is the only use and the driver serializes it.
 unsafe impl Sync for Function {}
 
+/// A progress word's bytes: one cache line, so a word shares its line with nothing the host
+/// writes.
+const MAPPED_WORD_BYTES: usize = 64;
+
+/// A `u64` in page-locked host memory that a stream of its context can write
+/// ([`Driver::alloc_mapped_word`]): its host and device addresses. Not freed on drop: only
+/// [`Driver::free_mapped_word`] frees it, once the device writes to it no more.
+pub(super) struct MappedWord {
+    host: NonNull<AtomicU64>,
+    device: sys::CUdeviceptr,
+}
+
+// SAFETY: the memory is process-wide host memory, not tied to a thread; the host only reads it
+// with atomic loads, and frees it once, by value.
+unsafe impl Send for MappedWord {}
+// SAFETY: as above: every access through `&MappedWord` is an atomic load.
+unsafe impl Sync for MappedWord {}
+
+impl MappedWord {
+    fn get_ref(&self) -> &AtomicU64 {
+        // SAFETY: the allocation is live until freed by value (which ends the borrow), page
+        // aligned, and at least a `u64` long; the host accesses it only atomically.
+        unsafe { self.host.as_ref() }
+    }
+
+    /// The word, as the device's latest write to it left it.
+    pub(super) fn get(&self) -> u64 {
+        self.get_ref().load(Ordering::Acquire)
+    }
+}
+
+impl fmt::Debug for MappedWord {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "MappedWord({:p})", self.host)
+    }
+}
+
 /// The loaded driver: a thin safe wrapper around each raw call the crate makes, its status
 /// turned into a result by [`check`]. Got from [`driver`] (a binding guard carries one); the
 /// calls act on the calling thread's current context, which the caller binds first.
@@ -757,6 +833,113 @@ impl Driver {
             (self.api.thread_exchange_capture_mode)(&mut mode)
         })?;
         Ok(mode)
+    }
+
+    /// `cuDeviceGetAttribute`: the value of `attribute` (a `CUdevice_attribute`) of `device`.
+    pub(super) fn device_attribute(
+        self,
+        attribute: c_int,
+        device: sys::CUdevice,
+    ) -> Result<c_int, ServerError> {
+        live("cuDeviceGetAttribute")?;
+        let mut value = 0;
+        // SAFETY: `value` is a valid place for the `int`; the attribute and device are plain
+        // numbers the driver validates.
+        self.check("cuDeviceGetAttribute", unsafe {
+            (self.api.device_attribute)(&mut value, attribute, device)
+        })?;
+        Ok(value)
+    }
+
+    /// The progress word's entry points, or a `CUDA_ERROR_NOT_SUPPORTED` naming what is missing.
+    fn word_api(self, call: &'static str) -> Result<&'static WordApi, ServerError> {
+        self.api.word.as_ref().ok_or_else(|| {
+            refused(
+                call,
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
+                &format!("the driver lacks one of {}", WORD_SYMBOLS.join(", ")),
+            )
+        })
+    }
+
+    /// A zeroed `u64` on a cache line of page-locked host memory mapped into the current
+    /// context's address space: `cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP` ("Maps the
+    /// allocation into the CUDA address space"), neither portable nor write-combined (the host
+    /// reads it), and its device address from `cuMemHostGetDevicePointer` (flags "must be set
+    /// to 0"). Freed only by [`free_mapped_word`](Self::free_mapped_word).
+    pub(super) fn alloc_mapped_word(self) -> Result<MappedWord, ServerError> {
+        live("cuMemHostAlloc")?;
+        let api = self.word_api("cuMemHostAlloc")?;
+        let mut host = ptr::null_mut();
+        // SAFETY: `host` is a valid place for the pointer; DEVICEMAP is a documented flag.
+        self.check("cuMemHostAlloc", unsafe {
+            (api.host_alloc)(&mut host, MAPPED_WORD_BYTES, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+        })?;
+        let Some(host) = NonNull::new(host.cast::<AtomicU64>()) else {
+            return Err(refused(
+                "cuMemHostAlloc",
+                sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
+                "the driver returned a null pointer",
+            ));
+        };
+        let word = MappedWord { host, device: 0 };
+        word.get_ref().store(0, Ordering::Release);
+        let mut device = 0;
+        // SAFETY: `host` is the start of a live page-locked allocation of the current context;
+        // `device` is a valid place for the address; flags 0 as documented.
+        let mapped = self.check("cuMemHostGetDevicePointer", unsafe {
+            (api.host_device_pointer)(&mut device, host.as_ptr().cast(), 0)
+        });
+        match mapped {
+            Ok(()) => Ok(MappedWord { device, ..word }),
+            Err(err) => {
+                // No write was ever queued to it: it still holds 0.
+                if let Err(free) = self.free_mapped_word(word, 0) {
+                    log::debug!("an unmapped progress word could not be freed: {free}");
+                }
+                Err(err)
+            }
+        }
+    }
+
+    /// `cuMemFreeHost` of `word` (its context current) if the device writes to it no more: it
+    /// holds `last`, the last value its stream was given to write (writes of one stream land in
+    /// order), and no write to it was captured into a graph, which the caller vouches for. Else
+    /// the word is handed back, still allocated.
+    pub(super) fn free_mapped_word(
+        self,
+        word: MappedWord,
+        last: u64,
+    ) -> Result<Result<(), MappedWord>, ServerError> {
+        if word.get() != last {
+            return Ok(Err(word));
+        }
+        live("cuMemFreeHost")?;
+        let api = self.word_api("cuMemFreeHost")?;
+        // SAFETY: `word` owns the allocation (it is consumed here, once), and the device has
+        // made its last write to it (above).
+        self.check("cuMemFreeHost", unsafe {
+            (api.free_host)(word.host.as_ptr().cast())
+        })
+        .map(Ok)
+    }
+
+    /// `cuStreamWriteValue64`: `stream` stores `value` into `word` when it gets there, after its
+    /// earlier work ("the write is preceded by a memory barrier", flags 0 being
+    /// `CU_STREAM_WRITE_VALUE_DEFAULT`).
+    pub(super) fn stream_write_value64(
+        self,
+        stream: &CudaStream,
+        word: &MappedWord,
+        value: u64,
+    ) -> Result<(), ServerError> {
+        live("cuStreamWriteValue64")?;
+        let api = self.word_api("cuStreamWriteValue64")?;
+        // SAFETY: the stream is borrowed from its owner for the call; `word.device` is the device
+        // address of a live, 8-byte-aligned mapped allocation of the stream's context.
+        self.check("cuStreamWriteValue64", unsafe {
+            (api.write_value64)(stream.cu_stream(), word.device, value, 0)
+        })
     }
 
     /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the current context.

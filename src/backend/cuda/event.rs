@@ -8,6 +8,7 @@ use cudarc::driver::{sys, CudaContext, CudaStream};
 use super::bind::{bind, HeldContext};
 use super::driver::{driver, in_forked_child, not_forked, refused, Capture, RawEvent};
 use super::fence_pool::FencePool;
+use super::progress::Publish;
 use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
 use crate::{status, EventFlags, ServerError};
@@ -152,7 +153,15 @@ impl CudaEvent {
     /// a value a graph may still read. While the record is made (and after, if the second question
     /// fails), it counts as [`Recorded::Unknown`]: a thread querying the event meanwhile is
     /// refused, not sent to the driver with a record that may be in a capture.
-    pub(super) fn record(&self, stream: &Arc<CudaStream>) -> Result<(), ServerError> {
+    ///
+    /// With `publish`, a record made while the stream was not capturing is followed by the write
+    /// of the stream's progress word, inside the same two questions: a write that may have been
+    /// captured keeps its word's memory for good (see [`StreamWord::captured`](super::progress::StreamWord::captured)).
+    pub(super) fn record(
+        &self,
+        stream: &Arc<CudaStream>,
+        publish: Option<Publish<'_>>,
+    ) -> Result<(), ServerError> {
         const CALL: &str = "cuEventRecord";
         // The driver's own answer to a handle of one context on a stream of another, whichever
         // context is current (measured: an H200, driver 13000), given before calling it.
@@ -172,9 +181,22 @@ impl CudaEvent {
             *self.recorded.lock() = previous;
             return Err(refused);
         }
-        let after = driver.stream_capture(CALL, stream)?;
-        *self.recorded.lock() = Recorded::of(before, after, stream);
-        Ok(())
+        let published = match publish {
+            Some(Publish { word, words, value }) if before == Capture::None => {
+                word.publish(&bound, stream, words, value).then_some(word)
+            }
+            _ => None,
+        };
+        let after = driver.stream_capture(CALL, stream);
+        let recorded = match &after {
+            Ok(after) => Recorded::of(before, *after, stream),
+            Err(_) => Recorded::Unknown,
+        };
+        if let (Some(word), false) = (published, matches!(recorded, Recorded::Outside)) {
+            word.captured();
+        }
+        *self.recorded.lock() = recorded;
+        after.map(|_| ())
     }
 
     fn recorded(&self) -> Recorded {

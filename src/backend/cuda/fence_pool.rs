@@ -7,6 +7,7 @@ use cudarc::driver::{sys, CudaContext};
 use super::bind::HeldContext;
 use super::driver::{driver, RawEvent};
 use super::event::CudaEvent;
+use super::progress::PoolWords;
 use crate::idle_pool::IdlePool;
 use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
@@ -47,6 +48,8 @@ pub(crate) struct FencePool {
     /// Without an id, only the first, whose allocation (held by the `Weak`) identifies the pool.
     objects: Mutex<Vec<Weak<CudaContext>>>,
     idle: IdlePool<IdleEvent, FENCE_POOL_SHARDS>,
+    /// The progress words of the context's streams.
+    pub(super) words: PoolWords,
 }
 
 /// An idle event's raw handle.
@@ -93,6 +96,7 @@ impl FencePool {
                 handle: ctx.cu_ctx() as usize,
                 objects: Mutex::new(vec![Arc::downgrade(ctx)]),
                 idle: IdlePool::new(FENCE_POOL_CAPACITY),
+                words: PoolWords::default(),
             });
             pools.push(Arc::downgrade(&pool));
             pool
@@ -126,6 +130,16 @@ impl FencePool {
             .map_err(|IdleEvent(raw)| raw)
     }
 
+    /// A live object of the pool's context: one of its own, or the device's primary context when
+    /// provably the same one; `None` once the context is gone (the driver freed what it held).
+    /// Held, so that if it is the last handle, the thread's current context is left as found.
+    pub(super) fn live_context(&self) -> Option<HeldContext> {
+        let known = self.objects.lock().iter().find_map(Weak::upgrade);
+        known
+            .or_else(|| self.primary_still_alive())
+            .map(HeldContext::from)
+    }
+
     /// The device's primary context, when it is still the pool's own: active (retained by someone),
     /// under the same handle and with the same id, which a context made again would not have
     /// ("unique for the life of the program", `cuCtxGetId`). Retained for the call, not made: an
@@ -155,18 +169,20 @@ impl Drop for FencePool {
             return;
         }
         let idle = self.idle.take_all(|_| {});
-        if idle.is_empty() {
+        if idle.is_empty() && self.words.is_empty() {
             return;
         }
-        let known = self.objects.lock().iter().find_map(Weak::upgrade);
-        let Some(ctx) = known.or_else(|| self.primary_still_alive()) else {
-            // Gone, or not told apart from a later context: the driver freed its events with it.
+        let Some(ctx) = self.live_context() else {
+            // Gone, or not told apart from a later context: the driver freed its events and
+            // words with it.
             return;
         };
-        // Held, so that if it is the last handle, the thread's current context is left as found.
-        let ctx = HeldContext::from(ctx);
         for IdleEvent(raw) in idle {
             drop(CudaEvent::from_raw(raw, &ctx));
+        }
+        // Words still read or written to are forgotten: the driver frees them with the context.
+        if let Ok(bound) = super::bind::bind(&ctx) {
+            self.words.free_done(&bound);
         }
     }
 }

@@ -11,6 +11,13 @@
 //! trusted. The crate's own threads (the waiter's, the drop queue's) keep the last one bound,
 //! which spares a waiter thread two `cuCtxSetCurrent` calls per query in a burst.
 //!
+//! Where the device reports 64-bit stream memory operations and host-mapped memory, each stream
+//! also keeps a progress word: a fence's record is followed by a `cuStreamWriteValue64` of the
+//! fence's number into a cache line of page-locked host memory, so a spinning first poll (see
+//! `WaiterBuilder::spin_budget`) reads memory instead of querying the driver, and asks the event
+//! once when the word says the stream got there. Never on a capturing stream; any refusal leaves
+//! the stream's fences on events alone.
+//!
 //! From cudarc, a fence is one call:
 //!
 //! ```no_run
@@ -31,6 +38,7 @@ mod driver;
 mod event;
 mod fence_pool;
 mod kernels;
+mod progress;
 mod stream;
 
 use std::sync::Arc;
@@ -179,7 +187,7 @@ impl EventApi for Cuda {
     }
 
     fn event_record(event: &CudaEvent, stream: CudaStreamHandle) -> Result<(), ServerError> {
-        event.record(&stream.resolve("cuEventRecord")?)
+        event.record(&stream.resolve("cuEventRecord")?, None)
     }
 
     /// Under the stream's sequence lock (`PerStream::record_in_order`).
@@ -188,7 +196,7 @@ impl EventApi for Cuda {
         stream: CudaStreamHandle,
     ) -> Result<u64, ServerError> {
         let (stream, per_stream) = stream.resolve_per_stream("cuEventRecord")?;
-        per_stream.record_in_order(|| event.record(&stream))
+        per_stream.record_in_order(event, &stream)
     }
 
     fn event_query(event: &CudaEvent) -> Result<bool, ServerError> {
@@ -268,6 +276,13 @@ impl EventApi for Cuda {
         stream.lane_id()
     }
 
+    /// The stream's progress word, once its first fence outside a capture opened it (see the
+    /// module docs of `progress.rs`: only where the device supports stream memory operations).
+    fn stream_progress(stream: CudaStreamHandle) -> Option<crate::ProgressWord> {
+        let (_, per_stream) = stream.resolve_per_stream("cuStreamWriteValue64").ok()?;
+        per_stream.progress()
+    }
+
     fn fence_event_release(event: CudaEvent) -> Result<(), ServerError> {
         event.release()
     }
@@ -277,7 +292,7 @@ impl EventApi for Cuda {
         let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
         crate::api::record_fence_event(
             || per_stream.pool.take(stream.context(), &per_stream.live),
-            |event| per_stream.record_in_order(|| event.record(&stream)),
+            |event| per_stream.record_in_order(event, &stream),
             CudaEvent::release,
         )
     }

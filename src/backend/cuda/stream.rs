@@ -8,11 +8,13 @@ use cudarc::driver::{sys, CudaStream};
 
 use super::bind::bind;
 use super::driver::{in_forked_child, not_forked, refused, Capture};
+use super::event::CudaEvent;
 use super::fence_pool::FencePool;
+use super::progress::{Publish, StreamWord};
 use crate::backend::registry::Registry;
 use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
-use crate::ServerError;
+use crate::{ProgressWord, ServerError};
 
 /// Every cudarc stream a handle was made for, held weakly, with what this crate keeps per stream.
 static STREAMS: Registry<CudaStream, Arc<PerStream>> = Registry::new();
@@ -23,35 +25,55 @@ pub(super) struct PerStream {
     pub(super) pool: Arc<FencePool>,
     /// The stream's counts of its events in use (feature `test-util`).
     pub(super) live: LiveEvents,
-    /// The waiter's next number in the stream's order of recorded points. A lock, not an atomic:
-    /// [`record_in_order`](Self::record_in_order) takes a record and its number as one step.
-    sequence: Mutex<u64>,
+    /// The waiter's next number in the stream's order of recorded points, and the stream's
+    /// progress word. A lock, not an atomic: [`record_in_order`](Self::record_in_order) takes a
+    /// record, its number and its word's write as one step.
+    sequenced: Mutex<Sequenced>,
+}
+
+#[derive(Default)]
+struct Sequenced {
+    next: u64,
+    word: StreamWord,
 }
 
 impl PerStream {
     /// The next number in the stream's order of recorded points.
     pub(super) fn next_sequence(&self) -> u64 {
-        take_next(&mut self.sequence.lock())
+        let mut sequenced = self.sequenced.lock();
+        sequenced.next += 1;
+        sequenced.next - 1
     }
 
-    /// Run `record` (a `cuEventRecord` on this stream) and number it as one step: numbered after
-    /// the call, two threads recording could take numbers in the opposite order to their records,
-    /// and a waiter lane would block on the newer one first. The lock is the stream's: only two
-    /// threads recording on it at once contend, and the driver serializes those anyway.
+    /// Record `event` on `stream` (this one's), number it, and have the stream publish the number
+    /// in its progress word, as one step: numbered after the call, two threads recording could
+    /// take numbers in the opposite order to their records, and a waiter lane would block on the
+    /// newer one first (and the word would go back). The lock is the stream's: only two threads
+    /// recording on it at once contend, and the driver serializes those anyway.
     pub(super) fn record_in_order(
         &self,
-        record: impl FnOnce() -> Result<(), ServerError>,
+        event: &CudaEvent,
+        stream: &Arc<CudaStream>,
     ) -> Result<u64, ServerError> {
-        let mut next = self.sequence.lock();
-        record()?;
-        Ok(take_next(&mut next))
+        let mut sequenced = self.sequenced.lock();
+        let Sequenced { next, word } = &mut *sequenced;
+        let sequence = *next;
+        event.record(
+            stream,
+            Some(Publish {
+                word,
+                words: &self.pool.words,
+                value: sequence + 1,
+            }),
+        )?;
+        *next += 1;
+        Ok(sequence)
     }
-}
 
-fn take_next(next: &mut u64) -> u64 {
-    let sequence = *next;
-    *next += 1;
-    sequence
+    /// The stream's progress word, once open.
+    pub(super) fn progress(&self) -> Option<ProgressWord> {
+        self.sequenced.lock().word.progress()
+    }
 }
 
 /// A copyable handle to an `Arc<cudarc::driver::CudaStream>`, taken by
@@ -124,7 +146,7 @@ impl CudaStreamHandle {
                     Arc::new(PerStream {
                         pool: FencePool::of(stream.context()),
                         live: LiveEvents::default(),
-                        sequence: Mutex::new(0),
+                        sequenced: Mutex::default(),
                     })
                 })
                 .0,

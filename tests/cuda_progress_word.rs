@@ -1,0 +1,347 @@
+//! A CUDA stream's progress word: where the device supports stream memory
+//! operations, each fence's record is followed by a `cuStreamWriteValue64`
+//! of one more than its number into a page-locked, device-mapped word, which
+//! a waiter reads with a load; the event stays the truth. Every refusal
+//! (the device attribute, the allocation, the mapping, the write) turns the
+//! word off and leaves fences waited on through their events; a capturing
+//! stream writes no word; a word is freed only once its writes have landed.
+//!
+//! The refusals and the counts run against the fake driver only (its hooks,
+//! `fakeCudaRefuseProgressWord` and the allocation and write counts, are
+//! process-wide, so every test here takes one lock); on a real GPU the
+//! word's behaviour is checked where the device reports support. Skips
+//! without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
+#![cfg(all(feature = "cuda", target_os = "linux"))]
+
+mod common;
+
+use std::ffi::{c_int, CStr};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use device_events::cuda::cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use device_events::cuda::cudarc::driver::{CudaContext, CudaStream};
+use device_events::cuda::{self, Cuda, CudaStreamHandle, FaultKernel, SleepKernel};
+use device_events::{EventApi, ProgressWord, Waiter};
+
+use common::fake_driver::{self, is_fake};
+use common::gpu::required;
+
+/// The fake's hooks here are process-wide: one test at a time.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+fn hook(name: &CStr, arg: c_int) -> Option<c_int> {
+    fake_driver::call(name, arg)
+}
+
+/// Refusal bits of `fakeCudaRefuseProgressWord`.
+const NO_ATTRIBUTE: c_int = 1;
+const NO_ALLOCATION: c_int = 2;
+const NO_MAPPING: c_int = 4;
+const NO_WRITE: c_int = 8;
+
+/// Device `ordinal`'s context and a sleep kernel, or `None` (skipping).
+fn gpu(test: &str, ordinal: usize) -> Option<(Arc<CudaContext>, SleepKernel)> {
+    let found =
+        cuda::context(ordinal).and_then(|ctx| SleepKernel::new(&ctx).map(|kernel| (ctx, kernel)));
+    match found {
+        Ok(found) => Some(found),
+        Err(err) if required() => panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no GPU: {err}"),
+        Err(err) => {
+            eprintln!("skipping {test}: no CUDA GPU here ({err})");
+            None
+        }
+    }
+}
+
+/// The stream's progress word; on a real device without stream memory
+/// operations, `None` (the caller skips what needs one).
+fn word_of(stream: &Arc<CudaStream>) -> Option<ProgressWord> {
+    let word = Cuda::stream_progress(CudaStreamHandle::new(stream));
+    assert!(
+        word.is_some() || !is_fake(),
+        "the fake driver supports stream memory operations: a word should be open"
+    );
+    if word.is_none() {
+        eprintln!("this device has no progress words (no 64-bit stream memory operations)");
+    }
+    word
+}
+
+/// Whether `word` passes `sequence` within a generous bound: a write that
+/// never lands fails the test instead of hanging it.
+fn passes_soon(word: &ProgressWord, sequence: u64) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < deadline {
+        if word.passed(sequence) {
+            return true;
+        }
+        std::thread::yield_now();
+    }
+    false
+}
+
+#[test]
+fn a_stream_sets_its_word_past_each_fence_once_the_work_before_it_is_done() {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("a_stream_sets_its_word", 0) else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    sleep.launch(&stream, Duration::from_millis(200)).unwrap();
+    let first = cuda::fence(&stream);
+    let Some(word) = word_of(&stream) else {
+        return;
+    };
+    sleep.launch(&stream, Duration::from_millis(1)).unwrap();
+    let second = cuda::fence(&stream);
+    assert_eq!(second.sequence(), first.sequence() + 1);
+    assert!(
+        !word.passed(first.sequence()),
+        "the word moved before the work ended: {word:?}"
+    );
+    let (first_number, second_number) = (first.sequence(), second.sequence());
+    first.wait_sync().unwrap();
+    assert!(passes_soon(&word, first_number), "{word:?}");
+    second.wait_sync().unwrap();
+    assert!(passes_soon(&word, second_number), "{word:?}");
+    assert!(!word.passed(second_number + 1), "{word:?}");
+}
+
+#[test]
+fn a_spinning_first_poll_resolves_through_the_word_and_its_event() {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("a_spinning_first_poll_resolves_through_the_word", 0) else {
+        return;
+    };
+    let waiter = Waiter::builder()
+        .spin_budget(Duration::from_millis(50))
+        .build();
+    let stream = ctx.new_stream().unwrap();
+    for work in [
+        Duration::ZERO,
+        Duration::from_millis(2),
+        Duration::from_millis(80),
+    ] {
+        sleep.launch(&stream, work).unwrap();
+        let started = Instant::now();
+        futures::executor::block_on(waiter.wait(cuda::fence(&stream))).unwrap();
+        assert!(started.elapsed() >= work, "resolved before its work ended");
+    }
+}
+
+#[test]
+fn a_faulted_stream_fails_its_waits_though_a_word_is_open() {
+    let _serial = serial();
+    // Device 1: the fault is sticky for its context.
+    let Some((ctx, sleep)) = gpu("a_faulted_stream_fails_its_waits", 1) else {
+        return;
+    };
+    if !is_fake() {
+        eprintln!("skipping the fault on a real GPU: it would poison the device for the process");
+        return;
+    }
+    let fault = FaultKernel::new(&ctx).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    cuda::fence(&stream).wait_sync().unwrap();
+    let word = word_of(&stream).expect("the fake opens a word");
+    sleep.launch(&stream, Duration::from_millis(20)).unwrap();
+    fault.launch(&stream).unwrap();
+    let fence = cuda::fence(&stream);
+    let sequence = fence.sequence();
+    let waiter = Waiter::builder()
+        .spin_budget(Duration::from_millis(50))
+        .build();
+    let err = futures::executor::block_on(waiter.wait(fence)).unwrap_err();
+    assert!(err.is_faulted(), "{err}");
+    assert!(!word.passed(sequence), "a faulted stream's word moved on");
+}
+
+/// With the fake refusing `refused`, a new stream's fences open no word
+/// and are still waited on, by every path, through their events; no word's
+/// memory is left allocated.
+fn refused_word_falls_back_to_events(refused: c_int) {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("refused_word_falls_back_to_events", 0) else {
+        return;
+    };
+    if !is_fake() {
+        eprintln!("skipping: only the fake driver refuses on demand");
+        return;
+    }
+    let allocations = hook(c"fakeCudaHostAllocations", 0).unwrap();
+    let previous = hook(c"fakeCudaRefuseProgressWord", refused).unwrap();
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let waiter = Waiter::builder()
+        .spin_budget(Duration::from_millis(20))
+        .build();
+    sleep.launch(&stream, Duration::from_millis(30)).unwrap();
+    let fence = cuda::fence(&stream);
+    let word = Cuda::stream_progress(handle);
+    let awaited = futures::executor::block_on(waiter.wait(fence));
+    sleep.launch(&stream, Duration::from_millis(5)).unwrap();
+    let synced = cuda::fence(&stream).wait_sync();
+    let later = Cuda::stream_progress(handle);
+    hook(c"fakeCudaRefuseProgressWord", previous).unwrap();
+    let left = hook(c"fakeCudaHostAllocations", 0).unwrap() - allocations;
+    assert!(word.is_none(), "a refused word is off: {word:?}");
+    assert!(later.is_none(), "and stays off: {later:?}");
+    awaited.unwrap();
+    synced.unwrap();
+    assert!(
+        left <= usize::from(refused == NO_WRITE) as c_int,
+        "{left} words left allocated (an allocated word stays only while its stream lives)"
+    );
+}
+
+#[test]
+fn a_device_without_stream_memory_operations_waits_through_events() {
+    refused_word_falls_back_to_events(NO_ATTRIBUTE);
+}
+
+#[test]
+fn a_refused_word_allocation_waits_through_events() {
+    refused_word_falls_back_to_events(NO_ALLOCATION);
+}
+
+#[test]
+fn a_refused_device_mapping_waits_through_events_and_frees_the_allocation() {
+    refused_word_falls_back_to_events(NO_MAPPING);
+}
+
+#[test]
+fn a_refused_write_turns_the_word_off_and_waits_through_events() {
+    refused_word_falls_back_to_events(NO_WRITE);
+}
+
+#[test]
+fn a_write_refused_once_a_word_is_open_turns_it_off_for_later_fences() {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("a_write_refused_once_a_word_is_open", 0) else {
+        return;
+    };
+    if !is_fake() {
+        eprintln!("skipping: only the fake driver refuses on demand");
+        return;
+    }
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    cuda::fence(&stream).wait_sync().unwrap();
+    let word = Cuda::stream_progress(handle).expect("open");
+    let previous = hook(c"fakeCudaRefuseProgressWord", NO_WRITE).unwrap();
+    sleep.launch(&stream, Duration::from_millis(20)).unwrap();
+    let fence = cuda::fence(&stream);
+    let sequence = fence.sequence();
+    let later = Cuda::stream_progress(handle);
+    hook(c"fakeCudaRefuseProgressWord", previous).unwrap();
+    let waiter = Waiter::builder()
+        .spin_budget(Duration::from_millis(40))
+        .build();
+    futures::executor::block_on(waiter.wait(fence)).unwrap();
+    assert!(later.is_none(), "{later:?}");
+    assert!(
+        !word.passed(sequence),
+        "no write was queued for it: {word:?}"
+    );
+}
+
+#[test]
+fn a_capturing_stream_writes_no_word() {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("a_capturing_stream_writes_no_word", 0) else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    cuda::fence(&stream).wait_sync().unwrap();
+    let writes = || hook(c"fakeCudaStreamWrites", 0);
+    let before = writes();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        .unwrap();
+    sleep.launch(&stream, Duration::from_millis(1)).unwrap();
+    let captured = cuda::fence(&stream);
+    let during = writes();
+    drop(stream.end_capture(CUgraphInstantiate_flags(0)).unwrap());
+    assert!(captured.wait_sync().unwrap_err().is_stream_capture());
+    assert_eq!(before, during, "a write was queued on a capturing stream");
+    // After the capture the word goes on.
+    let after = cuda::fence(&stream);
+    let sequence = after.sequence();
+    after.wait_sync().unwrap();
+    if let Some(word) = word_of(&stream) {
+        assert!(passes_soon(&word, sequence), "{word:?}");
+    }
+}
+
+#[test]
+fn words_are_freed_once_their_writes_land_and_never_before() {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("words_are_freed_once_their_writes_land", 0) else {
+        return;
+    };
+    if !is_fake() {
+        eprintln!("skipping: the counts are the fake driver's");
+        return;
+    }
+    let allocations = || hook(c"fakeCudaHostAllocations", 0).unwrap();
+    let after_free = || hook(c"fakeCudaWritesAfterFree", 0).unwrap();
+    let before = allocations();
+    // Dropped with a write pending: retired, not freed under the write.
+    let pending = ctx.new_stream().unwrap();
+    sleep.launch(&pending, Duration::from_millis(100)).unwrap();
+    let fence = cuda::fence(&pending);
+    drop((fence, pending));
+    // Many streams come and go: the registry sweeps them, and their words
+    // with them, so the live words stay bounded.
+    for _ in 0..300 {
+        let stream = ctx.new_stream().unwrap();
+        cuda::fence(&stream).wait_sync().unwrap();
+    }
+    // Device time past the pending write, then one more word: each new
+    // word frees those done with (the pending one once landed, and every
+    // stream's before it), so at most the last two are left.
+    let last = ctx.new_stream().unwrap();
+    sleep.launch(&last, Duration::from_millis(150)).unwrap();
+    cuda::fence(&last).wait_sync().unwrap();
+    drop(last);
+    cuda::fence(&ctx.new_stream().unwrap()).wait_sync().unwrap();
+    let live = allocations() - before;
+    assert!(
+        live <= 3,
+        "{live} words live after 300 streams came and went"
+    );
+    assert_eq!(
+        after_free(),
+        0,
+        "a word was freed while its write was pending"
+    );
+}
+
+#[test]
+fn a_live_stream_keeps_its_word_while_other_streams_words_come_and_go() {
+    let _serial = serial();
+    let Some((ctx, _sleep)) = gpu("a_live_stream_keeps_its_word", 0) else {
+        return;
+    };
+    let kept = ctx.new_stream().unwrap();
+    cuda::fence(&kept).wait_sync().unwrap();
+    if word_of(&kept).is_none() {
+        return;
+    }
+    // No waiter holds the word now; other streams' words open (and free
+    // those done with).
+    for _ in 0..3 {
+        cuda::fence(&ctx.new_stream().unwrap()).wait_sync().unwrap();
+    }
+    let word = word_of(&kept).expect("the live stream's word was freed");
+    let fence = cuda::fence(&kept);
+    let sequence = fence.sequence();
+    fence.wait_sync().unwrap();
+    assert!(passes_soon(&word, sequence), "{word:?}");
+}
