@@ -218,7 +218,8 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// order, as it passes each point recorded on it, so that `passed(n)` tells that the point
     /// numbered `n` by [`stream_sequence`](Self::stream_sequence) was reached, with one load. A
     /// waiter may watch it rather than block; the point's event stays the truth (for faults, and
-    /// to block on). The default keeps none.
+    /// to block on). A backend may start keeping one only once asked (the CUDA backend does, from
+    /// the stream's next point: a word costs each record a write). The default keeps none.
     #[doc(hidden)]
     fn stream_progress(stream: Self::Stream) -> Option<ProgressWord> {
         let _ = stream;

@@ -59,6 +59,20 @@ fn gpu(test: &str, ordinal: usize) -> Option<(Arc<CudaContext>, SleepKernel)> {
     }
 }
 
+/// Ask for `stream`'s progress word, as a spinning waiter does: a stream
+/// keeps one from its next fence on.
+fn ask(stream: &Arc<CudaStream>) {
+    let word = Cuda::stream_progress(CudaStreamHandle::new(stream));
+    assert!(word.is_none(), "a word before any was asked for: {word:?}");
+}
+
+/// A new stream, asked for its word.
+fn asked(ctx: &Arc<CudaContext>) -> Arc<CudaStream> {
+    let stream = ctx.new_stream().unwrap();
+    ask(&stream);
+    stream
+}
+
 /// The stream's progress word; on a real device without stream memory
 /// operations, `None` (the caller skips what needs one).
 fn word_of(stream: &Arc<CudaStream>) -> Option<ProgressWord> {
@@ -92,7 +106,7 @@ fn a_stream_sets_its_word_past_each_fence_once_the_work_before_it_is_done() {
     let Some((ctx, sleep)) = gpu("a_stream_sets_its_word", 0) else {
         return;
     };
-    let stream = ctx.new_stream().unwrap();
+    let stream = asked(&ctx);
     sleep.launch(&stream, Duration::from_millis(200)).unwrap();
     let first = cuda::fence(&stream);
     let Some(word) = word_of(&stream) else {
@@ -147,7 +161,7 @@ fn a_faulted_stream_fails_its_waits_though_a_word_is_open() {
         return;
     }
     let fault = FaultKernel::new(&ctx).unwrap();
-    let stream = ctx.new_stream().unwrap();
+    let stream = asked(&ctx);
     cuda::fence(&stream).wait_sync().unwrap();
     let word = word_of(&stream).expect("the fake opens a word");
     sleep.launch(&stream, Duration::from_millis(20)).unwrap();
@@ -176,7 +190,7 @@ fn refused_word_falls_back_to_events(refused: c_int) {
     }
     let allocations = hook(c"fakeCudaHostAllocations", 0).unwrap();
     let previous = hook(c"fakeCudaRefuseProgressWord", refused).unwrap();
-    let stream = ctx.new_stream().unwrap();
+    let stream = asked(&ctx);
     let handle = CudaStreamHandle::new(&stream);
     let waiter = Waiter::builder()
         .spin_budget(Duration::from_millis(20))
@@ -230,7 +244,7 @@ fn a_write_refused_once_a_word_is_open_turns_it_off_for_later_fences() {
         eprintln!("skipping: only the fake driver refuses on demand");
         return;
     }
-    let stream = ctx.new_stream().unwrap();
+    let stream = asked(&ctx);
     let handle = CudaStreamHandle::new(&stream);
     cuda::fence(&stream).wait_sync().unwrap();
     let word = Cuda::stream_progress(handle).expect("open");
@@ -257,7 +271,7 @@ fn a_capturing_stream_writes_no_word() {
     let Some((ctx, sleep)) = gpu("a_capturing_stream_writes_no_word", 0) else {
         return;
     };
-    let stream = ctx.new_stream().unwrap();
+    let stream = asked(&ctx);
     cuda::fence(&stream).wait_sync().unwrap();
     let writes = || hook(c"fakeCudaStreamWrites", 0);
     let before = writes();
@@ -293,24 +307,24 @@ fn words_are_freed_once_their_writes_land_and_never_before() {
     let after_free = || hook(c"fakeCudaWritesAfterFree", 0).unwrap();
     let before = allocations();
     // Dropped with a write pending: retired, not freed under the write.
-    let pending = ctx.new_stream().unwrap();
+    let pending = asked(&ctx);
     sleep.launch(&pending, Duration::from_millis(100)).unwrap();
     let fence = cuda::fence(&pending);
     drop((fence, pending));
     // Many streams come and go: the registry sweeps them, and their words
     // with them, so the live words stay bounded.
     for _ in 0..300 {
-        let stream = ctx.new_stream().unwrap();
+        let stream = asked(&ctx);
         cuda::fence(&stream).wait_sync().unwrap();
     }
     // Device time past the pending write, then one more word: each new
     // word frees those done with (the pending one once landed, and every
     // stream's before it), so at most the last two are left.
-    let last = ctx.new_stream().unwrap();
+    let last = asked(&ctx);
     sleep.launch(&last, Duration::from_millis(150)).unwrap();
     cuda::fence(&last).wait_sync().unwrap();
     drop(last);
-    cuda::fence(&ctx.new_stream().unwrap()).wait_sync().unwrap();
+    cuda::fence(&asked(&ctx)).wait_sync().unwrap();
     let live = allocations() - before;
     assert!(
         live <= 3,
@@ -329,7 +343,7 @@ fn a_live_stream_keeps_its_word_while_other_streams_words_come_and_go() {
     let Some((ctx, _sleep)) = gpu("a_live_stream_keeps_its_word", 0) else {
         return;
     };
-    let kept = ctx.new_stream().unwrap();
+    let kept = asked(&ctx);
     cuda::fence(&kept).wait_sync().unwrap();
     if word_of(&kept).is_none() {
         return;
@@ -337,11 +351,34 @@ fn a_live_stream_keeps_its_word_while_other_streams_words_come_and_go() {
     // No waiter holds the word now; other streams' words open (and free
     // those done with).
     for _ in 0..3 {
-        cuda::fence(&ctx.new_stream().unwrap()).wait_sync().unwrap();
+        cuda::fence(&asked(&ctx)).wait_sync().unwrap();
     }
     let word = word_of(&kept).expect("the live stream's word was freed");
     let fence = cuda::fence(&kept);
     let sequence = fence.sequence();
     fence.wait_sync().unwrap();
     assert!(passes_soon(&word, sequence), "{word:?}");
+}
+
+#[test]
+fn a_stream_no_waiter_asked_about_writes_no_word() {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("a_stream_no_waiter_asked_about_writes_no_word", 0) else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let writes = || hook(c"fakeCudaStreamWrites", 0);
+    let before = writes();
+    sleep.launch(&stream, Duration::from_millis(1)).unwrap();
+    cuda::fence(&stream).wait_sync().unwrap();
+    futures::executor::block_on(Waiter::builder().build().wait(cuda::fence(&stream))).unwrap();
+    assert_eq!(writes(), before, "a fence wrote a word no one asked for");
+    assert!(Cuda::stream_progress(CudaStreamHandle::new(&stream)).is_none());
+    let fence = cuda::fence(&stream);
+    assert_eq!(
+        writes().map(|count| count - before.unwrap_or(0)),
+        before.map(|_| 1),
+        "asked once, the next fence writes"
+    );
+    fence.wait_sync().unwrap();
 }

@@ -11,8 +11,8 @@
 //! trusted. The crate's own threads (the waiter's, the drop queue's) keep the last one bound,
 //! which spares a waiter thread two `cuCtxSetCurrent` calls per query in a burst.
 //!
-//! Where the device reports 64-bit stream memory operations and host-mapped memory, each stream
-//! also keeps a progress word: a fence's record is followed by a `cuStreamWriteValue64` of the
+//! Where the device reports 64-bit stream memory operations and host-mapped memory, a stream
+//! that a spinning waiter has asked about also keeps a progress word: a fence's record is followed by a `cuStreamWriteValue64` of the
 //! fence's number into a cache line of page-locked host memory, so a spinning first poll (see
 //! `WaiterBuilder::spin_budget`) reads memory instead of querying the driver, and asks the event
 //! once when the word says the stream got there. Never on a capturing stream; any refusal leaves
@@ -276,8 +276,9 @@ impl EventApi for Cuda {
         stream.lane_id()
     }
 
-    /// The stream's progress word, once its first fence outside a capture opened it (see the
-    /// module docs of `progress.rs`: only where the device supports stream memory operations).
+    /// The stream's progress word, once open: the first ask has it opened at the stream's next
+    /// fence outside a capture (see `progress.rs`: only where the device supports stream memory
+    /// operations), so a stream no waiter watches writes none.
     fn stream_progress(stream: CudaStreamHandle) -> Option<crate::ProgressWord> {
         let (_, per_stream) = stream.resolve_per_stream("cuStreamWriteValue64").ok()?;
         per_stream.progress()

@@ -4,7 +4,9 @@
 //! one load instead of a `cuEventQuery` (which takes the driver's lock). The event stays the
 //! truth: a waiter confirms a word's "passed" with one query before resolving a wait.
 //!
-//! Only where the device reports both `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY` and
+//! A stream keeps a word once a waiter has asked for it (a spinning first poll does): the write
+//! costs every fence a driver call, which a stream no one watches should not pay. Only where the
+//! device reports both `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY` and
 //! `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` ("64-bit operations are supported in
 //! cuStreamBatchMemOp and related MemOp APIs"), and never on a capturing stream (a captured write
 //! would be a graph node, replaying old numbers into memory the graph does not own). Any refusal
@@ -35,8 +37,11 @@ const CAN_USE_64_BIT_STREAM_MEM_OPS: i32 = 122;
 /// order of the fences' numbers.
 #[derive(Default)]
 pub(super) enum StreamWord {
-    /// Opened at the stream's first fence recorded outside a capture.
+    /// Nothing asked for the stream's progress yet: its fences write none, so a stream no waiter
+    /// watches pays nothing for it.
     #[default]
+    Unasked,
+    /// Opened at the stream's next fence recorded outside a capture.
     Unopened,
     /// Held by the context's pool (weakly here: the pool frees it once the stream is gone).
     Open(Weak<DeviceWord>),
@@ -45,10 +50,15 @@ pub(super) enum StreamWord {
 }
 
 impl StreamWord {
-    /// The word, for a waiter to read; `None` while none is open.
-    pub(super) fn progress(&self) -> Option<ProgressWord> {
+    /// The word, for a waiter to read; `None` while none is open. The first ask has the word
+    /// opened at the stream's next fence.
+    pub(super) fn progress(&mut self) -> Option<ProgressWord> {
         match self {
             Self::Open(word) => Some(ProgressWord::new(word.upgrade()?)),
+            Self::Unasked => {
+                *self = Self::Unopened;
+                None
+            }
             Self::Unopened | Self::Off => None,
         }
     }
@@ -81,7 +91,7 @@ impl StreamWord {
         // The pool holds it while the stream lives.
         let Some(word) = (match self {
             Self::Open(word) => word.upgrade(),
-            Self::Unopened | Self::Off => None,
+            Self::Unasked | Self::Unopened | Self::Off => None,
         }) else {
             return false;
         };

@@ -70,7 +70,7 @@ impl PerStream {
         Ok(sequence)
     }
 
-    /// The stream's progress word, once open.
+    /// The stream's progress word, once open; asked for the first time, opened at the next fence.
     pub(super) fn progress(&self) -> Option<ProgressWord> {
         self.sequenced.lock().word.progress()
     }
