@@ -565,6 +565,8 @@ int cuDeviceGet(int *device, int ordinal) {
 static int refuse_word_mask; /* see fakeCudaRefuseProgressWord */
 
 int cuDeviceGetAttribute(int *value, int attribute, int device) {
+    if (deinitialized()) return DEINITIALIZED;
+    if (value == NULL) return INVALID_VALUE;
     if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
     /* 19: CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY; 122:
      * CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS (its number in CUDA
@@ -1177,8 +1179,10 @@ int cuGraphDestroy(void *graph) { free(graph); return SUCCESS; }
  * - cuMemHostAlloc "allocates bytesize bytes of host memory that is
  *   page-locked and accessible to the device", in the current context; flags
  *   PORTABLE (0x1), DEVICEMAP (0x2) and WRITECOMBINED (0x4), any other bit
- *   CUDA_ERROR_INVALID_VALUE. The memory is freed with its context
- *   (cuDevicePrimaryCtxRelease tearing it down).
+ *   CUDA_ERROR_INVALID_VALUE. Its contents are not zeroed (the docs do
+ *   not say they are). The memory is freed with its context
+ *   (cuDevicePrimaryCtxRelease tearing it down), its pending writes
+ *   dropped.
  * - cuMemHostGetDevicePointer_v2: "Flags provided for future releases. For
  *   now, it must be set to 0"; only for memory allocated with DEVICEMAP, of
  *   the current context unless PORTABLE. The device address is the host
@@ -1186,9 +1190,11 @@ int cuGraphDestroy(void *graph) { free(graph); return SUCCESS; }
  *   that passes a host pointer to a device call fails here.
  * - cuMemFreeHost of the start of a live allocation. The docs do not say
  *   which context must be current; the fake takes the strict reading (the
- *   allocation's own). Freeing while a write queued to it has not landed is
- *   the caller's bug (on a GPU the device would write into freed memory):
- *   counted (fakeCudaWritesAfterFree), and the write dropped.
+ *   allocation's own; the crate binds it before freeing, so it is right
+ *   under either reading). Freeing while a write queued to it is still to
+ *   come in device time (due after now, before a fault) is the caller's
+ *   bug (on a GPU the device would write into freed memory): counted
+ *   (fakeCudaWritesAfterFree), and the write dropped, never made.
  * - cuStreamWriteValue64_v2 (the name CUDA 12 headers map
  *   cuStreamWriteValue64 to): flags 0 (DEFAULT: "the write is preceded by a
  *   memory barrier") or 1 (NO_MEMORY_BARRIER); the address "must be aligned
@@ -1203,7 +1209,9 @@ int cuGraphDestroy(void *graph) { free(graph); return SUCCESS; }
  *   mask: 1 attribute 122 reads 0, 2 cuMemHostAlloc is
  *   CUDA_ERROR_OUT_OF_MEMORY, 4 cuMemHostGetDevicePointer_v2 and 8
  *   cuStreamWriteValue64_v2 are CUDA_ERROR_NOT_SUPPORTED. fakeCudaStreamWrites
- *   (0: accepted, 1: of those, captured) counts the calling thread's writes.
+ *   (0: accepted, 1: of those, captured) counts the calling thread's writes;
+ *   fakeCudaHostAllocations(device) the live allocations of that device's
+ *   context; fakeCudaPendingWrites() the writes queued, not landed yet.
  */
 #define DEVICE_ALIAS 0x100000000000ULL
 #define MEMHOSTALLOC_PORTABLE 0x1
@@ -1233,15 +1241,19 @@ static int engine_started;
 static int writes_after_free;
 static __thread int writes_accepted, writes_captured;
 
-/* Drop the pending writes into [p, p + size). Called with the lock held. */
+/* Drop the pending writes into [p, p + size); the count is of those the
+ * device had yet to make (due after now, before a fault): one due by now
+ * has landed in device time, the copy engine just has not run yet. Called
+ * with the lock held. */
 static int drop_writes(const void *p, size_t size) {
     int dropped = 0;
+    int64_t now = now_ns();
     for (pending_write_t **link = &pending_writes; *link;) {
         pending_write_t *w = *link;
         if ((const char *)w->host >= (const char *)p && (const char *)w->host < (const char *)p + size) {
             *link = w->next;
+            dropped += w->at > now && w->at < w->ctx->fault_at;
             free(w);
-            dropped++;
         } else {
             link = &w->next;
         }
@@ -1304,7 +1316,7 @@ int cuMemHostAlloc(void **pp, size_t bytesize, unsigned flags) {
     if (deinitialized()) return DEINITIALIZED;
     pthread_mutex_lock(&lock);
     int status = current_usable();
-    if (status == SUCCESS && (bytesize == 0 || (flags & ~7u) != 0)) status = INVALID_VALUE;
+    if (status == SUCCESS && (pp == NULL || bytesize == 0 || (flags & ~7u) != 0)) status = INVALID_VALUE;
     if (status == SUCCESS && (refuse_word_mask & 2)) status = OUT_OF_MEMORY;
     host_alloc_t *a = NULL;
     if (status == SUCCESS) {
@@ -1331,7 +1343,7 @@ int cuMemHostGetDevicePointer_v2(unsigned long long *pdptr, void *p, unsigned fl
     pthread_mutex_lock(&lock);
     int status = current_usable();
     host_alloc_t *a = status == SUCCESS ? host_alloc_of(p, 1) : NULL;
-    if (status == SUCCESS && (flags != 0 || a == NULL || !(a->flags & MEMHOSTALLOC_DEVICEMAP)))
+    if (status == SUCCESS && (pdptr == NULL || flags != 0 || a == NULL || !(a->flags & MEMHOSTALLOC_DEVICEMAP)))
         status = INVALID_VALUE;
     if (status == SUCCESS && a->ctx != current && !(a->flags & MEMHOSTALLOC_PORTABLE))
         status = INVALID_CONTEXT;
@@ -1348,7 +1360,9 @@ int cuMemFreeHost(void *p) {
     while (*link && (*link)->p != p) link = &(*link)->next;
     int status = *link == NULL ? INVALID_VALUE : (*link)->ctx != current ? INVALID_CONTEXT : SUCCESS;
     if (status == SUCCESS) status = current_usable();
-    if (status == SUCCESS) {
+    /* After a sticky fault the call fails with it but still frees, as the
+     * handle destroys do (see the header). */
+    if (status == SUCCESS || (status == ILLEGAL_ADDRESS && *link != NULL)) {
         host_alloc_t *a = *link;
         writes_after_free += drop_writes(a->p, a->size);
         *link = a->next;
@@ -1386,8 +1400,12 @@ int cuStreamWriteValue64_v2(void *stream, unsigned long long addr, unsigned long
         if (w == NULL) {
             status = OUT_OF_MEMORY;
         } else {
+            /* No device time, but later work on the stream (and, from the
+             * legacy stream, on the blocking ones) comes after it, as after
+             * write_u32; this also keeps a stream's writes in order. */
+            s->busy_until = ready_at(s);
             *w = (pending_write_t){.host = (void *)(uintptr_t)(addr - DEVICE_ALIAS), .value = value,
-                                   .at = ready_at(s), .ctx = s->ctx};
+                                   .at = s->busy_until, .ctx = s->ctx};
             pending_write_t **link = &pending_writes;
             while (*link) link = &(*link)->next;
             *link = w;
