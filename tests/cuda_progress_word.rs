@@ -142,8 +142,8 @@ fn a_spinning_first_poll_resolves_through_the_word_and_its_event() {
         Duration::from_millis(2),
         Duration::from_millis(80),
     ] {
-        sleep.launch(&stream, work).unwrap();
         let started = Instant::now();
+        sleep.launch(&stream, work).unwrap();
         futures::executor::block_on(waiter.wait(cuda::fence(&stream))).unwrap();
         assert!(started.elapsed() >= work, "resolved before its work ended");
     }
