@@ -169,6 +169,8 @@ mod panics;
 mod plant;
 mod progress_word;
 mod shards;
+#[cfg(multi_threading)]
+mod timer_slack;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};
@@ -195,8 +197,8 @@ pub use profiler::{
 pub use progress_word::ProgressWord;
 #[cfg(multi_threading)]
 pub use waiter::{
-    Awaitable, FenceFuture, StuckWait, Waiter, WaiterBuilder, WaiterStats, DEFAULT_KEEP_ALIVE,
-    DEFAULT_MAX_THREADS, MAX_SPIN_BUDGET, MAX_THREADS_LIMIT,
+    default_watchers, Awaitable, FenceFuture, StuckWait, Waiter, WaiterBuilder, WaiterStats,
+    DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_SPIN_BUDGET, MAX_THREADS_LIMIT,
 };
 
 /// The README's examples, compiled and run as doctests.

@@ -17,7 +17,6 @@ use std::sync as imp;
 #[cfg(device_events_loom)]
 use loom::sync as imp;
 
-#[cfg(test)]
 pub(crate) use imp::atomic::AtomicUsize;
 pub(crate) use imp::Arc;
 

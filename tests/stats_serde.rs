@@ -60,7 +60,8 @@ fn waiter_stats_and_stuck_waits_serialize() {
             "resolved",
             "stuck",
             "threads",
-            "wake_latency"
+            "wake_latency",
+            "watched"
         ]
     );
     assert_eq!(stats["resolved"], 1);

@@ -80,14 +80,28 @@ impl Task {
 /// A pool of at most `max_threads` lane threads (and the poller) that stay
 /// `keep_alive` when idle, a device whose work has not ended, and a task.
 fn fixture(max_threads: usize, keep_alive: Duration) -> (Pool, Arc<Device>, Task) {
-    let pool = Pool::new(Config {
+    (
+        pool(max_threads, keep_alive, 0),
+        Arc::default(),
+        Task::new(),
+    )
+}
+
+fn pool(max_threads: usize, keep_alive: Duration, watchers: usize) -> Pool {
+    Pool::new(Config {
         max_threads,
         keep_alive,
         thread_name: "loom-waiter".to_owned(),
         spin_budget: Duration::ZERO,
         stuck_after: None,
-    });
-    (pool, Arc::default(), Task::new())
+        watchers,
+    })
+}
+
+/// [`fixture`] with one lane thread that may watch, and a device whose
+/// stream keeps a progress word.
+fn watching_fixture() -> (Pool, Arc<Device>, Task) {
+    (pool(1, Duration::ZERO, 1), Device::with_word(), Task::new())
 }
 
 /// A long keep-alive: idle threads sleep until woken (it never runs out).
@@ -424,6 +438,73 @@ fn loom_a_future_dropped_while_the_poller_has_its_wait_out() {
         let counts = pool.counters().read(Default::default());
         let outcomes = (counts.resolved, counts.failed, counts.cancelled);
         assert_eq!(outcomes, (1, 0, 1));
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_a_watcher_that_stops_watching_while_the_word_moves() {
+    loom::model(|| {
+        // The lane thread watches the word as the device finishes (its event,
+        // then its word): it sees the word pass (and the query confirms it),
+        // or its window ends first and it blocks in the driver, which the
+        // finish ends. Either way the wait resolves once, by one of the two,
+        // and the watcher's turn is given back.
+        let (pool, device, task) = watching_fixture();
+        let slot = submit(&pool, &device, 0, 1, &task);
+        let finisher = finish_on_a_thread(&device);
+        assert_eq!(task.wait_for(&slot), Ok(()));
+        finisher.join().unwrap();
+        settle_down(&pool, &device, 1, 0);
+        let counts = pool.counters().read(Default::default());
+        assert_eq!(counts.resolved, 1);
+        let blocked = device.blocked.load(SeqCst) as u64;
+        assert_eq!(counts.watched + blocked, 1, "watched, or blocked");
+        assert_eq!(pool.watchers().spinning(), 0, "the turn is given back");
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_a_word_ahead_of_its_event_is_confirmed_before_it_resolves() {
+    loom::model(|| {
+        // The word moves before the event says reached: a watcher that sees
+        // it asks the event, and if it is not reached yet, blocks in the
+        // driver. The wait never resolves before its event does.
+        let (pool, device, task) = watching_fixture();
+        let slot = submit(&pool, &device, 0, 1, &task);
+        let finisher = {
+            let device = device.clone();
+            thread::spawn(move || {
+                device.move_word();
+                device.finish();
+            })
+        };
+        assert_eq!(task.wait_for(&slot), Ok(()));
+        assert!(device.is_reached(), "resolved only once its event was");
+        finisher.join().unwrap();
+        settle_down(&pool, &device, 1, 0);
+        assert_eq!(pool.watchers().spinning(), 0, "the turn is given back");
+        pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_a_wait_cancelled_while_watched() {
+    loom::model(|| {
+        // The future is dropped while its lane thread watches the word (or
+        // before it took the wait, or after it ended): the wait counts once,
+        // its fence is dropped once on a waiter thread, and the turn is back.
+        let (pool, device, task) = watching_fixture();
+        let future = handed_off(&pool, &device, 0, &task);
+        let finisher = finish_on_a_thread(&device);
+        drop(future);
+        finisher.join().unwrap();
+        settle_down(&pool, &device, 1, 0);
+        let counts = pool.counters().read(Default::default());
+        assert_eq!(counts.cancelled + counts.resolved + counts.failed, 1);
+        assert_ne!(device.dropped_on.lock()[0], thread::current().id());
+        assert_eq!(pool.watchers().spinning(), 0, "the turn is given back");
         pool.shutdown();
     });
 }

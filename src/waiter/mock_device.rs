@@ -7,6 +7,7 @@ use std::sync::atomic::Ordering;
 
 use super::waitable::{LaneKey, Waitable};
 use crate::loom::{thread, Arc, AtomicUsize, Condvar, Mutex};
+use crate::progress_word::WordMemory;
 use crate::ServerError;
 
 /// The "device": a flag its work sets when done.
@@ -22,6 +23,18 @@ pub(super) struct Device {
     pub(super) fences_dropped: AtomicUsize,
     /// The threads the fences were dropped on.
     pub(super) dropped_on: Mutex<Vec<thread::ThreadId>>,
+    /// Its stream's progress word, if it keeps one ([`Device::with_word`]).
+    word: Option<std::sync::Arc<MockWord>>,
+}
+
+/// A progress word the device moves past every fence as its work ends.
+#[derive(Default)]
+struct MockWord(AtomicUsize);
+
+impl WordMemory for MockWord {
+    fn get(&self) -> u64 {
+        self.0.load(Ordering::SeqCst) as u64
+    }
 }
 
 impl Device {
@@ -33,10 +46,35 @@ impl Device {
         device
     }
 
-    /// Its work ends: every fence on it is reached.
+    /// A device whose stream keeps a progress word.
+    #[cfg_attr(not(device_events_loom), allow(dead_code))]
+    pub(super) fn with_word() -> Arc<Self> {
+        Arc::new(Self {
+            word: Some(Default::default()),
+            ..Self::default()
+        })
+    }
+
+    /// Its work ends: every fence on it is reached, and then its word moves
+    /// past them (a CUDA stream writes its word after the fence's record).
     pub(super) fn finish(&self) {
         *self.reached.lock() = true;
         self.changed.notify_all();
+        self.move_word();
+    }
+
+    /// Its word moves past every fence (before their events say so, if
+    /// called before [`Device::finish`]: a reading the driver does not rule out).
+    pub(super) fn move_word(&self) {
+        if let Some(word) = &self.word {
+            word.0.store(usize::MAX, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether its work has ended.
+    #[cfg_attr(not(device_events_loom), allow(dead_code))]
+    pub(super) fn is_reached(&self) -> bool {
+        *self.reached.lock()
     }
 
     /// Sleep until its work ends.
@@ -80,7 +118,8 @@ impl Waitable for MockFence {
     }
 
     fn progress(&self) -> Option<crate::ProgressWord> {
-        None
+        let word = self.device.word.clone()?;
+        Some(crate::ProgressWord::new(word))
     }
 }
 
@@ -124,6 +163,7 @@ pub(super) mod support {
             thread_name: "unit-test-waiter".to_owned(),
             spin_budget: Duration::ZERO,
             stuck_after,
+            watchers: 0,
         })
     }
 

@@ -65,6 +65,7 @@ mod threads;
 #[cfg(all(test, not(device_events_loom)))]
 mod unit_tests;
 mod waitable;
+mod watch;
 
 use std::fmt;
 use std::future::IntoFuture;
@@ -259,6 +260,18 @@ impl Waiter {
     pub fn spin_budget(&self) -> Duration {
         self.pool.config().spin_budget
     }
+
+    /// The most threads that may spin watching progress words at once
+    /// ([`WaiterBuilder::watchers`]); 0: every wait sleeps in the driver.
+    pub fn watchers(&self) -> usize {
+        self.pool.config().watchers
+    }
+}
+
+/// [`WaiterBuilder::watchers`]' default: one per four cores, at least one.
+pub fn default_watchers() -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    (cores / 4).max(1)
 }
 
 /// A waiter of its own with the default settings: `Waiter::builder().build()`.
@@ -347,6 +360,7 @@ impl Default for WaiterBuilder {
                 thread_name: "device-events-waiter".to_owned(),
                 spin_budget: Duration::ZERO,
                 stuck_after: None,
+                watchers: default_watchers(),
             },
         }
     }
@@ -387,6 +401,36 @@ impl WaiterBuilder {
         self
     }
 
+    /// The most waiter threads that may spin at once watching streams'
+    /// progress words (at most [`max_threads`](Self::max_threads), clamped);
+    /// default [`default_watchers`]: one per four cores, at least one. Zero:
+    /// every wait sleeps in the driver, as a thread blocked in
+    /// `cuEventSynchronize` does.
+    ///
+    /// Where the backend publishes a stream's progress in host memory (the
+    /// host backend; CUDA where the device can write 64-bit values to mapped
+    /// host memory from a stream), the thread serving a stream predicts when
+    /// its oldest wait ends from the stream's recent waits, sleeps until
+    /// shortly before that, and then watches the word, with no driver call, so
+    /// its task wakes within microseconds of the work's end instead of after
+    /// the driver's interrupt. It watches for a bounded window (50 µs for a
+    /// stream with no history), and only while fewer than `watchers` threads
+    /// do; otherwise it blocks in the driver, as before. Nothing watches while
+    /// nothing is pending, and a stalled stream stops being watched once its
+    /// window is spent. A word that says the work ended is confirmed by one
+    /// query of the fence's event, so a faulted stream still fails its waits.
+    ///
+    /// ```
+    /// use device_events::Waiter;
+    ///
+    /// let sleepers_only = Waiter::builder().watchers(0).build();
+    /// assert_eq!(sleepers_only.watchers(), 0);
+    /// ```
+    pub fn watchers(mut self, watchers: usize) -> Self {
+        self.config.watchers = watchers;
+        self
+    }
+
     /// Report streams stuck for longer than `after` ([`Waiter::stuck`]) and
     /// warn once per stall. Off by default (a kernel may rightly run for
     /// minutes); zero turns it off. While it is on and a wait is pending, the
@@ -417,8 +461,10 @@ impl WaiterBuilder {
         if let Some(unusable) = self.config.unusable() {
             log::error!("{unusable}");
         }
+        let mut config = self.config;
+        config.watchers = config.watchers.min(config.max_threads);
         Waiter {
-            pool: Pool::new(self.config),
+            pool: Pool::new(config),
             global: false,
         }
     }

@@ -9,6 +9,7 @@ use super::slot::Slot;
 use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::waitable::{LaneKey, Waitable};
+use super::watch::Watchers;
 use crate::checked::{Checked, Invariants};
 use crate::loom::{Arc, Condvar, Mutex};
 use crate::ServerError;
@@ -22,6 +23,8 @@ pub(crate) struct Config {
     pub(crate) spin_budget: Duration,
     /// `None`: stuck streams are not reported.
     pub(crate) stuck_after: Option<Duration>,
+    /// The most threads that spin on progress words at once (0: none watch).
+    pub(crate) watchers: usize,
 }
 
 impl Config {
@@ -51,6 +54,7 @@ struct Shared {
     /// The poller waits here between rounds.
     poller_work: Condvar,
     counters: Counters,
+    watchers: Watchers,
     /// The process generation the pool was made in ([`crate::fork`]).
     fork_generation: u64,
     #[cfg(test)]
@@ -82,6 +86,11 @@ pub(crate) struct Wait {
 }
 
 impl Wait {
+    /// Its number in its stream.
+    pub(super) fn sequence(&self) -> u64 {
+        self.place.0
+    }
+
     pub(crate) fn new(
         waitable: Box<dyn Waitable>,
         slot: Arc<Slot>,
@@ -337,6 +346,7 @@ impl Invariants for State {
 
 impl Pool {
     pub(crate) fn new(config: Config) -> Self {
+        let watchers = Watchers::new(config.watchers);
         Self {
             shared: Arc::new(Shared {
                 unusable: config.unusable(),
@@ -345,6 +355,7 @@ impl Pool {
                 work: Condvar::new(),
                 poller_work: Condvar::new(),
                 counters: Counters::default(),
+                watchers,
                 fork_generation: crate::fork::generation(),
                 #[cfg(test)]
                 plants: Default::default(),
@@ -358,6 +369,11 @@ impl Pool {
 
     pub(crate) fn counters(&self) -> &Counters {
         &self.shared.counters
+    }
+
+    /// The budget of threads spinning on progress words.
+    pub(super) fn watchers(&self) -> &Watchers {
+        &self.shared.watchers
     }
 
     fn lock(&self) -> Checked<'_, State> {

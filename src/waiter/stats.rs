@@ -39,6 +39,10 @@ pub struct WaiterStats {
     pub failed: u64,
     /// Handed-off waits whose future was dropped before their result came.
     pub cancelled: u64,
+    /// Waits a lane thread saw end on their stream's progress word, while it
+    /// watched (see [`WaiterBuilder::watchers`](super::WaiterBuilder::watchers)),
+    /// rather than asleep in the driver.
+    pub watched: u64,
     /// How long `resolved` and `failed` waits took from hand-off to the
     /// wake of their task: the device's work left at the hand-off, plus the
     /// wake-up. A tail far above the work's own length means slow wake-ups
@@ -67,6 +71,7 @@ struct Stripe {
     resolved: AtomicU64,
     failed: AtomicU64,
     cancelled: AtomicU64,
+    watched: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
     latency_sum_nanos: AtomicU64,
 }
@@ -106,6 +111,11 @@ impl Counters {
         stripe.latency[LatencyHistogram::bucket_of(took)].fetch_add(1, Ordering::Release);
     }
 
+    /// A held wait was seen to end on its stream's progress word.
+    pub(crate) fn watched(&self) {
+        self.stripe().watched.fetch_add(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn cancelled(&self) {
         self.stripe().cancelled.fetch_add(1, Ordering::Release);
     }
@@ -135,6 +145,7 @@ impl Counters {
             resolved,
             failed,
             cancelled,
+            watched: sum(|stripe| &stripe.watched),
             wake_latency: LatencyHistogram::new(buckets, sum_nanos),
             ..gauges
         }

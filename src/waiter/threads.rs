@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use super::contain;
 use super::pool::{Action, Owner, Pool, Wait};
 use super::waitable::LaneKey;
+use super::watch::Watch;
 use crate::loom::thread;
 use crate::ServerError;
 
@@ -56,6 +57,9 @@ struct WaiterThread {
     batch_lane: Option<LaneKey>,
     /// Cleared once the pool has uncounted it as it left.
     counted: bool,
+    /// The progress word and history of the lane it served last (lane threads, while watching
+    /// is on), kept in case it serves that lane again.
+    watch: Option<(LaneKey, Watch)>,
 }
 
 impl WaiterThread {
@@ -70,10 +74,16 @@ impl WaiterThread {
             batch: Vec::with_capacity(BATCH),
             batch_lane: None,
             counted: true,
+            watch: None,
         };
         match owner {
             Owner::Poller => this.run_poller(),
-            _ => this.run_lane_thread(),
+            _ => {
+                if this.pool.config().watchers > 0 {
+                    crate::timer_slack::lower_for_this_thread();
+                }
+                this.run_lane_thread();
+            }
         }
         this.counted = false;
     }
@@ -96,9 +106,10 @@ impl WaiterThread {
         let Some(mut wait) = self.pool.take_oldest(key, owner) else {
             return;
         };
+        self.find_word(key, &wait);
         loop {
             self.pool.planted_escape();
-            let result = contain::backend(|| wait.waitable.block());
+            let result = self.wait_for(&wait);
             let next = self.pool.end_held(key, owner, &wait.slot, result, true);
             // Its future is woken first; then its fence (its event) goes.
             contain::drop(wait);
@@ -122,6 +133,38 @@ impl WaiterThread {
             };
             wait = next;
         }
+    }
+
+    /// Keep lane `key`'s progress word, and its history if it is the lane served last, while
+    /// watching is on and the backend keeps a word for `wait`'s stream.
+    fn find_word(&mut self, key: LaneKey, wait: &Wait) {
+        if self.pool.config().watchers == 0 || self.watch.as_ref().is_some_and(|w| w.0 == key) {
+            return;
+        }
+        let word = contain::backend(|| Ok(wait.waitable.progress()));
+        self.watch = word.ok().flatten().map(|word| (key, Watch::new(word)));
+    }
+
+    /// Wait until `wait`'s fence is reached: watch its stream's word if it has one (a passed
+    /// word confirmed by one query: a fault is the event's to report), else block in the driver.
+    fn wait_for(&mut self, wait: &Wait) -> Result<(), ServerError> {
+        let Some((_, watch)) = &mut self.watch else {
+            return contain::backend(|| wait.waitable.block());
+        };
+        let started = Instant::now();
+        if watch.watch(wait.sequence(), started, self.pool.watchers()) {
+            match contain::backend(|| wait.waitable.query()) {
+                Ok(true) => {
+                    self.pool.counters().watched();
+                    return Ok(());
+                }
+                Ok(false) => {}
+                Err(err) => return Err(err),
+            }
+        }
+        let result = contain::backend(|| wait.waitable.block());
+        watch.ended(started.elapsed());
+        result
     }
 
     /// Resolve, in order, the waits of `key` a query shows reached, up to

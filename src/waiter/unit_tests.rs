@@ -13,7 +13,7 @@ use super::mock_device::support::{eventually, result_of, submit, submit_fence, s
 use super::mock_device::Device;
 use super::pool::{Action, State, Wait};
 use super::slot::Slot;
-use super::stats::Counters;
+use super::stats::{Counters, WaiterStats};
 use crate::ServerError;
 
 struct Counting(AtomicUsize);
@@ -451,6 +451,7 @@ fn the_poller_backs_off_while_its_lane_does_not_move() {
 struct WordFence {
     word: Arc<crate::progress_word::HostWord>,
     queries: Arc<AtomicUsize>,
+    blocks: Arc<AtomicUsize>,
     answer: fn(usize, bool) -> Result<bool, ServerError>,
 }
 
@@ -472,6 +473,7 @@ impl super::waitable::Waitable for WordFence {
     }
 
     fn block(&self) -> Result<(), ServerError> {
+        self.blocks.fetch_add(1, Ordering::SeqCst);
         Ok(())
     }
 
@@ -492,6 +494,7 @@ fn first_poll_spinning(fence: WordFence) -> Poll<Result<(), ServerError>> {
         thread_name: "unit-test-waiter".to_owned(),
         spin_budget: super::MAX_SPIN_BUDGET,
         stuck_after: None,
+        watchers: 0,
     });
     let mut handoff = super::Handoff::new(fence, super::handoff::PoolRef::Owned(pool.clone()));
     let waker = futures::task::noop_waker();
@@ -507,6 +510,7 @@ fn a_first_poll_spins_on_the_progress_word_not_on_queries() {
     let fence = WordFence {
         word: Arc::default(),
         queries: queries.clone(),
+        blocks: Arc::default(),
         answer: |_, passed| Ok(passed),
     };
     let started = Instant::now();
@@ -528,6 +532,7 @@ fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
     let fence = WordFence {
         word,
         queries: queries.clone(),
+        blocks: Arc::default(),
         answer: |number, _| match number {
             1 => Ok(false),
             _ => Err(ServerError::faulted("Mock", "query", 719, "faulted", "")),
@@ -539,4 +544,103 @@ fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
         "{polled:?}"
     );
     assert_eq!(queries.load(Ordering::SeqCst), 2);
+}
+
+/// A pool whose one lane thread may watch (`watchers`), and `fence` handed
+/// to it: the wait's result, and the pool's counts once it is in.
+fn served_watching(watchers: usize, fence: WordFence) -> (Result<(), ServerError>, WaiterStats) {
+    let pool = super::pool::Pool::new(super::pool::Config {
+        max_threads: 1,
+        keep_alive: Duration::from_secs(1),
+        thread_name: "unit-test-waiter".to_owned(),
+        spin_budget: Duration::ZERO,
+        stuck_after: None,
+        watchers,
+    });
+    let (slot, _) = submit_fence(&pool, Box::new(fence));
+    let result = result_of(&slot);
+    let counts = pool.counters().read(WaiterStats::default());
+    assert_eq!(pool.watchers().spinning(), 0, "the turn is given back");
+    pool.shutdown();
+    (result, counts)
+}
+
+/// A fence whose stream's word has passed it (`passed`), its queries
+/// answered by `answer` and counted in `queries`.
+fn word_fence(passed: bool, answer: fn(usize, bool) -> Result<bool, ServerError>) -> WordFence {
+    let word = Arc::new(crate::progress_word::HostWord::default());
+    if passed {
+        word.advance(3);
+    }
+    WordFence {
+        word,
+        queries: Arc::default(),
+        blocks: Arc::default(),
+        answer,
+    }
+}
+
+#[test]
+fn a_lane_thread_sees_a_passed_word_and_resolves_after_one_query_without_blocking() {
+    let fence = word_fence(true, |_, passed| Ok(passed));
+    let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
+    let (result, counts) = served_watching(1, fence);
+    result.expect("reached");
+    assert_eq!(queries.load(Ordering::SeqCst), 1, "confirmed by one query");
+    assert_eq!(blocks.load(Ordering::SeqCst), 0, "never blocked");
+    assert_eq!(counts.watched, 1);
+}
+
+#[test]
+fn a_lane_thread_confirms_a_passed_word_with_a_query_that_can_fail() {
+    let fence = word_fence(true, |_, _| {
+        Err(ServerError::faulted("Mock", "query", 719, "faulted", ""))
+    });
+    let blocks = fence.blocks.clone();
+    let (result, counts) = served_watching(1, fence);
+    assert!(
+        matches!(&result, Err(err) if err.is_faulted()),
+        "{result:?}"
+    );
+    assert_eq!(blocks.load(Ordering::SeqCst), 0);
+    assert_eq!((counts.watched, counts.failed), (0, 1));
+}
+
+#[test]
+fn a_word_ahead_of_its_event_sends_the_lane_thread_to_the_driver() {
+    // The word says passed, the event not yet: the thread blocks on it.
+    let fence = word_fence(true, |_, _| Ok(false));
+    let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
+    let (result, counts) = served_watching(1, fence);
+    result.expect("reached");
+    assert_eq!(queries.load(Ordering::SeqCst), 1);
+    assert_eq!(blocks.load(Ordering::SeqCst), 1);
+    assert_eq!(counts.watched, 0);
+}
+
+#[test]
+fn a_word_that_never_moves_is_watched_for_a_window_then_the_thread_blocks() {
+    let fence = word_fence(false, |_, passed| Ok(passed));
+    let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
+    let started = Instant::now();
+    let (result, counts) = served_watching(1, fence);
+    result.expect("the block ends it");
+    assert!(
+        started.elapsed() >= super::watch::FIRST_WINDOW,
+        "watched first"
+    );
+    assert_eq!(queries.load(Ordering::SeqCst), 0, "no query while watching");
+    assert_eq!(blocks.load(Ordering::SeqCst), 1);
+    assert_eq!(counts.watched, 0);
+}
+
+#[test]
+fn with_no_watchers_a_lane_thread_blocks_in_the_driver_even_on_a_passed_word() {
+    let fence = word_fence(true, |_, passed| Ok(passed));
+    let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
+    let (result, counts) = served_watching(0, fence);
+    result.expect("reached");
+    assert_eq!(queries.load(Ordering::SeqCst), 0);
+    assert_eq!(blocks.load(Ordering::SeqCst), 1);
+    assert_eq!(counts.watched, 0);
 }

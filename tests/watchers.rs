@@ -1,0 +1,119 @@
+//! Watching progress words (`WaiterBuilder::watchers`) on host streams: the
+//! budget's setting, waits on items that end one after another, faults, and
+//! watching turned off. Each test has a waiter and streams of its own.
+
+mod common;
+
+use std::time::Duration;
+
+use common::{faultable_stream, Gate, Progress};
+use device_events::host::{Host, HostStream};
+use device_events::{default_watchers, EventFence, Waiter};
+
+/// `items` items of `item` on `stream`, each with a fence, awaited by
+/// `waiter` all at once, the stream held until every wait is handed off:
+/// each result, and what had run when it came.
+fn items_awaited(
+    waiter: &Waiter,
+    stream: &HostStream,
+    items: usize,
+    item: Duration,
+) -> Vec<(Result<(), device_events::ServerError>, usize)> {
+    let gate = Gate::hold(stream);
+    let progress = Progress::default();
+    let mut waits = Vec::new();
+    for _ in 0..items {
+        stream
+            .launch(move || std::thread::sleep(item))
+            .expect("launch an item");
+        progress.step_on(stream);
+        waits.push(waiter.wait(EventFence::<Host>::new(stream.handle())));
+    }
+    let mut polled: Vec<_> = waits
+        .into_iter()
+        .map(|mut wait| {
+            let first = futures::executor::block_on(futures::future::poll_immediate(&mut wait));
+            assert!(first.is_none(), "the stream is held");
+            wait
+        })
+        .collect();
+    gate.open();
+    polled
+        .iter_mut()
+        .map(|wait| {
+            let result = futures::executor::block_on(wait);
+            (result, progress.get())
+        })
+        .collect()
+}
+
+#[test]
+fn the_budget_defaults_to_one_per_four_cores_and_is_clamped_to_max_threads() {
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    assert_eq!(default_watchers(), (cores / 4).max(1));
+    assert_eq!(Waiter::builder().build().watchers(), default_watchers());
+    assert_eq!(Waiter::builder().watchers(0).build().watchers(), 0);
+    let clamped = Waiter::builder().max_threads(2).watchers(8).build();
+    assert_eq!(clamped.watchers(), 2);
+}
+
+#[test]
+fn items_ending_one_after_another_are_watched_and_resolve_in_order_after_their_work() {
+    let waiter = Waiter::builder().watchers(1).build();
+    let stream = HostStream::new().unwrap();
+    let items = 40;
+    let results = items_awaited(&waiter, &stream, items, Duration::from_micros(500));
+    for (index, (result, ran)) in results.into_iter().enumerate() {
+        result.expect("reached");
+        assert!(
+            ran > index,
+            "wait {index} resolved after {ran} steps had run"
+        );
+    }
+    let stats = waiter.stats();
+    assert_eq!(stats.resolved, items as u64);
+    // Every wait a lane thread held ended on the word or in the driver; a
+    // watcher sees at least some of forty items end, however loaded the
+    // machine (a wait found ended when the thread comes to it counts too).
+    assert!(stats.watched > 0, "{stats:?}");
+    assert!(stats.watched <= stats.resolved);
+}
+
+#[test]
+fn with_no_watchers_no_wait_is_watched() {
+    let waiter = Waiter::builder().watchers(0).build();
+    let stream = HostStream::new().unwrap();
+    let results = items_awaited(&waiter, &stream, 20, Duration::from_micros(200));
+    for (index, (result, ran)) in results.into_iter().enumerate() {
+        result.expect("reached");
+        assert!(ran > index);
+    }
+    assert_eq!(waiter.stats().watched, 0);
+}
+
+#[test]
+fn a_stream_that_faults_while_watched_fails_its_later_waits() {
+    let waiter = Waiter::builder().watchers(1).build();
+    let stream = faultable_stream();
+    let gate = Gate::hold(&stream);
+    let mut waits = Vec::new();
+    for item in 0..20 {
+        if item == 10 {
+            stream.launch(|| panic!("illegal address")).unwrap();
+        } else {
+            let work = || std::thread::sleep(Duration::from_micros(300));
+            stream.launch(work).unwrap();
+        }
+        waits.push(waiter.wait(EventFence::<Host>::new(stream.handle())));
+    }
+    gate.open();
+    let results = futures::executor::block_on(futures::future::join_all(waits));
+    // Waits before the fault may see it too (it is sticky, as on CUDA);
+    // none after it resolves.
+    for (item, result) in results.into_iter().enumerate() {
+        match result {
+            Ok(()) => assert!(item < 10, "wait {item} resolved after the fault"),
+            Err(err) => assert!(err.is_faulted(), "wait {item}: {err}"),
+        }
+    }
+}
