@@ -8,7 +8,7 @@ use crate::measure::{process_cpu, process_threads, Clock, Stamps};
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
 use crate::settings::{runtime, Settings};
-use crate::strategies::{self, Pending, ALL};
+use crate::strategies::{self, Pending, Waiters, ALL};
 
 /// Scenario 3's rows, read by the targets.
 pub const READY_AWAIT: &str = "await (first poll, ready)";
@@ -120,7 +120,7 @@ pub fn idle_cpu<R: Rig>(rig: &R, settings: &Settings, clock: Clock) -> Table {
     for strategy in ALL {
         rig.drain();
         let runtime = runtime();
-        let waiter = Waiter::builder().build();
+        let waiters = Waiters::new();
         let hold = settings.idle_window + Duration::from_millis(500);
         let (ends, wakes, releases) = (
             Stamps::new(settings.idle_waits),
@@ -142,7 +142,8 @@ pub fn idle_cpu<R: Rig>(rig: &R, settings: &Settings, clock: Clock) -> Table {
                 }
             })
             .collect();
-        let finish = strategies::start(strategy, &runtime, &waiter, fences, (&ends, &wakes), clock);
+        let finish =
+            strategies::start(strategy, &runtime, &waiters, fences, (&ends, &wakes), clock);
         // Let hand-offs settle before measuring the quiet window.
         std::thread::sleep(Duration::from_millis(100));
         let cpu = process_cpu();
@@ -157,7 +158,7 @@ pub fn idle_cpu<R: Rig>(rig: &R, settings: &Settings, clock: Clock) -> Table {
                 threads as f64,
             ],
         );
-        waiter.shutdown();
+        waiters.shutdown();
     }
     table
 }

@@ -3,15 +3,13 @@
 
 use std::time::{Duration, Instant};
 
-use device_events::Waiter;
-
 use crate::measure::{
     latencies, median_run, process_cpu, process_threads, quantile_us, Clock, Stamps, ThreadSampler,
 };
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
 use crate::settings::{runtime, Settings};
-use crate::strategies::{self, Pending, Strategy, SINGLE};
+use crate::strategies::{self, Pending, Strategy, Waiters, SINGLE};
 
 /// Scenario 1: one stream, work of known length, a fence; wake latency.
 ///
@@ -31,7 +29,7 @@ pub fn single_wait<R: Rig>(
     let mut strategies = SINGLE.to_vec();
     strategies.retain(|&strategy| strategy != Strategy::OneHop || rig.work_stamps_its_end());
     let runtimes: Vec<_> = strategies.iter().map(|_| runtime()).collect();
-    let waiter = Waiter::builder().build();
+    let waiters = Waiters::new();
     let total = settings.warmup + settings.rounds;
     let stamps: Vec<_> = strategies
         .iter()
@@ -45,10 +43,10 @@ pub fn single_wait<R: Rig>(
                 stream: 0,
                 fence: rig.fence(0),
             };
-            strategies::wait_one(*strategy, runtime, &waiter, pending, (ends, wakes), clock);
+            strategies::wait_one(*strategy, runtime, &waiters, pending, (ends, wakes), clock);
         }
     }
-    waiter.shutdown();
+    waiters.shutdown();
     let mut series = Vec::new();
     for (strategy, (ends, wakes)) in strategies.iter().zip(&stamps) {
         let sorted = latencies(ends, wakes, settings.warmup);
@@ -129,7 +127,7 @@ fn many_pending_once<R: Rig>(
 ) -> (Vec<f64>, Vec<u64>) {
     rig.drain();
     let runtime = runtime();
-    let waiter = Waiter::builder().build();
+    let waiters = Waiters::new();
     let total = streams * per_stream;
     let (ends, wakes, releases) = (Stamps::new(total), Stamps::new(total), Stamps::new(streams));
     let baseline = process_threads();
@@ -151,7 +149,7 @@ fn many_pending_once<R: Rig>(
             });
         }
     }
-    let finish = strategies::start(strategy, &runtime, &waiter, fences, (&ends, &wakes), clock);
+    let finish = strategies::start(strategy, &runtime, &waiters, fences, (&ends, &wakes), clock);
     let setup = setup.elapsed();
     finish();
     let cpu = process_cpu().saturating_sub(cpu);
@@ -166,7 +164,7 @@ fn many_pending_once<R: Rig>(
     let release = (0..streams).map(|s| releases.get(s)).min().unwrap_or(0);
     let last = (0..total).map(|i| wakes.get(i)).max().unwrap_or(0);
     let sorted = latencies(&ends, &wakes, 0);
-    waiter.shutdown();
+    waiters.shutdown();
     let figures = vec![
         last.saturating_sub(release) as f64 / 1e6,
         quantile_us(&sorted, 0.5),

@@ -11,8 +11,11 @@ use crate::measure::{Clock, Stamps};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Strategy {
-    /// This crate: `waiter.wait(fence).await`.
+    /// This crate: `waiter.wait(fence).await`, with the default settings
+    /// (lane threads watch progress words).
     Await,
+    /// The same with `watchers(0)`: every lane thread sleeps in the driver.
+    AwaitSleeping,
     /// `tokio::task::spawn_blocking(move || fence.wait_sync())`.
     SpawnBlocking,
     /// A dedicated thread per wait, handing the result over a oneshot.
@@ -41,8 +44,9 @@ pub const ALL: [Strategy; 5] = [
 ];
 
 /// Scenario 1's and 8's rows: every strategy, and the hand-off floors.
-pub const SINGLE: [Strategy; 7] = [
+pub const SINGLE: [Strategy; 8] = [
     Strategy::Await,
+    Strategy::AwaitSleeping,
     Strategy::SpawnBlocking,
     Strategy::ThreadPerWait,
     Strategy::QueryYield,
@@ -56,6 +60,7 @@ impl Strategy {
     pub fn flag(self) -> &'static str {
         match self {
             Self::Await => "await",
+            Self::AwaitSleeping => "await_sleeping",
             Self::SpawnBlocking => "spawn_blocking",
             Self::ThreadPerWait => "thread",
             Self::QueryYield => "query_yield",
@@ -68,6 +73,7 @@ impl Strategy {
     pub fn name(self) -> &'static str {
         match self {
             Self::Await => "device-events await",
+            Self::AwaitSleeping => "await, watchers(0)",
             Self::SpawnBlocking => "spawn_blocking(wait_sync)",
             Self::ThreadPerWait => "thread per wait",
             Self::QueryYield => "query + yield_now",
@@ -75,6 +81,35 @@ impl Strategy {
             Self::RawHandoff => "raw thread + hand-off",
             Self::OneHop => "one hop (stream -> task)",
         }
+    }
+}
+
+/// This crate's waiters under test: the default one, which watches progress
+/// words, and one with `watchers(0)`, which only sleeps in the driver.
+pub struct Waiters {
+    pub watching: Waiter,
+    pub sleeping: Waiter,
+}
+
+impl Waiters {
+    pub fn new() -> Self {
+        Self {
+            watching: Waiter::builder().build(),
+            sleeping: Waiter::builder().watchers(0).build(),
+        }
+    }
+
+    /// The waiter `strategy` awaits on.
+    fn of(&self, strategy: Strategy) -> &Waiter {
+        match strategy {
+            Strategy::AwaitSleeping => &self.sleeping,
+            _ => &self.watching,
+        }
+    }
+
+    pub fn shutdown(&self) {
+        self.watching.shutdown();
+        self.sleeping.shutdown();
     }
 }
 
@@ -91,7 +126,7 @@ pub struct Pending<A: EventApi> {
 pub fn start<A: EventApi>(
     strategy: Strategy,
     runtime: &Runtime,
-    waiter: &Waiter,
+    waiters: &Waiters,
     fences: Vec<Pending<A>>,
     (ends, wakes): (&Arc<Stamps>, &Arc<Stamps>),
     clock: Clock,
@@ -106,11 +141,11 @@ pub fn start<A: EventApi>(
         .into_iter()
         .map(|Pending { index, fence, .. }| {
             let (ends, wakes) = (ends.clone(), wakes.clone());
-            let waiter = waiter.clone();
+            let waiter = waiters.of(strategy).clone();
             let countdown = countdown.clone();
             runtime.spawn(async move {
                 let result = match strategy {
-                    Strategy::Await => waiter.wait(fence).await,
+                    Strategy::Await | Strategy::AwaitSleeping => waiter.wait(fence).await,
                     Strategy::SpawnBlocking => {
                         tokio::task::spawn_blocking(move || fence.wait_sync())
                             .await
@@ -283,7 +318,7 @@ fn start_raw_handoff<A: EventApi>(
 pub fn wait_one<A: EventApi>(
     strategy: Strategy,
     runtime: &Runtime,
-    waiter: &Waiter,
+    waiters: &Waiters,
     pending: Pending<A>,
     (ends, wakes): (&Arc<Stamps>, &Arc<Stamps>),
     clock: Clock,
@@ -310,7 +345,7 @@ pub fn wait_one<A: EventApi>(
         _ => start(
             strategy,
             runtime,
-            waiter,
+            waiters,
             vec![pending],
             (ends, wakes),
             clock,

@@ -5,8 +5,6 @@
 
 use std::time::{Duration, Instant};
 
-use device_events::Waiter;
-
 use crate::measure::{
     latencies, median_run, process_cpu, process_threads, quantile_us, threads_cpu, Clock, Stamps,
     ThreadSampler, SAMPLER_THREAD,
@@ -14,7 +12,7 @@ use crate::measure::{
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
 use crate::settings::{runtime, Settings};
-use crate::strategies::{self, Pending, Strategy, SINGLE};
+use crate::strategies::{self, Pending, Strategy, Waiters, SINGLE};
 
 /// One shape: `streams` streams, each running `items` items of `item`
 /// length back to back.
@@ -117,7 +115,7 @@ fn once<R: Rig>(
     rig.drain();
     let threads_before = process_threads();
     let runtime = runtime();
-    let waiter = Waiter::builder().build();
+    let waiters = Waiters::new();
     let total = streams * shape.items;
     let (ends, wakes, releases) = (Stamps::new(total), Stamps::new(total), Stamps::new(streams));
     // Held until every wait has started, so the items all end after it.
@@ -146,7 +144,7 @@ fn once<R: Rig>(
     let device_before = device_cpu();
     let cpu = process_cpu();
     let setup = Instant::now();
-    let finish = strategies::start(strategy, &runtime, &waiter, fences, (&ends, &wakes), clock);
+    let finish = strategies::start(strategy, &runtime, &waiters, fences, (&ends, &wakes), clock);
     let setup = setup.elapsed();
     finish();
     // The sampler reads `/proc` every millisecond: the benchmark's cost,
@@ -165,7 +163,7 @@ fn once<R: Rig>(
         ));
     }
     let sorted = latencies(&ends, &wakes, 0);
-    waiter.shutdown();
+    waiters.shutdown();
     drop(runtime);
     // A strategy's threads (ten thousand, for a thread per wait) are gone
     // before the next strategy's run starts, not exiting beside it.

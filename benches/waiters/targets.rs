@@ -70,6 +70,7 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
         // The floor of any waiter: the stream's own thread wakes the task
         // (host only: a GPU stream cannot run a waker).
         let one_hop = Strategy::OneHop.name();
+        let sleeping = Strategy::AwaitSleeping.name();
         if backend == "host" {
             check(
                 format!("[{backend}] 1: wake p50 vs one-hop floor"),
@@ -77,6 +78,17 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                 1.25,
             );
         }
+        check(
+            format!("[{backend}] 1: wake p99 vs watchers(0)"),
+            ratio(single, Metric::P99Us, sleeping),
+            1.2,
+        );
+        check(
+            format!("[{backend}] 5: idle CPU % of a core"),
+            find(Scenario::IdleCpu, backend)
+                .and_then(|table| table.value(ours, Metric::CpuPercentOfCore)),
+            1.0,
+        );
         let ready = find(Scenario::ReadyFence, backend).and_then(|table| {
             Some(
                 table.value(costs::READY_AWAIT, Metric::NsPerOp)?
@@ -165,6 +177,21 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                 ),
                 ("wake p50", Metric::P50Us, one_hop, "one-hop floor", 1.25),
                 ("wake p99", Metric::P99Us, blocking, "spawn_blocking", 1.0),
+                ("wake p99", Metric::P99Us, sleeping, "watchers(0)", 1.2),
+                (
+                    "CPU per await",
+                    Metric::CpuUsPerAwait,
+                    blocking,
+                    "spawn_blocking",
+                    1.0,
+                ),
+                (
+                    "CPU per await",
+                    Metric::CpuUsPerAwait,
+                    sleeping,
+                    "watchers(0)",
+                    1.3,
+                ),
                 // Against the floor, not spawn_blocking: the floor itself
                 // spends about 0.7x spawn_blocking's CPU.
                 (
@@ -184,6 +211,13 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                     limit,
                 );
             }
+            if backend == "cuda" {
+                check(
+                    format!("[cuda] {id}: wake p50 us"),
+                    table.and_then(|table| table.value(ours, Metric::P50Us)),
+                    5.0,
+                );
+            }
         }
         if backend == "cuda" {
             check(
@@ -195,12 +229,6 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                 "[cuda] 1: wake p50 vs raw blocked thread".to_owned(),
                 ratio(single, Metric::P50Us, Strategy::RawThread.name()),
                 1.2,
-            );
-            check(
-                "[cuda] 5: idle CPU % of a core".to_owned(),
-                find(Scenario::IdleCpu, backend)
-                    .and_then(|table| table.value(ours, Metric::CpuPercentOfCore)),
-                1.0,
             );
             check(
                 "[cuda] 2b: waiter threads for 100,000 on 64 streams".to_owned(),
