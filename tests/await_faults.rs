@@ -25,6 +25,7 @@ fn runtime() -> tokio::runtime::Runtime {
 fn dropped_futures_behind_a_held_wait_release_their_events_promptly_on_waiter_threads() {
     let waiter = Waiter::builder()
         .max_threads(1)
+        .watchers(0)
         .thread_name("cancel-test")
         .build();
     let stream = HostStream::new().unwrap();
@@ -302,7 +303,7 @@ fn shutdown_resolves_pending_waits_and_refuses_new_ones() {
 /// `max_threads`: not a new thread per dropped future.
 #[test]
 fn a_burst_of_dropped_futures_starts_at_most_one_extra_thread() {
-    let waiter = Waiter::builder().max_threads(64).build();
+    let waiter = Waiter::builder().max_threads(64).watchers(0).build();
     let stream = HostStream::new().unwrap();
     let gate = Gate::hold(&stream);
     let mut futures: Vec<_> = (0..200)

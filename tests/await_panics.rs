@@ -115,6 +115,7 @@ fn a_panicking_waker_on_the_poller_costs_only_its_wake() {
     logs::capture();
     let waiter = Waiter::builder()
         .max_threads(1)
+        .watchers(0)
         .keep_alive(KEEP_ALIVE)
         .thread_name("poller-waker-test")
         .build();

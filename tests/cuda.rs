@@ -249,8 +249,9 @@ fn many_awaits_on_few_streams_use_few_threads() {
     }
     // One lane thread per busy stream; a few more when streams empty and
     // refill faster than notified idle threads wake (never past max_threads).
+    // And the watcher of their progress words, where the device keeps them.
     assert!(
-        waiter.peak_threads() <= 16,
+        waiter.peak_threads() <= 17,
         "peak {}",
         waiter.peak_threads()
     );

@@ -227,7 +227,11 @@ fn stuck_waiter(name: &str, after: Duration) -> (Waiter, String) {
 /// A waiter with one lane thread: with it blocked on one stream, the
 /// poller serves the others.
 fn one_thread_stuck_waiter(name: &str) -> (Waiter, String) {
-    stuck_waiter_from(Waiter::builder().max_threads(1), name, STUCK_AFTER)
+    stuck_waiter_from(
+        Waiter::builder().max_threads(1).watchers(0),
+        name,
+        STUCK_AFTER,
+    )
 }
 
 fn stuck_waiter_from(builder: WaiterBuilder, name: &str, after: Duration) -> (Waiter, String) {

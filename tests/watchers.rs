@@ -48,13 +48,12 @@ fn items_awaited(
 }
 
 #[test]
-fn the_budget_defaults_to_one_per_four_cores_and_is_clamped_to_max_threads() {
+fn the_budget_defaults_to_one_per_four_cores_and_reads_back() {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     assert_eq!(default_watchers(), (cores / 4).max(1));
     assert_eq!(Waiter::builder().build().watchers(), default_watchers());
     assert_eq!(Waiter::builder().watchers(0).build().watchers(), 0);
-    let clamped = Waiter::builder().max_threads(2).watchers(8).build();
-    assert_eq!(clamped.watchers(), 2);
+    assert_eq!(Waiter::builder().watchers(3).build().watchers(), 3);
 }
 
 #[test]

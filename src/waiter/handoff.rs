@@ -134,7 +134,7 @@ impl<W: Waitable> Handoff<W> {
                 .into()
         });
         let slot = Arc::new(Slot::new(cx.waker().clone()));
-        let wait = Wait::new(Box::new(waitable), slot.clone(), lane, name);
+        let wait = Wait::new(std::sync::Arc::new(waitable), slot.clone(), lane, name);
         let (place, action) = pool.submit(wait).map_err(Err)?;
         threads::act(pool, action);
         Ok(Handed {

@@ -123,7 +123,8 @@ type Submitted = Result<Arc<Slot>, ServerError>;
 fn try_submit(pool: &Pool, device: &Arc<Device>, lane: u64, seq: u64, task: &Task) -> Submitted {
     let slot = Arc::new(Slot::new(task.waker.clone()));
     let key = LaneKey::for_tests(lane);
-    let wait = Wait::new(fence(device, lane, seq), slot.clone(), key, None);
+    let fence: std::sync::Arc<MockFence> = fence(device, lane, seq).into();
+    let wait = Wait::new(fence, slot.clone(), key, None);
     let (_, action) = pool.submit(wait)?;
     threads::act(pool, action);
     Ok(slot)
@@ -445,11 +446,11 @@ fn loom_a_future_dropped_while_the_poller_has_its_wait_out() {
 #[test]
 fn loom_a_watcher_that_stops_watching_while_the_word_moves() {
     loom::model(|| {
-        // The lane thread watches the word as the device finishes (its event,
-        // then its word): it sees the word pass (and the query confirms it),
-        // or its window ends first and it blocks in the driver, which the
-        // finish ends. Either way the wait resolves once, by one of the two,
-        // and the watcher's turn is given back.
+        // The lane thread hands its wait to the watcher; the device finishes
+        // (its event, then its word) as the watcher looks: it sees the word
+        // pass (the query confirms it) and resolves the wait, or its window
+        // ends first and it hands the wait back to be blocked on in the
+        // driver. Either way it resolves once, and its entry goes.
         let (pool, device, task) = watching_fixture();
         let slot = submit(&pool, &device, 0, 1, &task);
         let finisher = finish_on_a_thread(&device);
@@ -457,10 +458,17 @@ fn loom_a_watcher_that_stops_watching_while_the_word_moves() {
         finisher.join().unwrap();
         settle_down(&pool, &device, 1, 0);
         let counts = pool.counters().read(Default::default());
-        assert_eq!(counts.resolved, 1);
+        assert_eq!(
+            counts.resolved, 1,
+            "resolved once, by the watcher or the block"
+        );
         let blocked = device.blocked.load(SeqCst) as u64;
-        assert_eq!(counts.watched + blocked, 1, "watched, or blocked");
-        assert_eq!(pool.watchers().spinning(), 0, "the turn is given back");
+        assert_eq!(
+            counts.watched + blocked,
+            1,
+            "watched, or handed back and blocked"
+        );
+        assert_eq!(pool.watched_entries(), 0, "its entry left with it");
         pool.shutdown();
     });
 }
@@ -469,8 +477,8 @@ fn loom_a_watcher_that_stops_watching_while_the_word_moves() {
 fn loom_a_word_ahead_of_its_event_is_confirmed_before_it_resolves() {
     loom::model(|| {
         // The word moves before the event says reached: a watcher that sees
-        // it asks the event, and if it is not reached yet, blocks in the
-        // driver. The wait never resolves before its event does.
+        // it asks the event, and if it is not reached yet, leaves the wait to
+        // the driver. The wait never resolves before its event does.
         let (pool, device, task) = watching_fixture();
         let slot = submit(&pool, &device, 0, 1, &task);
         let finisher = {
@@ -484,7 +492,7 @@ fn loom_a_word_ahead_of_its_event_is_confirmed_before_it_resolves() {
         assert!(device.is_reached(), "resolved only once its event was");
         finisher.join().unwrap();
         settle_down(&pool, &device, 1, 0);
-        assert_eq!(pool.watchers().spinning(), 0, "the turn is given back");
+        assert_eq!(pool.watched_entries(), 0, "its entry left with it");
         pool.shutdown();
     });
 }
@@ -492,9 +500,9 @@ fn loom_a_word_ahead_of_its_event_is_confirmed_before_it_resolves() {
 #[test]
 fn loom_a_wait_cancelled_while_watched() {
     loom::model(|| {
-        // The future is dropped while its lane thread watches the word (or
-        // before it took the wait, or after it ended): the wait counts once,
-        // its fence is dropped once on a waiter thread, and the turn is back.
+        // The future is dropped while the watcher watches the wait's word (or
+        // before it came to it, or after): the wait counts once, its fence is
+        // dropped once on a waiter thread, and its entry goes.
         let (pool, device, task) = watching_fixture();
         let future = handed_off(&pool, &device, 0, &task);
         let finisher = finish_on_a_thread(&device);
@@ -504,7 +512,23 @@ fn loom_a_wait_cancelled_while_watched() {
         let counts = pool.counters().read(Default::default());
         assert_eq!(counts.cancelled + counts.resolved + counts.failed, 1);
         assert_ne!(device.dropped_on.lock()[0], thread::current().id());
-        assert_eq!(pool.watchers().spinning(), 0, "the turn is given back");
+        assert_eq!(pool.watched_entries(), 0, "its entry left with it");
         pool.shutdown();
+    });
+}
+
+#[test]
+fn loom_shutdown_hands_a_watched_wait_back() {
+    loom::model(|| {
+        // Shutdown comes while the watcher may have the wait (or before it
+        // came to it, or after it handed it back): the wait resolves with the
+        // shutdown, and its lane thread, handed the wait back, blocks in the
+        // driver until the device finishes, then leaves.
+        let (pool, device, task) = watching_fixture();
+        let slot = submit(&pool, &device, 0, 1, &task);
+        pool.shutdown();
+        assert_eq!(task.wait_for(&slot), Err(ServerError::WaiterGone));
+        assert_eq!(pool.watched_entries(), 0);
+        device.finish();
     });
 }

@@ -208,7 +208,7 @@ pub(super) mod support {
             .stuck_after
             .map(|_| fence.stream_name().into());
         let lane = fence.lane();
-        let wait = Wait::new(fence, slot.clone(), lane, name);
+        let wait = Wait::new(fence.into(), slot.clone(), lane, name);
         let (place, action) = pool.submit(wait).expect("submitted");
         threads::act(pool, action);
         (slot, place)

@@ -461,10 +461,8 @@ impl WaiterBuilder {
         if let Some(unusable) = self.config.unusable() {
             log::error!("{unusable}");
         }
-        let mut config = self.config;
-        config.watchers = config.watchers.min(config.max_threads);
         Waiter {
-            pool: Pool::new(config),
+            pool: Pool::new(self.config),
             global: false,
         }
     }

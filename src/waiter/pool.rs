@@ -9,10 +9,11 @@ use super::slot::Slot;
 use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::waitable::{LaneKey, Waitable};
-use super::watch::Watchers;
+use super::watch::{Handback, Verdict, Watched};
 use crate::checked::{Checked, Invariants};
-use crate::loom::{Arc, Condvar, Mutex};
+use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
+use std::sync::atomic::Ordering;
 
 /// The waiter's settings; see `WaiterBuilder`.
 #[derive(Debug, Clone)]
@@ -23,7 +24,7 @@ pub(crate) struct Config {
     pub(crate) spin_budget: Duration,
     /// `None`: stuck streams are not reported.
     pub(crate) stuck_after: Option<Duration>,
-    /// The most threads that spin on progress words at once (0: none watch).
+    /// The most threads that watch progress words (0: none; one watches them all).
     pub(crate) watchers: usize,
 }
 
@@ -54,7 +55,12 @@ struct Shared {
     /// The poller waits here between rounds.
     poller_work: Condvar,
     counters: Counters,
-    watchers: Watchers,
+    /// The watcher waits here for entries, and sleeps here toward the next one due.
+    watch_work: Condvar,
+    /// Entries handed to the watcher so far: one that looks at others re-plans when it moves.
+    published: AtomicUsize,
+    /// How early the watcher wakes before an end it expects, in nanoseconds (`Timing::early`).
+    watcher_early: AtomicUsize,
     /// The process generation the pool was made in ([`crate::fork`]).
     fork_generation: u64,
     #[cfg(test)]
@@ -72,11 +78,13 @@ pub(super) enum Owner {
     Queued,
     Thread(usize),
     Poller,
+    Watcher,
 }
 
 /// One pending wait: what to wait on and where its result goes.
 pub(crate) struct Wait {
-    pub(crate) waitable: Box<dyn Waitable>,
+    /// Shared with the watcher while it watches the wait.
+    pub(crate) waitable: std::sync::Arc<dyn Waitable>,
     pub(crate) slot: Arc<Slot>,
     lane: LaneKey,
     place: Place,
@@ -92,7 +100,7 @@ impl Wait {
     }
 
     pub(crate) fn new(
-        waitable: Box<dyn Waitable>,
+        waitable: std::sync::Arc<dyn Waitable>,
         slot: Arc<Slot>,
         lane: LaneKey,
         name: Option<std::sync::Arc<str>>,
@@ -159,6 +167,11 @@ pub(super) struct State {
     next_ticket: u64,
     /// Waits whose futures were dropped, for a waiter thread to drop.
     withdrawn: Vec<Wait>,
+    /// Held waits whose lane threads block in the driver, for the watcher.
+    watched: Vec<Watched>,
+    watcher: bool,
+    /// The watcher waits on `watch_work`: a new entry notifies it.
+    watcher_waits: bool,
     pub(super) shutdown: bool,
 }
 
@@ -171,6 +184,8 @@ pub(super) struct Action {
     pub(super) spawn_thread: Option<usize>,
     pub(super) wake_poller: bool,
     pub(super) spawn_poller: bool,
+    pub(super) wake_watcher: bool,
+    pub(super) spawn_watcher: bool,
 }
 
 impl State {
@@ -248,14 +263,35 @@ impl State {
     }
 
     fn threads(&self) -> usize {
-        self.lane_threads + usize::from(self.poller)
+        self.lane_threads + usize::from(self.poller) + usize::from(self.watcher)
     }
 
     fn leave(&mut self, owner: Owner) {
         match owner {
             Owner::Poller => self.poller = false,
-            _ => self.lane_threads -= 1,
+            Owner::Watcher => self.watcher = false,
+            Owner::Thread(_) | Owner::Queued => self.lane_threads -= 1,
         }
+    }
+
+    /// The watcher has entries: wake it if it waits, or start it.
+    fn watcher_for_work(&mut self) -> Action {
+        let spawn_watcher = !self.watcher;
+        if spawn_watcher {
+            self.watcher = true;
+            self.peak_threads = self.peak_threads.max(self.threads());
+        }
+        Action {
+            wake_watcher: std::mem::take(&mut self.watcher_waits),
+            spawn_watcher,
+            ..Action::default()
+        }
+    }
+
+    /// Take every entry from the watcher, for their lane threads to block
+    /// in the driver (after the lock: `hand_back`).
+    fn unwatch_all(&mut self) -> Vec<Watched> {
+        std::mem::take(&mut self.watched)
     }
 
     fn lane_of(&mut self, key: LaneKey, owner: Owner) -> Option<&mut Lane> {
@@ -337,6 +373,11 @@ impl Invariants for State {
             !self.shutdown || self.lanes.is_empty(),
             "lanes after shutdown"
         );
+        assert!(
+            self.watched.is_empty() || self.watcher,
+            "entries for no watcher"
+        );
+        assert!(!self.watcher_waits || self.watcher);
         for lane in self.lanes.values() {
             assert!(lane.held.is_none() || matches!(lane.owner, Owner::Thread(_)));
             assert!(lane.out == 0 || lane.owner != Owner::Queued);
@@ -346,7 +387,6 @@ impl Invariants for State {
 
 impl Pool {
     pub(crate) fn new(config: Config) -> Self {
-        let watchers = Watchers::new(config.watchers);
         Self {
             shared: Arc::new(Shared {
                 unusable: config.unusable(),
@@ -355,7 +395,9 @@ impl Pool {
                 work: Condvar::new(),
                 poller_work: Condvar::new(),
                 counters: Counters::default(),
-                watchers,
+                watch_work: Condvar::new(),
+                published: AtomicUsize::new(0),
+                watcher_early: AtomicUsize::new(0),
                 fork_generation: crate::fork::generation(),
                 #[cfg(test)]
                 plants: Default::default(),
@@ -371,9 +413,20 @@ impl Pool {
         &self.shared.counters
     }
 
-    /// The budget of threads spinning on progress words.
-    pub(super) fn watchers(&self) -> &Watchers {
-        &self.shared.watchers
+    /// Entries handed to the watcher so far.
+    pub(super) fn published(&self) -> usize {
+        self.shared.published.load(Ordering::Acquire)
+    }
+
+    /// How early the watcher wakes before an end it expects, as it last said.
+    pub(super) fn watcher_early(&self) -> Duration {
+        let nanos = self.shared.watcher_early.load(Ordering::Relaxed);
+        Duration::from_nanos(nanos as u64)
+    }
+
+    pub(super) fn set_watcher_early(&self, early: Duration) {
+        let nanos = usize::try_from(early.as_nanos()).unwrap_or(usize::MAX);
+        self.shared.watcher_early.store(nanos, Ordering::Relaxed);
     }
 
     fn lock(&self) -> Checked<'_, State> {
@@ -393,10 +446,11 @@ impl Pool {
         self.shared.fork_generation != crate::fork::current()
     }
 
-    /// Leave `result` for `slot`'s future and wake it, counting it first.
-    pub(super) fn deliver(&self, slot: &Slot, result: Result<(), ServerError>) {
+    /// Leave `result` for `slot`'s future and wake it, counting it first;
+    /// whether it was the first result left there.
+    pub(super) fn deliver(&self, slot: &Slot, result: Result<(), ServerError>) -> bool {
         let counters = &self.shared.counters;
-        slot.complete(result, |ok, since| counters.delivered(ok, since));
+        slot.complete(result, |ok, since| counters.delivered(ok, since))
     }
 
     /// Hand `wait` to the pool: its place and what to do next. Refused in a
@@ -448,16 +502,19 @@ impl Pool {
         if self.is_forked() {
             return;
         }
-        let (lanes, withdrawn) = {
+        let (lanes, withdrawn, watched) = {
             let mut state = self.lock();
             state.shutdown = true;
             state.for_threads.clear();
             state.for_poller.clear();
             let lanes = std::mem::take(&mut state.lanes);
-            (lanes, std::mem::take(&mut state.withdrawn))
+            let withdrawn = std::mem::take(&mut state.withdrawn);
+            (lanes, withdrawn, state.unwatch_all())
         };
+        hand_back(watched);
         self.shared.work.notify_all();
         self.shared.poller_work.notify_all();
+        self.shared.watch_work.notify_all();
         withdrawn.into_iter().for_each(contain::drop);
         for lane in lanes.into_values() {
             if let Some(slot) = lane.held {
@@ -481,8 +538,8 @@ impl Pool {
     }
 
     /// Lane thread `owner`'s held wait, `slot`'s, ended with `result`: unless
-    /// shutdown resolved it meanwhile, it is delivered after the lock. With
-    /// `next`, the next oldest is taken out in the same hold.
+    /// shutdown (or the watcher) resolved it meanwhile, it is delivered after
+    /// the lock. With `next`, the next oldest is taken out in the same hold.
     pub(super) fn end_held(
         &self,
         key: LaneKey,
@@ -505,6 +562,80 @@ impl Pool {
             self.deliver(slot, result);
         }
         next
+    }
+
+    /// A lane thread hands `entry`, its held wait, to the watcher, which
+    /// starts looking at its word when it is nearly due; false after
+    /// shutdown (then it blocks in the driver, as before).
+    pub(super) fn watch(&self, entry: Watched) -> Option<Action> {
+        let mut state = self.lock();
+        if state.shutdown {
+            return None;
+        }
+        state.watched.push(entry);
+        self.shared.published.fetch_add(1, Ordering::Release);
+        Some(state.watcher_for_work())
+    }
+
+    /// The watcher's round: the entries still to watch, into `entries`
+    /// (cleared first); it waits for one up to its keep-alive. False (and
+    /// uncounted) when it should exit: idle past its keep-alive, or shut down.
+    pub(super) fn watch_round(&self, entries: &mut Vec<Watched>) -> bool {
+        entries.clear();
+        let mut state = self.lock();
+        let mut timed_out = false;
+        loop {
+            entries.extend(state.watched.iter().cloned());
+            if !entries.is_empty() && !state.shutdown {
+                return true;
+            }
+            if state.shutdown || timed_out {
+                state.leave(Owner::Watcher);
+                // The next watcher learns its own timing.
+                self.set_watcher_early(Duration::ZERO);
+                return false;
+            }
+            state.watcher_waits = true;
+            let keep_alive = self.shared.config.keep_alive;
+            let (woken, timeout) = state.wait_timeout(&self.shared.watch_work, keep_alive);
+            state = woken;
+            state.watcher_waits = false;
+            timed_out = timeout;
+        }
+    }
+
+    /// The watcher sleeps until `until`, unless an entry comes after the
+    /// `published`th or the pool shuts down: how late it woke, if its time ran out.
+    pub(super) fn watcher_nap(&self, until: Instant, published: usize) -> Option<Duration> {
+        let mut state = self.lock();
+        if state.shutdown || self.published() != published {
+            return None;
+        }
+        let left = until.saturating_duration_since(Instant::now());
+        state.watcher_waits = true;
+        let (mut state, timed_out) = state.wait_timeout(&self.shared.watch_work, left);
+        state.watcher_waits = false;
+        timed_out.then(|| Instant::now().saturating_duration_since(until))
+    }
+
+    /// The watcher is done with the entries in `done`: each leaves, and its
+    /// lane thread is given its verdict. Empties `done`.
+    pub(super) fn watched(&self, done: &mut Vec<(Arc<Handback>, Verdict)>) {
+        {
+            let mut state = self.lock();
+            for (handback, _) in done.iter() {
+                let index = state
+                    .watched
+                    .iter()
+                    .position(|entry| Arc::ptr_eq(&entry.handback, handback));
+                if let Some(index) = index {
+                    state.watched.swap_remove(index);
+                }
+            }
+        }
+        for (handback, verdict) in done.drain(..) {
+            handback.give(verdict);
+        }
     }
 
     /// Move up to `limit` of `key`'s oldest waits into `batch`, if `owner`
@@ -687,6 +818,13 @@ impl Pool {
         crate::panics::log(|| log::error!("a waiter thread could not be started: {err}"));
         let mut state = self.lock();
         state.leave(owner);
+        if owner == Owner::Watcher {
+            // Its entries' lane threads block in the driver: they end there.
+            let entries = state.unwatch_all();
+            drop(state);
+            hand_back(entries);
+            return Action::default();
+        }
         if owner != Owner::Poller {
             let lanes = std::mem::take(&mut state.for_threads);
             // Plant for loom model `loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller`.
@@ -754,6 +892,10 @@ impl Pool {
             .into_iter()
             .map(|key| state.place(key, max_threads, watching))
             .collect();
+        // A watcher lost with entries left is started again.
+        if owner == Owner::Watcher && !state.watched.is_empty() && !state.shutdown {
+            actions.push(state.watcher_for_work());
+        }
         // The poller watches while a lane is left, even if it was the one lost.
         if watching && !state.poller && !state.shutdown && !state.lanes.is_empty() {
             actions.push(state.poller_for_work());
@@ -778,6 +920,9 @@ impl Pool {
         }
         if action.wake_poller {
             self.shared.poller_work.notify_one();
+        }
+        if action.wake_watcher {
+            self.shared.watch_work.notify_one();
         }
     }
 
@@ -819,9 +964,23 @@ impl Pool {
         &self.shared.plants
     }
 
+    /// The watcher's entries, for tests.
+    #[cfg(test)]
+    pub(super) fn watched_entries(&self) -> usize {
+        self.lock().watched.len()
+    }
+
     /// Lane threads asleep for work now, for tests that need one idle.
     #[cfg(all(test, not(device_events_loom)))]
     pub(super) fn idle_threads(&self) -> usize {
         self.lock().idle
+    }
+}
+
+/// Give each of `entries`' lane threads its wait back, to block on in the
+/// driver.
+fn hand_back(entries: Vec<Watched>) {
+    for entry in entries {
+        entry.handback.give(Verdict::Driver);
     }
 }

@@ -35,17 +35,18 @@ impl Slot {
         }
     }
 
-    /// Leave `result` for the future and wake it, once, unless cancelled.
-    /// `delivered` (is it `Ok`; the hand-off's time) counts it first.
+    /// Leave `result` for the future and wake it, once, unless cancelled:
+    /// whether it did. `delivered` (is it `Ok`; the hand-off's time) counts it
+    /// first.
     pub(crate) fn complete(
         &self,
         result: Result<(), ServerError>,
         delivered: impl FnOnce(bool, Instant),
-    ) {
+    ) -> bool {
         let waker = {
             let mut state = self.state.lock();
             if state.cancelled || state.done {
-                return;
+                return false;
             }
             delivered(result.is_ok(), self.handed_at);
             state.done = true;
@@ -56,6 +57,7 @@ impl Slot {
         if let Some(waker) = waker {
             contain::wake(waker);
         }
+        true
     }
 
     /// The result if it is there; otherwise remember `cx`'s waker.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::contain;
 use super::pool::{Action, Owner, Pool, Wait};
 use super::waitable::LaneKey;
-use super::watch::Watch;
+use super::watch::{self, Handback, LaneWatch, Timing, Verdict, Watched, MIN_NAP};
 use crate::loom::thread;
 use crate::ServerError;
 
@@ -30,7 +30,10 @@ pub(super) fn act(pool: &Pool, action: Action) {
     let poller = action
         .spawn_poller
         .then(|| (format!("{name}-poller"), Owner::Poller));
-    for (name, owner) in threads.into_iter().chain(poller) {
+    let watcher = action
+        .spawn_watcher
+        .then(|| (format!("{name}-watcher"), Owner::Watcher));
+    for (name, owner) in threads.into_iter().chain(poller).chain(watcher) {
         let worker = pool.clone();
         let spawned = match pool.refused_spawn() {
             Some(refused) => Err(refused),
@@ -59,7 +62,7 @@ struct WaiterThread {
     counted: bool,
     /// The progress word and history of the lane it served last (lane threads, while watching
     /// is on), kept in case it serves that lane again.
-    watch: Option<(LaneKey, Watch)>,
+    watch: Option<(LaneKey, LaneWatch)>,
 }
 
 impl WaiterThread {
@@ -78,12 +81,8 @@ impl WaiterThread {
         };
         match owner {
             Owner::Poller => this.run_poller(),
-            _ => {
-                if this.pool.config().watchers > 0 {
-                    crate::timer_slack::lower_for_this_thread();
-                }
-                this.run_lane_thread();
-            }
+            Owner::Watcher => this.run_watcher(),
+            Owner::Thread(_) | Owner::Queued => this.run_lane_thread(),
         }
         this.counted = false;
     }
@@ -109,7 +108,7 @@ impl WaiterThread {
         self.find_word(key, &wait);
         loop {
             self.pool.planted_escape();
-            let result = self.wait_for(&wait);
+            let result = self.wait_out(&wait);
             let next = self.pool.end_held(key, owner, &wait.slot, result, true);
             // Its future is woken first; then its fence (its event) goes.
             contain::drop(wait);
@@ -142,29 +141,115 @@ impl WaiterThread {
             return;
         }
         let word = contain::backend(|| Ok(wait.waitable.progress()));
-        self.watch = word.ok().flatten().map(|word| (key, Watch::new(word)));
+        self.watch = word.ok().flatten().map(|word| (key, LaneWatch::new(word)));
     }
 
-    /// Wait until `wait`'s fence is reached: watch its stream's word if it has one (a passed
-    /// word confirmed by one query: a fault is the event's to report), else block in the driver.
-    fn wait_for(&mut self, wait: &Wait) -> Result<(), ServerError> {
+    /// Wait until `wait`'s fence is reached: through the watcher where its stream has a word
+    /// (which resolves it, or hands it back), else (or then) blocking in the driver.
+    fn wait_out(&mut self, wait: &Wait) -> Result<(), ServerError> {
+        let started = Instant::now();
         let Some((_, watch)) = &mut self.watch else {
             return contain::backend(|| wait.waitable.block());
         };
-        let started = Instant::now();
-        if watch.watch(wait.sequence(), started, self.pool.watchers()) {
-            match contain::backend(|| wait.waitable.query()) {
-                Ok(true) => {
-                    self.pool.counters().watched();
+        let early = self.pool.watcher_early();
+        let entry = watch.entry(&wait.slot, &wait.waitable, wait.sequence(), started, early);
+        if let Some(entry) = entry {
+            let handback = entry.handback.clone();
+            if let Some(action) = self.pool.watch(entry) {
+                act(&self.pool, action);
+                if let Verdict::Resolved(seen) = handback.wait() {
+                    watch.ended(seen.saturating_duration_since(started));
+                    // Delivered by the watcher: this result is not (the first stands).
                     return Ok(());
                 }
-                Ok(false) => {}
-                Err(err) => return Err(err),
             }
         }
         let result = contain::backend(|| wait.waitable.block());
         watch.ended(started.elapsed());
         result
+    }
+
+    /// The watcher: sleep until the first entry is nearly due, look at the words of those due
+    /// until each passed (confirmed by a query, then resolved) or its window ended, and again.
+    fn run_watcher(&mut self) {
+        crate::timer_slack::lower_for_this_thread();
+        let mut timing = Timing::default();
+        let mut entries = Vec::new();
+        let mut done = Vec::new();
+        while self.pool.watch_round(&mut entries) {
+            let published = self.pool.published();
+            let first = entries.iter().map(|entry| timing.look_from(entry)).min();
+            let first = first.expect("a round has entries");
+            let mut napped = false;
+            if first.saturating_duration_since(Instant::now()) >= MIN_NAP
+                && !cfg!(device_events_loom)
+            {
+                if let Some(late) = self.pool.watcher_nap(first, published) {
+                    timing.overslept(late);
+                    napped = true;
+                }
+                if self.pool.published() != published {
+                    continue;
+                }
+            }
+            self.look(&mut timing, &entries, published, napped, &mut done);
+            self.pool.set_watcher_early(timing.early());
+            self.pool.watched(&mut done);
+        }
+    }
+
+    /// Look at the words of `entries` due now until each has passed or its window ended, or an
+    /// entry came after the `published`th; what became of each goes into `done`.
+    fn look(
+        &self,
+        timing: &mut Timing,
+        entries: &[Watched],
+        published: usize,
+        napped: bool,
+        done: &mut Vec<(crate::loom::Arc<Handback>, Verdict)>,
+    ) {
+        let now = Instant::now();
+        let mut due: Vec<&Watched> = entries
+            .iter()
+            .filter(|entry| timing.look_from(entry) <= now)
+            .collect();
+        let mut looks = 0u32;
+        while !due.is_empty() {
+            due.retain(|entry| {
+                if entry.passed() {
+                    timing.seen(entry, napped && looks == 0);
+                    let verdict = self.resolve_watched(entry);
+                    done.push((entry.handback.clone(), verdict));
+                    false
+                } else if watch::past(timing.look_until(entry), looks) {
+                    done.push((entry.handback.clone(), Verdict::Driver));
+                    false
+                } else {
+                    true
+                }
+            });
+            // New entries are taken in each 32 looks, not at each: a round copies them all.
+            if looks.is_multiple_of(32) && self.pool.published() != published {
+                return;
+            }
+            looks = looks.wrapping_add(1);
+            watch::pause(looks);
+        }
+    }
+
+    /// `entry`'s word passed: confirm with a query, and resolve its wait (with a fault too),
+    /// unless the word ran ahead of the event: then it is left to the driver.
+    fn resolve_watched(&self, entry: &Watched) -> Verdict {
+        let seen = Instant::now();
+        let result = match contain::backend(|| entry.waitable.query()) {
+            Ok(false) => return Verdict::Driver,
+            reached => reached.map(drop),
+        };
+        let ok = result.is_ok();
+        if self.pool.deliver(&entry.slot, result) && ok {
+            self.pool.counters().watched();
+        }
+        Verdict::Resolved(seen)
     }
 
     /// Resolve, in order, the waits of `key` a query shows reached, up to

@@ -221,7 +221,7 @@ fn new_lane(state: &mut State, lane: u64, max_threads: usize) -> Action {
     };
     let slot = Arc::new(Slot::new(futures::task::noop_waker()));
     let key = super::waitable::LaneKey::for_tests(lane);
-    assert!(state.insert(Wait::new(Box::new(fence), slot, key, None)));
+    assert!(state.insert(Wait::new(std::sync::Arc::new(fence), slot, key, None)));
     state.place(key, max_threads, false)
 }
 
@@ -452,6 +452,8 @@ struct WordFence {
     word: Arc<crate::progress_word::HostWord>,
     queries: Arc<AtomicUsize>,
     blocks: Arc<AtomicUsize>,
+    /// A block ends once this device finishes (at once without one).
+    release: Option<Arc<Device>>,
     answer: fn(usize, bool) -> Result<bool, ServerError>,
 }
 
@@ -474,6 +476,9 @@ impl super::waitable::Waitable for WordFence {
 
     fn block(&self) -> Result<(), ServerError> {
         self.blocks.fetch_add(1, Ordering::SeqCst);
+        if let Some(release) = &self.release {
+            release.wait_reached();
+        }
         Ok(())
     }
 
@@ -511,6 +516,7 @@ fn a_first_poll_spins_on_the_progress_word_not_on_queries() {
         word: Arc::default(),
         queries: queries.clone(),
         blocks: Arc::default(),
+        release: None,
         answer: |_, passed| Ok(passed),
     };
     let started = Instant::now();
@@ -533,6 +539,7 @@ fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
         word,
         queries: queries.clone(),
         blocks: Arc::default(),
+        release: None,
         answer: |number, _| match number {
             1 => Ok(false),
             _ => Err(ServerError::faulted("Mock", "query", 719, "faulted", "")),
@@ -546,9 +553,10 @@ fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
     assert_eq!(queries.load(Ordering::SeqCst), 2);
 }
 
-/// A pool whose one lane thread may watch (`watchers`), and `fence` handed
-/// to it: the wait's result, and the pool's counts once it is in.
-fn served_watching(watchers: usize, fence: WordFence) -> (Result<(), ServerError>, WaiterStats) {
+/// A pool whose lane thread may hand its wait to a watcher (`watchers`),
+/// and a wait on `fence` handed to it, whose block ends once `release`
+/// finishes: the pool and the wait's slot.
+fn watching_pool(watchers: usize, fence: WordFence) -> (super::pool::Pool, Arc<Slot>) {
     let pool = super::pool::Pool::new(super::pool::Config {
         max_threads: 1,
         keep_alive: Duration::from_secs(1),
@@ -558,89 +566,130 @@ fn served_watching(watchers: usize, fence: WordFence) -> (Result<(), ServerError
         watchers,
     });
     let (slot, _) = submit_fence(&pool, Box::new(fence));
-    let result = result_of(&slot);
-    let counts = pool.counters().read(WaiterStats::default());
-    assert_eq!(pool.watchers().spinning(), 0, "the turn is given back");
-    pool.shutdown();
-    (result, counts)
+    (pool, slot)
 }
 
 /// A fence whose stream's word has passed it (`passed`), its queries
-/// answered by `answer` and counted in `queries`.
-fn word_fence(passed: bool, answer: fn(usize, bool) -> Result<bool, ServerError>) -> WordFence {
+/// answered by `answer`, its block ended by the device it returns.
+fn word_fence(
+    passed: bool,
+    answer: fn(usize, bool) -> Result<bool, ServerError>,
+) -> (WordFence, Arc<Device>) {
     let word = Arc::new(crate::progress_word::HostWord::default());
     if passed {
         word.advance(3);
     }
-    WordFence {
+    let release = Arc::new(Device::default());
+    let fence = WordFence {
         word,
         queries: Arc::default(),
         blocks: Arc::default(),
+        release: Some(release.clone()),
         answer,
-    }
+    };
+    (fence, release)
+}
+
+fn is_pending(slot: &Slot) -> bool {
+    let waker = futures::task::noop_waker();
+    slot.poll(&mut Context::from_waker(&waker)).is_pending()
 }
 
 #[test]
-fn a_lane_thread_sees_a_passed_word_and_resolves_after_one_query_without_blocking() {
-    let fence = word_fence(true, |_, passed| Ok(passed));
+fn the_watcher_resolves_a_wait_whose_word_passed_and_its_lane_thread_never_blocks() {
+    let (fence, _release) = word_fence(true, |_, passed| Ok(passed));
     let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
-    let (result, counts) = served_watching(1, fence);
-    result.expect("reached");
+    let (pool, slot) = watching_pool(1, fence);
+    result_of(&slot).expect("resolved by the watcher");
     assert_eq!(queries.load(Ordering::SeqCst), 1, "confirmed by one query");
-    assert_eq!(blocks.load(Ordering::SeqCst), 0, "never blocked");
-    assert_eq!(counts.watched, 1);
+    eventually("the lane thread is done with it", || {
+        pool.gauges().pending == 0
+    });
+    assert_eq!(
+        blocks.load(Ordering::SeqCst),
+        0,
+        "never blocked in the driver"
+    );
+    assert_eq!(pool.watched_entries(), 0);
+    let counts = pool.counters().read(WaiterStats::default());
+    assert_eq!((counts.watched, counts.resolved), (1, 1), "counted once");
+    pool.shutdown();
 }
 
 #[test]
-fn a_lane_thread_confirms_a_passed_word_with_a_query_that_can_fail() {
-    let fence = word_fence(true, |_, _| {
+fn the_watcher_confirms_a_passed_word_with_a_query_that_can_fail() {
+    let (fence, _release) = word_fence(true, |_, _| {
         Err(ServerError::faulted("Mock", "query", 719, "faulted", ""))
     });
     let blocks = fence.blocks.clone();
-    let (result, counts) = served_watching(1, fence);
+    let (pool, slot) = watching_pool(1, fence);
+    let result = result_of(&slot);
     assert!(
         matches!(&result, Err(err) if err.is_faulted()),
         "{result:?}"
     );
+    eventually("the lane thread is done with it", || {
+        pool.gauges().pending == 0
+    });
     assert_eq!(blocks.load(Ordering::SeqCst), 0);
+    let counts = pool.counters().read(WaiterStats::default());
     assert_eq!((counts.watched, counts.failed), (0, 1));
+    pool.shutdown();
 }
 
 #[test]
-fn a_word_ahead_of_its_event_sends_the_lane_thread_to_the_driver() {
-    // The word says passed, the event not yet: the thread blocks on it.
-    let fence = word_fence(true, |_, _| Ok(false));
+fn a_word_ahead_of_its_event_is_handed_back_to_the_driver() {
+    // The word says passed, the event not yet: the wait ends in the driver.
+    let (fence, release) = word_fence(true, |_, _| Ok(false));
     let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
-    let (result, counts) = served_watching(1, fence);
-    result.expect("reached");
-    assert_eq!(queries.load(Ordering::SeqCst), 1);
-    assert_eq!(blocks.load(Ordering::SeqCst), 1);
-    assert_eq!(counts.watched, 0);
+    let (pool, slot) = watching_pool(1, fence);
+    eventually("the lane thread blocks", || {
+        blocks.load(Ordering::SeqCst) == 1
+    });
+    assert_eq!(queries.load(Ordering::SeqCst), 1, "the watcher asked");
+    assert_eq!(pool.watched_entries(), 0);
+    assert!(is_pending(&slot), "not resolved by the watcher");
+    release.finish();
+    result_of(&slot).expect("resolved by the block");
+    assert_eq!(pool.counters().read(WaiterStats::default()).watched, 0);
+    pool.shutdown();
 }
 
 #[test]
-fn a_word_that_never_moves_is_watched_for_a_window_then_the_thread_blocks() {
-    let fence = word_fence(false, |_, passed| Ok(passed));
+fn a_word_that_never_moves_is_watched_for_a_window_then_handed_back() {
+    let (fence, release) = word_fence(false, |_, passed| Ok(passed));
     let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
     let started = Instant::now();
-    let (result, counts) = served_watching(1, fence);
-    result.expect("the block ends it");
+    let (pool, slot) = watching_pool(1, fence);
+    eventually("the lane thread blocks", || {
+        blocks.load(Ordering::SeqCst) == 1
+    });
     assert!(
         started.elapsed() >= super::watch::FIRST_WINDOW,
         "watched first"
     );
     assert_eq!(queries.load(Ordering::SeqCst), 0, "no query while watching");
-    assert_eq!(blocks.load(Ordering::SeqCst), 1);
-    assert_eq!(counts.watched, 0);
+    assert_eq!(pool.watched_entries(), 0);
+    assert!(is_pending(&slot));
+    release.finish();
+    result_of(&slot).expect("the block ends it");
+    assert_eq!(pool.counters().read(WaiterStats::default()).watched, 0);
+    pool.shutdown();
 }
 
 #[test]
-fn with_no_watchers_a_lane_thread_blocks_in_the_driver_even_on_a_passed_word() {
-    let fence = word_fence(true, |_, passed| Ok(passed));
+fn with_no_watchers_a_lane_thread_only_blocks_even_on_a_passed_word() {
+    let (fence, release) = word_fence(true, |_, passed| Ok(passed));
     let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
-    let (result, counts) = served_watching(0, fence);
-    result.expect("reached");
+    let (pool, slot) = watching_pool(0, fence);
+    eventually("the lane thread blocks", || {
+        blocks.load(Ordering::SeqCst) == 1
+    });
+    assert_eq!(pool.gauges().threads, 1, "no watcher");
+    assert!(is_pending(&slot));
+    release.finish();
+    result_of(&slot).expect("reached");
     assert_eq!(queries.load(Ordering::SeqCst), 0);
-    assert_eq!(blocks.load(Ordering::SeqCst), 1);
-    assert_eq!(counts.watched, 0);
+    assert_eq!(pool.counters().read(WaiterStats::default()).watched, 0);
+    pool.shutdown();
 }

@@ -36,7 +36,7 @@ impl LaneKey {
 }
 
 /// What the waiter needs of a fence.
-pub(crate) trait Waitable: Send + 'static {
+pub(crate) trait Waitable: Send + Sync + 'static {
     /// The lane (stream) this wait belongs to.
     fn lane(&self) -> LaneKey;
     /// Its order in the lane: earlier fences on a stream complete first.

@@ -1,79 +1,39 @@
-//! Watching a stream's progress word: how a lane thread learns that its held wait's work ended
-//! within microseconds, at close to the CPU of a thread asleep in the driver.
+//! Watching streams' progress words: how a task wakes within microseconds of its work's end, at
+//! close to the CPU of a thread asleep in the driver.
 //!
-//! A lane thread whose stream keeps a [`ProgressWord`] predicts when the wait it holds will end,
-//! from how long the lane's recent waits took (the least of the last few, as the stream's items
-//! keep their length from one to the next), sleeps until shortly before that (earlier by the
-//! most its recent sleeps overslept, and a margin), and then spins on the word: a memory load,
-//! no driver call. It spins only while one of the waiter's
-//! [`Watchers`] turns is free, and at most a bounded window; then it blocks in the driver, as a
-//! thread without a word always does. A lane with no history yet watches the short
-//! [`FIRST_WINDOW`] at once. A wake that finds the word already passed came late: the margin
-//! before the predicted end doubles; each wake in time shrinks it by an eighth.
+//! A lane thread whose stream keeps a [`ProgressWord`] hands the wait it holds to the waiter's
+//! **watcher** thread as a [`Watched`] entry: the word, the wait's number, and when the wait
+//! should end, predicted from how long the lane's recent waits took ([`LaneWatch`]: the least of
+//! the last few, as a stream's items keep their length from one to the next; none for a lane
+//! with no history). It sleeps meanwhile (a [`Handback`], not the driver), and blocks in the
+//! driver only if the watcher hands the wait back unresolved. The watcher sleeps until shortly before the
+//! earliest predicted end (earlier by the most its recent sleeps overslept, and a margin:
+//! [`Timing`]), then looks at the words of every entry due by then, a memory load each, no
+//! driver call, pausing and then yielding between looks. A word that passed is confirmed by one
+//! query of the wait's event (a faulted stream's word stops, and its event reports the fault),
+//! and the watcher resolves the wait at once, then wakes its lane thread for the next. An entry
+//! is watched for a bounded window (at least [`FIRST_WINDOW`]) past its predicted end, then
+//! handed back to be blocked on in the driver: a stalled stream stops being watched. A wake that
+//! finds a word already passed came late: the margin doubles (up to a quarter of the
+//! prediction); each end seen in time shrinks it by an eighth.
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::loom::AtomicUsize;
+use super::slot::Slot;
+use super::waitable::Waitable;
+use crate::loom::{Arc, Condvar, Mutex};
 use crate::ProgressWord;
 
-/// How long a lane with no history spins on its word before it blocks.
+/// How long past its hand-over the watcher looks at the word of a lane with no history.
 pub(crate) const FIRST_WINDOW: Duration = Duration::from_micros(50);
 /// The least margin before a predicted end, beyond how late sleeps have lately ended.
 const MIN_MARGIN: Duration = Duration::from_micros(5);
-/// A sleep shorter than this is spun instead (a wake-up costs about this much).
-const MIN_NAP: Duration = Duration::from_micros(20);
-/// Looks at the word with a pause between them before a watcher yields between looks instead.
+/// A sleep shorter than this is spent looking instead.
+pub(super) const MIN_NAP: Duration = Duration::from_micros(20);
+/// Looks with a pause between them before the watcher yields between looks instead.
 const SPIN_LOOKS: u32 = 64;
-/// How many recent waits a prediction looks at.
+/// How many recent durations a prediction looks at.
 const HISTORY: usize = 4;
-
-/// The waiter-wide budget of threads that spin on words at once.
-#[derive(Debug)]
-pub(super) struct Watchers {
-    max: usize,
-    now: AtomicUsize,
-}
-
-/// A turn to spin, given back on drop.
-pub(super) struct Turn<'a>(&'a AtomicUsize);
-
-impl Watchers {
-    pub(super) fn new(max: usize) -> Self {
-        Self {
-            max,
-            now: AtomicUsize::new(0),
-        }
-    }
-
-    /// A turn to spin, if fewer than the most allowed are spinning.
-    fn turn(&self) -> Option<Turn<'_>> {
-        let taken = self
-            .now
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |now| {
-                (now < self.max).then_some(now + 1)
-            });
-        taken.ok().map(|_| Turn(&self.now))
-    }
-
-    /// Whether every turn is taken now.
-    fn all_taken(&self) -> bool {
-        self.now.load(Ordering::Relaxed) >= self.max
-    }
-
-    /// Threads spinning now.
-    #[cfg(test)]
-    pub(super) fn spinning(&self) -> usize {
-        self.now.load(Ordering::Acquire)
-    }
-}
-
-impl Drop for Turn<'_> {
-    fn drop(&mut self) {
-        let before = self.0.fetch_sub(1, Ordering::AcqRel);
-        assert!(before > 0, "a watcher's turn given back twice");
-    }
-}
 
 /// The last few durations of one kind.
 #[derive(Default)]
@@ -93,99 +53,55 @@ impl Recent {
     }
 }
 
-/// One lane's word and recent history, kept by the lane thread that serves it.
-pub(super) struct Watch {
+/// A lane's progress word and how long its recent waits took, kept by the lane thread serving it.
+pub(super) struct LaneWatch {
     word: ProgressWord,
-    /// How long the lane's recent waits took, from the start of their hold to their end.
     took: Recent,
-    /// How late this thread's recent sleeps ended (timer slack, the scheduler, a hypervisor).
-    overslept: Recent,
-    /// How much earlier still it wakes, beyond the oversleep it expects.
-    margin: Duration,
 }
 
-impl Watch {
+impl LaneWatch {
     pub(super) fn new(word: ProgressWord) -> Self {
         Self {
             word,
             took: Recent::default(),
-            overslept: Recent::default(),
-            margin: MIN_MARGIN,
         }
     }
 
-    /// Wait for the stream to pass point `sequence`, its hold begun at `started`: sleep until
-    /// shortly before its predicted end, then spin on the word while `watchers` has a turn, for
-    /// a bounded window. Whether the word passed; if not, the caller blocks in the driver, and
-    /// tells [`Watch::ended`] when the wait ended.
-    pub(super) fn watch(&mut self, sequence: u64, started: Instant, watchers: &Watchers) -> bool {
-        if self.word.passed(sequence) {
-            return true;
+    /// The entry for the watcher of a wait (`waitable`'s, point `sequence`, result to `slot`)
+    /// held from `started`; none if the lane's waits are shorter than twice `early`, how early
+    /// the watcher wakes before an end it expects ([`Timing::early`]): it would look for most of
+    /// each (serving them one after another), while the lane thread's wake-up in the driver
+    /// comes about as soon.
+    pub(super) fn entry(
+        &self,
+        slot: &Arc<Slot>,
+        waitable: &std::sync::Arc<dyn Waitable>,
+        sequence: u64,
+        started: Instant,
+        early: Duration,
+    ) -> Option<Watched> {
+        let predicted = self.predicted();
+        if predicted.is_some_and(|predicted| predicted < early * 2) {
+            return None;
         }
-        if watchers.all_taken() {
-            // Others watch: a sleep now would most likely end in the driver all the same.
-            return false;
-        }
-        let window = match self.predicted() {
-            Some(predicted) => {
-                let lead = self.lead(predicted);
-                let wake = started + predicted.saturating_sub(lead);
-                if let Some(overslept) = nap_until(wake) {
-                    self.overslept.push(overslept);
-                    if self.word.passed(sequence) {
-                        self.woke(true, predicted);
-                        self.ended(started.elapsed());
-                        return true;
-                    }
-                }
-                (lead * 2).max(FIRST_WINDOW)
-            }
-            None => FIRST_WINDOW,
-        };
-        let Some(_turn) = watchers.turn() else {
-            return false;
-        };
-        let until = Instant::now() + window;
-        let mut looks = 0u32;
-        loop {
-            if self.word.passed(sequence) {
-                self.woke(false, Duration::MAX);
-                self.ended(started.elapsed());
-                return true;
-            }
-            looks = looks.wrapping_add(1);
-            if window_over(until, looks) {
-                return false;
-            }
-            spin(looks);
-        }
+        let predicted = predicted.unwrap_or_default();
+        Some(Watched {
+            slot: slot.clone(),
+            waitable: waitable.clone(),
+            word: self.word.clone(),
+            sequence,
+            due: started + predicted,
+            predicted,
+            handback: Arc::default(),
+        })
     }
 
-    /// The wait held since `took` ago ended (seen on the word, or by blocking).
+    /// The wait held from the start of `took` ended (seen by the watcher, or by blocking).
     pub(super) fn ended(&mut self, took: Duration) {
         self.took.push(took);
     }
 
-    /// How long before the `predicted` end a sleep is set to end: the most it overslept lately,
-    /// and the margin; at most half the prediction, so that a thread that overslept badly once
-    /// still sleeps (and learns how late it wakes now) rather than spin whole items.
-    fn lead(&self, predicted: Duration) -> Duration {
-        let overslept = self.overslept.values().iter().max().copied();
-        (overslept.unwrap_or_default() + self.margin).min(predicted / 2)
-    }
-
-    /// After a wake that found the word passed: `late` (the work ended during the sleep), the
-    /// margin doubles, up to a quarter of `predicted`; in time, it shrinks by an eighth, down to
-    /// the least.
-    fn woke(&mut self, late: bool, predicted: Duration) {
-        self.margin = if late {
-            (self.margin * 2).min(predicted / 4).max(MIN_MARGIN)
-        } else {
-            (self.margin - self.margin / 8).max(MIN_MARGIN)
-        };
-    }
-
-    /// When the held wait should end, from the start of its hold: the least of the recent waits,
+    /// How long a wait should take from the start of its hold: the least of the recent waits,
     /// once there are two (a lane's first wait often waited for more than one item).
     fn predicted(&self) -> Option<Duration> {
         let took = self.took.values();
@@ -193,28 +109,133 @@ impl Watch {
     }
 }
 
-/// Sleep until `wake` if that is long enough to be worth a sleep: how late it woke, if it slept.
-fn nap_until(wake: Instant) -> Option<Duration> {
-    let left = wake.saturating_duration_since(Instant::now());
-    if left < MIN_NAP || cfg!(device_events_loom) {
-        return None;
-    }
-    std::thread::sleep(left);
-    Some(Instant::now().saturating_duration_since(wake))
+/// A held wait handed to the watcher; its lane thread sleeps on the `handback` meanwhile.
+#[derive(Clone)]
+pub(super) struct Watched {
+    pub(super) slot: Arc<Slot>,
+    pub(super) waitable: std::sync::Arc<dyn Waitable>,
+    word: ProgressWord,
+    sequence: u64,
+    /// When it should end: `predicted` after its hold began (zero: no history).
+    due: Instant,
+    predicted: Duration,
+    pub(super) handback: Arc<Handback>,
 }
 
-/// Whether a spin that looked `looks` times should stop: at `until` (the clock read once in 32
+impl Watched {
+    /// Whether the stream has passed the wait's point.
+    pub(super) fn passed(&self) -> bool {
+        self.word.passed(self.sequence)
+    }
+}
+
+/// What the watcher made of a wait it was handed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Verdict {
+    /// Its word passed at this time, and the watcher resolved it (with the event's answer).
+    Resolved(Instant),
+    /// Left to the driver: its window ended, its word ran ahead of its event, or the watcher
+    /// stopped.
+    Driver,
+}
+
+/// Where a lane thread sleeps while the watcher has its wait, until it gives the [`Verdict`].
+#[derive(Default)]
+pub(super) struct Handback {
+    verdict: Mutex<Option<Verdict>>,
+    given: Condvar,
+}
+
+impl Handback {
+    /// Give the lane thread its verdict (the first stands) and wake it.
+    pub(super) fn give(&self, verdict: Verdict) {
+        self.verdict.lock().get_or_insert(verdict);
+        self.given.notify_one();
+    }
+
+    /// Sleep until the verdict is given.
+    pub(super) fn wait(&self) -> Verdict {
+        let mut verdict = self.verdict.lock();
+        loop {
+            if let Some(verdict) = *verdict {
+                return verdict;
+            }
+            verdict = self.given.wait(verdict);
+        }
+    }
+}
+
+/// The watcher's timing: how late its sleeps end, and the margin it keeps beyond that.
+pub(super) struct Timing {
+    overslept: Recent,
+    margin: Duration,
+}
+
+impl Default for Timing {
+    fn default() -> Self {
+        Self {
+            overslept: Recent::default(),
+            margin: MIN_MARGIN,
+        }
+    }
+}
+
+impl Timing {
+    /// How early before an end it expects the watcher wakes, at the least: the least its
+    /// recent sleeps overslept, and the margin. Waits shorter than twice that are not worth
+    /// watching (`LaneWatch::entry`).
+    pub(super) fn early(&self) -> Duration {
+        let overslept = self.overslept.values().iter().min().copied();
+        overslept.unwrap_or_default() + self.margin
+    }
+
+    /// How long before its predicted end to look at `entry`'s word: the most the watcher's
+    /// sleeps overslept lately, and the margin; at most half the prediction, so that a watcher
+    /// that overslept badly once still sleeps (and learns how late it wakes now).
+    fn lead(&self, entry: &Watched) -> Duration {
+        let overslept = self.overslept.values().iter().max().copied();
+        (overslept.unwrap_or_default() + self.margin).min(entry.predicted / 2)
+    }
+
+    /// From when to look at `entry`'s word.
+    pub(super) fn look_from(&self, entry: &Watched) -> Instant {
+        entry.due - self.lead(entry)
+    }
+
+    /// Until when to look at `entry`'s word before leaving it to the driver.
+    pub(super) fn look_until(&self, entry: &Watched) -> Instant {
+        entry.due + (self.lead(entry) * 2).max(FIRST_WINDOW)
+    }
+
+    /// A sleep meant to end at some time ended `late` after it.
+    pub(super) fn overslept(&mut self, late: Duration) {
+        self.overslept.push(late);
+    }
+
+    /// `entry`'s word was seen passed: at the first look after a sleep (`late`: the work ended
+    /// during the sleep), the margin doubles, up to a quarter of the prediction; later, it
+    /// shrinks by an eighth, down to the least.
+    pub(super) fn seen(&mut self, entry: &Watched, late: bool) {
+        self.margin = if late {
+            (self.margin * 2).min(entry.predicted / 4).max(MIN_MARGIN)
+        } else {
+            (self.margin - self.margin / 8).max(MIN_MARGIN)
+        };
+    }
+}
+
+/// Whether a watch that has looked `looks` times is past `until` (the clock read once in 32
 /// looks); under loom, after two looks, so a model sees the word pass before, between and after.
-fn window_over(until: Instant, looks: u32) -> bool {
+pub(super) fn past(until: Instant, looks: u32) -> bool {
     if cfg!(device_events_loom) {
         return looks >= 2;
     }
     looks.is_multiple_of(32) && Instant::now() >= until
 }
 
-/// Between two looks at the word: a pause, then, once it has looked a while, a yield, so that a
-/// watcher on a busy machine lets the threads it would wake (an executor's) run meanwhile.
-fn spin(looks: u32) {
+/// Between two looks at the words: a pause, then, once it has looked a while, a yield, so that a
+/// watcher on a busy machine lets the threads it wakes (an executor's) run meanwhile.
+pub(super) fn pause(looks: u32) {
     #[cfg(device_events_loom)]
     crate::loom::thread::yield_now();
     if looks < SPIN_LOOKS {
@@ -229,33 +250,50 @@ mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use super::{Watch, Watchers, FIRST_WINDOW, MIN_MARGIN};
+    use super::{LaneWatch, Slot, Timing, Waitable, Watched, FIRST_WINDOW, MIN_MARGIN};
     use crate::progress_word::HostWord;
-    use crate::ProgressWord;
+    use crate::{ProgressWord, ServerError};
 
-    fn watch() -> (Watch, Arc<HostWord>) {
-        let memory = Arc::new(HostWord::default());
-        (Watch::new(ProgressWord::new(memory.clone())), memory)
+    /// A fence no test here waits on.
+    struct Unused;
+
+    impl Waitable for Unused {
+        fn lane(&self) -> super::super::waitable::LaneKey {
+            unreachable!()
+        }
+        fn sequence(&self) -> u64 {
+            3
+        }
+        fn query(&self) -> Result<bool, ServerError> {
+            unreachable!()
+        }
+        fn block(&self) -> Result<(), ServerError> {
+            unreachable!()
+        }
+        fn stream_name(&self) -> String {
+            unreachable!()
+        }
+        fn progress(&self) -> Option<ProgressWord> {
+            None
+        }
     }
 
-    #[test]
-    fn no_more_threads_spin_than_the_budget_allows() {
-        let watchers = Watchers::new(2);
-        let (first, second) = (watchers.turn(), watchers.turn());
-        assert!(first.is_some() && second.is_some());
-        assert!(watchers.turn().is_none(), "a third is refused");
-        drop(first);
-        assert_eq!(watchers.spinning(), 1);
-        assert!(
-            watchers.turn().is_some(),
-            "a turn given back is taken again"
-        );
-        assert!(Watchers::new(0).turn().is_none());
+    fn lane_watch() -> (LaneWatch, Arc<HostWord>) {
+        let memory = Arc::new(HostWord::default());
+        (LaneWatch::new(ProgressWord::new(memory.clone())), memory)
+    }
+
+    fn entry(watch: &LaneWatch, started: Instant) -> Watched {
+        let slot = Arc::new(Slot::new(futures::task::noop_waker()));
+        let fence: Arc<dyn Waitable> = Arc::new(Unused);
+        watch
+            .entry(&slot, &fence, 3, started, Duration::ZERO)
+            .expect("watched")
     }
 
     #[test]
     fn a_prediction_needs_two_waits_and_takes_the_shortest_of_the_last_four() {
-        let (mut watch, _) = watch();
+        let (mut watch, _) = lane_watch();
         assert_eq!(watch.predicted(), None, "no history");
         // A lane's first wait often waited out a hold: one is not enough.
         watch.ended(Duration::from_millis(300));
@@ -270,73 +308,78 @@ mod tests {
     }
 
     #[test]
-    fn a_sleep_ends_early_by_the_most_it_overslept_lately_and_the_margin_up_to_half_the_prediction()
-    {
-        let (mut watch, _) = watch();
-        let predicted = Duration::from_millis(1);
-        assert_eq!(watch.lead(predicted), MIN_MARGIN, "no sleep yet");
-        for micros in [60, 40, 45, 50] {
-            watch.overslept.push(Duration::from_micros(micros));
-        }
-        assert_eq!(
-            watch.lead(predicted),
-            Duration::from_micros(60) + MIN_MARGIN
-        );
-        watch.overslept.push(Duration::from_micros(10));
-        let lead = watch.lead(predicted);
-        assert_eq!(
-            lead,
-            Duration::from_micros(50) + MIN_MARGIN,
-            "60 us is past"
-        );
-        watch.overslept.push(Duration::from_millis(5));
-        assert_eq!(
-            watch.lead(predicted),
-            predicted / 2,
-            "at most half the prediction"
-        );
-    }
-
-    #[test]
-    fn a_passed_word_is_seen_at_once_and_without_a_turn() {
-        let (mut watch, word) = watch();
-        word.advance(4);
-        let none = Watchers::new(0);
-        assert!(watch.watch(4, Instant::now(), &none));
-        assert!(!watch.watch(5, Instant::now(), &none), "no turn: no spin");
-    }
-
-    #[test]
-    fn a_stream_with_no_history_is_watched_for_the_first_window_only() {
-        let (mut watch, _) = watch();
-        let watchers = Watchers::new(1);
+    fn an_entry_is_due_its_prediction_after_its_hold_began_and_reads_its_word() {
+        let (mut watch, word) = lane_watch();
         let started = Instant::now();
-        assert!(!watch.watch(0, started, &watchers));
-        assert!(started.elapsed() >= FIRST_WINDOW);
-        assert_eq!(watchers.spinning(), 0);
+        let first = entry(&watch, started);
+        assert_eq!(first.due, started, "no history: due at once");
+        assert!(!first.passed());
+        word.advance(3);
+        assert!(first.passed());
+        watch.ended(Duration::from_micros(400));
+        watch.ended(Duration::from_micros(500));
+        let later = entry(&watch, started);
+        assert_eq!(later.due, started + Duration::from_micros(400));
+        assert_eq!(later.predicted, Duration::from_micros(400));
+        // Waits shorter than twice how early the watcher wakes are not watched.
+        let slot = Arc::new(Slot::new(futures::task::noop_waker()));
+        let fence: Arc<dyn Waitable> = Arc::new(Unused);
+        let early = Duration::from_micros(200);
+        assert!(watch.entry(&slot, &fence, 3, started, early).is_some());
+        let early = Duration::from_micros(201);
+        assert!(watch.entry(&slot, &fence, 3, started, early).is_none());
+    }
+
+    #[test]
+    fn the_watcher_looks_early_by_the_most_it_overslept_lately_and_the_margin() {
+        let (mut watch, _) = lane_watch();
+        let started = Instant::now();
+        let lone = entry(&watch, started);
+        let mut timing = Timing::default();
+        assert_eq!(timing.look_from(&lone), started, "no history: at once");
+        assert_eq!(timing.look_until(&lone), started + FIRST_WINDOW);
+        watch.ended(Duration::from_millis(1));
+        watch.ended(Duration::from_millis(1));
+        let entry = entry(&watch, started);
+        let due = started + Duration::from_millis(1);
+        assert_eq!(timing.look_from(&entry), due - MIN_MARGIN, "no sleep yet");
+        for micros in [60, 40, 45, 50] {
+            timing.overslept(Duration::from_micros(micros));
+        }
+        let lead = Duration::from_micros(60) + MIN_MARGIN;
+        assert_eq!(timing.look_from(&entry), due - lead);
+        assert_eq!(timing.look_until(&entry), due + lead * 2);
+        timing.overslept(Duration::from_micros(10));
+        let lead = Duration::from_micros(50) + MIN_MARGIN;
+        assert_eq!(timing.look_from(&entry), due - lead, "60 us is past");
+        timing.overslept(Duration::from_millis(5));
+        let half = Duration::from_micros(500);
+        assert_eq!(timing.look_from(&entry), due - half, "at most half");
     }
 
     #[test]
     fn a_late_wake_doubles_the_margin_up_to_a_quarter_of_the_prediction_and_one_in_time_shrinks_it()
     {
-        let (mut watch, _) = watch();
-        let predicted = Duration::from_micros(200);
-        watch.woke(true, predicted);
-        assert_eq!(watch.margin, MIN_MARGIN * 2);
+        let (mut watch, _) = lane_watch();
+        watch.ended(Duration::from_micros(200));
+        watch.ended(Duration::from_micros(200));
+        let entry = entry(&watch, Instant::now());
+        let mut timing = Timing::default();
+        timing.seen(&entry, true);
+        assert_eq!(timing.margin, MIN_MARGIN * 2);
         for _ in 0..8 {
-            watch.woke(true, predicted);
+            timing.seen(&entry, true);
         }
+        let quarter = Duration::from_micros(50);
         assert_eq!(
-            watch.margin,
-            predicted / 4,
+            timing.margin, quarter,
             "never past a quarter of the prediction"
         );
-        watch.woke(false, predicted);
-        let quarter = predicted / 4;
-        assert_eq!(watch.margin, quarter - quarter / 8);
+        timing.seen(&entry, false);
+        assert_eq!(timing.margin, quarter - quarter / 8);
         for _ in 0..100 {
-            watch.woke(false, predicted);
+            timing.seen(&entry, false);
         }
-        assert_eq!(watch.margin, MIN_MARGIN, "never under the least");
+        assert_eq!(timing.margin, MIN_MARGIN, "never under the least");
     }
 }
