@@ -583,6 +583,11 @@ pub fn prometheus_text(state: &AppState) -> String {
             waiter.failed,
         ),
         (
+            "waiter_watched_total",
+            "Resolved waits the watcher saw end on their stream's progress word.",
+            waiter.watched,
+        ),
+        (
             "waiter_cancelled_total",
             "Handed-off waits whose future was dropped first.",
             waiter.cancelled,

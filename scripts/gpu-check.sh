@@ -25,11 +25,12 @@
 # - tests/cuda_progress_word.rs: the device's stream memory operations and
 #   host-mapped memory (a stream's word lands past each fence only once the
 #   work before it is done; no write on a capturing stream).
-# Not yet measured on a GPU: the benchmark's scenario 8 (streams ending
-# items one after another; a lane thread makes one cuEventQuery and one
-# cuEventSynchronize per item), and the cost of the capture checks and of
-# the progress word's write per fence (scenarios 3 and 4 against the last
-# GPU run's figures).
+# Not yet measured on a GPU: the benchmark's scenarios 1 and 8 with the
+# watcher (the default `await`) beside `await, watchers(0)` (a lane thread
+# blocked in cuEventSynchronize), whose targets are scenario 8 wake p50 at
+# most 5 us and a lone wait at most 10 us; and the cost of the capture
+# checks and of the progress word's write per fence (scenarios 3 and 4
+# against the last GPU run's figures).
 set -u
 bin=${1:-device-bin}
 mode=${2:-}

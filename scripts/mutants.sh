@@ -45,4 +45,4 @@ exec cargo mutants "${args[@]}" \
     --jobs "${MUTANTS_JOBS:-1}" \
     -- --lib --test await_faults --test await_panics --test await_runtimes \
     --test await_load --test fence --test fallbacks --test properties --test event \
-    --test fork --test profiler --test waiter_stats --test host_stream
+    --test fork --test profiler --test waiter_stats --test host_stream --test watchers

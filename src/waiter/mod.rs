@@ -8,7 +8,8 @@
 //!   `EventApi::stream_id`.
 //! - **lane thread**: serves one lane at a time. **Poller** (at most one):
 //!   asks the lanes past `max_threads` in rounds, drops withdrawn waits,
-//!   watches for stalls.
+//!   watches for stalls. **Watcher** (at most one): watches the progress
+//!   words of the waits lane threads hand it (`watch.rs`).
 //! - **hand-off**: a first poll that found the fence not reached puts its
 //!   wait in its lane. **Resolve**: leave a result in the slot, wake the task.
 //! - **held**: the wait a lane thread has out to block on or ask. **batch**:
@@ -24,7 +25,9 @@
 //!    lock. A wait that makes its lane picks who serves it: an idle lane
 //!    thread, else one between lanes, else a new one (up to `max_threads`),
 //!    else the poller. Decided under the lock, done after it (`Action`).
-//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait; then, in
+//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait (or, where
+//!    its stream keeps a progress word and watchers are on, hand it to the
+//!    watcher and sleep until it resolves it or hands it back); then, in
 //!    one hold of the lock, resolve it and take the next, and ask that once.
 //!    Not reached (work ending item after item): block on it. Reached (a
 //!    burst): ask the later waits in batches, doubling from 2 to 256 while
@@ -36,12 +39,19 @@
 //!    and a lane is left: then it looks every quarter of `stuck_after` and
 //!    warns once per stall.
 //! 5. **Withdraw**: the wait goes to the withdrawn list, for the poller or an
-//!    idle lane thread to drop; one held or in a batch stays with its thread.
+//!    idle lane thread to drop; one held or in a batch stays with its thread
+//!    (a held one the watcher has stays there until it is done with it).
 //! 6. **Faults** (`contain.rs`): code the waiter does not own is called with
 //!    no lock held, under `catch_unwind`: a panic costs only its wait. A
 //!    thread that unwinds anyway gives back what it held (`Pool::recover`).
-//! 7. **Shutdown** fails every wait, held ones too. A pool made before a
-//!    **fork** refuses everything in the child and touches nothing.
+//! 7. **Shutdown** fails every wait, held ones too, and hands the watcher's
+//!    back to their lane threads. A pool made before a **fork** refuses
+//!    everything in the child and touches nothing.
+//! 8. **The watcher** sleeps until shortly before the first end due among
+//!    its waits, looks at the words of those due (pausing, then yielding,
+//!    between looks), resolves each whose word passed once a query confirms
+//!    it, and wakes its lane thread; a wait not seen within its window goes
+//!    back to be blocked on in the driver. It exits after its keep-alive idle.
 //!
 //! `pool::State`'s invariants are checked as the lock is let go (debug and
 //! loom builds, `checked.rs`); the loom models are in `loom_models.rs`.
@@ -120,11 +130,14 @@ pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 /// - **Otherwise a waiter thread waits, asleep** in the driver (on CUDA,
 ///   `cuEventSynchronize` on a blocking-sync event), and wakes the task.
 ///   One thread serves a stream's waits in order: 10,000 awaits on 16
-///   streams need 16 threads.
+///   streams need 16 threads. Where the stream publishes its progress in
+///   host memory, one [watcher](WaiterBuilder::watchers) thread wakes the
+///   task within microseconds of the work's end instead.
 /// - **Bounded threads**, started on demand: at most
 ///   [`max_threads`](WaiterBuilder::max_threads) that block, plus one that
 ///   polls the streams past that (a fast stream never waits behind a slow
-///   one); they leave after [`keep_alive`](WaiterBuilder::keep_alive) idle.
+///   one) and one watcher; they leave after
+///   [`keep_alive`](WaiterBuilder::keep_alive) idle.
 /// - **Cancel is drop.** The wait leaves at once; a waiter thread destroys
 ///   its event soon after (one it is blocked on, when the block ends).
 /// - **Faults stay with their wait.** A panicking backend call resolves its
@@ -198,7 +211,8 @@ impl Waiter {
         Handoff::new(waitable, pool)
     }
 
-    /// Threads alive now: lane threads, plus the poller if it runs.
+    /// Threads alive now: lane threads, plus the poller and the watcher if
+    /// they run.
     pub fn threads(&self) -> usize {
         self.pool.gauges().threads
     }
@@ -261,7 +275,7 @@ impl Waiter {
         self.pool.config().spin_budget
     }
 
-    /// The most threads that may spin watching progress words at once
+    /// The most threads that may spin watching progress words
     /// ([`WaiterBuilder::watchers`]); 0: every wait sleeps in the driver.
     pub fn watchers(&self) -> usize {
         self.pool.config().watchers
@@ -401,24 +415,27 @@ impl WaiterBuilder {
         self
     }
 
-    /// The most waiter threads that may spin at once watching streams'
-    /// progress words (at most [`max_threads`](Self::max_threads), clamped);
-    /// default [`default_watchers`]: one per four cores, at least one. Zero:
-    /// every wait sleeps in the driver, as a thread blocked in
-    /// `cuEventSynchronize` does.
+    /// The most waiter threads that may spin watching streams' progress
+    /// words; default [`default_watchers`]: one per four cores, at least one.
+    /// Zero: every wait sleeps in the driver, as a thread blocked in
+    /// `cuEventSynchronize` does. One thread watches every stream's word (a
+    /// word is a memory load), so any value from one on runs that one.
     ///
     /// Where the backend publishes a stream's progress in host memory (the
     /// host backend; CUDA where the device can write 64-bit values to mapped
-    /// host memory from a stream), the thread serving a stream predicts when
-    /// its oldest wait ends from the stream's recent waits, sleeps until
-    /// shortly before that, and then watches the word, with no driver call, so
-    /// its task wakes within microseconds of the work's end instead of after
-    /// the driver's interrupt. It watches for a bounded window (50 µs for a
-    /// stream with no history), and only while fewer than `watchers` threads
-    /// do; otherwise it blocks in the driver, as before. Nothing watches while
-    /// nothing is pending, and a stalled stream stops being watched once its
-    /// window is spent. A word that says the work ended is confirmed by one
-    /// query of the fence's event, so a faulted stream still fails its waits.
+    /// host memory from a stream), the thread serving a stream hands its
+    /// oldest wait to the watcher, which predicts when it ends from the
+    /// stream's recent waits, sleeps until shortly before that, and then
+    /// watches the word, with no driver call, so the task wakes within
+    /// microseconds of the work's end instead of after the driver's
+    /// interrupt. It watches for a bounded window past the predicted end
+    /// (50 µs for a stream with no history), then hands the wait back to be
+    /// blocked on in the driver. Nothing watches while nothing is pending,
+    /// and a stalled stream stops being watched once its window is spent. A
+    /// word that says the work ended is confirmed by one query of the
+    /// fence's event, so a faulted stream still fails its waits. Streams whose
+    /// waits are shorter than twice how early the watcher's sleeps end (a
+    /// timer's slack, a hypervisor) go to the driver directly.
     ///
     /// ```
     /// use device_events::Waiter;

@@ -15,7 +15,8 @@ use crate::latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct WaiterStats {
-    /// Threads alive now: lane threads, plus the poller if it runs.
+    /// Threads alive now: lane threads, plus the poller and the watcher if
+    /// they run.
     pub threads: usize,
     /// The most threads alive at once.
     pub peak_threads: usize,
@@ -39,9 +40,9 @@ pub struct WaiterStats {
     pub failed: u64,
     /// Handed-off waits whose future was dropped before their result came.
     pub cancelled: u64,
-    /// Waits a lane thread saw end on their stream's progress word, while it
-    /// watched (see [`WaiterBuilder::watchers`](super::WaiterBuilder::watchers)),
-    /// rather than asleep in the driver.
+    /// Of `resolved`, the waits the watcher saw end on their stream's
+    /// progress word (see [`WaiterBuilder::watchers`](super::WaiterBuilder::watchers));
+    /// the rest woke in the driver.
     pub watched: u64,
     /// How long `resolved` and `failed` waits took from hand-off to the
     /// wake of their task: the device's work left at the hand-off, plus the

@@ -12,10 +12,12 @@
 //! which spares a waiter thread two `cuCtxSetCurrent` calls per query in a burst.
 //!
 //! Where the device reports 64-bit stream memory operations and host-mapped memory, a stream
-//! that a spinning waiter has asked about also keeps a progress word: a fence's record is followed by a `cuStreamWriteValue64` of the
-//! fence's number into a cache line of page-locked host memory, so a spinning first poll (see
-//! `WaiterBuilder::spin_budget`) reads memory instead of querying the driver, and asks the event
-//! once when the word says the stream got there. Never on a capturing stream; any refusal leaves
+//! that a waiter has asked about (its watcher, or a spinning first poll) also keeps a progress
+//! word: a fence's record is followed by a `cuStreamWriteValue64` of the fence's number into a
+//! cache line of page-locked host memory, so the waiter's watcher (see
+//! `WaiterBuilder::watchers`) and a spinning first poll (`WaiterBuilder::spin_budget`) read
+//! memory instead of querying the driver, and ask the event once when the word says the stream
+//! got there. Never on a capturing stream; any refusal leaves
 //! the stream's fences on events alone.
 //!
 //! From cudarc, a fence is one call:

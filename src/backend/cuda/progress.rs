@@ -4,8 +4,9 @@
 //! one load instead of a `cuEventQuery` (which takes the driver's lock). The event stays the
 //! truth: a waiter confirms a word's "passed" with one query before resolving a wait.
 //!
-//! A stream keeps a word once a waiter has asked for it (a spinning first poll does): the write
-//! costs every fence a driver call, which a stream no one watches should not pay. Only where the
+//! A stream keeps a word once a waiter has asked for it (a spinning first poll does, and so does
+//! a lane thread while the waiter's watcher is on): the write costs every fence a driver call,
+//! which a stream no one waits on through a waiter should not pay. Only where the
 //! device reports both `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY` and
 //! `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` ("64-bit operations are supported in
 //! cuStreamBatchMemOp and related MemOp APIs"), and never on a capturing stream (a captured write
