@@ -532,3 +532,22 @@ fn loom_shutdown_hands_a_watched_wait_back() {
         device.finish();
     });
 }
+
+#[test]
+fn loom_waits_handed_to_the_watcher_in_turn_lose_no_wake_up() {
+    loom::model(|| {
+        // Two waits of one lane, one after the other, with threads that never
+        // time out: the second entry must wake the watcher that waits for
+        // entries (or find it still looking), else the model deadlocks.
+        let pool = pool(1, FOREVER, 1);
+        let (device, task) = (Device::with_word(), Task::new());
+        device.finish();
+        for sequence in 1..=2 {
+            let slot = submit(&pool, &device, 0, sequence, &task);
+            assert_eq!(task.wait_for(&slot), Ok(()));
+        }
+        settle_down(&pool, &device, 2, 0);
+        assert_eq!(pool.watched_entries(), 0);
+        pool.shutdown();
+    });
+}

@@ -47,7 +47,6 @@ impl Device {
     }
 
     /// A device whose stream keeps a progress word.
-    #[cfg_attr(not(device_events_loom), allow(dead_code))]
     pub(super) fn with_word() -> Arc<Self> {
         Arc::new(Self {
             word: Some(Default::default()),
@@ -164,6 +163,15 @@ pub(super) mod support {
             spin_budget: Duration::ZERO,
             stuck_after,
             watchers: 0,
+        })
+    }
+
+    /// A pool with at most `max_threads` lane threads and a watcher, whose
+    /// threads stay `keep_alive` when idle.
+    pub(crate) fn pool_watching(max_threads: usize, keep_alive: Duration) -> Pool {
+        Pool::new(Config {
+            watchers: 1,
+            ..pool(max_threads, keep_alive, None).config().clone()
         })
     }
 

@@ -9,7 +9,7 @@ use super::slot::Slot;
 use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::waitable::{LaneKey, Waitable};
-use super::watch::{Handback, Verdict, Watched};
+use super::watch::{Verdict, Watched};
 use crate::checked::{Checked, Invariants};
 use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
@@ -147,9 +147,10 @@ impl Lane {
 }
 
 /// Everything under the lock. Invariants: a lane is `Queued` exactly while
-/// its key is in a queue; `lane_threads` and `poller` count the threads
-/// started or about to be, until they leave; `notified <= idle <=
-/// lane_threads`; after `shutdown` no lane is left.
+/// its key is in a queue; `lane_threads`, `poller` and `watcher` count the
+/// threads started or about to be, until they leave; `notified <= idle <=
+/// lane_threads`; entries in `watched` have a watcher; after `shutdown` no
+/// lane is left.
 #[derive(Default)]
 pub(super) struct State {
     lanes: BTreeMap<LaneKey, Lane>,
@@ -167,7 +168,8 @@ pub(super) struct State {
     next_ticket: u64,
     /// Waits whose futures were dropped, for a waiter thread to drop.
     withdrawn: Vec<Wait>,
-    /// Held waits whose lane threads block in the driver, for the watcher.
+    /// Held waits handed to the watcher; their lane threads sleep on their
+    /// handbacks meanwhile.
     watched: Vec<Watched>,
     watcher: bool,
     /// The watcher waits on `watch_work`: a new entry notifies it.
@@ -565,7 +567,7 @@ impl Pool {
     }
 
     /// A lane thread hands `entry`, its held wait, to the watcher, which
-    /// starts looking at its word when it is nearly due; false after
+    /// starts looking at its word when it is nearly due; `None` after
     /// shutdown (then it blocks in the driver, as before).
     pub(super) fn watch(&self, entry: Watched) -> Option<Action> {
         let mut state = self.lock();
@@ -577,23 +579,23 @@ impl Pool {
         Some(state.watcher_for_work())
     }
 
-    /// The watcher's round: the entries still to watch, into `entries`
-    /// (cleared first); it waits for one up to its keep-alive. False (and
-    /// uncounted) when it should exit: idle past its keep-alive, or shut down.
-    pub(super) fn watch_round(&self, entries: &mut Vec<Watched>) -> bool {
-        entries.clear();
+    /// The watcher's round: the entries to watch, into `entries` (empty);
+    /// it waits for one up to its keep-alive. How many entries had been
+    /// handed over by then (see [`Pool::published`]); `None` (and uncounted)
+    /// when it should exit: idle past its keep-alive, or shut down.
+    pub(super) fn watch_round(&self, entries: &mut Vec<Watched>) -> Option<usize> {
         let mut state = self.lock();
         let mut timed_out = false;
         loop {
             entries.extend(state.watched.iter().cloned());
             if !entries.is_empty() && !state.shutdown {
-                return true;
+                return Some(self.published());
             }
             if state.shutdown || timed_out {
                 state.leave(Owner::Watcher);
                 // The next watcher learns its own timing.
                 self.set_watcher_early(Duration::ZERO);
-                return false;
+                return None;
             }
             state.watcher_waits = true;
             let keep_alive = self.shared.config.keep_alive;
@@ -618,24 +620,20 @@ impl Pool {
         timed_out.then(|| Instant::now().saturating_duration_since(until))
     }
 
-    /// The watcher is done with the entries in `done`: each leaves, and its
-    /// lane thread is given its verdict. Empties `done`.
-    pub(super) fn watched(&self, done: &mut Vec<(Arc<Handback>, Verdict)>) {
-        {
+    /// The watcher is done with `entry`: it leaves, and its lane thread is
+    /// given `verdict`.
+    pub(super) fn watched(&self, entry: &Watched, verdict: Verdict) {
+        let removed = {
             let mut state = self.lock();
-            for (handback, _) in done.iter() {
-                let index = state
-                    .watched
-                    .iter()
-                    .position(|entry| Arc::ptr_eq(&entry.handback, handback));
-                if let Some(index) = index {
-                    state.watched.swap_remove(index);
-                }
-            }
-        }
-        for (handback, verdict) in done.drain(..) {
-            handback.give(verdict);
-        }
+            let index = state
+                .watched
+                .iter()
+                .position(|held| Arc::ptr_eq(&held.handback, &entry.handback));
+            index.map(|index| state.watched.swap_remove(index))
+        };
+        entry.handback.give(verdict);
+        // Its fence may be the last copy left (its lane thread done with it).
+        contain::drop(removed);
     }
 
     /// Move up to `limit` of `key`'s oldest waits into `batch`, if `owner`
@@ -978,9 +976,10 @@ impl Pool {
 }
 
 /// Give each of `entries`' lane threads its wait back, to block on in the
-/// driver.
+/// driver; then drop the entries (a fence's last copy, maybe).
 fn hand_back(entries: Vec<Watched>) {
     for entry in entries {
         entry.handback.give(Verdict::Driver);
+        contain::drop(entry);
     }
 }

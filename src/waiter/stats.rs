@@ -114,7 +114,7 @@ impl Counters {
 
     /// A held wait was seen to end on its stream's progress word.
     pub(crate) fn watched(&self) {
-        self.stripe().watched.fetch_add(1, Ordering::Relaxed);
+        self.stripe().watched.fetch_add(1, Ordering::Release);
     }
 
     pub(crate) fn cancelled(&self) {
@@ -137,6 +137,8 @@ impl Counters {
             }
             sum_nanos = sum_nanos.saturating_add(stripe.latency_sum_nanos.load(Ordering::Relaxed));
         }
+        // Counted after its `resolved`, so read before it.
+        let watched = sum(|stripe| &stripe.watched);
         let resolved = sum(|stripe| &stripe.resolved);
         let failed = sum(|stripe| &stripe.failed);
         let cancelled = sum(|stripe| &stripe.cancelled);
@@ -146,7 +148,7 @@ impl Counters {
             resolved,
             failed,
             cancelled,
-            watched: sum(|stripe| &stripe.watched),
+            watched,
             wake_latency: LatencyHistogram::new(buckets, sum_nanos),
             ..gauges
         }

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::contain;
 use super::pool::{Action, Owner, Pool, Wait};
 use super::waitable::LaneKey;
-use super::watch::{self, Handback, LaneWatch, Timing, Verdict, Watched, MIN_NAP};
+use super::watch::{self, LaneWatch, Timing, Verdict, Watched, MIN_NAP};
 use crate::loom::thread;
 use crate::ServerError;
 
@@ -175,9 +175,8 @@ impl WaiterThread {
         crate::timer_slack::lower_for_this_thread();
         let mut timing = Timing::default();
         let mut entries = Vec::new();
-        let mut done = Vec::new();
-        while self.pool.watch_round(&mut entries) {
-            let published = self.pool.published();
+        while let Some(published) = self.pool.watch_round(&mut entries) {
+            self.pool.planted_escape();
             let first = entries.iter().map(|entry| timing.look_from(entry)).min();
             let first = first.expect("a round has entries");
             let mut napped = false;
@@ -188,48 +187,44 @@ impl WaiterThread {
                     timing.overslept(late);
                     napped = true;
                 }
-                if self.pool.published() != published {
-                    continue;
-                }
             }
-            self.look(&mut timing, &entries, published, napped, &mut done);
-            self.pool.set_watcher_early(timing.early());
-            self.pool.watched(&mut done);
+            if self.pool.published() == published {
+                self.look(&mut timing, &entries, published, napped);
+                self.pool.set_watcher_early(timing.early());
+            }
+            // Its copies of the entries go here, each maybe a fence's last.
+            entries.drain(..).for_each(contain::drop);
         }
     }
 
-    /// Look at the words of `entries` due now until each has passed or its window ended, or an
-    /// entry came after the `published`th; what became of each goes into `done`.
-    fn look(
-        &self,
-        timing: &mut Timing,
-        entries: &[Watched],
-        published: usize,
-        napped: bool,
-        done: &mut Vec<(crate::loom::Arc<Handback>, Verdict)>,
-    ) {
-        let now = Instant::now();
-        let mut due: Vec<&Watched> = entries
-            .iter()
-            .filter(|entry| timing.look_from(entry) <= now)
-            .collect();
+    /// Look at the words of `entries` due until each has passed or its window ended, handing
+    /// each back as it is decided; return when none is due (to sleep until the next is), or
+    /// when entries came after the `published`th.
+    fn look(&self, timing: &mut Timing, entries: &[Watched], published: usize, napped: bool) {
+        let mut open: Vec<&Watched> = entries.iter().collect();
         let mut looks = 0u32;
-        while !due.is_empty() {
-            due.retain(|entry| {
-                if entry.passed() {
-                    timing.seen(entry, napped && looks == 0);
-                    let verdict = self.resolve_watched(entry);
-                    done.push((entry.handback.clone(), verdict));
-                    false
-                } else if watch::past(timing.look_until(entry), looks) {
-                    done.push((entry.handback.clone(), Verdict::Driver));
-                    false
-                } else {
-                    true
+        loop {
+            let now = Instant::now();
+            let mut due = false;
+            open.retain(|entry| {
+                if timing.look_from(entry) > now {
+                    return true;
                 }
+                due = true;
+                let verdict = if entry.passed() {
+                    timing.seen(entry, napped && looks == 0);
+                    self.resolve_watched(entry)
+                } else if watch::past(timing.look_until(entry), looks) {
+                    Verdict::Driver
+                } else {
+                    return true;
+                };
+                self.pool.watched(entry, verdict);
+                false
             });
             // New entries are taken in each 32 looks, not at each: a round copies them all.
-            if looks.is_multiple_of(32) && self.pool.published() != published {
+            let replan = looks.is_multiple_of(32) && self.pool.published() != published;
+            if !due || open.is_empty() || replan {
                 return;
             }
             looks = looks.wrapping_add(1);

@@ -693,3 +693,26 @@ fn with_no_watchers_a_lane_thread_only_blocks_even_on_a_passed_word() {
     assert_eq!(pool.counters().read(WaiterStats::default()).watched, 0);
     pool.shutdown();
 }
+
+#[test]
+fn a_watcher_that_cannot_be_started_hands_its_wait_back_to_the_driver() {
+    let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
+    // A lane thread serves a stream with no word, then waits idle.
+    let plain = Arc::new(Device::default());
+    let first = submit(&pool, &plain, 0, 1);
+    plain.finish();
+    result_of(&first).expect("reached");
+    eventually("the lane thread is idle", || pool.idle_threads() == 1);
+    // The next stream has a word: the watcher's spawn is refused.
+    pool.plants().refused_spawns.store(1, Ordering::SeqCst);
+    let worded = Device::with_word();
+    let second = submit(&pool, &worded, 1, 1);
+    eventually("it blocks in the driver", || {
+        worded.blocked.load(Ordering::SeqCst) == 1
+    });
+    assert_eq!(pool.watched_entries(), 0);
+    assert_eq!(pool.gauges().threads, 1, "no watcher");
+    worded.finish();
+    result_of(&second).expect("reached");
+    pool.shutdown();
+}
