@@ -566,6 +566,27 @@ impl Pool {
         next
     }
 
+    /// The watcher saw `slot`'s wait, held in `key`'s lane, end with
+    /// `result`: unless shutdown resolved it meanwhile, it is no longer held
+    /// (its lane thread, still asleep, takes the next later) and is
+    /// delivered after the lock. Whether this delivered it.
+    pub(super) fn end_watched(
+        &self,
+        key: LaneKey,
+        slot: &Arc<Slot>,
+        result: Result<(), ServerError>,
+    ) -> bool {
+        let watching = self.watching();
+        let mut state = self.lock();
+        let ours = state.lanes.get_mut(&key).is_some_and(|lane| {
+            let ours = lane.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
+            lane.progressed(watching && ours);
+            ours
+        });
+        drop(state);
+        ours && self.deliver(slot, result)
+    }
+
     /// A lane thread hands `entry`, its held wait, to the watcher, which
     /// starts looking at its word when it is nearly due; `None` after
     /// shutdown (then it blocks in the driver, as before).

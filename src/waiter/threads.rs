@@ -148,11 +148,12 @@ impl WaiterThread {
     /// (which resolves it, or hands it back), else (or then) blocking in the driver.
     fn wait_out(&mut self, wait: &Wait) -> Result<(), ServerError> {
         let started = Instant::now();
-        let Some((_, watch)) = &mut self.watch else {
+        let Some((key, watch)) = &mut self.watch else {
             return contain::backend(|| wait.waitable.block());
         };
         let early = self.pool.watcher_early();
-        let entry = watch.entry(&wait.slot, &wait.waitable, wait.sequence(), started, early);
+        let place = (*key, wait.sequence());
+        let entry = watch.entry(place, &wait.slot, &wait.waitable, started, early);
         if let Some(entry) = entry {
             let handback = entry.handback.clone();
             if let Some(action) = self.pool.watch(entry) {
@@ -241,7 +242,7 @@ impl WaiterThread {
             reached => reached.map(drop),
         };
         let ok = result.is_ok();
-        if self.pool.deliver(&entry.slot, result) && ok {
+        if self.pool.end_watched(entry.lane, &entry.slot, result) && ok {
             self.pool.counters().watched();
         }
         Verdict::Resolved(seen)

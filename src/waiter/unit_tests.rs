@@ -602,8 +602,9 @@ fn the_watcher_resolves_a_wait_whose_word_passed_and_its_lane_thread_never_block
     let (pool, slot) = watching_pool(1, fence);
     result_of(&slot).expect("resolved by the watcher");
     assert_eq!(queries.load(Ordering::SeqCst), 1, "confirmed by one query");
+    assert_eq!(pool.gauges().pending, 0, "no longer pending once resolved");
     eventually("the lane thread is done with it", || {
-        pool.gauges().pending == 0
+        pool.watched_entries() == 0
     });
     assert_eq!(
         blocks.load(Ordering::SeqCst),

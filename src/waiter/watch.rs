@@ -6,26 +6,29 @@
 //! should end, predicted from how long the lane's recent waits took ([`LaneWatch`]: the least of
 //! the last few, as a stream's items keep their length from one to the next; none for a lane
 //! with no history). It sleeps meanwhile (a [`Handback`], not the driver), and blocks in the
-//! driver only if the watcher hands the wait back unresolved. The watcher sleeps until shortly before the
-//! earliest predicted end (earlier by the most its recent sleeps overslept, and a margin:
-//! [`Timing`]), then looks at the words of every entry due by then, a memory load each, no
-//! driver call, pausing and then yielding between looks. A word that passed is confirmed by one
-//! query of the wait's event (a faulted stream's word stops, and its event reports the fault),
-//! and the watcher resolves the wait at once, then wakes its lane thread for the next. An entry
-//! is watched for a bounded window (at least [`FIRST_WINDOW`]) past its predicted end, then
-//! handed back to be blocked on in the driver: a stalled stream stops being watched. A wake that
-//! finds a word already passed came late: the margin doubles (up to a quarter of the
-//! prediction); each end seen in time shrinks it by an eighth.
+//! driver only if the watcher hands the wait back unresolved, or if the lane's waits are too
+//! short to watch (shorter than twice how early the watcher wakes: [`Timing::early`]).
+//!
+//! The watcher sleeps until shortly before the earliest predicted end (earlier by the most its
+//! recent sleeps overslept, and a margin: [`Timing`]), then looks at the words of every entry
+//! due by then, a memory load each, no driver call, pausing and then yielding between looks. A
+//! word that passed is confirmed by one query of the wait's event (a faulted stream's word
+//! stops, and its event reports the fault), and the watcher resolves the wait at once, then
+//! wakes its lane thread for the next. An entry is watched for a bounded window (at least
+//! [`FIRST_WINDOW`]) past its predicted end, then handed back to be blocked on in the driver: a
+//! stalled stream stops being watched. A wake that finds a word already passed came late: the
+//! margin doubles (up to a quarter of the prediction); each end seen in time shrinks it by an
+//! eighth.
 
 use std::time::{Duration, Instant};
 
 use super::slot::Slot;
-use super::waitable::Waitable;
+use super::waitable::{LaneKey, Waitable};
 use crate::loom::{Arc, Condvar, Mutex};
 use crate::ProgressWord;
 
 /// How long past its hand-over the watcher looks at the word of a lane with no history.
-pub(crate) const FIRST_WINDOW: Duration = Duration::from_micros(50);
+pub(super) const FIRST_WINDOW: Duration = Duration::from_micros(50);
 /// The least margin before a predicted end, beyond how late sleeps have lately ended.
 const MIN_MARGIN: Duration = Duration::from_micros(5);
 /// A sleep shorter than this is spent looking instead.
@@ -74,9 +77,9 @@ impl LaneWatch {
     /// comes about as soon.
     pub(super) fn entry(
         &self,
+        (lane, sequence): (LaneKey, u64),
         slot: &Arc<Slot>,
         waitable: &std::sync::Arc<dyn Waitable>,
-        sequence: u64,
         started: Instant,
         early: Duration,
     ) -> Option<Watched> {
@@ -86,6 +89,7 @@ impl LaneWatch {
         }
         let predicted = predicted.unwrap_or_default();
         Some(Watched {
+            lane,
             slot: slot.clone(),
             waitable: waitable.clone(),
             word: self.word.clone(),
@@ -112,6 +116,7 @@ impl LaneWatch {
 /// A held wait handed to the watcher; its lane thread sleeps on the `handback` meanwhile.
 #[derive(Clone)]
 pub(super) struct Watched {
+    pub(super) lane: LaneKey,
     pub(super) slot: Arc<Slot>,
     pub(super) waitable: std::sync::Arc<dyn Waitable>,
     word: ProgressWord,
@@ -250,7 +255,7 @@ mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use super::{LaneWatch, Slot, Timing, Waitable, Watched, FIRST_WINDOW, MIN_MARGIN};
+    use super::{LaneKey, LaneWatch, Slot, Timing, Waitable, Watched, FIRST_WINDOW, MIN_MARGIN};
     use crate::progress_word::HostWord;
     use crate::{ProgressWord, ServerError};
 
@@ -258,7 +263,7 @@ mod tests {
     struct Unused;
 
     impl Waitable for Unused {
-        fn lane(&self) -> super::super::waitable::LaneKey {
+        fn lane(&self) -> LaneKey {
             unreachable!()
         }
         fn sequence(&self) -> u64 {
@@ -287,8 +292,30 @@ mod tests {
         let slot = Arc::new(Slot::new(futures::task::noop_waker()));
         let fence: Arc<dyn Waitable> = Arc::new(Unused);
         watch
-            .entry(&slot, &fence, 3, started, Duration::ZERO)
+            .entry(
+                (LaneKey::for_tests(0), 3),
+                &slot,
+                &fence,
+                started,
+                Duration::ZERO,
+            )
             .expect("watched")
+    }
+
+    #[test]
+    fn a_handback_keeps_the_first_verdict_given_before_or_after_the_wait() {
+        let handback = super::Handback::default();
+        let seen = Instant::now();
+        handback.give(super::Verdict::Resolved(seen));
+        handback.give(super::Verdict::Driver);
+        assert_eq!(handback.wait(), super::Verdict::Resolved(seen));
+        let handback = Arc::new(super::Handback::default());
+        let giver = std::thread::spawn({
+            let handback = handback.clone();
+            move || handback.give(super::Verdict::Driver)
+        });
+        assert_eq!(handback.wait(), super::Verdict::Driver);
+        giver.join().unwrap();
     }
 
     #[test]
@@ -325,9 +352,13 @@ mod tests {
         let slot = Arc::new(Slot::new(futures::task::noop_waker()));
         let fence: Arc<dyn Waitable> = Arc::new(Unused);
         let early = Duration::from_micros(200);
-        assert!(watch.entry(&slot, &fence, 3, started, early).is_some());
+        assert!(watch
+            .entry((LaneKey::for_tests(0), 3), &slot, &fence, started, early)
+            .is_some());
         let early = Duration::from_micros(201);
-        assert!(watch.entry(&slot, &fence, 3, started, early).is_none());
+        assert!(watch
+            .entry((LaneKey::for_tests(0), 3), &slot, &fence, started, early)
+            .is_none());
     }
 
     #[test]
