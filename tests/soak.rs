@@ -219,5 +219,6 @@ fn a_million_awaits_under_faults_leave_nothing_behind() {
             "memory grew from {resident_start} KiB to {resident_end} KiB"
         );
     }
-    assert!(waiter.peak_threads() <= 17);
+    // A lane thread per stream, the poller and the watcher.
+    assert!(waiter.peak_threads() <= 18);
 }
