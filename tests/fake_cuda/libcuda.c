@@ -184,8 +184,8 @@ static int next_query_status;
  * The fake registers its handler at cuInit; from then on every call returns
  * 4 (the error lookups excepted: they name it), and calls blocked in a
  * synchronize return it too. fakeCudaTeardown() starts the same teardown
- * now, for a test; fakeCudaCallsAfterTeardown() counts the calls that
- * reached the driver after it. */
+ * now, for a test; fakeCudaCallsAfterTeardown() counts the calls answered
+ * after it (a synchronize blocked across it, answered as it ends, counts). */
 static atomic_int torn_down;
 static atomic_int calls_after_teardown;
 static pthread_once_t teardown_registered = PTHREAD_ONCE_INIT;
@@ -220,9 +220,6 @@ static int deinitialized(void) {
     atomic_fetch_add(&calls_after_teardown, 1);
     return 1;
 }
-
-/* After a sleep: DEINITIALIZED if the driver was torn down meanwhile. */
-static int torn_down_status(void) { return atomic_load(&torn_down) ? DEINITIALIZED : SUCCESS; }
 
 int fakeCudaTeardown(int unused) {
     (void)unused;
@@ -682,7 +679,7 @@ int cuCtxSynchronize(void) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
-    if (torn_down_status() != SUCCESS) return torn_down_status();
+    if (deinitialized()) return DEINITIALIZED;
     return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
@@ -748,7 +745,7 @@ int cuStreamSynchronize(void *stream) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
-    if (torn_down_status() != SUCCESS) return torn_down_status();
+    if (deinitialized()) return DEINITIALIZED;
     return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
@@ -917,7 +914,7 @@ int cuEventSynchronize(void *event) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
-    if (torn_down_status() != SUCCESS) return torn_down_status();
+    if (deinitialized()) return DEINITIALIZED;
     return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
 }
 
