@@ -172,7 +172,10 @@ fn teardown(
 
     // From here on nothing reaches the driver, and each call says why.
     let reached = calls_after();
-    assert!(reached >= 1, "the pending wait was not answered by the driver");
+    assert!(
+        reached >= 1,
+        "the pending wait was not answered by the driver"
+    );
     let fence = cuda::fence(stream);
     assert!(fence.is_resolved_at_creation());
     assert!(fence.wait_sync().unwrap_err().is_shut_down());
