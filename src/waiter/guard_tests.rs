@@ -2,7 +2,9 @@
 //! is contained (a thread holding waits out of their lane) unwinds the
 //! thread, and its guard must fail what it held, uncount it, and queue its
 //! lanes for another thread. Also a refused spawn, planted the same way.
-//! Each test fails (hangs until its limit) without the guard.
+//! A watcher that unwinds holds no wait, but lane threads sleep until it
+//! gives them back theirs: it is started again. Each test fails (hangs
+//! until its limit) without the guard.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -132,4 +134,33 @@ fn a_poller_that_unwinds_while_watching_is_started_again_and_watches_on() {
     eventually("no thread counted and no wait pending", || {
         pool.gauges().threads == 0 && pool.gauges().pending == 0
     });
+}
+
+#[test]
+fn a_watcher_that_unwinds_is_started_again_and_watches_its_entries() {
+    let pool = super::mock_device::support::pool_watching(1, KEEP_ALIVE);
+    pool.plants().watcher_escapes.store(1, Ordering::SeqCst);
+    let device = Device::with_word();
+    // The lane thread hands the wait to the watcher, which unwinds as its
+    // round starts; the watcher started again watches it for its window
+    // (the word never moves) and hands it back to be blocked on.
+    let slot = submit(&pool, &device, 0, 1);
+    eventually("the lane thread blocks in the driver", || {
+        device.blocked.load(Ordering::SeqCst) == 1
+    });
+    assert_eq!(
+        pool.plants().watcher_escapes.load(Ordering::SeqCst),
+        0,
+        "the watcher unwound"
+    );
+    device.finish();
+    assert_eq!(result_of(&slot), Ok(()));
+    eventually("no thread counted and no wait pending", || {
+        pool.gauges().threads == 0 && pool.gauges().pending == 0
+    });
+    assert_eq!(
+        outcomes(&pool),
+        (1, 1, 0),
+        "the watcher held no wait to fail"
+    );
 }

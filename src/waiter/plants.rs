@@ -1,11 +1,13 @@
 //! [`Plants`]: faults a test plants in one pool (test builds only).
 
-/// Faults a test plants in one pool: the next `escapes` times a thread
-/// holds waits it panics outside any contained call; the next
+/// Faults a test plants in one pool: the next `escapes` times a lane thread
+/// or the poller holds waits it panics outside any contained call, and the
+/// next `watcher_escapes` times the watcher starts a round; the next
 /// `refused_spawns` spawns fail.
 #[derive(Default)]
 pub(super) struct Plants {
     pub(super) escapes: crate::loom::AtomicUsize,
+    pub(super) watcher_escapes: crate::loom::AtomicUsize,
     pub(super) refused_spawns: crate::loom::AtomicUsize,
 }
 

@@ -970,12 +970,16 @@ impl Pool {
         None
     }
 
-    /// Panic if a test planted one, outside any contained call.
-    pub(super) fn planted_escape(&self) {
+    /// Panic if a test planted one for `owner`, outside any contained call.
+    pub(super) fn planted_escape(&self, owner: Owner) {
         #[cfg(test)]
-        if super::plants::Plants::take(&self.shared.plants.escapes) {
+        if super::plants::Plants::take(match owner {
+            Owner::Watcher => &self.shared.plants.watcher_escapes,
+            _ => &self.shared.plants.escapes,
+        }) {
             panic!("a panic planted by a test, outside any contained call");
         }
+        let _ = owner;
     }
 
     #[cfg(test)]

@@ -107,7 +107,7 @@ impl WaiterThread {
         };
         self.find_word(key, &wait);
         loop {
-            self.pool.planted_escape();
+            self.pool.planted_escape(self.owner);
             let result = self.wait_out(&wait);
             let next = self.pool.end_held(key, owner, &wait.slot, result, true);
             // Its future is woken first; then its fence (its event) goes.
@@ -177,7 +177,7 @@ impl WaiterThread {
         let mut timing = Timing::default();
         let mut entries = Vec::new();
         while let Some(published) = self.pool.watch_round(&mut entries) {
-            self.pool.planted_escape();
+            self.pool.planted_escape(self.owner);
             let first = entries.iter().map(|entry| timing.look_from(entry)).min();
             let first = first.expect("a round has entries");
             let mut napped = false;
@@ -266,7 +266,7 @@ impl WaiterThread {
                 return (resolved, false);
             }
             self.batch_lane = Some(key);
-            self.pool.planted_escape();
+            self.pool.planted_escape(self.owner);
             let (reached, failed) = reached_prefix(&self.batch);
             let rest = self.batch.split_off(reached);
             let more = !rest.is_empty();
