@@ -77,6 +77,7 @@ fn run_all<R: Rig>(shared: &Arc<R>, settings: &Settings, clock: Clock, tables: &
         // A thread per wait would start 100,000 threads: left out.
         let strategies = [
             Strategy::Await,
+            Strategy::AwaitSleeping,
             Strategy::SpawnBlocking,
             Strategy::QueryYield,
             Strategy::RawThread,
