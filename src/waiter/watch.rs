@@ -250,12 +250,15 @@ pub(super) fn pause(looks: u32) {
     }
 }
 
-#[cfg(all(test, not(device_events_loom)))]
+#[cfg(test)]
+#[cfg(not(device_events_loom))]
 mod tests {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
 
-    use super::{LaneKey, LaneWatch, Slot, Timing, Waitable, Watched, FIRST_WINDOW, MIN_MARGIN};
+    use super::{
+        past, LaneKey, LaneWatch, Slot, Timing, Waitable, Watched, FIRST_WINDOW, MIN_MARGIN,
+    };
     use crate::progress_word::HostWord;
     use crate::{ProgressWord, ServerError};
 
@@ -412,5 +415,26 @@ mod tests {
             timing.seen(&entry, false);
         }
         assert_eq!(timing.margin, MIN_MARGIN, "never under the least");
+    }
+
+    #[test]
+    fn the_watcher_wakes_early_by_at_least_the_least_it_overslept_lately_and_the_margin() {
+        let mut timing = Timing::default();
+        assert_eq!(timing.early(), MIN_MARGIN, "no sleep yet");
+        for micros in [60, 40, 45] {
+            timing.overslept(Duration::from_micros(micros));
+        }
+        assert_eq!(timing.early(), Duration::from_micros(40) + MIN_MARGIN);
+    }
+
+    #[test]
+    fn a_window_is_past_once_its_end_is_and_the_clock_is_read_once_in_32_looks() {
+        let now = Instant::now();
+        let (ended, ahead) = (now - Duration::from_secs(1), now + Duration::from_secs(60));
+        assert!(past(ended, 0));
+        assert!(!past(ahead, 0));
+        assert!(!past(ended, 1), "not read at this look");
+        assert!(past(ended, 32));
+        assert!(!past(ahead, 32));
     }
 }
