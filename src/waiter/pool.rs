@@ -993,6 +993,12 @@ impl Pool {
         self.lock().watched.len()
     }
 
+    /// Whether the watcher sleeps on its condvar now, for tests.
+    #[cfg(all(test, not(device_events_loom)))]
+    pub(super) fn watcher_waits(&self) -> bool {
+        self.lock().watcher_waits
+    }
+
     /// Lane threads asleep for work now, for tests that need one idle.
     #[cfg(all(test, not(device_events_loom)))]
     pub(super) fn idle_threads(&self) -> usize {

@@ -717,3 +717,24 @@ fn a_watcher_that_cannot_be_started_hands_its_wait_back_to_the_driver() {
     result_of(&second).expect("reached");
     pool.shutdown();
 }
+
+#[test]
+fn a_watcher_waiting_for_work_is_woken_by_the_next_wait_handed_to_it() {
+    // Idle threads stay 600 s: a watcher left asleep outlasts the test's limit.
+    let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
+    let first = Device::with_word();
+    first.finish();
+    result_of(&submit(&pool, &first, 0, 1)).expect("reached");
+    // The lane thread idle too: the next wait goes to it, not to the poller.
+    eventually("the watcher and the lane thread wait for work", || {
+        pool.watcher_waits() && pool.watched_entries() == 0 && pool.idle_threads() == 1
+    });
+    let second = Device::with_word();
+    second.finish();
+    result_of(&submit(&pool, &second, 1, 1)).expect("reached");
+    // Counted just after it is delivered.
+    eventually("both seen by the watcher", || {
+        pool.counters().read(WaiterStats::default()).watched == 2
+    });
+    pool.shutdown();
+}
