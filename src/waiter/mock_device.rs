@@ -57,9 +57,15 @@ impl Device {
     /// Its work ends: every fence on it is reached, and then its word moves
     /// past them (a CUDA stream writes its word after the fence's record).
     pub(super) fn finish(&self) {
+        self.reach();
+        self.move_word();
+    }
+
+    /// Its work ends, every fence on it reached, but its word stays behind
+    /// (a CUDA stream's write after the record not landed yet).
+    pub(super) fn reach(&self) {
         *self.reached.lock() = true;
         self.changed.notify_all();
-        self.move_word();
     }
 
     /// Its word moves past every fence (before their events say so, if

@@ -738,3 +738,30 @@ fn a_watcher_waiting_for_work_is_woken_by_the_next_wait_handed_to_it() {
     });
     pool.shutdown();
 }
+
+#[test]
+fn a_lane_thread_watches_the_word_of_the_lane_it_serves_now() {
+    let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
+    let first = Device::with_word();
+    first.finish();
+    result_of(&submit(&pool, &first, 0, 1)).expect("reached");
+    eventually("the lane thread waits for work", || {
+        pool.idle_threads() == 1 && pool.watched_entries() == 0
+    });
+    // The same thread serves the next lane, whose word stays behind its
+    // event: watched for its window (lane 0's word has passed everything),
+    // then ended in the driver.
+    let second = Device::with_word();
+    second.reach();
+    result_of(&submit(&pool, &second, 1, 1)).expect("reached");
+    assert_eq!(
+        second.blocked.load(Ordering::SeqCst),
+        1,
+        "ended in the driver"
+    );
+    eventually("the first counted", || {
+        pool.counters().read(WaiterStats::default()).watched == 1
+    });
+    assert_eq!(pool.counters().read(WaiterStats::default()).watched, 1);
+    pool.shutdown();
+}
