@@ -138,6 +138,14 @@ impl Lane {
         self.waits.is_empty() && self.held.is_none() && self.out == 0
     }
 
+    /// Its held wait, if it is still `slot`'s (not resolved by shutdown),
+    /// ended: it is held no more, and the lane progressed. Whether it was.
+    fn end_hold(&mut self, slot: &Arc<Slot>, watching: bool) -> bool {
+        let ours = self.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
+        self.progressed(watching && ours);
+        ours
+    }
+
     fn progressed(&mut self, watching: bool) {
         if watching {
             self.since = Instant::now();
@@ -553,11 +561,7 @@ impl Pool {
         let watching = self.watching();
         let mut state = self.lock();
         let lane = state.lane_of(key, owner);
-        let ours = lane.is_some_and(|lane| {
-            let ours = lane.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
-            lane.progressed(watching && ours);
-            ours
-        });
+        let ours = lane.is_some_and(|lane| lane.end_hold(slot, watching));
         let next = next.then(|| state.take_oldest(key, owner)).flatten();
         drop(state);
         if ours {
@@ -578,11 +582,8 @@ impl Pool {
     ) -> bool {
         let watching = self.watching();
         let mut state = self.lock();
-        let ours = state.lanes.get_mut(&key).is_some_and(|lane| {
-            let ours = lane.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
-            lane.progressed(watching && ours);
-            ours
-        });
+        let lane = state.lanes.get_mut(&key);
+        let ours = lane.is_some_and(|lane| lane.end_hold(slot, watching));
         drop(state);
         ours && self.deliver(slot, result)
     }
