@@ -117,19 +117,30 @@ fn a_one_thread_waiter_does_not_hold_fast_streams_behind_a_slow_one() {
 
 #[test]
 fn idle_threads_leave_after_their_keep_alive() {
-    let waiter = Waiter::builder()
-        .keep_alive(Duration::from_millis(20))
-        .thread_name("keep-alive-test")
-        .build();
-    let stream = HostStream::new().unwrap();
-    // The second round shows that a new wait starts a thread again.
-    for _ in 0..2 {
-        let gate = Gate::hold(&stream);
-        let mut wait = waiter.wait(EventFence::<Host>::new(stream.handle()));
-        assert!((&mut wait).now_or_never().is_none());
-        assert_eq!(waiter.threads(), 1);
-        gate.open();
-        futures::executor::block_on(wait).unwrap();
-        eventually(LIMIT, "the idle thread left", || waiter.threads() == 0);
+    // With the watcher on, a held wait's lane thread may start it (it is
+    // counted too) at any time after the hand-off; it leaves after its
+    // keep-alive as well.
+    for watchers in [0, 1] {
+        let waiter = Waiter::builder()
+            .keep_alive(Duration::from_millis(20))
+            .watchers(watchers)
+            .thread_name("keep-alive-test")
+            .build();
+        let stream = HostStream::new().unwrap();
+        // The second round shows that a new wait starts a thread again.
+        for _ in 0..2 {
+            let gate = Gate::hold(&stream);
+            let mut wait = waiter.wait(EventFence::<Host>::new(stream.handle()));
+            assert!((&mut wait).now_or_never().is_none());
+            let threads = waiter.threads();
+            assert!(
+                (1..=1 + watchers).contains(&threads),
+                "{threads} threads for one held wait, {watchers} watchers"
+            );
+            gate.open();
+            futures::executor::block_on(wait).unwrap();
+            eventually(LIMIT, "the idle threads left", || waiter.threads() == 0);
+        }
+        assert!(waiter.peak_threads() <= 1 + watchers);
     }
 }
