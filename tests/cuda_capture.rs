@@ -11,7 +11,7 @@ mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use device_events::cuda::cudarc::driver::sys::{
@@ -27,6 +27,19 @@ use common::gpu::gpu;
 
 const GLOBAL: CUstreamCaptureMode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL;
 const RELAXED: CUstreamCaptureMode = CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED;
+
+/// A capture begun in the default global mode is broken by a potentially
+/// unsafe call from any other thread in that mode (the driver's rule for
+/// `CU_STREAM_CAPTURE_MODE_GLOBAL`). These tests hold global captures open
+/// and one synchronizes a capturing stream on purpose, which a driver may
+/// count as such a call as well as breaking its own capture: one test at a
+/// time, so that no test breaks another's capture.
+fn serial() -> MutexGuard<'static, ()> {
+    static SERIAL: Mutex<()> = Mutex::new(());
+    SERIAL
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
 
 /// End the capture on `stream`: the graph's instantiation, or the driver's
 /// error (`CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` for a broken capture).
@@ -52,6 +65,7 @@ fn finish<T: Send + 'static>(
 
 #[test]
 fn a_fence_recorded_during_capture_fails_its_waits_at_once_and_leaves_the_capture_intact() {
+    let _serial = serial();
     let Some((ctx, sleep)) = gpu("a_fence_recorded_during_capture_fails_its_waits_at_once") else {
         return;
     };
@@ -81,6 +95,7 @@ fn a_fence_recorded_during_capture_fails_its_waits_at_once_and_leaves_the_captur
 
 #[test]
 fn waits_on_other_streams_during_a_global_capture_leave_it_intact() {
+    let _serial = serial();
     let Some((ctx, sleep)) = gpu("waits_on_other_streams_during_a_global_capture_leave_it_intact")
     else {
         return;
@@ -108,6 +123,7 @@ fn waits_on_other_streams_during_a_global_capture_leave_it_intact() {
 
 #[test]
 fn a_capturing_stream_waits_only_on_fences_of_its_own_capture() {
+    let _serial = serial();
     let Some((ctx, sleep)) = gpu("a_capturing_stream_waits_only_on_fences_of_its_own_capture")
     else {
         return;
@@ -138,6 +154,7 @@ fn a_capturing_stream_waits_only_on_fences_of_its_own_capture() {
 
 #[test]
 fn a_capturing_stream_is_not_synchronized_and_a_refused_record_does_not_fall_back() {
+    let _serial = serial();
     let Some((ctx, _)) = gpu("a_capturing_stream_is_not_synchronized") else {
         return;
     };
@@ -175,6 +192,7 @@ fn a_capturing_stream_is_not_synchronized_and_a_refused_record_does_not_fall_bac
 
 #[test]
 fn a_drop_queue_leaks_a_value_whose_fence_was_recorded_during_capture() {
+    let _serial = serial();
     let Some((ctx, sleep)) =
         gpu("a_drop_queue_leaks_a_value_whose_fence_was_recorded_during_capture")
     else {
@@ -222,6 +240,7 @@ fn dropped_behind(fence: device_events::cuda::CudaFence) -> (usize, DropQueueSta
 /// it may be in the graph, and its value is kept, never freed.
 #[test]
 fn a_capture_ended_during_the_record_never_frees_the_fences_value() {
+    let _serial = serial();
     let Some((ctx, sleep)) = gpu("a_capture_ended_during_the_record_never_frees_the_fences_value")
     else {
         return;
@@ -259,6 +278,7 @@ fn a_capture_ended_during_the_record_never_frees_the_fences_value() {
 /// the event (`CUDA_ERROR_INVALID_VALUE`) is read as "may be captured".
 #[test]
 fn a_whole_capture_inside_the_record_never_frees_the_fences_value() {
+    let _serial = serial();
     let Some((ctx, _)) = gpu("a_whole_capture_inside_the_record_never_frees_the_fences_value")
     else {
         return;
@@ -292,6 +312,7 @@ fn a_whole_capture_inside_the_record_never_frees_the_fences_value() {
 /// race runs and must neither hang nor panic.
 #[test]
 fn fences_recorded_beside_captures_begun_and_ended_never_free_a_captured_value() {
+    let _serial = serial();
     let Some((ctx, _)) = gpu("fences_recorded_beside_captures_never_free_a_captured_value") else {
         return;
     };
@@ -360,6 +381,7 @@ fn fences_recorded_beside_captures_begun_and_ended_never_free_a_captured_value()
 /// stream before the driver, which would merge and invalidate both.
 #[test]
 fn a_fence_of_another_capture_is_refused_and_both_captures_stay_intact() {
+    let _serial = serial();
     let Some((ctx, sleep)) = gpu("a_fence_of_another_capture_is_refused") else {
         return;
     };
@@ -384,6 +406,7 @@ fn a_fence_of_another_capture_is_refused_and_both_captures_stay_intact() {
 /// wait in its place.
 #[test]
 fn a_wait_on_a_fence_of_an_ended_capture_is_refused() {
+    let _serial = serial();
     let Some((ctx, sleep)) = gpu("a_wait_on_a_fence_of_an_ended_capture_is_refused") else {
         return;
     };
@@ -413,6 +436,7 @@ fn a_wait_on_a_fence_of_an_ended_capture_is_refused() {
 /// intact.
 #[test]
 fn the_legacy_stream_is_refused_fences_and_waits_while_a_blocking_stream_captures() {
+    let _serial = serial();
     let Some((ctx, sleep)) = gpu("the_legacy_stream_is_refused_fences_and_waits") else {
         return;
     };

@@ -229,13 +229,14 @@ proptest! {
                     kept = still;
                 }
             }
-            // Dropped waits leave the waiter at once; only a wait a thread
-            // is blocked on (one per lane) may outlive its future a while.
-            prop_assert!(
-                waiter.pending() <= kept.len() + STREAMS,
-                "{} pending for {} kept futures",
-                waiter.pending(),
-                kept.len()
+            // Dropped waits leave the waiter at once, but for a wait a
+            // thread is blocked on (one per lane, held until its gate opens)
+            // and waits out in a batch a thread is polling (back within
+            // moments, unless that thread is descheduled).
+            common::eventually(
+                Duration::from_secs(5),
+                "dropped waits leave, but one held per lane",
+                || waiter.pending() <= kept.len() + STREAMS,
             );
         }
         for gate in gates.into_iter().flatten() {

@@ -58,24 +58,33 @@ fn the_budget_defaults_to_one_per_four_cores_and_reads_back() {
 
 #[test]
 fn items_ending_one_after_another_are_watched_and_resolve_in_order_after_their_work() {
-    let waiter = Waiter::builder().watchers(1).build();
-    let stream = HostStream::new().unwrap();
-    let items = 40;
-    let results = items_awaited(&waiter, &stream, items, Duration::from_micros(500));
-    for (index, (result, ran)) in results.into_iter().enumerate() {
-        result.expect("reached");
-        assert!(
-            ran > index,
-            "wait {index} resolved after {ran} steps had run"
-        );
+    // A watcher sees at least some of forty items end (a wait found ended
+    // when the thread comes to it counts too). On a loaded machine one
+    // waiter's may see none: one late wake makes it wake early enough to
+    // cut these items off until it idles out. So up to five waiters.
+    let mut watched = Vec::new();
+    for _ in 0..5 {
+        let waiter = Waiter::builder().watchers(1).build();
+        let stream = HostStream::new().unwrap();
+        let items = 40;
+        let results = items_awaited(&waiter, &stream, items, Duration::from_micros(500));
+        for (index, (result, ran)) in results.into_iter().enumerate() {
+            result.expect("reached");
+            assert!(
+                ran > index,
+                "wait {index} resolved after {ran} steps had run"
+            );
+        }
+        // Every wait a lane thread held ended on the word or in the driver.
+        let stats = waiter.stats();
+        assert_eq!(stats.resolved, items as u64);
+        assert!(stats.watched <= stats.resolved);
+        watched.push(stats.watched);
+        if stats.watched > 0 {
+            return;
+        }
     }
-    let stats = waiter.stats();
-    assert_eq!(stats.resolved, items as u64);
-    // Every wait a lane thread held ended on the word or in the driver; a
-    // watcher sees at least some of forty items end, however loaded the
-    // machine (a wait found ended when the thread comes to it counts too).
-    assert!(stats.watched > 0, "{stats:?}");
-    assert!(stats.watched <= stats.resolved);
+    panic!("none of five waiters' watchers saw a wait end: {watched:?}");
 }
 
 #[test]
