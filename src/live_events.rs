@@ -31,6 +31,7 @@ pub(crate) struct LiveEvents(());
 #[cfg(not(any(test, feature = "test-util")))]
 impl LiveEvents {
     pub(crate) fn allocated(&self) {}
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn reused(&self) {}
     pub(crate) fn freed(&self) {}
     pub(crate) fn set_idle(&self, _idle: usize) {}

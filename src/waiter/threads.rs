@@ -147,10 +147,10 @@ impl WaiterThread {
     /// Wait until `wait`'s fence is reached: through the watcher where its stream has a word
     /// (which resolves it, or hands it back), else (or then) blocking in the driver.
     fn wait_out(&mut self, wait: &Wait) -> Result<(), ServerError> {
-        let started = Instant::now();
         let Some((key, watch)) = &mut self.watch else {
             return contain::backend(|| wait.waitable.block());
         };
+        let started = Instant::now();
         let early = self.pool.watcher_early();
         let place = (*key, wait.sequence());
         let entry = watch.entry(place, &wait.slot, &wait.waitable, started, early);
