@@ -588,6 +588,11 @@ pub fn prometheus_text(state: &AppState) -> String {
             waiter.watched,
         ),
         (
+            "waiter_watcher_cpu_microseconds_total",
+            "CPU time the waiter's watcher thread has used (Linux).",
+            u64::try_from(waiter.watcher_cpu.as_micros()).unwrap_or(u64::MAX),
+        ),
+        (
             "waiter_cancelled_total",
             "Handed-off waits whose future was dropped first.",
             waiter.cancelled,

@@ -73,5 +73,9 @@ plant_loom refused-lane-left-for-threads "a refused lane thread leaves its lanes
     loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller
 plant_loom idle-thread-wake-never-sent "an idle thread's wake-up is decided but never sent" \
     loom_two_idle_lane_threads_are_woken_for_new_lanes
+plant_loom watcher-takes-the-hold-delivers-nothing "the watcher wins the race for a wait but never delivers it" \
+    loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once
+plant_loom shutdown-leaves-the-watchers-list "shutdown leaves entries on the list of a watcher that then exits" \
+    loom_shutdown_during_the_race
 
 echo "== every plant caught ($caught)"

@@ -167,7 +167,8 @@ impl<A: EventApi> EventFence<A> {
     /// Make `stream` wait for this fence on the device, so work queued on it afterwards runs
     /// behind the fenced stream's. Does not block the host, unless the driver refuses the
     /// dependency: the host then waits for the fence itself (with a warning logged), which
-    /// orders the work just the same.
+    /// orders the work just the same. A faulted `stream` (sticky: it refuses every wait the
+    /// same way) warns once; later refusals of it log at debug level.
     ///
     /// Not refusals, and so returned at once with no host wait: an invalid `stream` (a dropped
     /// stream's handle, or another thread's per-thread default stream: the caller's bug); a
@@ -212,9 +213,17 @@ impl<A: EventApi> EventFence<A> {
         match (self.try_wait_async(stream), &self.event) {
             // Only a refused device-side wait falls back, not the held error.
             (Err(err), Ok(Some(event))) if !refusal_is_final(&err) => {
-                log::warn!(
-                    "a {} stream could not be made to wait on a fence, waiting on the host: {err}",
-                    A::BACKEND
+                // Keyed by the waiting stream, whose call was refused: a faulted one refuses
+                // every wait the same way, and warns once.
+                crate::fault_log::warn(
+                    A::BACKEND,
+                    &stream,
+                    &err,
+                    &format!(
+                        "a {} stream could not be made to wait on a fence, waiting on the host: \
+                         {err}",
+                        A::BACKEND
+                    ),
                 );
                 event.wait_sync()
             }

@@ -164,13 +164,13 @@ mod idle_pool;
 mod latency_histogram;
 mod live_events;
 mod loom;
+#[cfg(multi_threading)]
+mod os_thread;
 mod own_threads;
 mod panics;
 mod plant;
 mod progress_word;
 mod shards;
-#[cfg(multi_threading)]
-mod timer_slack;
 
 #[cfg(multi_threading)]
 pub use any_fence::{AnyFence, AnyFenceFuture};
@@ -198,7 +198,7 @@ pub use progress_word::ProgressWord;
 #[cfg(multi_threading)]
 pub use waiter::{
     default_watchers, Awaitable, FenceFuture, StuckWait, Waiter, WaiterBuilder, WaiterStats,
-    DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_SPIN_BUDGET, MAX_THREADS_LIMIT,
+    DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_SPIN_BUDGET, MAX_THREADS_LIMIT, WATCHER_MIN_CORES,
 };
 
 /// The README's examples, compiled and run as doctests.

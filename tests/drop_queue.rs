@@ -1097,3 +1097,76 @@ fn a_refusal_given_to_a_finished_queue_contains_panics() {
     let stats = panicky_values.stats();
     assert_eq!((stats.dropped, stats.leaked), (1, 0));
 }
+
+/// A value that reports its drop: whether the stream's step it stood for had
+/// run by then, and on which thread it was dropped.
+struct Reported {
+    needs: usize,
+    progress: Progress,
+    report: std::sync::mpsc::Sender<(bool, Option<String>)>,
+}
+
+impl Drop for Reported {
+    fn drop(&mut self) {
+        let thread = std::thread::current().name().map(str::to_owned);
+        let _ = self
+            .report
+            .send((self.progress.get() >= self.needs, thread));
+    }
+}
+
+/// A test that fails while it holds a queue over work it holds back itself
+/// (a gate dropped only after the queue) must fail, not hang: the queue's
+/// drop during the unwind does not wait for the fence. The value still waits
+/// for it, and is dropped on the queue's thread once the gate opens.
+#[test]
+fn a_queue_dropped_while_its_thread_panics_does_not_wait_for_its_fences() {
+    use std::sync::mpsc;
+    const LIMIT: Duration = Duration::from_secs(30);
+
+    let stream = HostStream::new().unwrap();
+    // Outlives the queue, as a gate declared before it does: opened only
+    // once the panicking thread has let go of the queue.
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    progress.step_on(&stream);
+    let (report, reports) = mpsc::channel();
+    let (unwound, unwinds) = mpsc::channel();
+    let handle = stream.handle();
+    let step = progress.clone();
+    std::thread::spawn(move || {
+        let caught = std::panic::catch_unwind(move || {
+            let queue = DropQueue::new(4).unwrap();
+            let value = Reported {
+                needs: 1,
+                progress: step,
+                report,
+            };
+            assert!(queue.push(EventFence::<Host>::new(handle), value).is_ok());
+            panic!("a failing test holding a drop queue");
+        });
+        let message = caught
+            .err()
+            .and_then(|payload| payload.downcast_ref::<&str>().map(|text| text.to_string()));
+        let _ = unwound.send(message);
+    });
+    // A hang (the queue's drop joining its thread) fails here, and the gate
+    // then opens as this thread unwinds.
+    let message = unwinds
+        .recv_timeout(LIMIT)
+        .expect("the queue's drop during the unwind returned without waiting for the fence");
+    assert_eq!(
+        message.as_deref(),
+        Some("a failing test holding a drop queue")
+    );
+    assert!(
+        matches!(reports.try_recv(), Err(mpsc::TryRecvError::Empty)),
+        "the value was dropped while its fence was held"
+    );
+    gate.open();
+    let (passed, thread) = reports
+        .recv_timeout(LIMIT)
+        .expect("the detached queue thread drops the value once its fence passes");
+    assert!(passed, "dropped before its fence passed");
+    assert_eq!(thread.as_deref(), Some("device-events-drop-queue"));
+}

@@ -3,7 +3,7 @@
 use std::collections::{BTreeMap as Map, BTreeSet as Set};
 /// Each layer, bottom up as in the Architecture table, and what it may import besides itself
 /// (`module::Name`: that name only; a module in no layer: nothing); `*`: the helpers.
-const LAYERS: &str = "*: api error loom fault_log own_threads panics fork plant shards idle_pool progress_word timer_slack
+const LAYERS: &str = "*: api error loom fault_log own_threads panics fork plant shards idle_pool progress_word os_thread
     live_events checked latency_histogram; error:; api: error progress_word; event: *; fence: * event; waiter: * event fence; backend: *
     fence::EventFence; any_fence: * backend event fence waiter any_stream; any_stream: * backend
     event fence waiter any_fence; profiler: * backend event fence waiter any_fence; drop_queue: *

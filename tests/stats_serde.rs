@@ -61,7 +61,8 @@ fn waiter_stats_and_stuck_waits_serialize() {
             "stuck",
             "threads",
             "wake_latency",
-            "watched"
+            "watched",
+            "watcher_cpu"
         ]
     );
     assert_eq!(stats["resolved"], 1);

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::{faultable_stream, Gate, Progress};
 use device_events::host::{Host, HostStream};
-use device_events::{default_watchers, EventFence, Waiter};
+use device_events::{default_watchers, EventFence, Waiter, WATCHER_MIN_CORES};
 
 /// `items` items of `item` on `stream`, each with a fence, awaited by
 /// `waiter` all at once, the stream held until every wait is handed off:
@@ -48,9 +48,10 @@ fn items_awaited(
 }
 
 #[test]
-fn the_budget_defaults_to_one_per_four_cores_and_reads_back() {
+fn the_watcher_is_on_by_default_from_eight_cores_and_the_setting_reads_back() {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    assert_eq!(default_watchers(), (cores / 4).max(1));
+    assert_eq!(WATCHER_MIN_CORES, 8);
+    assert_eq!(default_watchers(), usize::from(cores >= WATCHER_MIN_CORES));
     assert_eq!(Waiter::builder().build().watchers(), default_watchers());
     assert_eq!(Waiter::builder().watchers(0).build().watchers(), 0);
     assert_eq!(Waiter::builder().watchers(3).build().watchers(), 3);
@@ -81,6 +82,15 @@ fn items_ending_one_after_another_are_watched_and_resolve_in_order_after_their_w
         assert!(stats.watched <= stats.resolved);
         watched.push(stats.watched);
         if stats.watched > 0 {
+            // The watcher's CPU is counted as each of its rounds ends.
+            let deadline = std::time::Instant::now() + Duration::from_secs(20);
+            while waiter.stats().watcher_cpu.is_zero() {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "a watcher that saw waits end reports no CPU time"
+                );
+                std::thread::yield_now();
+            }
             return;
         }
     }
@@ -97,6 +107,8 @@ fn with_no_watchers_no_wait_is_watched() {
         assert!(ran > index);
     }
     assert_eq!(waiter.stats().watched, 0);
+    assert_eq!(waiter.stats().watcher_cpu, Duration::ZERO, "no watcher");
+    assert_eq!(waiter.peak_threads(), 1, "one lane thread, no watcher");
 }
 
 #[test]

@@ -4,14 +4,16 @@
 use std::time::{Duration, Instant};
 
 use crate::measure::{
-    latencies, median_run, process_cpu, process_threads, quantile_us, Clock, Stamps, ThreadSampler,
+    latencies, median_run, process_cpu, process_threads, quantile_us, threads_cpu, Clock, Stamps,
+    ThreadSampler,
 };
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
 use crate::settings::{runtime, Settings};
 use crate::strategies::{self, Pending, Strategy, Waiters, SINGLE};
 
-/// Scenario 1: one stream, work of known length, a fence; wake latency.
+/// Scenario 1: one stream, work of known length, a fence; wake latency, and
+/// the watcher thread's CPU per await of this crate's waiters.
 ///
 /// The strategies take turns round by round (each with its own runtime), so
 /// a noisy stretch of the machine hits all of them alike and the ratios
@@ -24,7 +26,17 @@ pub fn single_wait<R: Rig>(
     let mut table = Table::new(
         Scenario::SingleWait,
         rig.name(),
-        &[Metric::P50Us, Metric::P99Us, Metric::MeanUs],
+        &[
+            Metric::P50Us,
+            Metric::P99Us,
+            Metric::MeanUs,
+            Metric::WatcherCpuUsPerAwait,
+        ],
+    );
+    table.notes.push(
+        "watcher CPU: the waiter's watcher thread's over every round, warm-up included, \
+         per await ('-': no waiter of this crate)"
+            .to_owned(),
     );
     let mut strategies = SINGLE.to_vec();
     strategies.retain(|&strategy| strategy != Strategy::OneHop || rig.work_stamps_its_end());
@@ -46,14 +58,30 @@ pub fn single_wait<R: Rig>(
             strategies::wait_one(*strategy, runtime, &waiters, pending, (ends, wakes), clock);
         }
     }
+    // Before the shutdown, while the watcher threads (those that started)
+    // are there.
+    let watcher_cpu: Vec<f64> = strategies
+        .iter()
+        .map(|&strategy| {
+            Waiters::watcher_thread(strategy).map_or(f64::NAN, |name| {
+                threads_cpu(&name).as_secs_f64() * 1e6 / total as f64
+            })
+        })
+        .collect();
     waiters.shutdown();
     let mut series = Vec::new();
-    for (strategy, (ends, wakes)) in strategies.iter().zip(&stamps) {
+    for ((strategy, (ends, wakes)), watcher_cpu) in strategies.iter().zip(&stamps).zip(watcher_cpu)
+    {
         let sorted = latencies(ends, wakes, settings.warmup);
         let mean = sorted.iter().sum::<u64>() as f64 / sorted.len() as f64 / 1_000.0;
         table.row(
             strategy.name(),
-            vec![quantile_us(&sorted, 0.5), quantile_us(&sorted, 0.99), mean],
+            vec![
+                quantile_us(&sorted, 0.5),
+                quantile_us(&sorted, 0.99),
+                mean,
+                watcher_cpu,
+            ],
         );
         series.push((strategy.name().to_owned(), sorted));
     }

@@ -3,13 +3,25 @@
 //! query-and-yield loop, and the floors: a raw thread blocked in the
 //! backend's synchronize, and that thread handing each wake on (to a parked
 //! thread, or to the fence's task). Scenario 8 has streams end their work
-//! item after item, as kernels do on a GPU stream.
+//! item after item, as kernels do on a GPU stream: 8a, 8b and 8c items of
+//! 10 us, 100 us and 1 ms on many streams; 8d one stream of six 100 ms items,
+//! then one hundred 1 ms items, timed over the 1 ms ones (a waiter still
+//! expecting 100 ms holds them); 8e four streams of 150 items of 0.5 to 4 ms
+//! from a fixed seed. `--quick` runs fewer, shorter items (8d: two 20 ms
+//! items, then twenty 1 ms items).
+//!
+//! This crate's rows: the default waiter (`Waiter::builder().build()`, whose
+//! number of watcher threads depends on the machine), `watchers(0)` (every
+//! wait sleeps in the driver) and `watchers(1)` (the watcher on, wherever the
+//! default has none). Scenarios 1 and 8 show each; scenario 8 also the
+//! watcher thread's CPU per await.
 //!
 //! ```sh
 //! cargo bench --bench waiters               # full run (host; CUDA too when present)
 //! cargo bench --bench waiters -- --quick    # smoke run, seconds
 //! cargo bench --bench waiters -- --large    # adds 100,000 awaits on 64 streams
-//! cargo bench --bench waiters -- --only 8   # streams ending items one after another
+//! cargo bench --bench waiters -- --only 8   # streams ending items one after another (8a-8e)
+//! cargo bench --bench waiters -- --only 8d --strategies await_watching,await_sleeping
 //! ```
 //!
 //! Prints a table per scenario with each strategy's ratio to this crate's,
@@ -97,7 +109,7 @@ fn run_all<R: Rig>(shared: &Arc<R>, settings: &Settings, clock: Clock, tables: &
     for shape in streaming::shapes(settings.quick) {
         let id = shape.scenario.id();
         if settings.runs("8") || settings.runs(id) {
-            let (table, series) = streaming::streaming(rig, shape, settings, clock);
+            let (table, series) = streaming::streaming(rig, &shape, settings, clock);
             let plot = report::write_latency_svg(
                 &format!("latency-streaming-{id}-{}.svg", rig.name()),
                 &format!(

@@ -19,6 +19,8 @@ pub enum Scenario {
     Streaming10Us,
     Streaming100Us,
     Streaming1Ms,
+    StreamingLongThenShort,
+    StreamingVaried,
 }
 
 impl Scenario {
@@ -37,6 +39,8 @@ impl Scenario {
             Self::Streaming10Us => "8a",
             Self::Streaming100Us => "8b",
             Self::Streaming1Ms => "8c",
+            Self::StreamingLongThenShort => "8d",
+            Self::StreamingVaried => "8e",
         }
     }
 
@@ -54,6 +58,8 @@ impl Scenario {
             Self::Streaming10Us => "streaming completions, 10 us items",
             Self::Streaming100Us => "streaming completions, 100 us items",
             Self::Streaming1Ms => "streaming completions, 1 ms items",
+            Self::StreamingLongThenShort => "streaming completions, long items then 1 ms items",
+            Self::StreamingVaried => "streaming completions, items of 0.5 to 4 ms",
         }
     }
 }
@@ -75,6 +81,7 @@ pub enum Metric {
     AwaitsPerSecond,
     CpuUsPerAwait,
     ProcessCpuUsPerAwait,
+    WatcherCpuUsPerAwait,
 }
 
 impl Metric {
@@ -93,6 +100,7 @@ impl Metric {
             Self::AwaitsPerSecond => "awaits/s",
             Self::CpuUsPerAwait => "CPU us per await",
             Self::ProcessCpuUsPerAwait => "process CPU us per await",
+            Self::WatcherCpuUsPerAwait => "watcher CPU us per await",
         }
     }
 }
@@ -165,8 +173,11 @@ impl Table {
         for (name, values) in &self.rows {
             let mut line = format!("| {name:<26} |");
             for (column, value) in values.iter().enumerate() {
+                // A figure a row does not have (NaN, printed '-') has no
+                // ratio either.
                 let ratio = reference
                     .as_ref()
+                    .filter(|_| value.is_finite())
                     .and_then(|reference| reference.get(column))
                     .filter(|reference| **reference > 0.0)
                     .map(|reference| value / reference);

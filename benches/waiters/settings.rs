@@ -18,16 +18,17 @@ pub struct Settings {
     /// Repetitions of scenario 2; each figure is the median over them.
     pub reps: usize,
     /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`;
-    /// `8` is `8a`, `8b` and `8c`).
+    /// `8` is `8a` to `8e`).
     pub only: Option<Vec<String>>,
     /// `--strategies await,spawn_blocking`: in scenarios 2, 2b and 8, run
-    /// just these (by [`Strategy::flag`]), e.g. to profile one.
+    /// just these (by [`Strategy::flag`]), e.g. to profile one; in scenario
+    /// 8, any of scenario 1's, not only its usual rows.
     pub strategies: Option<Vec<String>>,
 }
 
 const USAGE: &str =
-    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,6b,7,8,8a,8b,8c] \
-     [--strategies await,spawn_blocking,thread,query_yield,raw,raw_handoff]";
+    "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,6b,7,8,8a,8b,8c,8d,8e] \
+     [--strategies await,await_sleeping,await_watching,spawn_blocking,thread,query_yield,raw,raw_handoff,one_hop]";
 
 impl Settings {
     pub fn from_args() -> Self {
@@ -75,6 +76,14 @@ impl Settings {
         self.only
             .as_ref()
             .is_none_or(|only| only.iter().any(|wanted| wanted == id))
+    }
+
+    /// `usual` without `--strategies`; with it, those it names of `all`.
+    pub fn pick_or(&self, usual: &[Strategy], all: &[Strategy]) -> Vec<Strategy> {
+        match self.strategies {
+            None => usual.to_vec(),
+            Some(_) => self.pick(all),
+        }
     }
 
     /// `all`, less the strategies `--strategies` leaves out.

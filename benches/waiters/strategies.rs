@@ -12,10 +12,14 @@ use crate::measure::{Clock, Stamps};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Strategy {
     /// This crate: `waiter.wait(fence).await`, with the default settings
-    /// (lane threads watch progress words).
+    /// (`Waiter::builder().build()`: [`device_events::default_watchers`]
+    /// watchers, which may be none on a small machine).
     Await,
     /// The same with `watchers(0)`: every lane thread sleeps in the driver.
     AwaitSleeping,
+    /// The same with `watchers(1)`: the watcher on whatever the default, so
+    /// that a machine whose default has none still shows what it does.
+    AwaitWatching,
     /// `tokio::task::spawn_blocking(move || fence.wait_sync())`.
     SpawnBlocking,
     /// A dedicated thread per wait, handing the result over a oneshot.
@@ -43,16 +47,30 @@ pub const ALL: [Strategy; 5] = [
     Strategy::RawThread,
 ];
 
-/// Scenario 1's and 8's rows: every strategy, and the hand-off floors.
-pub const SINGLE: [Strategy; 8] = [
+/// Scenario 1's rows: every strategy, and the hand-off floors. Also what
+/// `--strategies` may name, and what it picks from in scenario 8.
+pub const SINGLE: [Strategy; 9] = [
+    Strategy::AwaitWatching,
     Strategy::Await,
     Strategy::AwaitSleeping,
     Strategy::SpawnBlocking,
+    Strategy::OneHop,
     Strategy::ThreadPerWait,
     Strategy::QueryYield,
     Strategy::RawThread,
     Strategy::RawHandoff,
+];
+
+/// Scenario 8's rows unless `--strategies` names others (from [`SINGLE`]):
+/// this crate's three waiters, spawn_blocking, and the floors the targets
+/// compare against (the raw thread's hand-off, the one hop).
+pub const STREAMING: [Strategy; 6] = [
+    Strategy::AwaitWatching,
+    Strategy::Await,
+    Strategy::AwaitSleeping,
+    Strategy::SpawnBlocking,
     Strategy::OneHop,
+    Strategy::RawHandoff,
 ];
 
 impl Strategy {
@@ -61,6 +79,7 @@ impl Strategy {
         match self {
             Self::Await => "await",
             Self::AwaitSleeping => "await_sleeping",
+            Self::AwaitWatching => "await_watching",
             Self::SpawnBlocking => "spawn_blocking",
             Self::ThreadPerWait => "thread",
             Self::QueryYield => "query_yield",
@@ -74,6 +93,7 @@ impl Strategy {
         match self {
             Self::Await => "device-events await",
             Self::AwaitSleeping => "await, watchers(0)",
+            Self::AwaitWatching => "await, watchers(1)",
             Self::SpawnBlocking => "spawn_blocking(wait_sync)",
             Self::ThreadPerWait => "thread per wait",
             Self::QueryYield => "query + yield_now",
@@ -84,18 +104,24 @@ impl Strategy {
     }
 }
 
-/// This crate's waiters under test: the default one, which watches progress
-/// words, and one with `watchers(0)`, which only sleeps in the driver.
+/// This crate's waiters under test: the default one, one with
+/// `watchers(0)`, which only sleeps in the driver, and one with
+/// `watchers(1)`, which watches progress words. Each names its threads
+/// apart ([`Waiters::watcher_thread`]); nothing else differs from the
+/// builder's defaults.
 pub struct Waiters {
-    pub watching: Waiter,
+    pub default: Waiter,
     pub sleeping: Waiter,
+    pub watching: Waiter,
 }
 
 impl Waiters {
     pub fn new() -> Self {
+        let named = |strategy: Strategy| Waiter::builder().thread_name(thread_prefix(strategy));
         Self {
-            watching: Waiter::builder().build(),
-            sleeping: Waiter::builder().watchers(0).build(),
+            default: named(Strategy::Await).build(),
+            sleeping: named(Strategy::AwaitSleeping).watchers(0).build(),
+            watching: named(Strategy::AwaitWatching).watchers(1).build(),
         }
     }
 
@@ -103,13 +129,38 @@ impl Waiters {
     fn of(&self, strategy: Strategy) -> &Waiter {
         match strategy {
             Strategy::AwaitSleeping => &self.sleeping,
-            _ => &self.watching,
+            Strategy::AwaitWatching => &self.watching,
+            _ => &self.default,
         }
     }
 
+    /// The name of the watcher thread of `strategy`'s waiter (for
+    /// [`threads_cpu`](crate::measure::threads_cpu)); `None` for a strategy
+    /// with no waiter of this crate. A waiter with no watcher starts no such
+    /// thread: its watcher CPU reads 0.
+    pub fn watcher_thread(strategy: Strategy) -> Option<String> {
+        matches!(
+            strategy,
+            Strategy::Await | Strategy::AwaitSleeping | Strategy::AwaitWatching
+        )
+        .then(|| format!("{}-watcher", thread_prefix(strategy)))
+    }
+
     pub fn shutdown(&self) {
-        self.watching.shutdown();
+        self.default.shutdown();
         self.sleeping.shutdown();
+        self.watching.shutdown();
+    }
+}
+
+/// Each waiter's thread name prefix: short, as Linux keeps 15 bytes of a
+/// thread's name (`device-events-waiter-watcher` reads `device-events-w`,
+/// the same as its lane threads), so `{prefix}-watcher` stays whole.
+fn thread_prefix(strategy: Strategy) -> &'static str {
+    match strategy {
+        Strategy::AwaitSleeping => "await-0",
+        Strategy::AwaitWatching => "await-1",
+        _ => "await-d",
     }
 }
 
@@ -145,7 +196,9 @@ pub fn start<A: EventApi>(
             let countdown = countdown.clone();
             runtime.spawn(async move {
                 let result = match strategy {
-                    Strategy::Await | Strategy::AwaitSleeping => waiter.wait(fence).await,
+                    Strategy::Await | Strategy::AwaitSleeping | Strategy::AwaitWatching => {
+                        waiter.wait(fence).await
+                    }
                     Strategy::SpawnBlocking => {
                         tokio::task::spawn_blocking(move || fence.wait_sync())
                             .await

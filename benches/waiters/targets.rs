@@ -28,10 +28,12 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
     };
     let ours = Strategy::Await.name();
     let blocking = Strategy::SpawnBlocking.name();
-    let ratio = |table: Option<&Table>, metric: Metric, other: &str| {
+    let ratio_of = |table: Option<&Table>, metric: Metric, row: &str, other: &str| {
         let table = table?;
-        Some(table.value(ours, metric)? / table.value(other, metric)?)
+        Some(table.value(row, metric)? / table.value(other, metric)?)
     };
+    let ratio =
+        |table: Option<&Table>, metric: Metric, other: &str| ratio_of(table, metric, ours, other);
     for backend in ["host", "cuda"] {
         let single = find(Scenario::SingleWait, backend);
         let many = find(Scenario::ManyPending, backend);
@@ -71,6 +73,7 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
         // (host only: a GPU stream cannot run a waker).
         let one_hop = Strategy::OneHop.name();
         let sleeping = Strategy::AwaitSleeping.name();
+        let watching = Strategy::AwaitWatching.name();
         if backend == "host" {
             check(
                 format!("[{backend}] 1: wake p50 vs one-hop floor"),
@@ -78,9 +81,27 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                 1.25,
             );
         }
+        // The default (with no watcher where the machine is small) against
+        // `watchers(0)`: no worse; and the watcher on, `watchers(1)`: its
+        // tail no worse, and a lone wait's median faster.
+        check(
+            format!("[{backend}] 1: wake p50 vs watchers(0)"),
+            ratio(single, Metric::P50Us, sleeping),
+            1.1,
+        );
         check(
             format!("[{backend}] 1: wake p99 vs watchers(0)"),
             ratio(single, Metric::P99Us, sleeping),
+            1.2,
+        );
+        check(
+            format!("[{backend}] 1: watchers(1) wake p50 vs watchers(0)"),
+            ratio_of(single, Metric::P50Us, watching, sleeping),
+            0.95,
+        );
+        check(
+            format!("[{backend}] 1: watchers(1) wake p99 vs watchers(0)"),
+            ratio_of(single, Metric::P99Us, watching, sleeping),
             1.2,
         );
         check(
@@ -159,6 +180,8 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
             Scenario::Streaming10Us,
             Scenario::Streaming100Us,
             Scenario::Streaming1Ms,
+            Scenario::StreamingLongThenShort,
+            Scenario::StreamingVaried,
         ] {
             let table = find(scenario, backend);
             if table.is_none() {
@@ -176,6 +199,7 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                     2.0,
                 ),
                 ("wake p50", Metric::P50Us, one_hop, "one-hop floor", 1.25),
+                ("wake p50", Metric::P50Us, sleeping, "watchers(0)", 1.1),
                 ("wake p99", Metric::P99Us, blocking, "spawn_blocking", 1.0),
                 ("wake p99", Metric::P99Us, sleeping, "watchers(0)", 1.2),
                 (
@@ -211,6 +235,24 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                     limit,
                 );
             }
+            // The watcher on, against none: its tail no worse, its median
+            // no worse; with 1 ms items, faster (the watcher sees each end in
+            // the stream's word, where `watchers(0)`'s thread waits to be
+            // woken from the driver).
+            check(
+                format!("[{backend}] {id}: watchers(1) wake p50 vs watchers(0)"),
+                ratio_of(table, Metric::P50Us, watching, sleeping),
+                if scenario == Scenario::Streaming1Ms {
+                    0.8
+                } else {
+                    1.15
+                },
+            );
+            check(
+                format!("[{backend}] {id}: watchers(1) wake p99 vs watchers(0)"),
+                ratio_of(table, Metric::P99Us, watching, sleeping),
+                1.2,
+            );
             if backend == "cuda" {
                 check(
                     format!("[cuda] {id}: wake p50 us"),

@@ -39,9 +39,9 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///   **leaked** (never dropped), with an error logged and counted in
 ///   [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a bounded loss, a freed one
 ///   still read by the device is memory corruption.
-/// - Dropping the queue is [`shutdown`](Self::shutdown): it **blocks** until every fence has
-///   passed (the slowest stream's queued work), drops every value, and joins the thread. In
-///   async code, use [`shutdown_async`](Self::shutdown_async) (and
+/// - Dropping the queue **blocks** until every fence has passed, as
+///   [`shutdown`](Self::shutdown) does, but not while the dropping thread panics (see
+///   [Drop](#drop)). In async code, use [`shutdown_async`](Self::shutdown_async) (and
 ///   [`flush_async`](Self::flush_async) for [`flush`](Self::flush)), which block no thread.
 /// - A value's drop may use its own queue: `push_blocking` and `push_async` there queue past the
 ///   capacity, even while closing (only the queue's thread makes room, and it drains the queue
@@ -70,6 +70,24 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 ///
 /// In async code, `queue.push_async(fence, staging).await` waits for room
 /// without blocking a thread.
+///
+/// # Drop
+///
+/// Dropping the queue closes it to new pushes (as [`close`](Self::close)), then:
+///
+/// - **Normally**, it is [`shutdown`](Self::shutdown): it **blocks** until every queued fence
+///   has passed (the slowest stream's queued work), drops every value, and joins the thread.
+/// - **While the dropping thread panics** ([`std::thread::panicking`]: the queue dropped by an
+///   unwind), it returns at once, without waiting for any fence: the thread is detached, and
+///   goes on dropping each value once its fence passes, then exits. Waiting there could hang
+///   the unwind for good, as when a failing test holds the queue over work it holds back
+///   itself (a gate it drops after the queue). No value is dropped early: one whose fence
+///   fails is leaked, as ever, and values still queued when the process exits are never
+///   dropped (their memory goes with the process).
+/// - On the queue's own thread (the last handle, dropped by a value's drop), it returns at
+///   once too: the thread drops the rest, then exits.
+/// - After [`shutdown_async`](Self::shutdown_async), whose future joins the thread, it returns
+///   at once.
 pub struct DropQueue<F: Fence, T: Send + 'static> {
     shared: Arc<Shared<F, T>>,
     /// Taken by the first to shut down: [`DropQueue::shutdown_async`] (via `&self`, so behind a
@@ -348,11 +366,37 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
             }
         }
     }
+
+    /// The queue dropped by a panicking thread: close it and let its thread finish on its own,
+    /// dropping each value once its fence passes. Joining could wait for good, on work that
+    /// only the unwind (dropping a gate declared before the queue, say) would let finish.
+    fn close_and_detach(&mut self) {
+        self.shared.close();
+        let Some(thread) = self.take_thread() else {
+            return;
+        };
+        let pending = self.shared.lock().pending();
+        if pending > 0 {
+            panics::log(|| {
+                log::warn!(
+                    "a DropQueue dropped during a panic does not wait for its fences: its own \
+                     thread drops the {pending} value(s) left as their fences pass"
+                );
+            });
+        }
+        // Detached: the thread owns its share of the state, and exits once the queue is empty.
+        drop(thread);
+    }
 }
 
 impl<F: Fence, T: Send + 'static> Drop for DropQueue<F, T> {
+    /// See [`DropQueue`]'s `# Drop`: joins, unless this thread panics.
     fn drop(&mut self) {
-        self.close_and_join();
+        if std::thread::panicking() {
+            self.close_and_detach();
+        } else {
+            self.close_and_join();
+        }
     }
 }
 

@@ -25,6 +25,9 @@ pub(super) struct Device {
     pub(super) dropped_on: Mutex<Vec<thread::ThreadId>>,
     /// Its stream's progress word, if it keeps one ([`Device::with_word`]).
     word: Option<std::sync::Arc<MockWord>>,
+    /// A driver slow to wake: blocks end only once the work has ended and
+    /// this is set ([`Device::with_slow_driver`]).
+    slow_driver: Option<Mutex<bool>>,
 }
 
 /// A progress word the device moves past every fence as its work ends.
@@ -52,6 +55,29 @@ impl Device {
             word: Some(Default::default()),
             ..Self::default()
         })
+    }
+
+    /// A device whose stream keeps a progress word, and whose driver wakes
+    /// the threads blocked on its fences only once told to
+    /// ([`Device::wake_driver`]), however long after the work's end.
+    #[cfg(not(device_events_loom))]
+    pub(super) fn with_slow_driver() -> Arc<Self> {
+        Arc::new(Self {
+            word: Some(Default::default()),
+            slow_driver: Some(Mutex::new(false)),
+            ..Self::default()
+        })
+    }
+
+    /// The slow driver wakes the threads blocked on its fences (once its
+    /// work has ended).
+    #[cfg(not(device_events_loom))]
+    pub(super) fn wake_driver(&self) {
+        if let Some(woken) = &self.slow_driver {
+            *woken.lock() = true;
+        }
+        let _reached = self.reached.lock();
+        self.changed.notify_all();
     }
 
     /// Its work ends: every fence on it is reached, and then its word moves
@@ -83,9 +109,22 @@ impl Device {
     }
 
     /// Sleep until its work ends.
+    #[cfg(not(device_events_loom))]
     pub(super) fn wait_reached(&self) {
         let mut reached = self.reached.lock();
         while !*reached {
+            reached = self.changed.wait(reached);
+        }
+    }
+
+    /// Sleep until its work ends and its driver wakes the blocked threads.
+    fn wait_woken(&self) {
+        let mut reached = self.reached.lock();
+        loop {
+            let woken = self.slow_driver.as_ref().is_none_or(|woken| *woken.lock());
+            if *reached && woken {
+                return;
+            }
             reached = self.changed.wait(reached);
         }
     }
@@ -114,7 +153,7 @@ impl Waitable for MockFence {
 
     fn block(&self) -> Result<(), ServerError> {
         self.device.blocked.fetch_add(1, Ordering::SeqCst);
-        self.device.wait_reached();
+        self.device.wait_woken();
         Ok(())
     }
 

@@ -8,8 +8,8 @@
 //!   `EventApi::stream_id`.
 //! - **lane thread**: serves one lane at a time. **Poller** (at most one):
 //!   asks the lanes past `max_threads` in rounds, drops withdrawn waits,
-//!   watches for stalls. **Watcher** (at most one): watches the progress
-//!   words of the waits lane threads hand it (`watch.rs`).
+//!   watches for stalls. **Watcher** (at most one, where watchers are on):
+//!   races the lane threads' blocks by watching progress words (below).
 //! - **hand-off**: a first poll that found the fence not reached puts its
 //!   wait in its lane. **Resolve**: leave a result in the slot, wake the task.
 //! - **held**: the wait a lane thread has out to block on or ask. **batch**:
@@ -25,10 +25,11 @@
 //!    lock. A wait that makes its lane picks who serves it: an idle lane
 //!    thread, else one between lanes, else a new one (up to `max_threads`),
 //!    else the poller. Decided under the lock, done after it (`Action`).
-//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait (or, where
-//!    its stream keeps a progress word and watchers are on, hand it to the
-//!    watcher and sleep until it resolves it or hands it back); then, in
-//!    one hold of the lock, resolve it and take the next, and ask that once.
+//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait in the
+//!    driver, always (where its stream keeps a progress word and watchers
+//!    are on, it is put on the watcher's list first, to race the block); then,
+//!    in one hold of the lock, resolve it (unless the watcher did) and take
+//!    the next, and ask that once.
 //!    Not reached (work ending item after item): block on it. Reached (a
 //!    burst): ask the later waits in batches, doubling from 2 to 256 while
 //!    all are reached. An idle lane is removed; its thread takes a queued
@@ -40,18 +41,54 @@
 //!    warns once per stall.
 //! 5. **Withdraw**: the wait goes to the withdrawn list, for the poller or an
 //!    idle lane thread to drop; one held or in a batch stays with its thread
-//!    (a held one the watcher has stays there until it is done with it).
+//!    (and on the watcher's list, if there, until one of them is done).
 //! 6. **Faults** (`contain.rs`): code the waiter does not own is called with
 //!    no lock held, under `catch_unwind`: a panic costs only its wait. A
 //!    thread that unwinds anyway gives back what it held (`Pool::recover`).
-//! 7. **Shutdown** fails every wait, held ones too, and hands the watcher's
-//!    back to their lane threads. A pool made before a **fork** refuses
-//!    everything in the child and touches nothing.
-//! 8. **The watcher** sleeps until shortly before the first end due among
-//!    its waits, looks at the words of those due (pausing, then yielding,
-//!    between looks), resolves each whose word passed once a query confirms
-//!    it, and wakes its lane thread; a wait not seen within its window goes
-//!    back to be blocked on in the driver. It exits after its keep-alive idle.
+//! 7. **Shutdown** fails every wait, held ones too, and empties the
+//!    watcher's list. A pool made before a **fork** refuses everything in
+//!    the child and touches nothing.
+//! 8. **The watcher** (below) exits after its keep-alive idle.
+//!
+//! # The watcher
+//!
+//! An accelerator that races the driver and never replaces it
+//! (`watch.rs`). Where a stream publishes its progress in host memory (a
+//! [`ProgressWord`](crate::ProgressWord): an atomic the host stream's worker
+//! sets; on CUDA, a page-locked word the stream writes with
+//! `cuStreamWriteValue64` after each fence), a lane thread about to block on
+//! its held wait first puts it on the watcher's list, with when it should
+//! end: the least of the lane's last four waits (from the start of their
+//! hold). Then it blocks in the driver exactly as with the watcher off.
+//!
+//! The watcher sleeps until shortly before the first end due (earlier by
+//! the most its recent sleeps overslept and the lane's margin; never more
+//! than 20 ms at a time), then looks at the words of the entries due, a
+//! memory load each, pausing and then yielding between looks. A word that
+//! passed is confirmed by one query of the wait's event (so a faulted
+//! stream still fails its waits), and the watcher resolves the wait. The
+//! lane's held wait is taken under the lock by whichever of the two comes
+//! first: each wait resolves exactly once, and none later than the driver's
+//! wake. An entry not seen to end within its window (at most 200 µs of
+//! looking), or whose word ran ahead of its event, leaves the list: its lane
+//! thread is in the driver already.
+//!
+//! - **History per lane**, kept by the pool under the lane's key (for the
+//!   1,024 lanes used last), not by a thread: a lane that goes idle between
+//!   requests, or is served by another thread, keeps it. A sighting late
+//!   after a sleep doubles that lane's margin (up to a quarter of its
+//!   prediction); one in time shrinks it by an eighth.
+//! - **Waits too short to watch** (shorter than twice how early the watcher
+//!   wakes, lately) are left to the driver, whose wake comes as soon; that
+//!   figure halves every 100 ms it is not measured again, so a bad spell
+//!   cannot switch the watcher off for good.
+//! - **Its CPU is bounded by design**: at most 200 µs of looking per wait,
+//!   and, over time, at most a quarter of one core (a budget that earns a
+//!   quarter of the time passing, saves up at most 10 ms and spends the time
+//!   spent looking; while it is spent, entries are left to the driver).
+//!   [`WaiterStats::watcher_cpu`] reports its thread's CPU time.
+//! - Streams whose words went off (a refused write, a capture) are not
+//!   watched: the backend hands out no word for them.
 //!
 //! `pool::State`'s invariants are checked as the lock is let go (debug and
 //! loom builds, `checked.rs`); the loom models are in `loom_models.rs`.
@@ -131,12 +168,14 @@ pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 ///   `cuEventSynchronize` on a blocking-sync event), and wakes the task.
 ///   One thread serves a stream's waits in order: 10,000 awaits on 16
 ///   streams need 16 threads. Where the stream publishes its progress in
-///   host memory, one [watcher](WaiterBuilder::watchers) thread wakes the
-///   task within microseconds of the work's end instead.
+///   host memory and [watchers](WaiterBuilder::watchers) are on, one
+///   watcher thread races that sleep, and wakes the task within
+///   microseconds of the work's end when it sees it first.
 /// - **Bounded threads**, started on demand: at most
 ///   [`max_threads`](WaiterBuilder::max_threads) that block, plus one that
 ///   polls the streams past that (a fast stream never waits behind a slow
-///   one) and one watcher; they leave after
+///   one), plus the watcher where watchers are on: `max_threads + 2` at
+///   most (`max_threads + 1` with `watchers(0)`). They leave after
 ///   [`keep_alive`](WaiterBuilder::keep_alive) idle.
 /// - **Cancel is drop.** The wait leaves at once; a waiter thread destroys
 ///   its event soon after (one it is blocked on, when the block ends).
@@ -282,10 +321,17 @@ impl Waiter {
     }
 }
 
-/// [`WaiterBuilder::watchers`]' default: one per four cores, at least one.
+/// The fewest cores on which [`default_watchers`] turns the watcher on.
+pub const WATCHER_MIN_CORES: usize = 8;
+
+/// [`WaiterBuilder::watchers`]' default: one on machines with at least
+/// [`WATCHER_MIN_CORES`] cores, none below. On fewer cores the watcher
+/// thread competes with the very threads it wakes (the executor's, and on
+/// the host backend the streams' workers), and a quarter of a core is a
+/// large share of the machine.
 pub fn default_watchers() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
-    (cores / 4).max(1)
+    usize::from(cores >= WATCHER_MIN_CORES)
 }
 
 /// A waiter of its own with the default settings: `Waiter::builder().build()`.
@@ -415,27 +461,23 @@ impl WaiterBuilder {
         self
     }
 
-    /// The most waiter threads that may spin watching streams' progress
-    /// words; default [`default_watchers`]: one per four cores, at least one.
-    /// Zero: every wait sleeps in the driver, as a thread blocked in
-    /// `cuEventSynchronize` does. One thread watches every stream's word (a
-    /// word is a memory load), so any value from one on runs that one.
+    /// Whether a watcher thread races the driver's wake-ups by watching
+    /// streams' progress words (any value from 1: one thread watches every
+    /// stream); 0: every wait ends in the driver alone. Default
+    /// [`default_watchers`]: on with at least [`WATCHER_MIN_CORES`] cores.
     ///
-    /// Where the backend publishes a stream's progress in host memory (the
-    /// host backend; CUDA where the device can write 64-bit values to mapped
-    /// host memory from a stream), the thread serving a stream hands its
-    /// oldest wait to the watcher, which predicts when it ends from the
-    /// stream's recent waits, sleeps until shortly before that, and then
-    /// watches the word, with no driver call, so the task wakes within
-    /// microseconds of the work's end instead of after the driver's
-    /// interrupt. It watches for a bounded window past the predicted end
-    /// (50 µs for a stream with no history), then hands the wait back to be
-    /// blocked on in the driver. Nothing watches while nothing is pending,
-    /// and a stalled stream stops being watched once its window is spent. A
-    /// word that says the work ended is confirmed by one query of the
-    /// fence's event, so a faulted stream still fails its waits. Streams whose
-    /// waits are shorter than twice how early the watcher's sleeps end (a
-    /// timer's slack, a hypervisor) go to the driver directly.
+    /// The watcher never delays a wait: its lane thread blocks in the driver
+    /// all the same, and whichever sees the end first resolves it. Where it
+    /// wins, the task wakes within microseconds of the work's end rather
+    /// than after the driver's wake-up (tens of microseconds on CUDA's
+    /// blocking-sync events, more on a loaded host). It costs one thread
+    /// (`max_threads + 2` in all), at most 200 µs of looking per wait and, by
+    /// design, at most a quarter of one core over time
+    /// ([`WaiterStats::watcher_cpu`] reports it). Ask for `watchers(1)` on a
+    /// small machine when wake latency matters more than that CPU: streams
+    /// of items of steady length (about 1 ms and longer) gain most; items
+    /// shorter than the driver's wake-up gain little. How it works: the
+    /// module docs of `src/waiter/mod.rs`.
     ///
     /// ```
     /// use device_events::Waiter;
@@ -451,8 +493,9 @@ impl WaiterBuilder {
     /// Report streams stuck for longer than `after` ([`Waiter::stuck`]) and
     /// warn once per stall. Off by default (a kernel may rightly run for
     /// minutes); zero turns it off. While it is on and a wait is pending, the
-    /// poller runs (within [`max_threads`](Self::max_threads) + 1) and looks
-    /// every quarter of `after`, at most once a millisecond.
+    /// poller runs (the one thread beyond [`max_threads`](Self::max_threads)
+    /// besides the watcher) and looks every quarter of `after`, at most once
+    /// a millisecond.
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self

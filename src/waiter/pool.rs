@@ -9,7 +9,7 @@ use super::slot::Slot;
 use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::waitable::{LaneKey, Waitable};
-use super::watch::{Verdict, Watched};
+use super::watch::{Early, Held, LaneHistory, Watched, HISTORIES};
 use crate::checked::{Checked, Invariants};
 use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
@@ -59,8 +59,8 @@ struct Shared {
     watch_work: Condvar,
     /// Entries handed to the watcher so far: one that looks at others re-plans when it moves.
     published: AtomicUsize,
-    /// How early the watcher wakes before an end it expects, in nanoseconds (`Timing::early`).
-    watcher_early: AtomicUsize,
+    /// How early the watcher wakes before an end it expects.
+    watcher_early: Early,
     /// The process generation the pool was made in ([`crate::fork`]).
     fork_generation: u64,
     #[cfg(test)]
@@ -176,9 +176,14 @@ pub(super) struct State {
     next_ticket: u64,
     /// Waits whose futures were dropped, for a waiter thread to drop.
     withdrawn: Vec<Wait>,
-    /// Held waits handed to the watcher; their lane threads sleep on their
-    /// handbacks meanwhile.
+    /// Held waits on the watcher's list; their lane threads block on them
+    /// in the driver meanwhile.
     watched: Vec<Watched>,
+    /// The lanes' histories, for the watcher's predictions: the
+    /// [`HISTORIES`] used last, kept while their lanes come and go.
+    histories: BTreeMap<LaneKey, LaneHistory>,
+    /// Counts uses of `histories`.
+    history_uses: u64,
     watcher: bool,
     /// The watcher waits on `watch_work`: a new entry notifies it.
     watcher_waits: bool,
@@ -298,10 +303,36 @@ impl State {
         }
     }
 
-    /// Take every entry from the watcher, for their lane threads to block
-    /// in the driver (after the lock: `hand_back`).
+    /// Take every entry from the watcher (their lane threads block in the
+    /// driver already), to drop after the lock.
     fn unwatch_all(&mut self) -> Vec<Watched> {
         std::mem::take(&mut self.watched)
+    }
+
+    /// Take `slot`'s entry off the watcher's list, if it is there.
+    fn unwatch(&mut self, slot: &Arc<Slot>) -> Option<Watched> {
+        let index = self
+            .watched
+            .iter()
+            .position(|entry| Arc::ptr_eq(&entry.slot, slot))?;
+        Some(self.watched.swap_remove(index))
+    }
+
+    /// `key`'s history, made if new (the one used longest ago makes room).
+    fn history(&mut self, key: LaneKey) -> &mut LaneHistory {
+        self.history_uses += 1;
+        if self.histories.len() >= HISTORIES && !self.histories.contains_key(&key) {
+            let oldest = self
+                .histories
+                .iter()
+                .min_by_key(|(_, history)| history.used);
+            if let Some((&oldest, _)) = oldest {
+                self.histories.remove(&oldest);
+            }
+        }
+        let history = self.histories.entry(key).or_default();
+        history.used = self.history_uses;
+        history
     }
 
     fn lane_of(&mut self, key: LaneKey, owner: Owner) -> Option<&mut Lane> {
@@ -407,7 +438,7 @@ impl Pool {
                 counters: Counters::default(),
                 watch_work: Condvar::new(),
                 published: AtomicUsize::new(0),
-                watcher_early: AtomicUsize::new(0),
+                watcher_early: Early::default(),
                 fork_generation: crate::fork::generation(),
                 #[cfg(test)]
                 plants: Default::default(),
@@ -428,15 +459,13 @@ impl Pool {
         self.shared.published.load(Ordering::Acquire)
     }
 
-    /// How early the watcher wakes before an end it expects, as it last said.
-    pub(super) fn watcher_early(&self) -> Duration {
-        let nanos = self.shared.watcher_early.load(Ordering::Relaxed);
-        Duration::from_nanos(nanos as u64)
+    /// How early the watcher wakes before an end it expects, as of `now`.
+    pub(super) fn watcher_early(&self, now: Instant) -> Duration {
+        self.shared.watcher_early.get(now)
     }
 
     pub(super) fn set_watcher_early(&self, early: Duration) {
-        let nanos = usize::try_from(early.as_nanos()).unwrap_or(usize::MAX);
-        self.shared.watcher_early.store(nanos, Ordering::Relaxed);
+        self.shared.watcher_early.set(early, Instant::now());
     }
 
     fn lock(&self) -> Checked<'_, State> {
@@ -519,9 +548,14 @@ impl Pool {
             state.for_poller.clear();
             let lanes = std::mem::take(&mut state.lanes);
             let withdrawn = std::mem::take(&mut state.withdrawn);
-            (lanes, withdrawn, state.unwatch_all())
+            // Plant for loom model `loom_shutdown_during_the_race`.
+            if crate::plant::planted("shutdown-leaves-the-watchers-list") {
+                (lanes, withdrawn, Vec::new())
+            } else {
+                (lanes, withdrawn, state.unwatch_all())
+            }
         };
-        hand_back(watched);
+        watched.into_iter().for_each(contain::drop);
         self.shared.work.notify_all();
         self.shared.poller_work.notify_all();
         self.shared.watch_work.notify_all();
@@ -549,53 +583,89 @@ impl Pool {
 
     /// Lane thread `owner`'s held wait, `slot`'s, ended with `result`: unless
     /// shutdown (or the watcher) resolved it meanwhile, it is delivered after
-    /// the lock. With `next`, the next oldest is taken out in the same hold.
+    /// the lock, and, where it `took` a known time (watchers are on), that
+    /// goes into its lane's history. Its watcher's entry, if any, goes. With
+    /// `next`, the next oldest is taken out in the same hold. The next wait,
+    /// and how long the lane's history now predicts it takes.
     pub(super) fn end_held(
         &self,
-        key: LaneKey,
-        owner: Owner,
+        (key, owner): (LaneKey, Owner),
         slot: &Arc<Slot>,
         result: Result<(), ServerError>,
+        took: Option<Duration>,
         next: bool,
-    ) -> Option<Wait> {
+    ) -> (Option<Wait>, Option<Duration>) {
         let watching = self.watching();
         let mut state = self.lock();
         let lane = state.lane_of(key, owner);
         let ours = lane.is_some_and(|lane| lane.end_hold(slot, watching));
+        let (mut entry, mut predicted) = (None, None);
+        if let Some(took) = took {
+            entry = state.unwatch(slot);
+            let history = state.history(key);
+            if ours {
+                history.ended(took);
+            }
+            predicted = history.predicted();
+        }
         let next = next.then(|| state.take_oldest(key, owner)).flatten();
         drop(state);
         if ours {
             self.deliver(slot, result);
         }
-        next
+        // Its fence may be the last copy left (a cancelled wait's).
+        contain::drop(entry);
+        (next, predicted)
     }
 
-    /// The watcher saw `slot`'s wait, held in `key`'s lane, end with
-    /// `result`: unless shutdown resolved it meanwhile, it is no longer held
-    /// (its lane thread, still asleep, takes the next later) and is
-    /// delivered after the lock. Whether this delivered it.
+    /// The watcher saw `entry`'s wait end with `result`, `took` after its
+    /// hold began (`late`: at its first look after a sleep): unless its lane
+    /// thread or shutdown resolved it meanwhile, it is held no more (its lane
+    /// thread, still in the driver, takes the next once it wakes), its lane's
+    /// history learns `took`, and it is delivered after the lock. Its entry
+    /// leaves the list. Whether this delivered it.
     pub(super) fn end_watched(
         &self,
-        key: LaneKey,
-        slot: &Arc<Slot>,
+        entry: &Watched,
         result: Result<(), ServerError>,
+        took: Duration,
+        late: bool,
     ) -> bool {
         let watching = self.watching();
         let mut state = self.lock();
-        let lane = state.lanes.get_mut(&key);
-        let ours = lane.is_some_and(|lane| lane.end_hold(slot, watching));
+        let lane = state.lanes.get_mut(&entry.lane);
+        let ours = lane.is_some_and(|lane| lane.end_hold(&entry.slot, watching));
+        if ours {
+            state.history(entry.lane).seen(entry, took, late);
+        }
+        let removed = state.unwatch(&entry.slot);
         drop(state);
-        ours && self.deliver(slot, result)
+        // Plant for loom model `loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once`.
+        let ours = ours && !crate::plant::planted("watcher-takes-the-hold-delivers-nothing");
+        let delivered = ours && self.deliver(&entry.slot, result);
+        // Its fence may be the last copy left (its lane thread done with it).
+        contain::drop(removed);
+        delivered
     }
 
-    /// A lane thread hands `entry`, its held wait, to the watcher, which
-    /// starts looking at its word when it is nearly due; `None` after
-    /// shutdown (then it blocks in the driver, as before).
-    pub(super) fn watch(&self, entry: Watched) -> Option<Action> {
+    /// The watcher leaves `entry` to its lane thread, which blocks on it in
+    /// the driver: its window ended, or its word ran ahead of its event.
+    pub(super) fn unwatch(&self, entry: &Watched) {
+        let removed = self.lock().unwatch(&entry.slot);
+        contain::drop(removed);
+    }
+
+    /// A lane thread, about to block in the driver on its held wait, puts it
+    /// on the watcher's list too (to race the driver), unless the lane's
+    /// waits are too short to watch or the pool is shut down. What to do
+    /// then, if it did.
+    pub(super) fn watch(&self, held: Held<'_>) -> Option<Action> {
+        let early = self.watcher_early(held.started);
         let mut state = self.lock();
         if state.shutdown {
             return None;
         }
+        let entry = state.history(held.lane).entry(held, early)?;
         state.watched.push(entry);
         self.shared.published.fetch_add(1, Ordering::Release);
         Some(state.watcher_for_work())
@@ -640,22 +710,6 @@ impl Pool {
         let (mut state, timed_out) = state.wait_timeout(&self.shared.watch_work, left);
         state.watcher_waits = false;
         timed_out.then(|| Instant::now().saturating_duration_since(until))
-    }
-
-    /// The watcher is done with `entry`: it leaves, and its lane thread is
-    /// given `verdict`.
-    pub(super) fn watched(&self, entry: &Watched, verdict: Verdict) {
-        let removed = {
-            let mut state = self.lock();
-            let index = state
-                .watched
-                .iter()
-                .position(|held| Arc::ptr_eq(&held.handback, &entry.handback));
-            index.map(|index| state.watched.swap_remove(index))
-        };
-        entry.handback.give(verdict);
-        // Its fence may be the last copy left (its lane thread done with it).
-        contain::drop(removed);
     }
 
     /// Move up to `limit` of `key`'s oldest waits into `batch`, if `owner`
@@ -842,7 +896,7 @@ impl Pool {
             // Its entries' lane threads block in the driver: they end there.
             let entries = state.unwatch_all();
             drop(state);
-            hand_back(entries);
+            entries.into_iter().for_each(contain::drop);
             return Action::default();
         }
         if owner != Owner::Poller {
@@ -994,6 +1048,18 @@ impl Pool {
         self.lock().watched.len()
     }
 
+    /// Give `key`'s history a wait that took `took`, for tests.
+    #[cfg(all(test, not(device_events_loom)))]
+    pub(super) fn seed_history(&self, key: LaneKey, took: Duration) {
+        self.lock().history(key).ended(took);
+    }
+
+    /// How many waits `key`'s history has learnt, for tests.
+    #[cfg(all(test, not(device_events_loom)))]
+    pub(super) fn history_len(&self, key: LaneKey) -> usize {
+        self.lock().histories.get(&key).map_or(0, LaneHistory::len)
+    }
+
     /// Whether the watcher sleeps on its condvar now, for tests.
     #[cfg(all(test, not(device_events_loom)))]
     pub(super) fn watcher_waits(&self) -> bool {
@@ -1004,14 +1070,5 @@ impl Pool {
     #[cfg(all(test, not(device_events_loom)))]
     pub(super) fn idle_threads(&self) -> usize {
         self.lock().idle
-    }
-}
-
-/// Give each of `entries`' lane threads its wait back, to block on in the
-/// driver; then drop the entries (a fence's last copy, maybe).
-fn hand_back(entries: Vec<Watched>) {
-    for entry in entries {
-        entry.handback.give(Verdict::Driver);
-        contain::drop(entry);
     }
 }

@@ -1,7 +1,7 @@
 //! [`WaiterStats`], and the striped [`Counters`] behind it.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use crate::latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
 
@@ -44,6 +44,10 @@ pub struct WaiterStats {
     /// progress word (see [`WaiterBuilder::watchers`](super::WaiterBuilder::watchers));
     /// the rest woke in the driver.
     pub watched: u64,
+    /// The CPU time the watcher thread has used (its thread's CPU clock;
+    /// Linux only, zero elsewhere): what racing the driver has cost. It is
+    /// bounded by design (see [`WaiterBuilder::watchers`](super::WaiterBuilder::watchers)).
+    pub watcher_cpu: Duration,
     /// How long `resolved` and `failed` waits took from hand-off to the
     /// wake of their task: the device's work left at the hand-off, plus the
     /// wake-up. A tail far above the work's own length means slow wake-ups
@@ -61,6 +65,8 @@ const STRIPES: usize = 16;
 /// outcomes, nor more outcomes than hand-offs.
 pub(crate) struct Counters {
     stripes: Box<[Stripe]>,
+    /// The watcher's CPU time, in nanoseconds (one writer: the watcher).
+    watcher_cpu_nanos: AtomicU64,
 }
 
 /// One thread stripe's counts, on cache lines of its own.
@@ -81,6 +87,7 @@ impl Default for Counters {
     fn default() -> Self {
         Self {
             stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
+            watcher_cpu_nanos: AtomicU64::new(0),
         }
     }
 }
@@ -117,6 +124,12 @@ impl Counters {
         self.stripe().watched.fetch_add(1, Ordering::Release);
     }
 
+    /// The watcher used `cpu` more CPU time.
+    pub(crate) fn watcher_cpu(&self, cpu: Duration) {
+        let nanos = u64::try_from(cpu.as_nanos()).unwrap_or(u64::MAX);
+        self.watcher_cpu_nanos.fetch_add(nanos, Ordering::Relaxed);
+    }
+
     pub(crate) fn cancelled(&self) {
         self.stripe().cancelled.fetch_add(1, Ordering::Release);
     }
@@ -149,6 +162,7 @@ impl Counters {
             failed,
             cancelled,
             watched,
+            watcher_cpu: Duration::from_nanos(self.watcher_cpu_nanos.load(Ordering::Relaxed)),
             wake_latency: LatencyHistogram::new(buckets, sum_nanos),
             ..gauges
         }

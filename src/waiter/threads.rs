@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::contain;
 use super::pool::{Action, Owner, Pool, Wait};
 use super::waitable::LaneKey;
-use super::watch::{self, LaneWatch, Timing, Verdict, Watched, MIN_NAP};
+use super::watch::{self, Held, SpinBudget, Timing, Watched, MAX_NAP, MIN_NAP};
 use crate::loom::thread;
 use crate::ServerError;
 
@@ -60,9 +60,6 @@ struct WaiterThread {
     batch_lane: Option<LaneKey>,
     /// Cleared once the pool has uncounted it as it left.
     counted: bool,
-    /// The progress word and history of the lane it served last (lane threads, while watching
-    /// is on), kept in case it serves that lane again.
-    watch: Option<(LaneKey, LaneWatch)>,
 }
 
 impl WaiterThread {
@@ -77,7 +74,6 @@ impl WaiterThread {
             batch: Vec::with_capacity(BATCH),
             batch_lane: None,
             counted: true,
-            watch: None,
         };
         match owner {
             Owner::Poller => this.run_poller(),
@@ -105,11 +101,15 @@ impl WaiterThread {
         let Some(mut wait) = self.pool.take_oldest(key, owner) else {
             return;
         };
-        self.find_word(key, &wait);
+        // The lane's prediction, as its history said at the last wait's end.
+        let mut predicted = None;
         loop {
             self.pool.planted_escape(self.owner);
-            let result = self.wait_out(&wait);
-            let next = self.pool.end_held(key, owner, &wait.slot, result, true);
+            let (result, took) = self.wait_out(key, &wait, predicted);
+            let next;
+            (next, predicted) = self
+                .pool
+                .end_held((key, owner), &wait.slot, result, took, true);
             // Its future is woken first; then its fence (its event) goes.
             contain::drop(wait);
             let Some(next) = next else {
@@ -120,7 +120,9 @@ impl WaiterThread {
                 Ok(false) => continue,
                 reached => {
                     let result = reached.map(drop);
-                    self.pool.end_held(key, owner, &wait.slot, result, false);
+                    let _ = self
+                        .pool
+                        .end_held((key, owner), &wait.slot, result, None, false);
                     contain::drop(wait);
                 }
             }
@@ -134,73 +136,95 @@ impl WaiterThread {
         }
     }
 
-    /// Keep lane `key`'s progress word, and its history if it is the lane served last, while
-    /// watching is on and the backend keeps a word for `wait`'s stream.
-    fn find_word(&mut self, key: LaneKey, wait: &Wait) {
-        if self.pool.config().watchers == 0 || self.watch.as_ref().is_some_and(|w| w.0 == key) {
-            return;
+    /// Block in the driver until `wait`'s fence is reached; where watchers are on and its
+    /// stream keeps a word, first put it on the watcher's list, to race the block, unless the
+    /// lane's waits, `predicted` to take so long, are too short to watch. Its result, and, where
+    /// watchers are on, how long it took (for its lane's history).
+    fn wait_out(
+        &self,
+        lane: LaneKey,
+        wait: &Wait,
+        predicted: Option<Duration>,
+    ) -> (Result<(), ServerError>, Option<Duration>) {
+        if self.pool.config().watchers == 0 {
+            return (contain::backend(|| wait.waitable.block()), None);
         }
-        let word = contain::backend(|| Ok(wait.waitable.progress()));
-        self.watch = word.ok().flatten().map(|word| (key, LaneWatch::new(word)));
-    }
-
-    /// Wait until `wait`'s fence is reached: through the watcher where its stream has a word
-    /// (which resolves it, or hands it back), else (or then) blocking in the driver.
-    fn wait_out(&mut self, wait: &Wait) -> Result<(), ServerError> {
-        let Some((key, watch)) = &mut self.watch else {
-            return contain::backend(|| wait.waitable.block());
-        };
         let started = Instant::now();
-        let early = self.pool.watcher_early();
-        let place = (*key, wait.sequence());
-        let entry = watch.entry(place, &wait.slot, &wait.waitable, started, early);
-        if let Some(entry) = entry {
-            let handback = entry.handback.clone();
-            if let Some(action) = self.pool.watch(entry) {
-                act(&self.pool, action);
-                if let Verdict::Resolved(seen) = handback.wait() {
-                    watch.ended(seen.saturating_duration_since(started));
-                    // Delivered by the watcher: this result is not (the first stands).
-                    return Ok(());
+        // Decided without the lock where the lane's last wait says so.
+        if !watch::too_short(predicted, self.pool.watcher_early(started)) {
+            let word = contain::backend(|| Ok(wait.waitable.progress()));
+            if let Some(word) = word.ok().flatten() {
+                let held = Held {
+                    lane,
+                    sequence: wait.sequence(),
+                    slot: &wait.slot,
+                    waitable: &wait.waitable,
+                    word,
+                    started,
+                };
+                if let Some(action) = self.pool.watch(held) {
+                    act(&self.pool, action);
                 }
             }
         }
         let result = contain::backend(|| wait.waitable.block());
-        watch.ended(started.elapsed());
-        result
+        (result, Some(started.elapsed()))
     }
 
-    /// The watcher: sleep until the first entry is nearly due, look at the words of those due
-    /// until each passed (confirmed by a query, then resolved) or its window ended, and again.
+    /// The watcher: sleep until the first entry is nearly due (at most [`MAX_NAP`]), look at
+    /// the words of those due until each passed (confirmed by a query, then resolved) or its
+    /// window ended, within its spin budget, and again. Its CPU time is counted as it goes.
     fn run_watcher(&mut self) {
-        crate::timer_slack::lower_for_this_thread();
+        crate::os_thread::lower_timer_slack();
         let mut timing = Timing::default();
+        let mut budget = SpinBudget::new(Instant::now());
+        let mut cpu = crate::os_thread::cpu_time();
         let mut entries = Vec::new();
         while let Some(published) = self.pool.watch_round(&mut entries) {
             self.pool.planted_escape(self.owner);
             let first = entries.iter().map(|entry| timing.look_from(entry)).min();
             let first = first.expect("a round has entries");
+            let now = Instant::now();
             let mut napped = false;
-            if first.saturating_duration_since(Instant::now()) >= MIN_NAP
-                && !cfg!(device_events_loom)
-            {
-                if let Some(late) = self.pool.watcher_nap(first, published) {
+            if first.saturating_duration_since(now) >= MIN_NAP && !cfg!(device_events_loom) {
+                let until = first.min(now + MAX_NAP);
+                if let Some(late) = self.pool.watcher_nap(until, published) {
                     timing.overslept(late);
-                    napped = true;
+                    napped = until == first;
                 }
             }
             if self.pool.published() == published {
-                self.look(&mut timing, &entries, published, napped);
+                let started = Instant::now();
+                if budget.earn(started) {
+                    self.look(&mut timing, &entries, published, napped);
+                    budget.spend(started.elapsed());
+                } else {
+                    self.leave_due(&timing, &entries, started);
+                }
                 self.pool.set_watcher_early(timing.early());
             }
             // Its copies of the entries go here, each maybe a fence's last.
             entries.drain(..).for_each(contain::drop);
+            let now = crate::os_thread::cpu_time();
+            if let (Some(before), Some(now)) = (cpu, now) {
+                self.pool.counters().watcher_cpu(now.saturating_sub(before));
+            }
+            cpu = now;
         }
     }
 
-    /// Look at the words of `entries` due until each has passed or its window ended, handing
-    /// each back as it is decided; return when none is due (to sleep until the next is), or
-    /// when entries came after the `published`th.
+    /// With its spin budget spent, the watcher leaves the entries due by `now` to the driver.
+    fn leave_due(&self, timing: &Timing, entries: &[Watched], now: Instant) {
+        for entry in entries {
+            if timing.look_from(entry) <= now {
+                self.pool.unwatch(entry);
+            }
+        }
+    }
+
+    /// Look at the words of `entries` due until each has passed or its window ended, taking
+    /// each off the list as it is decided; return when none is due (to sleep until the next
+    /// is), or when entries came after the `published`th.
     fn look(&self, timing: &mut Timing, entries: &[Watched], published: usize, napped: bool) {
         let mut open: Vec<&Watched> = entries.iter().collect();
         let mut looks = 0u32;
@@ -212,15 +236,13 @@ impl WaiterThread {
                     return true;
                 }
                 due = true;
-                let verdict = if entry.passed() {
-                    timing.seen(entry, napped && looks == 0);
-                    self.resolve_watched(entry)
+                if entry.passed() {
+                    self.resolve_watched(entry, napped && looks == 0);
                 } else if watch::past(timing.look_until(entry), looks) {
-                    Verdict::Driver
+                    self.pool.unwatch(entry);
                 } else {
                     return true;
-                };
-                self.pool.watched(entry, verdict);
+                }
                 false
             });
             // New entries are taken in each 32 looks, not at each: a round copies them all.
@@ -233,19 +255,19 @@ impl WaiterThread {
         }
     }
 
-    /// `entry`'s word passed: confirm with a query, and resolve its wait (with a fault too),
-    /// unless the word ran ahead of the event: then it is left to the driver.
-    fn resolve_watched(&self, entry: &Watched) -> Verdict {
-        let seen = Instant::now();
+    /// `entry`'s word passed (seen `late`, at the first look after a sleep): confirm with a
+    /// query, and resolve its wait (with a fault too), unless its lane thread did first; a word
+    /// ahead of its event leaves the wait to the driver.
+    fn resolve_watched(&self, entry: &Watched, late: bool) {
+        let took = entry.started.elapsed();
         let result = match contain::backend(|| entry.waitable.query()) {
-            Ok(false) => return Verdict::Driver,
+            Ok(false) => return self.pool.unwatch(entry),
             reached => reached.map(drop),
         };
         let ok = result.is_ok();
-        if self.pool.end_watched(entry.lane, &entry.slot, result) && ok {
+        if self.pool.end_watched(entry, result, took, late) && ok {
             self.pool.counters().watched();
         }
-        Verdict::Resolved(seen)
     }
 
     /// Resolve, in order, the waits of `key` a query shows reached, up to

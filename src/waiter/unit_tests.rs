@@ -4,7 +4,7 @@
 //! burst), what counts as a stall's progress, and the poller's pauses and
 //! leaving.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::{Duration, Instant};
@@ -14,6 +14,7 @@ use super::mock_device::Device;
 use super::pool::{Action, State, Wait};
 use super::slot::Slot;
 use super::stats::{Counters, WaiterStats};
+use super::waitable::LaneKey;
 use crate::ServerError;
 
 struct Counting(AtomicUsize);
@@ -455,6 +456,8 @@ struct WordFence {
     /// A block ends once this device finishes (at once without one).
     release: Option<Arc<Device>>,
     answer: fn(usize, bool) -> Result<bool, ServerError>,
+    /// Its stream's word went off: the backend hands it out no more.
+    off: Arc<AtomicBool>,
 }
 
 impl super::waitable::Waitable for WordFence {
@@ -487,7 +490,8 @@ impl super::waitable::Waitable for WordFence {
     }
 
     fn progress(&self) -> Option<crate::ProgressWord> {
-        Some(crate::ProgressWord::new(self.word.clone()))
+        let on = !self.off.load(Ordering::SeqCst);
+        on.then(|| crate::ProgressWord::new(self.word.clone()))
     }
 }
 
@@ -518,6 +522,7 @@ fn a_first_poll_spins_on_the_progress_word_not_on_queries() {
         blocks: Arc::default(),
         release: None,
         answer: |_, passed| Ok(passed),
+        off: Arc::default(),
     };
     let started = Instant::now();
     assert!(first_poll_spinning(fence).is_pending(), "never reached");
@@ -544,6 +549,7 @@ fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
             1 => Ok(false),
             _ => Err(ServerError::faulted("Mock", "query", 719, "faulted", "")),
         },
+        off: Arc::default(),
     };
     let polled = first_poll_spinning(fence);
     assert!(
@@ -586,6 +592,7 @@ fn word_fence(
         blocks: Arc::default(),
         release: Some(release.clone()),
         answer,
+        off: Arc::default(),
     };
     (fence, release)
 }
@@ -596,45 +603,117 @@ fn is_pending(slot: &Slot) -> bool {
 }
 
 #[test]
-fn the_watcher_resolves_a_wait_whose_word_passed_and_its_lane_thread_never_blocks() {
-    let (fence, _release) = word_fence(true, |_, passed| Ok(passed));
+fn the_watcher_resolves_a_wait_whose_word_passed_while_its_lane_thread_blocks_in_the_driver() {
+    // The driver has not woken the lane thread (it never does, here, until released): the
+    // watcher, racing it, resolves the wait.
+    let (fence, release) = word_fence(true, |_, passed| Ok(passed));
     let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
     let (pool, slot) = watching_pool(1, fence);
     result_of(&slot).expect("resolved by the watcher");
     assert_eq!(queries.load(Ordering::SeqCst), 1, "confirmed by one query");
     assert_eq!(pool.gauges().pending, 0, "no longer pending once resolved");
-    eventually("the lane thread is done with it", || {
-        pool.watched_entries() == 0
+    assert_eq!(pool.watched_entries(), 0, "its entry left as it resolved");
+    eventually("the lane thread blocks in the driver all the same", || {
+        blocks.load(Ordering::SeqCst) == 1
     });
-    assert_eq!(
-        blocks.load(Ordering::SeqCst),
-        0,
-        "never blocked in the driver"
-    );
-    assert_eq!(pool.watched_entries(), 0);
+    // Counted just after it is delivered.
+    eventually("counted as watched", || {
+        pool.counters().read(WaiterStats::default()).watched == 1
+    });
+    release.finish();
+    eventually("the lane thread is done with it", || {
+        pool.gauges().threads == 2 && pool.idle_threads() == 1
+    });
     let counts = pool.counters().read(WaiterStats::default());
-    assert_eq!((counts.watched, counts.resolved), (1, 1), "counted once");
+    assert_eq!(
+        (counts.watched, counts.resolved, counts.failed),
+        (1, 1, 0),
+        "delivered and counted once"
+    );
     pool.shutdown();
 }
 
 #[test]
 fn the_watcher_confirms_a_passed_word_with_a_query_that_can_fail() {
-    let (fence, _release) = word_fence(true, |_, _| {
+    let (fence, release) = word_fence(true, |_, _| {
         Err(ServerError::faulted("Mock", "query", 719, "faulted", ""))
     });
-    let blocks = fence.blocks.clone();
     let (pool, slot) = watching_pool(1, fence);
     let result = result_of(&slot);
     assert!(
         matches!(&result, Err(err) if err.is_faulted()),
         "{result:?}"
     );
+    release.finish();
     eventually("the lane thread is done with it", || {
-        pool.gauges().pending == 0
+        pool.gauges().pending == 0 && pool.idle_threads() == 1
     });
-    assert_eq!(blocks.load(Ordering::SeqCst), 0);
     let counts = pool.counters().read(WaiterStats::default());
-    assert_eq!((counts.watched, counts.failed), (0, 1));
+    assert_eq!((counts.watched, counts.failed, counts.resolved), (0, 1, 0));
+    pool.shutdown();
+}
+
+#[test]
+fn a_wait_the_watcher_expects_much_later_ends_as_soon_as_the_driver_wakes() {
+    // The lane's waits took an hour each: the watcher expects this one in an hour, and its
+    // word never moves. The driver's wake ends it, as with no watcher.
+    let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
+    for _ in 0..4 {
+        pool.seed_history(LaneKey::for_tests(0), Duration::from_secs(3600));
+    }
+    let worded = Device::with_word();
+    let slot = submit(&pool, &worded, 0, 1);
+    eventually("on the watcher's list, and blocked in the driver", || {
+        pool.watched_entries() == 1 && worded.blocked.load(Ordering::SeqCst) == 1
+    });
+    worded.reach();
+    result_of(&slot).expect("ended by the driver's wake");
+    eventually("its entry leaves the list", || pool.watched_entries() == 0);
+    assert_eq!(pool.counters().read(WaiterStats::default()).watched, 0);
+    pool.shutdown();
+}
+
+#[test]
+fn a_lane_keeps_its_history_when_it_goes_idle_and_comes_back() {
+    // A request/response stream: its lane goes between requests, its history stays.
+    let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
+    for sequence in 1..=3 {
+        let device = Device::with_word();
+        let slot = submit(&pool, &device, 5, sequence);
+        eventually("blocked", || device.blocked.load(Ordering::SeqCst) == 1);
+        device.finish();
+        result_of(&slot).expect("reached");
+        eventually("the lane is gone", || pool.gauges().pending == 0);
+    }
+    eventually("three waits learnt", || {
+        pool.history_len(LaneKey::for_tests(5)) == 3
+    });
+    pool.shutdown();
+}
+
+#[test]
+fn a_lane_whose_word_went_off_is_not_watched() {
+    // Its stream stopped writing its word (a refused write, a capture): the backend no longer
+    // hands it out, and the next wait is not put on the watcher's list.
+    let (fence, release) = word_fence(false, |_, passed| Ok(passed));
+    let off = fence.off.clone();
+    let (word, queries) = (fence.word.clone(), fence.queries.clone());
+    let (pool, first) = watching_pool(1, fence);
+    eventually("the first is on the list", || pool.published() == 1);
+    release.finish();
+    result_of(&first).expect("reached");
+    off.store(true, Ordering::SeqCst);
+    let second = WordFence {
+        word,
+        queries,
+        blocks: Arc::default(),
+        release: None,
+        answer: |_, passed| Ok(passed),
+        off: off.clone(),
+    };
+    let (slot, _) = submit_fence(&pool, Box::new(second));
+    result_of(&slot).expect("reached");
+    assert_eq!(pool.published(), 1, "the dead word was not watched");
     pool.shutdown();
 }
 
@@ -720,31 +799,36 @@ fn a_watcher_that_cannot_be_started_hands_its_wait_back_to_the_driver() {
 
 #[test]
 fn a_watcher_waiting_for_work_is_woken_by_the_next_wait_handed_to_it() {
-    // Idle threads stay 600 s: a watcher left asleep outlasts the test's limit.
-    let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
-    let first = Device::with_word();
+    // Idle threads stay 600 s: a watcher left asleep outlasts the test's limit. The driver
+    // never wakes the lane threads until told: only the watcher can end the waits.
+    let pool = super::mock_device::support::pool_watching(2, Duration::from_secs(600));
+    let first = Device::with_slow_driver();
+    let slot = submit(&pool, &first, 0, 1);
     first.finish();
-    result_of(&submit(&pool, &first, 0, 1)).expect("reached");
-    // The lane thread idle too: the next wait goes to it, not to the poller.
-    eventually("the watcher and the lane thread wait for work", || {
-        pool.watcher_waits() && pool.watched_entries() == 0 && pool.idle_threads() == 1
+    result_of(&slot).expect("seen by the watcher");
+    eventually("the watcher waits for work", || {
+        pool.watcher_waits() && pool.watched_entries() == 0
     });
-    let second = Device::with_word();
+    let second = Device::with_slow_driver();
+    let slot = submit(&pool, &second, 1, 1);
     second.finish();
-    result_of(&submit(&pool, &second, 1, 1)).expect("reached");
-    // Counted just after it is delivered.
-    eventually("both seen by the watcher", || {
+    result_of(&slot).expect("seen by the watcher");
+    eventually("both counted", || {
         pool.counters().read(WaiterStats::default()).watched == 2
     });
+    first.wake_driver();
+    second.wake_driver();
     pool.shutdown();
 }
 
 #[test]
 fn a_lane_thread_watches_the_word_of_the_lane_it_serves_now() {
     let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
-    let first = Device::with_word();
+    let first = Device::with_slow_driver();
+    let slot = submit(&pool, &first, 0, 1);
     first.finish();
-    result_of(&submit(&pool, &first, 0, 1)).expect("reached");
+    result_of(&slot).expect("seen by the watcher");
+    first.wake_driver();
     eventually("the lane thread waits for work", || {
         pool.idle_threads() == 1 && pool.watched_entries() == 0
     });
@@ -759,9 +843,6 @@ fn a_lane_thread_watches_the_word_of_the_lane_it_serves_now() {
         1,
         "ended in the driver"
     );
-    eventually("the first counted", || {
-        pool.counters().read(WaiterStats::default()).watched == 1
-    });
     assert_eq!(pool.counters().read(WaiterStats::default()).watched, 1);
     pool.shutdown();
 }

@@ -1,30 +1,43 @@
 //! Watching streams' progress words: how a task wakes within microseconds of its work's end, at
-//! close to the CPU of a thread asleep in the driver.
+//! close to the CPU of a thread asleep in the driver. The watcher is an accelerator: it races the
+//! driver and never replaces it.
 //!
-//! A lane thread whose stream keeps a [`ProgressWord`] hands the wait it holds to the waiter's
-//! **watcher** thread as a [`Watched`] entry: the word, the wait's number, and when the wait
-//! should end, predicted from how long the lane's recent waits took ([`LaneWatch`]: the least of
-//! the last few, as a stream's items keep their length from one to the next; none for a lane
-//! with no history). It sleeps meanwhile (a [`Handback`], not the driver), and blocks in the
-//! driver only if the watcher hands the wait back unresolved, or if the lane's waits are too
-//! short to watch (shorter than twice how early the watcher wakes: [`Timing::early`]).
+//! A lane thread whose stream keeps a [`ProgressWord`] puts the wait it holds on the waiter's
+//! **watcher**'s list as a [`Watched`] entry (the word, the wait's number, and when the wait should
+//! end, predicted from how long the lane's recent waits took: [`LaneHistory`]), then blocks in
+//! the driver on the same wait, exactly as it does with no watcher. Whichever sees the end first
+//! resolves the wait, once (the lane's held wait is taken under the pool's lock by the first);
+//! the other stands down. So no wait ends later than with no watcher, but for the cost of the
+//! race: one entry on a list, and, for the watcher, a few loads of the word.
 //!
 //! The watcher sleeps until shortly before the earliest predicted end (earlier by the most its
-//! recent sleeps overslept, and a margin: [`Timing`]), then looks at the words of every entry
-//! due by then, a memory load each, no driver call, pausing and then yielding between looks. A
-//! word that passed is confirmed by one query of the wait's event (a faulted stream's word
-//! stops, and its event reports the fault), and the watcher resolves the wait at once, then
-//! wakes its lane thread for the next. An entry is watched for a bounded window (at least
-//! [`FIRST_WINDOW`]) past its predicted end, then handed back to be blocked on in the driver: a
-//! stalled stream stops being watched. A wake that finds a word already passed came late: the
-//! margin doubles (up to a quarter of the prediction); each end seen in time shrinks it by an
-//! eighth.
+//! recent sleeps overslept and the lane's margin: [`Timing`]; never longer than [`MAX_NAP`] at a
+//! time), then looks at the words of every entry due by then, a memory load each, no driver
+//! call, pausing and then yielding between looks. A word that passed is confirmed by one query of
+//! the wait's event (a faulted stream's word stops, and its event reports the fault), and the
+//! watcher resolves the wait at once. An entry is looked at for a bounded window past its
+//! predicted end, never more than [`MAX_LOOK`] in all, then dropped: its lane thread is in the
+//! driver already. A word ahead of its event (a stale write) drops its entry too.
+//!
+//! Its cost has a bound by design: the watcher spins at most [`MAX_LOOK`] per wait, and, over
+//! time, at most a [`CPU_SHARE`]th of one core ([`SpinBudget`]): past that, entries that come due
+//! are left to the driver until the budget refills. Waits shorter than twice how early the
+//! watcher wakes ([`Timing::early`], which decays by half every [`EARLY_HALF_LIFE`], so a bad
+//! spell cannot switch the watcher off for good) are not put on its list: its wake-up would be
+//! no sooner than the driver's.
+//!
+//! Each lane's history (its last waits' lengths, and its margin) is kept by the pool under the
+//! lane's key, not by a thread, for the [`HISTORIES`] lanes used last: a stream served by another
+//! thread, or idle between requests, keeps it. A wake that finds a word already passed came late:
+//! that lane's margin doubles (up to a quarter of its prediction); each end seen in time shrinks
+//! it by an eighth. A late sighting counts as at most its length, as does the driver's.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
-use crate::loom::{Arc, Condvar, Mutex};
+use crate::loom::Arc;
 use crate::ProgressWord;
 
 /// How long past its hand-over the watcher looks at the word of a lane with no history.
@@ -33,10 +46,23 @@ pub(super) const FIRST_WINDOW: Duration = Duration::from_micros(50);
 const MIN_MARGIN: Duration = Duration::from_micros(5);
 /// A sleep shorter than this is spent looking instead.
 pub(super) const MIN_NAP: Duration = Duration::from_micros(20);
+/// The longest the watcher sleeps before it looks at its list again: no prediction holds its
+/// attention for long.
+pub(super) const MAX_NAP: Duration = Duration::from_millis(20);
+/// The most the watcher looks at one wait's word.
+pub(super) const MAX_LOOK: Duration = Duration::from_micros(200);
+/// The watcher spins, over time, at most this fraction (its inverse) of one core.
+pub(super) const CPU_SHARE: u32 = 4;
+/// The most spin time the watcher may save up while it spins less than its share.
+const BURST: Duration = Duration::from_millis(10);
 /// Looks with a pause between them before the watcher yields between looks instead.
 const SPIN_LOOKS: u32 = 64;
 /// How many recent durations a prediction looks at.
 const HISTORY: usize = 4;
+/// How early the watcher wakes, as last measured, halves each time this passes.
+pub(super) const EARLY_HALF_LIFE: Duration = Duration::from_millis(100);
+/// The lanes whose history a pool keeps: those used last.
+pub(super) const HISTORIES: usize = 1024;
 
 /// The last few durations of one kind.
 #[derive(Default)]
@@ -56,64 +82,97 @@ impl Recent {
     }
 }
 
-/// A lane's progress word and how long its recent waits took, kept by the lane thread serving it.
-pub(super) struct LaneWatch {
-    word: ProgressWord,
+/// A lane's recent waits and its margin, kept by the pool under the lane's key.
+pub(super) struct LaneHistory {
     took: Recent,
+    margin: Duration,
+    /// When the pool last used it (its own count), so it keeps those used last.
+    pub(super) used: u64,
 }
 
-impl LaneWatch {
-    pub(super) fn new(word: ProgressWord) -> Self {
+impl Default for LaneHistory {
+    fn default() -> Self {
         Self {
-            word,
             took: Recent::default(),
+            margin: MIN_MARGIN,
+            used: 0,
         }
     }
+}
 
-    /// The entry for the watcher of a wait (`waitable`'s, point `sequence`, result to `slot`)
-    /// held from `started`; none if the lane's waits are shorter than twice `early`, how early
-    /// the watcher wakes before an end it expects ([`Timing::early`]): it would look for most of
-    /// each (serving them one after another), while the lane thread's wake-up in the driver
-    /// comes about as soon.
-    pub(super) fn entry(
-        &self,
-        (lane, sequence): (LaneKey, u64),
-        slot: &Arc<Slot>,
-        waitable: &std::sync::Arc<dyn Waitable>,
-        started: Instant,
-        early: Duration,
-    ) -> Option<Watched> {
+/// What the watcher is given of a held wait.
+pub(super) struct Held<'a> {
+    pub(super) lane: LaneKey,
+    pub(super) sequence: u64,
+    pub(super) slot: &'a Arc<Slot>,
+    pub(super) waitable: &'a std::sync::Arc<dyn Waitable>,
+    pub(super) word: ProgressWord,
+    /// When its lane thread began to hold it.
+    pub(super) started: Instant,
+}
+
+impl LaneHistory {
+    /// The watcher's entry for `held`; none if the lane's waits are shorter than twice `early`,
+    /// how early the watcher wakes before an end it expects ([`Timing::early`]): its wake-up
+    /// would come no sooner than the driver's.
+    pub(super) fn entry(&self, held: Held<'_>, early: Duration) -> Option<Watched> {
         let predicted = self.predicted();
-        if predicted.is_some_and(|predicted| predicted < early * 2) {
+        if too_short(predicted, early) {
             return None;
         }
         let predicted = predicted.unwrap_or_default();
         Some(Watched {
-            lane,
-            slot: slot.clone(),
-            waitable: waitable.clone(),
-            word: self.word.clone(),
-            sequence,
-            due: started + predicted,
+            lane: held.lane,
+            slot: held.slot.clone(),
+            waitable: held.waitable.clone(),
+            word: held.word,
+            sequence: held.sequence,
+            started: held.started,
+            due: held.started + predicted,
             predicted,
-            handback: Arc::default(),
+            margin: self.margin,
         })
     }
 
-    /// The wait held from the start of `took` ended (seen by the watcher, or by blocking).
+    /// A wait of the lane took at most `took` from the start of its hold (the driver's wake, or
+    /// the watcher's sighting, each no sooner than the end).
     pub(super) fn ended(&mut self, took: Duration) {
         self.took.push(took);
     }
 
+    /// The watcher saw `entry`'s word passed after `took`: at the first look after a sleep
+    /// (`late`: the work ended during the sleep), the margin doubles, up to a quarter of the
+    /// prediction; later, it shrinks by an eighth, down to the least.
+    pub(super) fn seen(&mut self, entry: &Watched, took: Duration, late: bool) {
+        self.ended(took);
+        self.margin = if late {
+            (self.margin * 2).min(entry.predicted / 4).max(MIN_MARGIN)
+        } else {
+            (self.margin - self.margin / 8).max(MIN_MARGIN)
+        };
+    }
+
+    /// How many waits it has learnt, for tests.
+    #[cfg(all(test, not(device_events_loom)))]
+    pub(super) fn len(&self) -> usize {
+        self.took.seen
+    }
+
     /// How long a wait should take from the start of its hold: the least of the recent waits,
     /// once there are two (a lane's first wait often waited for more than one item).
-    fn predicted(&self) -> Option<Duration> {
+    pub(super) fn predicted(&self) -> Option<Duration> {
         let took = self.took.values();
         (took.len() >= 2).then(|| took.iter().copied().min().unwrap_or_default())
     }
 }
 
-/// A held wait handed to the watcher; its lane thread sleeps on the `handback` meanwhile.
+/// Whether waits `predicted` to take so long are too short to watch, with the watcher waking
+/// `early` before an end it expects: its wake-up would come no sooner than the driver's.
+pub(super) fn too_short(predicted: Option<Duration>, early: Duration) -> bool {
+    predicted.is_some_and(|predicted| predicted < early * 2)
+}
+
+/// A held wait on the watcher's list; its lane thread blocks on it in the driver meanwhile.
 #[derive(Clone)]
 pub(super) struct Watched {
     pub(super) lane: LaneKey,
@@ -121,10 +180,13 @@ pub(super) struct Watched {
     pub(super) waitable: std::sync::Arc<dyn Waitable>,
     word: ProgressWord,
     sequence: u64,
+    /// When its lane thread began to hold it.
+    pub(super) started: Instant,
     /// When it should end: `predicted` after its hold began (zero: no history).
     due: Instant,
     predicted: Duration,
-    pub(super) handback: Arc<Handback>,
+    /// Its lane's margin when it was handed over.
+    margin: Duration,
 }
 
 impl Watched {
@@ -134,72 +196,73 @@ impl Watched {
     }
 }
 
-/// What the watcher made of a wait it was handed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Verdict {
-    /// Its word passed at this time, and the watcher resolved it (with the event's answer).
-    Resolved(Instant),
-    /// Left to the driver: its window ended, its word ran ahead of its event, or the watcher
-    /// stopped.
-    Driver,
+/// How early the watcher wakes before an end it expects ([`Timing::early`]), as it last said,
+/// halved each [`EARLY_HALF_LIFE`] since: a figure that lane threads read, and that cannot stay
+/// high once the watcher stops sleeping.
+pub(super) struct Early {
+    epoch: Instant,
+    nanos: AtomicU64,
+    /// When it was said, in nanoseconds from `epoch`.
+    said: AtomicU64,
 }
 
-/// Where a lane thread sleeps while the watcher has its wait, until it gives the [`Verdict`].
-#[derive(Default)]
-pub(super) struct Handback {
-    verdict: Mutex<Option<Verdict>>,
-    given: Condvar,
-}
-
-impl Handback {
-    /// Give the lane thread its verdict (the first stands) and wake it.
-    pub(super) fn give(&self, verdict: Verdict) {
-        self.verdict.lock().get_or_insert(verdict);
-        self.given.notify_one();
-    }
-
-    /// Sleep until the verdict is given.
-    pub(super) fn wait(&self) -> Verdict {
-        let mut verdict = self.verdict.lock();
-        loop {
-            if let Some(verdict) = *verdict {
-                return verdict;
-            }
-            verdict = self.given.wait(verdict);
-        }
-    }
-}
-
-/// The watcher's timing: how late its sleeps end, and the margin it keeps beyond that.
-pub(super) struct Timing {
-    overslept: Recent,
-    margin: Duration,
-}
-
-impl Default for Timing {
+impl Default for Early {
     fn default() -> Self {
         Self {
-            overslept: Recent::default(),
-            margin: MIN_MARGIN,
+            epoch: Instant::now(),
+            nanos: AtomicU64::new(0),
+            said: AtomicU64::new(0),
         }
     }
+}
+
+impl Early {
+    fn since_epoch(&self, now: Instant) -> u64 {
+        let nanos = now.saturating_duration_since(self.epoch).as_nanos();
+        u64::try_from(nanos).unwrap_or(u64::MAX)
+    }
+
+    /// The watcher wakes `early` before an end it expects, as of `now`.
+    pub(super) fn set(&self, early: Duration, now: Instant) {
+        let nanos = u64::try_from(early.as_nanos()).unwrap_or(u64::MAX);
+        self.nanos.store(nanos, Ordering::Relaxed);
+        self.said.store(self.since_epoch(now), Ordering::Relaxed);
+    }
+
+    /// How early it wakes, as of `now`.
+    pub(super) fn get(&self, now: Instant) -> Duration {
+        let age = self
+            .since_epoch(now)
+            .saturating_sub(self.said.load(Ordering::Relaxed));
+        let halvings = age / EARLY_HALF_LIFE.as_nanos() as u64;
+        let nanos = self.nanos.load(Ordering::Relaxed);
+        Duration::from_nanos(nanos.checked_shr(halvings.min(64) as u32).unwrap_or(0))
+    }
+}
+
+/// The watcher's timing: how late its sleeps end.
+#[derive(Default)]
+pub(super) struct Timing {
+    overslept: Recent,
 }
 
 impl Timing {
     /// How early before an end it expects the watcher wakes, at the least: the least its
-    /// recent sleeps overslept, and the margin. Waits shorter than twice that are not worth
-    /// watching (`LaneWatch::entry`).
+    /// recent sleeps overslept, and the least margin. Waits shorter than twice that are not
+    /// worth watching ([`LaneHistory::entry`]).
     pub(super) fn early(&self) -> Duration {
         let overslept = self.overslept.values().iter().min().copied();
-        overslept.unwrap_or_default() + self.margin
+        overslept.unwrap_or_default() + MIN_MARGIN
     }
 
     /// How long before its predicted end to look at `entry`'s word: the most the watcher's
-    /// sleeps overslept lately, and the margin; at most half the prediction, so that a watcher
-    /// that overslept badly once still sleeps (and learns how late it wakes now).
+    /// sleeps overslept lately, and the lane's margin; at most half the prediction (so that a
+    /// watcher that overslept badly once still sleeps, and learns how late it wakes now), and
+    /// at most half of [`MAX_LOOK`].
     fn lead(&self, entry: &Watched) -> Duration {
         let overslept = self.overslept.values().iter().max().copied();
-        (overslept.unwrap_or_default() + self.margin).min(entry.predicted / 2)
+        let lead = overslept.unwrap_or_default() + entry.margin;
+        lead.min(entry.predicted / 2).min(MAX_LOOK / 2)
     }
 
     /// From when to look at `entry`'s word.
@@ -207,25 +270,56 @@ impl Timing {
         entry.due - self.lead(entry)
     }
 
-    /// Until when to look at `entry`'s word before leaving it to the driver.
+    /// Until when to look at `entry`'s word before leaving it to the driver: twice the lead
+    /// past its predicted end (at least [`FIRST_WINDOW`]), and no more than [`MAX_LOOK`] after
+    /// the first look.
     pub(super) fn look_until(&self, entry: &Watched) -> Instant {
-        entry.due + (self.lead(entry) * 2).max(FIRST_WINDOW)
+        let lead = self.lead(entry);
+        let until = entry.due + (lead * 2).max(FIRST_WINDOW);
+        until.min(entry.due - lead + MAX_LOOK)
     }
 
     /// A sleep meant to end at some time ended `late` after it.
     pub(super) fn overslept(&mut self, late: Duration) {
         self.overslept.push(late);
     }
+}
 
-    /// `entry`'s word was seen passed: at the first look after a sleep (`late`: the work ended
-    /// during the sleep), the margin doubles, up to a quarter of the prediction; later, it
-    /// shrinks by an eighth, down to the least.
-    pub(super) fn seen(&mut self, entry: &Watched, late: bool) {
-        self.margin = if late {
-            (self.margin * 2).min(entry.predicted / 4).max(MIN_MARGIN)
-        } else {
-            (self.margin - self.margin / 8).max(MIN_MARGIN)
-        };
+/// The watcher's spin budget: it earns a [`CPU_SHARE`]th of the time that passes, saves up at
+/// most [`BURST`], and spends the time it looks at words, going into debt if a look ran over. While
+/// nothing is left, entries that come due are left to the driver: over time, the watcher's
+/// spinning takes at most its share of one core, beyond one burst and one look.
+pub(super) struct SpinBudget {
+    /// Nanoseconds left; below zero, owed.
+    left: i64,
+    earned_to: Instant,
+}
+
+/// `duration` in nanoseconds, as the budget counts.
+fn nanos(duration: Duration) -> i64 {
+    i64::try_from(duration.as_nanos()).unwrap_or(i64::MAX)
+}
+
+impl SpinBudget {
+    pub(super) fn new(now: Instant) -> Self {
+        Self {
+            left: nanos(BURST),
+            earned_to: now,
+        }
+    }
+
+    /// Earn the share of the time since last asked; whether any is left to spend.
+    pub(super) fn earn(&mut self, now: Instant) -> bool {
+        let passed = now.saturating_duration_since(self.earned_to);
+        self.earned_to = self.earned_to.max(now);
+        let earned = nanos(passed / CPU_SHARE);
+        self.left = self.left.saturating_add(earned).min(nanos(BURST));
+        self.left > 0
+    }
+
+    /// `spent` went on looking.
+    pub(super) fn spend(&mut self, spent: Duration) {
+        self.left = self.left.saturating_sub(nanos(spent));
     }
 }
 
@@ -257,7 +351,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{
-        past, LaneKey, LaneWatch, Slot, Timing, Waitable, Watched, FIRST_WINDOW, MIN_MARGIN,
+        past, Early, Held, LaneHistory, LaneKey, Slot, SpinBudget, Timing, Waitable, Watched,
+        BURST, CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MIN_MARGIN,
     };
     use crate::progress_word::HostWord;
     use crate::{ProgressWord, ServerError};
@@ -286,135 +381,179 @@ mod tests {
         }
     }
 
-    fn lane_watch() -> (LaneWatch, Arc<HostWord>) {
-        let memory = Arc::new(HostWord::default());
-        (LaneWatch::new(ProgressWord::new(memory.clone())), memory)
-    }
-
-    fn entry(watch: &LaneWatch, started: Instant) -> Watched {
+    /// `history`'s entry for a wait at point 3 held from `started`, on `word` (a new one if
+    /// none), if it watches it with the watcher waking `early`.
+    fn try_entry(
+        history: &LaneHistory,
+        started: Instant,
+        early: Duration,
+        word: Option<&Arc<HostWord>>,
+    ) -> Option<Watched> {
         let slot = Arc::new(Slot::new(futures::task::noop_waker()));
         let fence: Arc<dyn Waitable> = Arc::new(Unused);
-        watch
-            .entry(
-                (LaneKey::for_tests(0), 3),
-                &slot,
-                &fence,
-                started,
-                Duration::ZERO,
-            )
-            .expect("watched")
+        let memory = word.cloned().unwrap_or_default();
+        let held = Held {
+            lane: LaneKey::for_tests(0),
+            sequence: 3,
+            slot: &slot,
+            waitable: &fence,
+            word: ProgressWord::new(memory),
+            started,
+        };
+        history.entry(held, early)
     }
 
-    #[test]
-    fn a_handback_keeps_the_first_verdict_given_before_or_after_the_wait() {
-        let handback = super::Handback::default();
-        let seen = Instant::now();
-        handback.give(super::Verdict::Resolved(seen));
-        handback.give(super::Verdict::Driver);
-        assert_eq!(handback.wait(), super::Verdict::Resolved(seen));
-        let handback = Arc::new(super::Handback::default());
-        let giver = std::thread::spawn({
-            let handback = handback.clone();
-            move || handback.give(super::Verdict::Driver)
-        });
-        assert_eq!(handback.wait(), super::Verdict::Driver);
-        giver.join().unwrap();
+    fn entry(history: &LaneHistory, started: Instant) -> Watched {
+        try_entry(history, started, Duration::ZERO, None).expect("watched")
     }
 
     #[test]
     fn a_prediction_needs_two_waits_and_takes_the_shortest_of_the_last_four() {
-        let (mut watch, _) = lane_watch();
-        assert_eq!(watch.predicted(), None, "no history");
+        let mut history = LaneHistory::default();
+        assert_eq!(history.predicted(), None, "no history");
         // A lane's first wait often waited out a hold: one is not enough.
-        watch.ended(Duration::from_millis(300));
-        assert_eq!(watch.predicted(), None);
-        watch.ended(Duration::from_micros(900));
-        assert_eq!(watch.predicted(), Some(Duration::from_micros(900)));
+        history.ended(Duration::from_millis(300));
+        assert_eq!(history.predicted(), None);
+        history.ended(Duration::from_micros(900));
+        assert_eq!(history.predicted(), Some(Duration::from_micros(900)));
         for micros in [1_000, 1_100, 1_200, 1_300] {
-            watch.ended(Duration::from_micros(micros));
+            history.ended(Duration::from_micros(micros));
         }
         // 900 us has left the last four.
-        assert_eq!(watch.predicted(), Some(Duration::from_micros(1_000)));
+        assert_eq!(history.predicted(), Some(Duration::from_micros(1_000)));
+    }
+
+    #[test]
+    fn one_short_wait_after_long_ones_sets_the_next_prediction() {
+        // Six 100 ms items, then 1 ms ones: the first 1 ms item's end makes the next
+        // prediction 1 ms, not 100 ms.
+        let mut history = LaneHistory::default();
+        for _ in 0..6 {
+            history.ended(Duration::from_millis(100));
+        }
+        history.ended(Duration::from_millis(1));
+        assert_eq!(history.predicted(), Some(Duration::from_millis(1)));
     }
 
     #[test]
     fn an_entry_is_due_its_prediction_after_its_hold_began_and_reads_its_word() {
-        let (mut watch, word) = lane_watch();
+        let mut history = LaneHistory::default();
+        let word = Arc::new(HostWord::default());
         let started = Instant::now();
-        let first = entry(&watch, started);
+        let first = try_entry(&history, started, Duration::ZERO, Some(&word)).unwrap();
         assert_eq!(first.due, started, "no history: due at once");
+        assert_eq!(first.started, started);
         assert!(!first.passed());
         word.advance(3);
         assert!(first.passed());
-        watch.ended(Duration::from_micros(400));
-        watch.ended(Duration::from_micros(500));
-        let later = entry(&watch, started);
+        history.ended(Duration::from_micros(400));
+        history.ended(Duration::from_micros(500));
+        let later = entry(&history, started);
         assert_eq!(later.due, started + Duration::from_micros(400));
         assert_eq!(later.predicted, Duration::from_micros(400));
         // Waits shorter than twice how early the watcher wakes are not watched.
-        let slot = Arc::new(Slot::new(futures::task::noop_waker()));
-        let fence: Arc<dyn Waitable> = Arc::new(Unused);
         let early = Duration::from_micros(200);
-        assert!(watch
-            .entry((LaneKey::for_tests(0), 3), &slot, &fence, started, early)
-            .is_some());
+        assert!(try_entry(&history, started, early, None).is_some());
         let early = Duration::from_micros(201);
-        assert!(watch
-            .entry((LaneKey::for_tests(0), 3), &slot, &fence, started, early)
-            .is_none());
+        assert!(try_entry(&history, started, early, None).is_none());
     }
 
     #[test]
-    fn the_watcher_looks_early_by_the_most_it_overslept_lately_and_the_margin() {
-        let (mut watch, _) = lane_watch();
+    fn the_watcher_looks_early_by_the_most_it_overslept_lately_and_the_lanes_margin() {
+        let mut history = LaneHistory::default();
         let started = Instant::now();
-        let lone = entry(&watch, started);
+        let lone = entry(&history, started);
         let mut timing = Timing::default();
         assert_eq!(timing.look_from(&lone), started, "no history: at once");
         assert_eq!(timing.look_until(&lone), started + FIRST_WINDOW);
-        watch.ended(Duration::from_millis(1));
-        watch.ended(Duration::from_millis(1));
-        let entry = entry(&watch, started);
+        history.ended(Duration::from_millis(1));
+        history.ended(Duration::from_millis(1));
+        let entry = entry(&history, started);
         let due = started + Duration::from_millis(1);
         assert_eq!(timing.look_from(&entry), due - MIN_MARGIN, "no sleep yet");
-        for micros in [60, 40, 45, 50] {
+        for micros in [30, 20, 25, 28] {
             timing.overslept(Duration::from_micros(micros));
         }
-        let lead = Duration::from_micros(60) + MIN_MARGIN;
+        let lead = Duration::from_micros(30) + MIN_MARGIN;
         assert_eq!(timing.look_from(&entry), due - lead);
         assert_eq!(timing.look_until(&entry), due + lead * 2);
         timing.overslept(Duration::from_micros(10));
-        let lead = Duration::from_micros(50) + MIN_MARGIN;
-        assert_eq!(timing.look_from(&entry), due - lead, "60 us is past");
-        timing.overslept(Duration::from_millis(5));
-        let half = Duration::from_micros(500);
-        assert_eq!(timing.look_from(&entry), due - half, "at most half");
+        let lead = Duration::from_micros(28) + MIN_MARGIN;
+        assert_eq!(timing.look_from(&entry), due - lead, "30 us is past");
     }
 
     #[test]
-    fn a_late_wake_doubles_the_margin_up_to_a_quarter_of_the_prediction_and_one_in_time_shrinks_it()
-    {
-        let (mut watch, _) = lane_watch();
-        watch.ended(Duration::from_micros(200));
-        watch.ended(Duration::from_micros(200));
-        let entry = entry(&watch, Instant::now());
+    fn no_entry_is_looked_at_for_longer_than_the_most_one_may_be() {
+        let mut history = LaneHistory::default();
+        let started = Instant::now();
+        for _ in 0..2 {
+            history.ended(Duration::from_millis(100));
+        }
+        let long = entry(&history, started);
         let mut timing = Timing::default();
-        timing.seen(&entry, true);
-        assert_eq!(timing.margin, MIN_MARGIN * 2);
+        // A watcher that once overslept by 5 ms still looks at most MAX_LOOK at a word.
+        timing.overslept(Duration::from_millis(5));
+        let due = started + Duration::from_millis(100);
+        assert_eq!(
+            timing.look_from(&long),
+            due - MAX_LOOK / 2,
+            "at most half the most"
+        );
+        let looked = timing.look_until(&long) - timing.look_from(&long);
+        assert!(looked <= MAX_LOOK, "{looked:?}");
+        // And at most half the prediction early.
+        history.ended(Duration::from_micros(100));
+        let short = entry(&history, started);
+        let due = started + Duration::from_micros(100);
+        assert_eq!(timing.look_from(&short), due - Duration::from_micros(50));
+        let looked = timing.look_until(&short) - timing.look_from(&short);
+        assert!(looked <= MAX_LOOK, "{looked:?}");
+    }
+
+    #[test]
+    fn a_late_wake_doubles_the_lanes_margin_up_to_a_quarter_of_the_prediction_and_one_in_time_shrinks_it(
+    ) {
+        let mut history = LaneHistory::default();
+        history.ended(Duration::from_micros(200));
+        history.ended(Duration::from_micros(200));
+        let entry = entry(&history, Instant::now());
+        let took = Duration::from_micros(200);
+        history.seen(&entry, took, true);
+        assert_eq!(history.margin, MIN_MARGIN * 2);
         for _ in 0..8 {
-            timing.seen(&entry, true);
+            history.seen(&entry, took, true);
         }
         let quarter = Duration::from_micros(50);
         assert_eq!(
-            timing.margin, quarter,
+            history.margin, quarter,
             "never past a quarter of the prediction"
         );
-        timing.seen(&entry, false);
-        assert_eq!(timing.margin, quarter - quarter / 8);
+        history.seen(&entry, took, false);
+        assert_eq!(history.margin, quarter - quarter / 8);
         for _ in 0..100 {
-            timing.seen(&entry, false);
+            history.seen(&entry, took, false);
         }
-        assert_eq!(timing.margin, MIN_MARGIN, "never under the least");
+        assert_eq!(history.margin, MIN_MARGIN, "never under the least");
+    }
+
+    #[test]
+    fn one_lanes_margin_is_its_own() {
+        // An irregular lane's late sightings widen its margin, not a steady lane's beside it.
+        let (mut irregular, mut steady) = (LaneHistory::default(), LaneHistory::default());
+        for history in [&mut irregular, &mut steady] {
+            history.ended(Duration::from_millis(1));
+            history.ended(Duration::from_millis(1));
+        }
+        let late = entry(&irregular, Instant::now());
+        for _ in 0..8 {
+            irregular.seen(&late, Duration::from_millis(1), true);
+        }
+        assert!(irregular.margin > MIN_MARGIN);
+        let steady_entry = entry(&steady, Instant::now());
+        assert_eq!(steady_entry.margin, MIN_MARGIN);
+        let timing = Timing::default();
+        let irregular_entry = entry(&irregular, steady_entry.started);
+        assert!(timing.look_from(&irregular_entry) < timing.look_from(&steady_entry));
     }
 
     #[test]
@@ -425,6 +564,78 @@ mod tests {
             timing.overslept(Duration::from_micros(micros));
         }
         assert_eq!(timing.early(), Duration::from_micros(40) + MIN_MARGIN);
+    }
+
+    #[test]
+    fn how_early_the_watcher_wakes_halves_each_half_life_it_is_not_said_again() {
+        // Four late naps in a row must not keep every lane from the watcher for good.
+        let early = Early::default();
+        let now = Instant::now();
+        early.set(Duration::from_millis(8), now);
+        assert_eq!(early.get(now), Duration::from_millis(8));
+        assert_eq!(early.get(now + EARLY_HALF_LIFE), Duration::from_millis(4));
+        assert_eq!(
+            early.get(now + EARLY_HALF_LIFE * 3),
+            Duration::from_millis(1)
+        );
+        assert_eq!(early.get(now + EARLY_HALF_LIFE * 100), Duration::ZERO);
+        early.set(Duration::from_micros(30), now + EARLY_HALF_LIFE * 100);
+        assert_eq!(
+            early.get(now + EARLY_HALF_LIFE * 100),
+            Duration::from_micros(30)
+        );
+    }
+
+    #[test]
+    fn the_spin_budget_earns_its_share_of_the_time_and_saves_up_at_most_a_burst() {
+        let start = Instant::now();
+        let mut budget = SpinBudget::new(start);
+        assert!(budget.earn(start), "a burst to begin with");
+        budget.spend(BURST);
+        assert!(!budget.earn(start), "spent");
+        let later = start + Duration::from_millis(4);
+        assert!(budget.earn(later));
+        assert_eq!(
+            budget.left,
+            super::nanos(Duration::from_millis(4) / CPU_SHARE)
+        );
+        // A look that ran over is owed.
+        budget.spend(Duration::from_millis(2));
+        assert!(
+            !budget.earn(later + Duration::from_millis(4)),
+            "1 ms owed, 1 ms earned"
+        );
+        assert!(budget.earn(later + Duration::from_millis(5)));
+        // A long idle spell saves up no more than a burst.
+        assert!(budget.earn(later + Duration::from_secs(60)));
+        assert_eq!(budget.left, super::nanos(BURST));
+    }
+
+    #[test]
+    fn a_watcher_that_would_spin_all_the_time_spins_at_most_its_share() {
+        let start = Instant::now();
+        let (mut now, mut spun) = (start, Duration::ZERO);
+        let mut budget = SpinBudget::new(now);
+        let look = Duration::from_micros(150);
+        for _ in 0..10_000 {
+            if budget.earn(now) {
+                budget.spend(look);
+                spun += look;
+                now += look;
+            } else {
+                // Nothing to spin on: the round ends in a short sleep.
+                now += Duration::from_micros(50);
+            }
+        }
+        let passed = now - start;
+        assert!(
+            spun <= passed / CPU_SHARE + BURST + look,
+            "{spun:?} of {passed:?}"
+        );
+        assert!(
+            spun >= passed / CPU_SHARE / 2,
+            "it still spins: {spun:?} of {passed:?}"
+        );
     }
 
     #[test]

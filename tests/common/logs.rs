@@ -48,6 +48,11 @@ pub fn infos_containing(needle: &str) -> Vec<String> {
     containing(log::Level::Info, needle)
 }
 
+/// Debug lines logged so far whose text contains `needle`.
+pub fn debugs_containing(needle: &str) -> Vec<String> {
+    containing(log::Level::Debug, needle)
+}
+
 /// Errors logged so far whose text contains `needle`.
 pub fn errors_containing(needle: &str) -> Vec<String> {
     containing(log::Level::Error, needle)

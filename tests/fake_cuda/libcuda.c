@@ -80,7 +80,9 @@
  * held in the call (fakeCudaHoldNextRecord, fakeCudaRecordHeld), the
  * stream writes' refusals and counts (fakeCudaRefuseProgressWord,
  * fakeCudaHostAllocations, fakeCudaStreamWrites, fakeCudaWritesAfterFree,
- * fakeCudaPendingWrites), found by
+ * fakeCudaPendingWrites, fakeCudaHostMemoryCalls), page-locked calls that
+ * synchronize (fakeCudaHostMemorySynchronizes), and a word write captured
+ * unseen (fakeCudaCaptureNextWordWrite, fakeCudaLaunchRaceGraph), found by
  * the tests with dlsym.
  *
  * It validates nothing of PTX or of real hardware; scripts/fake-cuda.sh
@@ -396,14 +398,29 @@ enum { CAPTURE_NONE = 0, CAPTURE_ACTIVE = 1, CAPTURE_INVALIDATED = 2, CAPTURE_EN
 enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
 #define CAPTURES 65536
 
+/* A cuStreamWriteValue64 captured into a graph: where and what, and when in
+ * the graph's run (the captured sleeps before it). */
+typedef struct {
+    unsigned long long *host;
+    unsigned long long value;
+    int64_t offset;
+} graph_write_t;
+
 typedef struct {
     int state;
     int mode;
     pthread_t owner;
     int64_t duration; /* of the sleeps captured */
+    graph_write_t *writes; /* the word writes captured, in order */
+    int nwrites, capacity;
 } capture_t;
 
-typedef struct { ctx_t *ctx; int64_t duration; } graph_t;
+typedef struct {
+    ctx_t *ctx;
+    int64_t duration;
+    graph_write_t *writes;
+    int nwrites;
+} graph_t;
 
 /* Indexed by capture id; 0 is "none". */
 static capture_t captures[CAPTURES];
@@ -825,6 +842,9 @@ int fakeCudaCaptureInNextRecord(int race) {
  * Called with the lock held. */
 static void end_capture(ctx_t *c, int id) {
     captures[id].state = CAPTURE_ENDED;
+    free(captures[id].writes);
+    captures[id].writes = NULL;
+    captures[id].nwrites = captures[id].capacity = 0;
     if (c->legacy.capture == id) c->legacy.capture = 0;
     for (stream_t *o = c->streams; o; o = o->next)
         if (o->capture == id) o->capture = 0;
@@ -1101,8 +1121,14 @@ int cuStreamEndCapture(void *stream, void **graph) {
             status = STREAM_CAPTURE_INVALIDATED;
         } else {
             g = calloc(1, sizeof *g);
-            if (g == NULL) status = INVALID_VALUE;
-            else *g = (graph_t){current, c->duration};
+            if (g == NULL) {
+                status = INVALID_VALUE;
+            } else {
+                /* The captured word writes are the graph's nodes now. */
+                *g = (graph_t){current, c->duration, c->writes, c->nwrites};
+                c->writes = NULL;
+                c->nwrites = c->capacity = 0;
+            }
         }
         end_capture(current, id);
     }
@@ -1144,15 +1170,34 @@ int cuThreadExchangeStreamCaptureMode(int *mode) {
 }
 
 /* A graph from a capture: instantiated as a copy, launched as its captured
- * sleeps back to back. */
+ * sleeps back to back, its captured word writes (see "Host-mapped memory and
+ * stream writes") made again at their places in the run: "cuGraphLaunch
+ * executes graph" with the nodes the capture put there (cuStreamBeginCapture:
+ * "all operations pushed into the stream will not be executed, but will
+ * instead be captured into a graph"), as often as it is launched. */
+static void free_graph(graph_t *g) {
+    if (g == NULL) return;
+    free(g->writes);
+    free(g);
+}
+
 int cuGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {
     (void)flags;
     graph_t *g = graph, *x = malloc(sizeof *x);
     if (g == NULL || x == NULL) { free(x); return INVALID_VALUE; }
     *x = *g;
+    x->writes = NULL;
+    if (g->nwrites > 0) {
+        x->writes = malloc((size_t)g->nwrites * sizeof *x->writes);
+        if (x->writes == NULL) { free(x); return INVALID_VALUE; }
+        memcpy(x->writes, g->writes, (size_t)g->nwrites * sizeof *x->writes);
+    }
     *exec = x;
     return SUCCESS;
 }
+
+static int capture_write(int id, unsigned long long *host, unsigned long long value);
+static int replay_writes(const graph_t *x, stream_t *s, int64_t start);
 
 int cuGraphLaunch(void *exec, void *stream) {
     graph_t *x = exec;
@@ -1160,16 +1205,26 @@ int cuGraphLaunch(void *exec, void *stream) {
     int status = usable(x->ctx, x->ctx->generation);
     stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
     if (status == SUCCESS && s == NULL) status = INVALID_HANDLE;
-    int captured = status == SUCCESS ? captured_work(s, x->duration) : 0;
+    int captured = status == SUCCESS ? captured_work(s, 0) : 0;
     if (captured < 0) status = -captured;
-    if (status == SUCCESS && !captured) s->busy_until = ready_at(s) + x->duration;
+    if (status == SUCCESS && captured) {
+        /* Launched into another capture: its nodes join that graph. */
+        for (int i = 0; i < x->nwrites && status == SUCCESS; i++)
+            status = capture_write(s->capture, x->writes[i].host, x->writes[i].value);
+        captures[s->capture].duration += x->duration;
+    }
+    if (status == SUCCESS && !captured) {
+        int64_t start = ready_at(s);
+        s->busy_until = start + x->duration;
+        replay_writes(x, s, start);
+    }
     pthread_mutex_unlock(&lock);
     return status;
 }
 
 int cuGraphUpload(void *exec, void *stream) { (void)exec; (void)stream; return SUCCESS; }
-int cuGraphExecDestroy(void *exec) { free(exec); return SUCCESS; }
-int cuGraphDestroy(void *graph) { free(graph); return SUCCESS; }
+int cuGraphExecDestroy(void *exec) { free_graph(exec); return SUCCESS; }
+int cuGraphDestroy(void *graph) { free_graph(graph); return SUCCESS; }
 
 /* ---- Host-mapped memory and stream writes ----
  * Driver API "Memory Management" and "Stream Memory Operations":
@@ -1196,7 +1251,12 @@ int cuGraphDestroy(void *graph) { free(graph); return SUCCESS; }
  *   cuStreamWriteValue64 to): flags 0 (DEFAULT: "the write is preceded by a
  *   memory barrier") or 1 (NO_MEMORY_BARRIER); the address "must be aligned
  *   to 8 bytes" and here must be a device address of mapped memory of the
- *   stream's context. On a capturing stream the write is captured, not run.
+ *   stream's context. On a capturing stream the write is captured, not run
+ *   ("all operations pushed into the stream will not be executed, but will
+ *   instead be captured into a graph", cuStreamBeginCapture): it stays in
+ *   the graph and is made at each cuGraphLaunch, at its place after the
+ *   graph's captured sleeps; one whose memory is freed by then is counted
+ *   in fakeCudaWritesAfterFree and never made.
  *   Otherwise it lands when the stream gets there (after its queued work; it
  *   takes no device time itself), through one copy-engine thread, as an
  *   atomic store with release order; a write due at or after its context's
@@ -1209,6 +1269,21 @@ int cuGraphDestroy(void *graph) { free(graph); return SUCCESS; }
  *   (0: accepted, 1: of those, captured) counts the calling thread's writes;
  *   fakeCudaHostAllocations(device) the live allocations of that device's
  *   context; fakeCudaPendingWrites() the writes queued, not landed yet.
+ *   Queueing a write and landing one cost O(log n) (see push_write).
+ * - Freed host memory reads all ones (0xff bytes) until malloc reuses it.
+ * - fakeCudaHostMemoryCalls() counts the calling thread's cuMemHostAlloc and
+ *   cuMemFreeHost calls (refused ones too); fakeCudaHostMemorySynchronizes(1)
+ *   makes both wait for the context's queued work before returning (see
+ *   host_memory_synchronize for the documents that allow it) and returns
+ *   the previous setting.
+ * - fakeCudaCaptureNextWordWrite(1) arms, for the calling thread's next
+ *   cuStreamWriteValue64 on a created stream not capturing, the race of
+ *   another thread that begins a relaxed capture of the stream just before
+ *   the write and ends it just after (all inside the call): the write goes
+ *   into that capture's graph, which the fake keeps for the calling thread.
+ *   fakeCudaLaunchRaceGraph() launches that graph, as its thread would, on
+ *   its context's legacy stream, and returns how many of its writes target
+ *   freed memory (-1: no such graph, or its context is gone).
  */
 #define DEVICE_ALIAS 0x100000000000ULL
 #define MEMHOSTALLOC_PORTABLE 0x1
@@ -1223,53 +1298,74 @@ typedef struct host_alloc {
     struct host_alloc *next;
 } host_alloc_t;
 
-typedef struct pending_write {
+/* A write queued to land: the queue is a binary min-heap on (at, seq), so
+ * queueing and landing one cost O(log n) however many are pending (a stream
+ * with 50,000 writes queued makes the next no dearer), and writes due at the
+ * same time land in the order queued. A write dropped by a free keeps its
+ * place with host = NULL until it comes out. */
+typedef struct {
     _Atomic unsigned long long *host;
     unsigned long long value;
     int64_t at;
+    unsigned long long seq;
     ctx_t *ctx;
-    struct pending_write *next;
 } pending_write_t;
 
 static host_alloc_t *host_allocs;
-static pending_write_t *pending_writes; /* in the order queued */
+static pending_write_t *pending; /* the heap */
+static size_t pending_len, pending_capacity;
+static unsigned long long pending_seq;
 static pthread_cond_t write_queued;
 static int engine_started;
+/* When the copy engine wakes next (INT64_MAX: when signalled). */
+static int64_t engine_wake = INT64_MAX;
 static int writes_after_free;
 static __thread int writes_accepted, writes_captured;
+/* See fakeCudaHostMemorySynchronizes and fakeCudaHostMemoryCalls. */
+static int host_memory_synchronizes;
+static __thread int host_memory_calls;
+/* See fakeCudaCaptureNextWordWrite and fakeCudaLaunchRaceGraph. */
+static __thread int capture_next_word_write;
+static __thread graph_t *race_graph;
+static __thread int race_generation;
 
-/* Drop the pending writes into [p, p + size); the count is of those the
- * device had yet to make (due after now, before a fault): one due by now
- * has landed in device time, the copy engine just has not run yet. Called
- * with the lock held. */
-static int drop_writes(const void *p, size_t size) {
-    int dropped = 0;
-    int64_t now = now_ns();
-    for (pending_write_t **link = &pending_writes; *link;) {
-        pending_write_t *w = *link;
-        if ((const char *)w->host >= (const char *)p && (const char *)w->host < (const char *)p + size) {
-            *link = w->next;
-            dropped += w->at > now && w->at < w->ctx->fault_at;
-            free(w);
-        } else {
-            link = &w->next;
-        }
-    }
-    return dropped;
+static int earlier(const pending_write_t *a, const pending_write_t *b) {
+    return a->at < b->at || (a->at == b->at && a->seq < b->seq);
 }
 
-static void free_context_memory(ctx_t *c) {
-    for (host_alloc_t **link = &host_allocs; *link;) {
-        host_alloc_t *a = *link;
-        if (a->ctx == c) {
-            drop_writes(a->p, a->size);
-            *link = a->next;
-            free(a->p);
-            free(a);
-        } else {
-            link = &a->next;
-        }
+/* Queue a write. Called with the lock held; 0 or OUT_OF_MEMORY. */
+static int push_write(pending_write_t w) {
+    if (pending_len == pending_capacity) {
+        size_t capacity = pending_capacity ? pending_capacity * 2 : 64;
+        pending_write_t *grown = realloc(pending, capacity * sizeof *grown);
+        if (grown == NULL) return OUT_OF_MEMORY;
+        pending = grown;
+        pending_capacity = capacity;
     }
+    w.seq = pending_seq++;
+    size_t i = pending_len++;
+    while (i > 0 && earlier(&w, &pending[(i - 1) / 2])) {
+        pending[i] = pending[(i - 1) / 2];
+        i = (i - 1) / 2;
+    }
+    pending[i] = w;
+    return SUCCESS;
+}
+
+/* Take the earliest write out. Called with the lock held, pending_len > 0. */
+static pending_write_t pop_write(void) {
+    pending_write_t top = pending[0], last = pending[--pending_len];
+    size_t i = 0;
+    for (;;) {
+        size_t child = 2 * i + 1;
+        if (child >= pending_len) break;
+        if (child + 1 < pending_len && earlier(&pending[child + 1], &pending[child])) child++;
+        if (!earlier(&pending[child], &last)) break;
+        pending[i] = pending[child];
+        i = child;
+    }
+    if (pending_len > 0) pending[i] = last;
+    return top;
 }
 
 /* The allocation holding [p, p + size), or NULL. Called with the lock held. */
@@ -1280,42 +1376,154 @@ static host_alloc_t *host_alloc_of(const void *p, size_t size) {
     return NULL;
 }
 
+/* Drop the pending writes into [p, p + size); the count is of those the
+ * device had yet to make (due after now, before a fault): one due by now
+ * has landed in device time, the copy engine just has not run yet. Called
+ * with the lock held. */
+static int drop_writes(const void *p, size_t size) {
+    int dropped = 0;
+    int64_t now = now_ns();
+    for (size_t i = 0; i < pending_len; i++) {
+        pending_write_t *w = &pending[i];
+        if (w->host != NULL && (const char *)w->host >= (const char *)p &&
+            (const char *)w->host < (const char *)p + size) {
+            dropped += w->at > now && w->at < w->ctx->fault_at;
+            w->host = NULL;
+        }
+    }
+    return dropped;
+}
+
+/* Freed memory reads all ones (until malloc reuses it), so a reader of a
+ * freed word sees a number no stream wrote. */
+static void free_host_alloc(host_alloc_t *a) {
+    memset(a->p, 0xff, a->size);
+    free(a->p);
+    free(a);
+}
+
+static void free_context_memory(ctx_t *c) {
+    for (host_alloc_t **link = &host_allocs; *link;) {
+        host_alloc_t *a = *link;
+        if (a->ctx == c) {
+            drop_writes(a->p, a->size);
+            *link = a->next;
+            free_host_alloc(a);
+        } else {
+            link = &a->next;
+        }
+    }
+}
+
 static void *copy_engine(void *unused) {
     (void)unused;
     pthread_mutex_lock(&lock);
     for (;;) {
-        int64_t now = now_ns(), next = INT64_MAX;
+        int64_t now = now_ns();
         /* Due writes land in queue order; a stream's later write is never
          * due before its earlier one (its stream gets there later). */
-        for (pending_write_t **link = &pending_writes; *link;) {
-            pending_write_t *w = *link;
-            if (w->at <= now) {
-                if (w->at < w->ctx->fault_at)
-                    atomic_store_explicit(w->host, w->value, memory_order_release);
-                *link = w->next;
-                free(w);
-            } else {
-                next = min64(next, w->at);
-                link = &w->next;
-            }
+        while (pending_len > 0 && pending[0].at <= now) {
+            pending_write_t w = pop_write();
+            if (w.host != NULL && w.at < w.ctx->fault_at)
+                atomic_store_explicit(w.host, w.value, memory_order_release);
         }
-        if (next == INT64_MAX) {
+        engine_wake = pending_len > 0 ? pending[0].at : INT64_MAX;
+        if (engine_wake == INT64_MAX) {
             pthread_cond_wait(&write_queued, &lock);
         } else {
-            struct timespec t = {next / 1000000000, next % 1000000000};
+            struct timespec t = {engine_wake / 1000000000, engine_wake % 1000000000};
             pthread_cond_timedwait(&write_queued, &lock, &t);
         }
     }
     return NULL;
 }
 
+/* Queue `host` to be set to `value` at `at` (device time) by `c`'s device.
+ * Called with the lock held. */
+static int queue_write(unsigned long long *host, unsigned long long value, int64_t at, ctx_t *c) {
+    int status = push_write((pending_write_t){.host = (_Atomic unsigned long long *)host,
+                                              .value = value, .at = at, .ctx = c});
+    if (status != SUCCESS) return status;
+    if (!engine_started) {
+        pthread_condattr_t attr;
+        pthread_condattr_init(&attr);
+        pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
+        pthread_cond_init(&write_queued, &attr);
+        pthread_t engine;
+        engine_started = pthread_create(&engine, NULL, copy_engine, NULL) == 0;
+        if (engine_started) pthread_detach(engine);
+    }
+    /* The engine is woken only when this write is due before it would wake
+     * anyway: a write behind many others costs no scan. */
+    if (at < engine_wake) {
+        engine_wake = at;
+        pthread_cond_signal(&write_queued);
+    }
+    return SUCCESS;
+}
+
+/* Add a word write to capture `id`'s graph. Called with the lock held. */
+static int capture_write(int id, unsigned long long *host, unsigned long long value) {
+    capture_t *c = &captures[id];
+    if (c->nwrites == c->capacity) {
+        int capacity = c->capacity ? c->capacity * 2 : 8;
+        graph_write_t *grown = realloc(c->writes, (size_t)capacity * sizeof *grown);
+        if (grown == NULL) return OUT_OF_MEMORY;
+        c->writes = grown;
+        c->capacity = capacity;
+    }
+    c->writes[c->nwrites++] = (graph_write_t){host, value, c->duration};
+    return SUCCESS;
+}
+
+/* Queue graph `x`'s word writes, launched on `s` at `start`: the count of
+ * those whose memory is freed already (the device would write into freed
+ * memory; counted in fakeCudaWritesAfterFree, never made). Called with the
+ * lock held. */
+static int replay_writes(const graph_t *x, stream_t *s, int64_t start) {
+    int freed = 0;
+    for (int i = 0; i < x->nwrites; i++) {
+        const graph_write_t *w = &x->writes[i];
+        if (host_alloc_of(w->host, 8) == NULL) {
+            freed++;
+            continue;
+        }
+        queue_write(w->host, w->value, start + w->offset, s->ctx);
+    }
+    writes_after_free += freed;
+    return freed;
+}
+
+/* Page-locked allocation and free may hold the caller until the context's
+ * device work is done: "Two commands from different streams cannot run
+ * concurrently if any one of the following operations is issued in-between
+ * them by the host thread: a page-locked host memory allocation, ..." (CUDA
+ * C++ Programming Guide, "Implicit Synchronization"), and cudaFreeHost /
+ * cudaFree "may synchronize" (CUDA Runtime API, "API synchronization
+ * behavior"). With fakeCudaHostMemorySynchronizes(1) the fake does so: the
+ * call returns once every stream of `c` has finished its queued work (as
+ * cuCtxSynchronize would wait). Called without the lock. */
+static void host_memory_synchronize(ctx_t *c) {
+    pthread_mutex_lock(&lock);
+    int64_t until = 0;
+    if (host_memory_synchronizes && c != NULL) {
+        until = c->legacy.busy_until;
+        for (stream_t *s = c->streams; s; s = s->next) until = max64(until, s->busy_until);
+        until = min64(until, c->fault_at);
+    }
+    pthread_mutex_unlock(&lock);
+    sleep_until(until);
+}
+
 int cuMemHostAlloc(void **pp, size_t bytesize, unsigned flags) {
     if (deinitialized()) return DEINITIALIZED;
+    host_memory_calls++;
     pthread_mutex_lock(&lock);
     int status = current_usable();
     if (status == SUCCESS && (pp == NULL || bytesize == 0 || (flags & ~7u) != 0)) status = INVALID_VALUE;
     if (status == SUCCESS && (refuse_word_mask & 2)) status = OUT_OF_MEMORY;
     host_alloc_t *a = NULL;
+    ctx_t *c = current;
     if (status == SUCCESS) {
         size_t size = (bytesize + 4095) & ~(size_t)4095;
         a = calloc(1, sizeof *a);
@@ -1332,6 +1540,7 @@ int cuMemHostAlloc(void **pp, size_t bytesize, unsigned flags) {
         }
     }
     pthread_mutex_unlock(&lock);
+    if (status == SUCCESS) host_memory_synchronize(c);
     return status;
 }
 
@@ -1352,21 +1561,23 @@ int cuMemHostGetDevicePointer_v2(unsigned long long *pdptr, void *p, unsigned fl
 
 int cuMemFreeHost(void *p) {
     if (deinitialized()) return DEINITIALIZED;
+    host_memory_calls++;
     pthread_mutex_lock(&lock);
     host_alloc_t **link = &host_allocs;
     while (*link && (*link)->p != p) link = &(*link)->next;
     int status = *link == NULL ? INVALID_VALUE : (*link)->ctx != current ? INVALID_CONTEXT : SUCCESS;
     if (status == SUCCESS) status = current_usable();
+    ctx_t *c = current;
     /* After a sticky fault the call fails with it but still frees, as the
      * handle destroys do (see the header). */
     if (status == SUCCESS || (status == ILLEGAL_ADDRESS && *link != NULL)) {
         host_alloc_t *a = *link;
         writes_after_free += drop_writes(a->p, a->size);
         *link = a->next;
-        free(a->p);
-        free(a);
+        free_host_alloc(a);
     }
     pthread_mutex_unlock(&lock);
+    if (status == SUCCESS) host_memory_synchronize(c);
     return status;
 }
 
@@ -1386,37 +1597,49 @@ int cuStreamWriteValue64_v2(void *stream, unsigned long long addr, unsigned long
             status = INVALID_VALUE;
     }
     if (status == SUCCESS && (refuse_word_mask & 8)) status = NOT_SUPPORTED;
+    /* The race of fakeCudaCaptureNextWordWrite: another thread begins a
+     * relaxed capture of the stream just before the write and ends it just
+     * after, keeping the graph. */
+    int race = status == SUCCESS && capture_next_word_write && !ongoing(s->capture) &&
+               s->kind != LEGACY && next_capture < CAPTURES;
+    int race_id = 0;
+    if (race) {
+        race_id = next_capture++;
+        captures[race_id] = (capture_t){.state = CAPTURE_ACTIVE, .mode = MODE_RELAXED, .owner = pthread_self()};
+        s->capture = race_id;
+        capture_next_word_write = 0;
+    }
     int captured = status == SUCCESS ? captured_work(s, 0) : 0;
     if (captured < 0) status = -captured;
+    unsigned long long *host = (unsigned long long *)(uintptr_t)(addr - DEVICE_ALIAS);
+    /* "When a stream is in capture mode, all operations pushed into the
+     * stream will not be executed, but will instead be captured into a
+     * graph" (cuStreamBeginCapture): the write is a node, made at each
+     * launch (see cuGraphLaunch). */
+    if (status == SUCCESS && captured) status = capture_write(s->capture, host, value);
+    if (race) {
+        capture_t *c = &captures[race_id];
+        graph_t *g = calloc(1, sizeof *g);
+        if (g != NULL) {
+            *g = (graph_t){s->ctx, c->duration, c->writes, c->nwrites};
+            c->writes = NULL;
+            c->nwrites = c->capacity = 0;
+        }
+        free_graph(race_graph);
+        race_graph = g;
+        race_generation = s->ctx->generation;
+        end_capture(s->ctx, race_id);
+    }
     if (status == SUCCESS) {
         writes_accepted++;
         writes_captured += captured;
     }
     if (status == SUCCESS && !captured) {
-        pending_write_t *w = calloc(1, sizeof *w);
-        if (w == NULL) {
-            status = OUT_OF_MEMORY;
-        } else {
-            /* No device time, but later work on the stream (and, from the
-             * legacy stream, on the blocking ones) comes after it, as after
-             * write_u32; this also keeps a stream's writes in order. */
-            s->busy_until = ready_at(s);
-            *w = (pending_write_t){.host = (void *)(uintptr_t)(addr - DEVICE_ALIAS), .value = value,
-                                   .at = s->busy_until, .ctx = s->ctx};
-            pending_write_t **link = &pending_writes;
-            while (*link) link = &(*link)->next;
-            *link = w;
-            if (!engine_started) {
-                pthread_condattr_t attr;
-                pthread_condattr_init(&attr);
-                pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-                pthread_cond_init(&write_queued, &attr);
-                pthread_t engine;
-                engine_started = pthread_create(&engine, NULL, copy_engine, NULL) == 0;
-                if (engine_started) pthread_detach(engine);
-            }
-            pthread_cond_signal(&write_queued);
-        }
+        /* No device time, but later work on the stream (and, from the
+         * legacy stream, on the blocking ones) comes after it, as after
+         * write_u32; this also keeps a stream's writes in order. */
+        s->busy_until = ready_at(s);
+        status = queue_write(host, value, s->busy_until, s->ctx);
     }
     pthread_mutex_unlock(&lock);
     return status;
@@ -1453,9 +1676,44 @@ int fakeCudaPendingWrites(int unused) {
     (void)unused;
     pthread_mutex_lock(&lock);
     int count = 0;
-    for (pending_write_t *w = pending_writes; w; w = w->next) count++;
+    for (size_t i = 0; i < pending_len; i++) count += pending[i].host != NULL;
     pthread_mutex_unlock(&lock);
     return count;
+}
+
+int fakeCudaHostMemorySynchronizes(int on) {
+    pthread_mutex_lock(&lock);
+    int previous = host_memory_synchronizes;
+    host_memory_synchronizes = on;
+    pthread_mutex_unlock(&lock);
+    return previous;
+}
+
+int fakeCudaHostMemoryCalls(int unused) {
+    (void)unused;
+    return host_memory_calls;
+}
+
+int fakeCudaCaptureNextWordWrite(int arm) {
+    capture_next_word_write = arm;
+    return 0;
+}
+
+int fakeCudaLaunchRaceGraph(int unused) {
+    (void)unused;
+    pthread_mutex_lock(&lock);
+    graph_t *x = race_graph;
+    int freed = -1;
+    /* As a user's thread would launch it: on the context's legacy stream,
+     * while the context lives (it is not torn down and made again since). */
+    if (x != NULL && x->ctx->retains > 0 && x->ctx->generation == race_generation && !faulted(x->ctx)) {
+        stream_t *s = &x->ctx->legacy;
+        int64_t start = ready_at(s);
+        s->busy_until = start + x->duration;
+        freed = replay_writes(x, s, start);
+    }
+    pthread_mutex_unlock(&lock);
+    return freed;
 }
 /* ---- end of host-mapped memory and stream writes ---- */
 

@@ -581,30 +581,47 @@ unsafe impl Sync for Function {}
 /// writes.
 const MAPPED_WORD_BYTES: usize = 64;
 
-/// A `u64` in page-locked host memory that a stream of its context can write
-/// ([`Driver::alloc_mapped_word`]): its host and device addresses. Not freed on drop: only
-/// [`Driver::free_mapped_word`] frees it, once the device writes to it no more.
+/// A page of progress words: [`WORDS_PER_PAGE`] of them, so a context pays one page-locked
+/// allocation for many streams' words.
+const MAPPED_PAGE_BYTES: usize = 4096;
+
+/// The words on a page.
+pub(super) const WORDS_PER_PAGE: usize = MAPPED_PAGE_BYTES / MAPPED_WORD_BYTES;
+
+/// One word of a page of page-locked host memory mapped into a context's address space
+/// ([`Driver::alloc_mapped_page`]): its host and device addresses. A place, not an owner: the
+/// crate never frees a page it handed out (a write captured into a graph can replay into it as
+/// long as the context lives, see `progress.rs`), so the memory lives as long as its context,
+/// which frees it ("all resources" of a context go with it). Whoever reads or resets a word holds
+/// its context alive meanwhile (a live stream of it, or a held context object).
+#[derive(Clone, Copy)]
 pub(super) struct MappedWord {
     host: NonNull<AtomicU64>,
     device: sys::CUdeviceptr,
 }
 
-// SAFETY: the memory is process-wide host memory, not tied to a thread; the host only reads it
-// with atomic loads, and frees it once, by value.
+// SAFETY: the memory is process-wide host memory, not tied to a thread; the host only touches it
+// with atomic loads and stores.
 unsafe impl Send for MappedWord {}
-// SAFETY: as above: every access through `&MappedWord` is an atomic load.
+// SAFETY: as above: every access through `&MappedWord` is atomic.
 unsafe impl Sync for MappedWord {}
 
 impl MappedWord {
     fn get_ref(&self) -> &AtomicU64 {
-        // SAFETY: the allocation is live until freed by value (which ends the borrow), page
-        // aligned, and at least a `u64` long; the host accesses it only atomically.
+        // SAFETY: the page is never freed by the crate, only with its context, and every caller
+        // holds that context alive (see the type's docs); the word is 64-byte aligned within a
+        // page-aligned allocation, `u64`-sized, and accessed by the host only atomically.
         unsafe { self.host.as_ref() }
     }
 
     /// The word, as the device's latest write to it left it.
     pub(super) fn get(&self) -> u64 {
         self.get_ref().load(Ordering::Acquire)
+    }
+
+    /// Set the word to 0 from the host, before it serves another stream.
+    pub(super) fn reset(&self) {
+        self.get_ref().store(0, Ordering::Release);
     }
 }
 
@@ -862,66 +879,63 @@ impl Driver {
         })
     }
 
-    /// A zeroed `u64` on a cache line of page-locked host memory mapped into the current
-    /// context's address space: `cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP` ("Maps the
-    /// allocation into the CUDA address space"), neither portable nor write-combined (the host
-    /// reads it), and its device address from `cuMemHostGetDevicePointer` (flags "must be set
-    /// to 0"). Freed only by [`free_mapped_word`](Self::free_mapped_word).
-    pub(super) fn alloc_mapped_word(self) -> Result<MappedWord, ServerError> {
+    /// A page of [`WORDS_PER_PAGE`] zeroed words, each on a cache line of page-locked host memory
+    /// mapped into the current context's address space: `cuMemHostAlloc` with
+    /// `CU_MEMHOSTALLOC_DEVICEMAP` ("Maps the allocation into the CUDA address space"), neither
+    /// portable nor write-combined (the host reads it), and its device address from
+    /// `cuMemHostGetDevicePointer` (flags "must be set to 0"). Never freed once handed out (see
+    /// [`MappedWord`]); a page that cannot be mapped is freed at once, as nothing can write it.
+    ///
+    /// Page-locked allocation may make the context's streams wait for each other (the CUDA
+    /// programming guide, "Implicit Synchronization"): never call it on a fence's path.
+    pub(super) fn alloc_mapped_page(self) -> Result<Vec<MappedWord>, ServerError> {
         live("cuMemHostAlloc")?;
         let api = self.word_api("cuMemHostAlloc")?;
         let mut host = ptr::null_mut();
         // SAFETY: `host` is a valid place for the pointer; DEVICEMAP is a documented flag.
         self.check("cuMemHostAlloc", unsafe {
-            (api.host_alloc)(&mut host, MAPPED_WORD_BYTES, sys::CU_MEMHOSTALLOC_DEVICEMAP)
+            (api.host_alloc)(&mut host, MAPPED_PAGE_BYTES, sys::CU_MEMHOSTALLOC_DEVICEMAP)
         })?;
-        let Some(host) = NonNull::new(host.cast::<AtomicU64>()) else {
+        let Some(page) = NonNull::new(host.cast::<AtomicU64>()) else {
             return Err(refused(
                 "cuMemHostAlloc",
                 sys::CUresult::CUDA_ERROR_OUT_OF_MEMORY,
                 "the driver returned a null pointer",
             ));
         };
-        let word = MappedWord { host, device: 0 };
-        word.get_ref().store(0, Ordering::Release);
         let mut device = 0;
-        // SAFETY: `host` is the start of a live page-locked allocation of the current context;
+        // SAFETY: `page` is the start of a live page-locked allocation of the current context;
         // `device` is a valid place for the address; flags 0 as documented.
         let mapped = self.check("cuMemHostGetDevicePointer", unsafe {
-            (api.host_device_pointer)(&mut device, host.as_ptr().cast(), 0)
+            (api.host_device_pointer)(&mut device, page.as_ptr().cast(), 0)
         });
-        match mapped {
-            Ok(()) => Ok(MappedWord { device, ..word }),
-            Err(err) => {
-                // No write was ever queued to it: it still holds 0.
-                if let Err(free) = self.free_mapped_word(word, 0) {
-                    log::debug!("an unmapped progress word could not be freed: {free}");
-                }
-                Err(err)
+        if let Err(err) = mapped {
+            // SAFETY: the allocation was made just above, in the current context, and never
+            // handed out or written: nothing can touch it after this free.
+            let freed = self.check("cuMemFreeHost", unsafe {
+                (api.free_host)(page.as_ptr().cast())
+            });
+            if let Err(free) = freed {
+                log::debug!("an unmapped progress-word page could not be freed: {free}");
             }
+            return Err(err);
         }
-    }
-
-    /// `cuMemFreeHost` of `word` (its context current) if the device writes to it no more: it
-    /// holds `last`, the last value its stream was given to write (writes of one stream land in
-    /// order), and no write to it was captured into a graph, which the caller vouches for. Else
-    /// the word is handed back, still allocated.
-    pub(super) fn free_mapped_word(
-        self,
-        word: MappedWord,
-        last: u64,
-    ) -> Result<Result<(), MappedWord>, ServerError> {
-        if word.get() != last {
-            return Ok(Err(word));
+        let words: Vec<MappedWord> = (0..WORDS_PER_PAGE)
+            .map(|index| {
+                let offset = index * MAPPED_WORD_BYTES;
+                MappedWord {
+                    // SAFETY: `offset` is within the `MAPPED_PAGE_BYTES` allocation, at a
+                    // multiple of 64 bytes from its page-aligned start (so aligned for `u64`).
+                    host: unsafe { page.byte_add(offset) },
+                    device: device + offset as sys::CUdeviceptr,
+                }
+            })
+            .collect();
+        // The driver does not say it zeroes the memory.
+        for word in &words {
+            word.reset();
         }
-        live("cuMemFreeHost")?;
-        let api = self.word_api("cuMemFreeHost")?;
-        // SAFETY: `word` owns the allocation (it is consumed here, once), and the device has
-        // made its last write to it (above).
-        self.check("cuMemFreeHost", unsafe {
-            (api.free_host)(word.host.as_ptr().cast())
-        })
-        .map(Ok)
+        Ok(words)
     }
 
     /// `cuStreamWriteValue64`: `stream` stores `value` into `word` when it gets there, after its

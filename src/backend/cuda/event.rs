@@ -156,7 +156,8 @@ impl CudaEvent {
     ///
     /// With `publish`, a record made while the stream was not capturing is followed by the write
     /// of the stream's progress word, inside the same two questions: a write that may have been
-    /// captured keeps its word's memory for good (see [`StreamWord::captured`](super::progress::StreamWord::captured)).
+    /// captured turns the word off (see [`StreamWord::captured`](super::progress::StreamWord::captured));
+    /// the word's memory is safe from the graph either way (it lives as long as the context).
     pub(super) fn record(
         &self,
         stream: &Arc<CudaStream>,
@@ -182,8 +183,8 @@ impl CudaEvent {
             return Err(refused);
         }
         let published = match publish {
-            Some(Publish { word, words, value }) if before == Capture::None => {
-                word.publish(&bound, stream, words, value).then_some(word)
+            Some(Publish { word, value }) if before == Capture::None => {
+                word.publish(&bound, stream, value).then_some(word)
             }
             _ => None,
         };

@@ -48,7 +48,8 @@ pub(crate) struct FencePool {
     /// Without an id, only the first, whose allocation (held by the `Weak`) identifies the pool.
     objects: Mutex<Vec<Weak<CudaContext>>>,
     idle: IdlePool<IdleEvent, FENCE_POOL_SHARDS>,
-    /// The progress words of the context's streams.
+    /// The progress words of the context's streams (its slab, kept past the pool: see
+    /// `progress.rs`).
     pub(super) words: PoolWords,
 }
 
@@ -96,7 +97,7 @@ impl FencePool {
                 handle: ctx.cu_ctx() as usize,
                 objects: Mutex::new(vec![Arc::downgrade(ctx)]),
                 idle: IdlePool::new(FENCE_POOL_CAPACITY),
-                words: PoolWords::default(),
+                words: PoolWords::adopt(ctx.ordinal(), id),
             });
             pools.push(Arc::downgrade(&pool));
             pool
@@ -168,21 +169,19 @@ impl Drop for FencePool {
             // Its locks may be held in the parent: its events are forgotten.
             return;
         }
+        // Never freed while the context may live (a graph can replay a write into them): kept
+        // for the context's next pool, touching no memory (see `progress.rs`).
+        self.words.park(self.ordinal, self.id);
         let idle = self.idle.take_all(|_| {});
-        if idle.is_empty() && self.words.is_empty() {
+        if idle.is_empty() {
             return;
         }
         let Some(ctx) = self.live_context() else {
-            // Gone, or not told apart from a later context: the driver freed its events and
-            // words with it.
+            // Gone, or not told apart from a later context: the driver freed its events with it.
             return;
         };
         for IdleEvent(raw) in idle {
             drop(CudaEvent::from_raw(raw, &ctx));
-        }
-        // Words still read or written to are forgotten: the driver frees them with the context.
-        if let Ok(bound) = super::bind::bind(&ctx) {
-            self.words.free_done(&bound);
         }
     }
 }

@@ -278,12 +278,13 @@ impl EventApi for Cuda {
         stream.lane_id()
     }
 
-    /// The stream's progress word, once open: the first ask has it opened at the stream's next
-    /// fence outside a capture (see `progress.rs`: only where the device supports stream memory
-    /// operations), so a stream no waiter watches writes none.
+    /// The stream's progress word, once a fence wrote it: the first ask takes a word (off the
+    /// fence path) for the stream's next fences outside a capture to write (see `progress.rs`:
+    /// only where the device supports stream memory operations), so a stream no waiter watches
+    /// writes none. The word holds the stream's context alive: its memory is the context's.
     fn stream_progress(stream: CudaStreamHandle) -> Option<crate::ProgressWord> {
-        let (_, per_stream) = stream.resolve_per_stream("cuStreamWriteValue64").ok()?;
-        per_stream.progress()
+        let (stream, per_stream) = stream.resolve_per_stream("cuStreamWriteValue64").ok()?;
+        per_stream.progress(&stream)
     }
 
     fn fence_event_release(event: CudaEvent) -> Result<(), ServerError> {

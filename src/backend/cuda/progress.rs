@@ -9,21 +9,44 @@
 //! which a stream no one waits on through a waiter should not pay. Only where the
 //! device reports both `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY` and
 //! `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` ("64-bit operations are supported in
-//! cuStreamBatchMemOp and related MemOp APIs"), and never on a capturing stream (a captured write
-//! would be a graph node, replaying old numbers into memory the graph does not own). Any refusal
-//! turns the stream's word off, and its fences are waited on through their events alone.
+//! cuStreamBatchMemOp and related MemOp APIs"), and never on a stream seen capturing (a captured
+//! write would be a graph node, replaying old numbers). Any refusal turns the stream's word off,
+//! and its fences are waited on through their events alone.
 //!
-//! A word is freed only once nothing can read it and the device writes to it no more: its stream
-//! is gone, no waiter holds it, and its stream's last queued value has landed (writes of one
-//! stream land in order). The context's pool holds every word and frees them so (see
-//! [`PoolWords`]); a word whose write may have been captured into a graph is never freed.
+//! # Memory
+//!
+//! Word memory is never freed while its context lives. A write the crate queues can be captured
+//! into a graph unseen (another thread begins and ends a relaxed capture of the stream between the
+//! two capture checks around a fence's record), and a graph can be launched any time while its
+//! context lives, so no check of ours can tell when a word is written for the last time. So:
+//!
+//! - Words come from a per-context [`WordSlab`]: pages of [`WORDS_PER_PAGE`](super::driver::WORDS_PER_PAGE) words (one
+//!   `cuMemHostAlloc` each), never freed by the crate; the driver frees them with the context.
+//!   A context's slab outlives its pool: when the pool goes while the context may live on, the
+//!   slab is parked and the context's next pool takes it back (the driver's context id tells the
+//!   context apart from one made later), so streams that come and go reuse the same pages.
+//! - A word is recycled (reset to 0 and given to another stream of the context) once its stream
+//!   is gone, no reader holds it, and its last queued write has landed. A stale write replayed
+//!   from a graph into a recycled word only shows a wrong number, and the waiter confirms every
+//!   "passed" with an event query.
+//! - A [`ProgressWord`] handed out holds its stream's context alive (a [`HeldContext`]), so the
+//!   memory it reads lives at least as long as the word.
+//! - Pages are allocated off the fence path: when a stream's word is first asked for
+//!   ([`PerStream::progress`](super::stream::PerStream::progress)), before the stream's lock is
+//!   taken, and installed for the next fence to write. Page-locked allocation may make the
+//!   context's streams wait for each other (the CUDA programming guide, "Implicit
+//!   Synchronization"); `cuda::fence()` allocates and frees nothing.
+//!
+//! A write that may have been captured still turns the word off ([`StreamWord::captured`]): its
+//! graph would replay old numbers into the word, which only costs queries, but a stream seen
+//! capturing is likely to capture again.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock, Weak};
 
 use cudarc::driver::CudaStream;
 
-use super::bind::Bound;
+use super::bind::{bind, Bound, HeldContext};
 use super::driver::MappedWord;
 use crate::loom::Mutex;
 use crate::progress_word::WordMemory;
@@ -42,57 +65,54 @@ pub(super) enum StreamWord {
     /// watches pays nothing for it.
     #[default]
     Unasked,
-    /// Opened at the stream's next fence recorded outside a capture.
-    Unopened,
-    /// Held by the context's pool (weakly here: the pool frees it once the stream is gone).
-    Open(Weak<DeviceWord>),
+    /// Taken from the context's slab (weakly here: the slab holds it), to be written from the
+    /// stream's next fence on; no reader gets it before a write is queued.
+    Installed(Weak<SlabWord>),
+    /// Written by the stream's fences.
+    Open(Weak<SlabWord>),
     /// Refused, or stopped: its fences are waited on through events alone.
     Off,
 }
 
 impl StreamWord {
-    /// The word, for a waiter to read; `None` while none is open. The first ask has the word
-    /// opened at the stream's next fence.
-    pub(super) fn progress(&mut self) -> Option<ProgressWord> {
+    /// Whether nothing asked for the word yet.
+    pub(super) fn is_unasked(&self) -> bool {
+        matches!(self, Self::Unasked)
+    }
+
+    /// The open word, for a reader; `None` until a fence wrote to it.
+    pub(super) fn open(&self) -> Option<Arc<SlabWord>> {
         match self {
-            Self::Open(word) => Some(ProgressWord::new(word.upgrade()?)),
-            Self::Unasked => {
-                *self = Self::Unopened;
-                None
-            }
-            Self::Unopened | Self::Off => None,
+            Self::Open(word) => word.upgrade(),
+            Self::Unasked | Self::Installed(_) | Self::Off => None,
+        }
+    }
+
+    /// Install `word`, taken from the slab for this stream, if nothing was asked for yet; else
+    /// hand it back.
+    pub(super) fn install(&mut self, word: &Arc<SlabWord>) -> bool {
+        if !self.is_unasked() {
+            return false;
+        }
+        *self = Self::Installed(Arc::downgrade(word));
+        true
+    }
+
+    /// The stream's word was refused.
+    pub(super) fn refuse(&mut self) {
+        if self.is_unasked() {
+            *self = Self::Off;
         }
     }
 
     /// Queue the write of `value` on `stream` (its context bound, the stream not capturing just
-    /// before the fence's record), opening the word first if need be. Whether a write was queued.
-    pub(super) fn publish(
-        &mut self,
-        bound: &Bound,
-        stream: &Arc<CudaStream>,
-        words: &PoolWords,
-        value: u64,
-    ) -> bool {
-        if let Self::Unopened = self {
-            *self = match DeviceWord::open(bound, stream) {
-                Ok(word) => {
-                    let word = Arc::new(word);
-                    words.hold(bound, stream, word.clone());
-                    Self::Open(Arc::downgrade(&word))
-                }
-                Err(err) => {
-                    log::debug!(
-                        "no progress word for a CUDA stream: its fences are waited on through \
-                         their events alone: {err}"
-                    );
-                    Self::Off
-                }
-            };
-        }
-        // The pool holds it while the stream lives.
+    /// before the fence's record), if a word is installed or open. No allocation: the word was
+    /// taken when first asked for. Whether a write was queued.
+    pub(super) fn publish(&mut self, bound: &Bound, stream: &Arc<CudaStream>, value: u64) -> bool {
+        // The slab holds the word while the stream lives.
         let Some(word) = (match self {
-            Self::Open(word) => word.upgrade(),
-            Self::Unasked | Self::Unopened | Self::Off => None,
+            Self::Installed(word) | Self::Open(word) => word.upgrade(),
+            Self::Unasked | Self::Off => None,
         }) else {
             return false;
         };
@@ -102,6 +122,9 @@ impl StreamWord {
         {
             Ok(()) => {
                 word.queued.store(value, Ordering::Relaxed);
+                if let Self::Installed(installed) = self {
+                    *self = Self::Open(installed.clone());
+                }
                 true
             }
             Err(err) => {
@@ -113,35 +136,118 @@ impl StreamWord {
     }
 
     /// The write just queued may have been captured into a graph (a capture began or ended on
-    /// the stream around the record): the word's memory is kept for good, and the word is off.
+    /// the stream around the record): the word is off for later fences. Its memory is safe
+    /// whatever the graph does (see the module's docs).
     pub(super) fn captured(&mut self) {
-        if let Self::Open(word) = std::mem::replace(self, Self::Off) {
-            if let Some(word) = word.upgrade() {
-                word.kept.store(true, Ordering::Relaxed);
-            }
-        }
+        *self = Self::Off;
     }
 }
 
-/// What a fence's record publishes: `value` into its stream's `word`, held with the other
-/// `words` of its context.
+/// What a fence's record publishes: `value` into its stream's `word`.
 pub(super) struct Publish<'a> {
     pub(super) word: &'a mut StreamWord,
-    pub(super) words: &'a PoolWords,
     pub(super) value: u64,
 }
 
-/// An open progress word.
-pub(super) struct DeviceWord {
+/// A word of a context's slab, in use by one stream.
+pub(super) struct SlabWord {
     memory: MappedWord,
     /// The last value queued to it.
     queued: AtomicU64,
-    /// A write to it may be in a graph: never freed.
-    kept: AtomicBool,
 }
 
-impl DeviceWord {
-    fn open(bound: &Bound, stream: &Arc<CudaStream>) -> Result<Self, ServerError> {
+/// What a [`ProgressWord`] of a CUDA stream holds: the word, and its context, alive (the word's
+/// memory is the context's).
+struct WordReader {
+    word: Arc<SlabWord>,
+    _context: HeldContext,
+}
+
+impl WordMemory for WordReader {
+    fn get(&self) -> u64 {
+        self.word.memory.get()
+    }
+}
+
+/// A reader of `word`, a word of `stream`'s context.
+pub(super) fn reader(word: Arc<SlabWord>, stream: &CudaStream) -> ProgressWord {
+    ProgressWord::new(Arc::new(WordReader {
+        word,
+        _context: HeldContext::from(stream.context().clone()),
+    }))
+}
+
+/// A context's progress words: the pool's handle to its [`WordSlab`] (see the module's docs).
+#[derive(Default)]
+pub(super) struct PoolWords(Mutex<WordSlab>);
+
+/// A context's word pages, split into the words streams use and the words free to reuse.
+#[derive(Default)]
+pub(super) struct WordSlab {
+    /// Words in use, each with its stream (weakly).
+    in_use: Vec<(Weak<CudaStream>, Arc<SlabWord>)>,
+    /// Words free, each with the last value queued to it (reused once it holds that value).
+    free: Vec<(MappedWord, u64)>,
+    /// Pages allocated (for the logs).
+    pages: usize,
+}
+
+/// [`parked`]: slabs of pools gone while their context may live on, with the context's id: taken back by the
+/// context's next pool. At most one per device (a device has one primary context at a time, and
+/// a slab of an older one is of a context gone: its pages went with it).
+fn parked() -> &'static Mutex<Vec<(usize, u64, WordSlab)>> {
+    // In a `OnceLock`: the crate's mutex is not `const` under loom.
+    static PARKED: OnceLock<Mutex<Vec<(usize, u64, WordSlab)>>> = OnceLock::new();
+    PARKED.get_or_init(Mutex::default)
+}
+
+impl PoolWords {
+    /// The words of a new pool of context `id` on device `ordinal`: the slab a pool of the same
+    /// context parked, if any.
+    pub(super) fn adopt(ordinal: usize, id: Option<u64>) -> Self {
+        let Some(id) = id else {
+            return Self::default();
+        };
+        let mut parked = parked().lock();
+        let mut slab = WordSlab::default();
+        parked.retain_mut(|(device, parked_id, parked_slab)| {
+            if *device != ordinal {
+                return true;
+            }
+            if *parked_id == id {
+                slab = std::mem::take(parked_slab);
+            }
+            // An older context of the device is gone, and its pages with it.
+            false
+        });
+        Self(Mutex::new(slab))
+    }
+
+    /// The pool of context `id` on device `ordinal` goes: keep its slab for the context's next
+    /// pool. Touches no word memory (the context may be gone).
+    pub(super) fn park(&self, ordinal: usize, id: Option<u64>) {
+        let slab = std::mem::take(&mut *self.0.lock());
+        if slab.pages == 0 {
+            return;
+        }
+        let Some(id) = id else {
+            // No id to tell the context apart from a later one: its pages stay with the context.
+            log::debug!(
+                "{} progress-word pages are left to their CUDA context (no context id)",
+                slab.pages
+            );
+            return;
+        };
+        let mut parked = parked().lock();
+        parked.retain(|(device, _, _)| *device != ordinal);
+        parked.push((ordinal, id, slab));
+    }
+
+    /// A word for `stream` (alive, of this pool's context), in use from now on: a free word that
+    /// holds its last value, reset to 0, or one of a new page. Called off the fence path, before
+    /// the stream's lock: it may allocate, with the stream's context bound.
+    pub(super) fn take(&self, stream: &Arc<CudaStream>) -> Result<Arc<SlabWord>, ServerError> {
+        let bound = bind(stream.context())?;
         let driver = bound.driver();
         let device = stream.context().cu_device();
         for (attribute, name) in [
@@ -162,76 +268,55 @@ impl DeviceWord {
                 ));
             }
         }
-        // Allocating is a "potentially unsafe" call during another thread's capture.
-        let memory = bound.relaxed(|driver| driver.alloc_mapped_word())?;
-        Ok(Self {
+        let mut slab = self.0.lock();
+        slab.recycle();
+        // The stream is alive, and so is its context: its words' memory may be touched.
+        let found = slab
+            .free
+            .iter()
+            .position(|(memory, last)| memory.get() == *last);
+        let memory = match found {
+            Some(index) => slab.free.swap_remove(index).0,
+            None => {
+                // Allocating is a "potentially unsafe" call during another thread's capture.
+                let mut page = bound.relaxed(|driver| driver.alloc_mapped_page())?;
+                slab.pages += 1;
+                let memory = page.pop().expect("a page holds words");
+                slab.free.extend(page.into_iter().map(|word| (word, 0)));
+                memory
+            }
+        };
+        memory.reset();
+        let word = Arc::new(SlabWord {
             memory,
             queued: AtomicU64::new(0),
-            kept: AtomicBool::new(false),
-        })
+        });
+        slab.in_use.push((Arc::downgrade(stream), word.clone()));
+        Ok(word)
+    }
+
+    /// Take back `word`, taken for a stream that had one installed meanwhile (never written).
+    pub(super) fn untake(&self, word: Arc<SlabWord>) {
+        let mut slab = self.0.lock();
+        slab.in_use.retain(|(_, used)| !Arc::ptr_eq(used, &word));
+        slab.free.push((word.memory, 0));
     }
 }
 
-impl WordMemory for DeviceWord {
-    fn get(&self) -> u64 {
-        self.memory.get()
-    }
-}
-
-/// A context's progress words, each with its stream (weakly). A word is freed, the pool's context
-/// bound, once its stream is gone, no waiter holds it (the pool's is its only handle) and its last
-/// write has landed: looked at each time a word opens, and when the pool goes (there, one still
-/// read or written to is forgotten: freeing it could let a reader or the device touch freed
-/// memory, and the driver frees it with the context).
-#[derive(Default)]
-pub(super) struct PoolWords(Mutex<Vec<(Weak<CudaStream>, Arc<DeviceWord>)>>);
-
-impl PoolWords {
-    /// Hold `stream`'s new `word`, and free the words done with.
-    fn hold(&self, bound: &Bound, stream: &Arc<CudaStream>, word: Arc<DeviceWord>) {
-        self.free_done(bound);
-        self.0.lock().push((Arc::downgrade(stream), word));
-    }
-
-    /// Free, with the pool's context bound, every word done with (see the type's docs).
-    pub(super) fn free_done(&self, bound: &Bound) {
-        let mut words = self.0.lock();
-        for (stream, word) in std::mem::take(&mut *words) {
-            if stream.strong_count() > 0 || word.kept.load(Ordering::Relaxed) {
-                words.push((stream, word));
+impl WordSlab {
+    /// Move to the free list every word whose stream is gone and that no reader holds (the slab's
+    /// is its only handle). Touches no word memory.
+    fn recycle(&mut self) {
+        let mut index = 0;
+        while index < self.in_use.len() {
+            let (stream, word) = &self.in_use[index];
+            if stream.strong_count() > 0 || Arc::strong_count(word) > 1 {
+                index += 1;
                 continue;
             }
-            let word = match Arc::try_unwrap(word) {
-                Ok(word) => word,
-                Err(read) => {
-                    words.push((stream, read));
-                    continue;
-                }
-            };
-            let DeviceWord {
-                memory,
-                queued,
-                kept,
-            } = word;
-            let last = queued.load(Ordering::Relaxed);
-            // Freeing is a "potentially unsafe" call during another thread's capture.
-            match bound.relaxed(|driver| driver.free_mapped_word(memory, last)) {
-                Ok(Ok(())) => {}
-                Ok(Err(pending)) => words.push((
-                    stream,
-                    Arc::new(DeviceWord {
-                        memory: pending,
-                        queued,
-                        kept,
-                    }),
-                )),
-                Err(err) => log::debug!("a CUDA stream's progress word could not be freed: {err}"),
-            }
+            let (_, word) = self.in_use.swap_remove(index);
+            self.free
+                .push((word.memory, word.queued.load(Ordering::Relaxed)));
         }
-    }
-
-    /// Whether it holds none (for the pool's drop).
-    pub(super) fn is_empty(&self) -> bool {
-        self.0.lock().is_empty()
     }
 }

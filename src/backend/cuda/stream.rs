@@ -10,7 +10,7 @@ use super::bind::bind;
 use super::driver::{in_forked_child, not_forked, refused, Capture};
 use super::event::CudaEvent;
 use super::fence_pool::FencePool;
-use super::progress::{Publish, StreamWord};
+use super::progress::{self, Publish, StreamWord};
 use crate::backend::registry::Registry;
 use crate::live_events::LiveEvents;
 use crate::loom::Mutex;
@@ -62,7 +62,6 @@ impl PerStream {
             stream,
             Some(Publish {
                 word,
-                words: &self.pool.words,
                 value: sequence + 1,
             }),
         )?;
@@ -70,9 +69,37 @@ impl PerStream {
         Ok(sequence)
     }
 
-    /// The stream's progress word, once open; asked for the first time, opened at the next fence.
-    pub(super) fn progress(&self) -> Option<ProgressWord> {
-        self.sequenced.lock().word.progress()
+    /// `stream`'s (this one's) progress word, once a fence wrote it. Asked for the first time,
+    /// a word is taken from the context's slab (which may allocate a page: off the fence path,
+    /// before the stream's lock) and installed for the next fence to write.
+    pub(super) fn progress(&self, stream: &Arc<CudaStream>) -> Option<ProgressWord> {
+        {
+            let sequenced = self.sequenced.lock();
+            if !sequenced.word.is_unasked() {
+                return sequenced
+                    .word
+                    .open()
+                    .map(|word| progress::reader(word, stream));
+            }
+        }
+        let words = &self.pool.words;
+        match words.take(stream) {
+            Ok(word) => {
+                let installed = self.sequenced.lock().word.install(&word);
+                if !installed {
+                    // Another thread installed one meanwhile.
+                    words.untake(word);
+                }
+            }
+            Err(err) => {
+                log::debug!(
+                    "no progress word for a CUDA stream: its fences are waited on through their \
+                     events alone: {err}"
+                );
+                self.sequenced.lock().word.refuse();
+            }
+        }
+        None
     }
 }
 
