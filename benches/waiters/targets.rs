@@ -110,6 +110,12 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
                 .and_then(|table| table.value(ours, Metric::CpuPercentOfCore)),
             1.0,
         );
+        check(
+            format!("[{backend}] 5: watchers(1) idle CPU % of a core"),
+            find(Scenario::IdleCpu, backend)
+                .and_then(|table| table.value(watching, Metric::CpuPercentOfCore)),
+            1.0,
+        );
         let ready = find(Scenario::ReadyFence, backend).and_then(|table| {
             Some(
                 table.value(costs::READY_AWAIT, Metric::NsPerOp)?

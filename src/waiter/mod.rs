@@ -314,8 +314,9 @@ impl Waiter {
         self.pool.config().spin_budget
     }
 
-    /// The most threads that may spin watching progress words
-    /// ([`WaiterBuilder::watchers`]); 0: every wait sleeps in the driver.
+    /// The watchers setting ([`WaiterBuilder::watchers`]): from 1, a watcher
+    /// thread races the driver's wake-ups; 0: every wait ends in the driver
+    /// alone.
     pub fn watchers(&self) -> usize {
         self.pool.config().watchers
     }
