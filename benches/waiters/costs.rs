@@ -8,7 +8,7 @@ use crate::measure::{process_cpu, process_threads, Clock, Stamps};
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
 use crate::settings::{runtime, Settings};
-use crate::strategies::{self, Pending, Waiters, ALL};
+use crate::strategies::{self, Pending, Strategy, Waiters, ALL};
 
 /// Scenario 3's rows, read by the targets.
 pub const READY_AWAIT: &str = "await (first poll, ready)";
@@ -117,7 +117,8 @@ pub fn idle_cpu<R: Rig>(rig: &R, settings: &Settings, clock: Clock) -> Table {
         "{} awaits pending on {streams} streams for {:?}",
         settings.idle_waits, settings.idle_window
     ));
-    for strategy in ALL {
+    // The watcher's row too: its list empties as each wait's window ends.
+    for strategy in ALL.into_iter().chain([Strategy::AwaitWatching]) {
         rig.drain();
         let runtime = runtime();
         let waiters = Waiters::new();
