@@ -98,6 +98,34 @@ fn items_ending_one_after_another_are_watched_and_resolve_in_order_after_their_w
 }
 
 #[test]
+fn the_watchers_cpu_stays_within_a_quarter_of_a_core_and_a_burst() {
+    // Eight streams of 1 ms items: watching every one of them would take more than a quarter of
+    // a core on a machine whose sleeps end late. The budget bounds the watcher's thread: a
+    // quarter of the time that passed, a 10 ms burst, one round over.
+    let waiter = Waiter::builder().watchers(1).build();
+    let streams: Vec<HostStream> = (0..8).map(|_| HostStream::new().unwrap()).collect();
+    let started = std::time::Instant::now();
+    let mut waits = Vec::new();
+    for _ in 0..200 {
+        for stream in &streams {
+            let work = || std::thread::sleep(Duration::from_millis(1));
+            stream.launch(work).unwrap();
+            waits.push(waiter.wait(EventFence::<Host>::new(stream.handle())));
+        }
+    }
+    for result in futures::executor::block_on(futures::future::join_all(waits)) {
+        result.expect("reached");
+    }
+    // Its CPU is counted as each round ends; read once it is shut down, a round may be left
+    // uncounted, which only lowers what is read.
+    waiter.shutdown();
+    let passed = started.elapsed();
+    let bound = passed / 4 + Duration::from_millis(10) + Duration::from_millis(5);
+    let used = waiter.stats().watcher_cpu;
+    assert!(used <= bound, "the watcher used {used:?} in {passed:?}");
+}
+
+#[test]
 fn with_no_watchers_no_wait_is_watched() {
     let waiter = Waiter::builder().watchers(0).build();
     let stream = HostStream::new().unwrap();

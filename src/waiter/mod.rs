@@ -83,9 +83,10 @@
 //!   figure halves every 100 ms it is not measured again, so a bad spell
 //!   cannot switch the watcher off for good.
 //! - **Its CPU is bounded by design**: at most 200 µs of looking per wait,
-//!   and, over time, at most a quarter of one core (a budget that earns a
-//!   quarter of the time passing, saves up at most 10 ms and spends the time
-//!   spent looking; while it is spent, entries are left to the driver).
+//!   and, over time, at most a quarter of one core for its thread (a budget
+//!   that earns a quarter of the time passing, saves up at most 10 ms and
+//!   spends each round's CPU time, from the thread's CPU clock; while it is
+//!   spent, entries are left to the driver).
 //!   [`WaiterStats::watcher_cpu`] reports its thread's CPU time.
 //! - Streams whose words went off (a refused write, a capture) are not
 //!   watched: the backend hands out no word for them.

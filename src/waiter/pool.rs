@@ -187,6 +187,8 @@ pub(super) struct State {
     watcher: bool,
     /// The watcher waits on `watch_work`: a new entry notifies it.
     watcher_waits: bool,
+    /// While it waits, when its nap ends (none: it waits for entries).
+    watcher_nap_until: Option<Instant>,
     pub(super) shutdown: bool,
 }
 
@@ -289,15 +291,23 @@ impl State {
         }
     }
 
-    /// The watcher has entries: wake it if it waits, or start it.
-    fn watcher_for_work(&mut self) -> Action {
+    /// The watcher has entries, the new one to be looked at from `looks_from`
+    /// at the earliest (none: at once): wake it if it waits and would not
+    /// wake by then anyway, or start it.
+    fn watcher_for_work(&mut self, looks_from: Option<Instant>) -> Action {
         let spawn_watcher = !self.watcher;
         if spawn_watcher {
             self.watcher = true;
             self.peak_threads = self.peak_threads.max(self.threads());
         }
+        let wakes_in_time = matches!(
+            (looks_from, self.watcher_nap_until),
+            (Some(looks_from), Some(until)) if until <= looks_from
+        );
+        let wake_watcher = self.watcher_waits && !wakes_in_time;
+        self.watcher_waits &= !wake_watcher;
         Action {
-            wake_watcher: std::mem::take(&mut self.watcher_waits),
+            wake_watcher,
             spawn_watcher,
             ..Action::default()
         }
@@ -666,9 +676,10 @@ impl Pool {
             return None;
         }
         let entry = state.history(held.lane).entry(held, early)?;
+        let looks_from = entry.looks_from_at_the_earliest();
         state.watched.push(entry);
         self.shared.published.fetch_add(1, Ordering::Release);
-        Some(state.watcher_for_work())
+        Some(state.watcher_for_work(Some(looks_from)))
     }
 
     /// The watcher's round: the entries to watch, into `entries` (empty);
@@ -707,8 +718,10 @@ impl Pool {
         }
         let left = until.saturating_duration_since(Instant::now());
         state.watcher_waits = true;
+        state.watcher_nap_until = Some(until);
         let (mut state, timed_out) = state.wait_timeout(&self.shared.watch_work, left);
         state.watcher_waits = false;
+        state.watcher_nap_until = None;
         timed_out.then(|| Instant::now().saturating_duration_since(until))
     }
 
@@ -968,7 +981,7 @@ impl Pool {
             .collect();
         // A watcher lost with entries left is started again.
         if owner == Owner::Watcher && !state.watched.is_empty() && !state.shutdown {
-            actions.push(state.watcher_for_work());
+            actions.push(state.watcher_for_work(None));
         }
         // The poller watches while a lane is left, even if it was the one lost.
         if watching && !state.poller && !state.shutdown && !state.lanes.is_empty() {

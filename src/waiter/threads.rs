@@ -193,11 +193,12 @@ impl WaiterThread {
                     napped = until == first;
                 }
             }
+            let mut looked = Duration::ZERO;
             if self.pool.published() == published {
                 let started = Instant::now();
                 if budget.earn(started) {
                     self.look(&mut timing, &entries, published, napped);
-                    budget.spend(started.elapsed());
+                    looked = started.elapsed();
                 } else {
                     self.leave_due(&timing, &entries, started);
                 }
@@ -205,9 +206,16 @@ impl WaiterThread {
             }
             // Its copies of the entries go here, each maybe a fence's last.
             entries.drain(..).for_each(contain::drop);
+            // The round's CPU, all of it (its looks, wake-ups, naps), is spent from the budget:
+            // the watcher's own CPU clock, where there is one; else the time it looked.
             let now = crate::os_thread::cpu_time();
-            if let (Some(before), Some(now)) = (cpu, now) {
-                self.pool.counters().watcher_cpu(now.saturating_sub(before));
+            match (cpu, now) {
+                (Some(before), Some(now)) => {
+                    let used = now.saturating_sub(before);
+                    self.pool.counters().watcher_cpu(used);
+                    budget.spend(used);
+                }
+                _ => budget.spend(looked),
             }
             cpu = now;
         }

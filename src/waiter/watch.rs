@@ -19,9 +19,9 @@
 //! predicted end, never more than [`MAX_LOOK`] in all, then dropped: its lane thread is in the
 //! driver already. A word ahead of its event (a stale write) drops its entry too.
 //!
-//! Its cost has a bound by design: the watcher spins at most [`MAX_LOOK`] per wait, and, over
-//! time, at most a [`CPU_SHARE`]th of one core ([`SpinBudget`]): past that, entries that come due
-//! are left to the driver until the budget refills. Waits shorter than twice how early the
+//! Its cost has a bound by design: the watcher spins at most [`MAX_LOOK`] per wait, and its
+//! thread takes, over time, at most a [`CPU_SHARE`]th of one core ([`SpinBudget`]): past that,
+//! entries that come due are left to the driver until the budget refills. Waits shorter than twice how early the
 //! watcher wakes ([`Timing::early`], which decays by half every [`EARLY_HALF_LIFE`], so a bad
 //! spell cannot switch the watcher off for good) are not put on its list: its wake-up would be
 //! no sooner than the driver's.
@@ -190,6 +190,12 @@ pub(super) struct Watched {
 }
 
 impl Watched {
+    /// The earliest the watcher looks at its word, however late its sleeps end
+    /// ([`Timing::look_from`] is never earlier): a watcher asleep until then need not be woken.
+    pub(super) fn looks_from_at_the_earliest(&self) -> Instant {
+        self.due - (self.predicted / 2).min(MAX_LOOK / 2)
+    }
+
     /// Whether the stream has passed the wait's point.
     pub(super) fn passed(&self) -> bool {
         self.word.passed(self.sequence)
@@ -285,10 +291,11 @@ impl Timing {
     }
 }
 
-/// The watcher's spin budget: it earns a [`CPU_SHARE`]th of the time that passes, saves up at
-/// most [`BURST`], and spends the time it looks at words, going into debt if a look ran over. While
-/// nothing is left, entries that come due are left to the driver: over time, the watcher's
-/// spinning takes at most its share of one core, beyond one burst and one look.
+/// The watcher's CPU budget: it earns a [`CPU_SHARE`]th of the time that passes, saves up at
+/// most [`BURST`], and spends the CPU time of each of its rounds (looks, wake-ups, naps: its
+/// thread's CPU clock; where there is none, the time it looked), going into debt if a round ran
+/// over. While nothing is left, entries that come due are left to the driver: over time, the
+/// watcher takes at most its share of one core, beyond one burst and one round.
 pub(super) struct SpinBudget {
     /// Nanoseconds left; below zero, owed.
     left: i64,
@@ -317,7 +324,7 @@ impl SpinBudget {
         self.left > 0
     }
 
-    /// `spent` went on looking.
+    /// A round used `spent`.
     pub(super) fn spend(&mut self, spent: Duration) {
         self.left = self.left.saturating_sub(nanos(spent));
     }
