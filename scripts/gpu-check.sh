@@ -26,11 +26,14 @@
 #   host-mapped memory (a stream's word lands past each fence only once the
 #   work before it is done; no write on a capturing stream).
 # Not yet measured on a GPU: the benchmark's scenarios 1 and 8 with the
-# watcher (the default `await`) beside `await, watchers(0)` (a lane thread
-# blocked in cuEventSynchronize), whose targets are scenario 8 wake p50 at
-# most 5 us and a lone wait at most 10 us; and the cost of the capture
-# checks and of the progress word's write per fence (scenarios 3 and 4
-# against the last GPU run's figures).
+# watcher (`await, watchers(1)`, racing a lane thread blocked in
+# cuEventSynchronize) beside the default `await` (on the GPU machine's core
+# count) and `await, watchers(0)`: lone-wait and 1 ms-item wake p50 and p99,
+# CPU per await and the watcher thread's; the time of the first fence of a
+# newly watched stream while a 1 s kernel runs on another stream (it must
+# not wait for that kernel: no page-locked allocation on the fence path);
+# and the cost of the capture checks and of the progress word's write per
+# fence (scenarios 3 and 4 against the last GPU run's figures).
 set -u
 bin=${1:-device-bin}
 mode=${2:-}
