@@ -141,17 +141,18 @@ fn a_watcher_that_unwinds_is_started_again_and_watches_its_entries() {
     let pool = super::mock_device::support::pool_watching(1, KEEP_ALIVE);
     pool.plants().watcher_escapes.store(1, Ordering::SeqCst);
     let device = Device::with_word();
-    // The lane thread hands the wait to the watcher, which unwinds as its
-    // round starts; the watcher started again watches it for its window
-    // (the word never moves) and hands it back to be blocked on.
+    // The lane thread puts the wait on the watcher's list and blocks in the
+    // driver; the watcher unwinds as its round starts; the watcher started
+    // again watches it for its window (the word never moves) and leaves it
+    // to the driver.
     let slot = submit(&pool, &device, 0, 1);
-    eventually("the lane thread blocks in the driver", || {
-        device.blocked.load(Ordering::SeqCst) == 1
-    });
-    assert_eq!(
-        pool.plants().watcher_escapes.load(Ordering::SeqCst),
-        0,
-        "the watcher unwound"
+    eventually(
+        "the watcher unwound, and the one started again is done",
+        || {
+            pool.plants().watcher_escapes.load(Ordering::SeqCst) == 0
+                && pool.watched_entries() == 0
+                && device.blocked.load(Ordering::SeqCst) == 1
+        },
     );
     device.finish();
     assert_eq!(result_of(&slot), Ok(()));

@@ -59,7 +59,8 @@
 //! `cuStreamWriteValue64` after each fence), a lane thread about to block on
 //! its held wait first puts it on the watcher's list, with when it should
 //! end: the least of the lane's last four waits (from the start of their
-//! hold). Then it blocks in the driver exactly as with the watcher off.
+//! hold; a lane with fewer than two is looked at for 50 µs from the
+//! hand-over). Then it blocks in the driver exactly as with the watcher off.
 //!
 //! The watcher sleeps until shortly before the first end due (earlier by
 //! the most its recent sleeps overslept and the lane's margin; never more
@@ -81,7 +82,9 @@
 //! - **Waits too short to watch** (shorter than twice how early the watcher
 //!   wakes, lately) are left to the driver, whose wake comes as soon; that
 //!   figure halves every 100 ms it is not measured again, so a bad spell
-//!   cannot switch the watcher off for good.
+//!   cannot switch the watcher off for good. A lane thread learns its lane's
+//!   prediction as each wait ends, and skips the list (and its lock) while
+//!   it says too short.
 //! - **Its CPU is bounded by design**: at most 200 µs of looking per wait,
 //!   and, over time, at most a quarter of one core for its thread (a budget
 //!   that earns a quarter of the time passing, saves up at most 10 ms and

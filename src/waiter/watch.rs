@@ -1,36 +1,7 @@
-//! Watching streams' progress words: how a task wakes within microseconds of its work's end, at
-//! close to the CPU of a thread asleep in the driver. The watcher is an accelerator: it races the
-//! driver and never replaces it.
-//!
-//! A lane thread whose stream keeps a [`ProgressWord`] puts the wait it holds on the waiter's
-//! **watcher**'s list as a [`Watched`] entry (the word, the wait's number, and when the wait should
-//! end, predicted from how long the lane's recent waits took: [`LaneHistory`]), then blocks in
-//! the driver on the same wait, exactly as it does with no watcher. Whichever sees the end first
-//! resolves the wait, once (the lane's held wait is taken under the pool's lock by the first);
-//! the other stands down. So no wait ends later than with no watcher, but for the cost of the
-//! race: one entry on a list, and, for the watcher, a few loads of the word.
-//!
-//! The watcher sleeps until shortly before the earliest predicted end (earlier by the most its
-//! recent sleeps overslept and the lane's margin: [`Timing`]; never longer than [`MAX_NAP`] at a
-//! time), then looks at the words of every entry due by then, a memory load each, no driver
-//! call, pausing and then yielding between looks. A word that passed is confirmed by one query of
-//! the wait's event (a faulted stream's word stops, and its event reports the fault), and the
-//! watcher resolves the wait at once. An entry is looked at for a bounded window past its
-//! predicted end, never more than [`MAX_LOOK`] in all, then dropped: its lane thread is in the
-//! driver already. A word ahead of its event (a stale write) drops its entry too.
-//!
-//! Its cost has a bound by design: the watcher spins at most [`MAX_LOOK`] per wait, and its
-//! thread takes, over time, at most a [`CPU_SHARE`]th of one core ([`SpinBudget`]): past that,
-//! entries that come due are left to the driver until the budget refills. Waits shorter than twice how early the
-//! watcher wakes ([`Timing::early`], which decays by half every [`EARLY_HALF_LIFE`], so a bad
-//! spell cannot switch the watcher off for good) are not put on its list: its wake-up would be
-//! no sooner than the driver's.
-//!
-//! Each lane's history (its last waits' lengths, and its margin) is kept by the pool under the
-//! lane's key, not by a thread, for the [`HISTORIES`] lanes used last: a stream served by another
-//! thread, or idle between requests, keeps it. A wake that finds a word already passed came late:
-//! that lane's margin doubles (up to a quarter of its prediction); each end seen in time shrinks
-//! it by an eighth. A late sighting counts as at most its length, as does the driver's.
+//! The watcher's parts: a lane's history and the entries it makes ([`LaneHistory`],
+//! [`Watched`]), how early the watcher wakes and looks ([`Early`], [`Timing`]), and its CPU
+//! budget ([`SpinBudget`]). How the watcher races the driver is described once, in the waiter's
+//! module docs (`# The watcher`); the figures it uses are the constants below.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
