@@ -79,8 +79,10 @@
 //!   requests, or is served by another thread, keeps it. A sighting late
 //!   after a sleep doubles that lane's margin (up to a quarter of its
 //!   prediction); one in time shrinks it by an eighth.
-//! - **Waits too short to watch** (shorter than twice how early the watcher
-//!   wakes, lately) are left to the driver, whose wake comes as soon; that
+//! - **Waits too short to watch** (predicted shorter than 150 µs, or than
+//!   twice how early the watcher wakes, lately) are left to the driver,
+//!   whose wake comes about as soon, without a wake-up of the watcher's
+//!   thread on a host whose cores the streams keep busy; that
 //!   figure halves every 100 ms it is not measured again, so a bad spell
 //!   cannot switch the watcher off for good. A lane thread learns its lane's
 //!   prediction as each wait ends, and skips the list (and its lock) while
@@ -480,9 +482,9 @@ impl WaiterBuilder {
     /// design, at most a quarter of one core over time
     /// ([`WaiterStats::watcher_cpu`] reports it). Ask for `watchers(1)` on a
     /// small machine when wake latency matters more than that CPU: streams
-    /// of items of steady length (about 1 ms and longer) gain most; items
-    /// shorter than the driver's wake-up gain little. How it works: the
-    /// module docs of `src/waiter/mod.rs`.
+    /// of items of steady length (about 1 ms and longer) gain most; waits
+    /// shorter than 150 µs are left to the driver. How it works: the module
+    /// docs of `src/waiter/mod.rs`.
     ///
     /// ```
     /// use device_events::Waiter;

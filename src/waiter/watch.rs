@@ -32,6 +32,10 @@ const SPIN_LOOKS: u32 = 64;
 const HISTORY: usize = 4;
 /// How early the watcher wakes, as last measured, halves each time this passes.
 pub(super) const EARLY_HALF_LIFE: Duration = Duration::from_millis(100);
+/// Waits predicted shorter than this are left to the driver: its wake-up comes within tens of
+/// microseconds, and racing it costs the watcher's thread a wake-up per wait on a host whose
+/// cores the streams' own work keeps busy.
+pub(super) const MIN_WATCHED: Duration = Duration::from_micros(150);
 /// The lanes whose history a pool keeps: those used last.
 pub(super) const HISTORIES: usize = 1024;
 
@@ -140,7 +144,7 @@ impl LaneHistory {
 /// Whether waits `predicted` to take so long are too short to watch, with the watcher waking
 /// `early` before an end it expects: its wake-up would come no sooner than the driver's.
 pub(super) fn too_short(predicted: Option<Duration>, early: Duration) -> bool {
-    predicted.is_some_and(|predicted| predicted < early * 2)
+    predicted.is_some_and(|predicted| predicted < (early * 2).max(MIN_WATCHED))
 }
 
 /// A held wait on the watcher's list; its lane thread blocks on it in the driver meanwhile.
@@ -330,7 +334,7 @@ mod tests {
 
     use super::{
         past, Early, Held, LaneHistory, LaneKey, Slot, SpinBudget, Timing, Waitable, Watched,
-        BURST, CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MIN_MARGIN,
+        BURST, CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MIN_MARGIN, MIN_WATCHED,
     };
     use crate::progress_word::HostWord;
     use crate::{ProgressWord, ServerError};
@@ -414,6 +418,29 @@ mod tests {
     }
 
     #[test]
+    fn waits_predicted_shorter_than_the_least_watched_are_left_to_the_driver() {
+        let mut history = LaneHistory::default();
+        for _ in 0..2 {
+            history.ended(MIN_WATCHED - Duration::from_nanos(1));
+        }
+        let started = Instant::now();
+        assert!(try_entry(&history, started, Duration::ZERO, None).is_none());
+        history.ended(MIN_WATCHED);
+        history.ended(MIN_WATCHED);
+        history.ended(MIN_WATCHED);
+        history.ended(MIN_WATCHED);
+        assert!(try_entry(&history, started, Duration::ZERO, None).is_some());
+        assert!(super::too_short(
+            Some(MIN_WATCHED - Duration::from_nanos(1)),
+            Duration::ZERO
+        ));
+        assert!(
+            !super::too_short(None, Duration::from_secs(1)),
+            "no history: watched"
+        );
+    }
+
+    #[test]
     fn an_entry_is_due_its_prediction_after_its_hold_began_and_reads_its_word() {
         let mut history = LaneHistory::default();
         let word = Arc::new(HostWord::default());
@@ -480,10 +507,10 @@ mod tests {
         let looked = timing.look_until(&long) - timing.look_from(&long);
         assert!(looked <= MAX_LOOK, "{looked:?}");
         // And at most half the prediction early.
-        history.ended(Duration::from_micros(100));
+        history.ended(Duration::from_micros(160));
         let short = entry(&history, started);
-        let due = started + Duration::from_micros(100);
-        assert_eq!(timing.look_from(&short), due - Duration::from_micros(50));
+        let due = started + Duration::from_micros(160);
+        assert_eq!(timing.look_from(&short), due - Duration::from_micros(80));
         let looked = timing.look_until(&short) - timing.look_from(&short);
         assert!(looked <= MAX_LOOK, "{looked:?}");
     }
