@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::contain;
 use super::pool::{Action, Owner, Pool, Wait};
 use super::waitable::LaneKey;
-use super::watch::{self, Held, SpinBudget, Timing, Watched, MAX_NAP, MIN_NAP};
+use super::watch::{self, CpuBudget, Held, Timing, Watched, MAX_NAP, MIN_NAP};
 use crate::loom::thread;
 use crate::ServerError;
 
@@ -173,11 +173,11 @@ impl WaiterThread {
 
     /// The watcher: sleep until the first entry is nearly due (at most [`MAX_NAP`]), look at
     /// the words of those due until each passed (confirmed by a query, then resolved) or its
-    /// window ended, within its spin budget, and again. Its CPU time is counted as it goes.
+    /// window ended, within its CPU budget, and again. Its CPU time is counted as it goes.
     fn run_watcher(&mut self) {
         crate::os_thread::lower_timer_slack();
         let mut timing = Timing::default();
-        let mut budget = SpinBudget::new(Instant::now());
+        let mut budget = CpuBudget::new(Instant::now());
         let mut cpu = crate::os_thread::cpu_time();
         let mut entries = Vec::new();
         while let Some(published) = self.pool.watch_round(&mut entries) {
@@ -221,7 +221,7 @@ impl WaiterThread {
         }
     }
 
-    /// With its spin budget spent, the watcher leaves the entries due by `now` to the driver.
+    /// With its CPU budget spent, the watcher leaves the entries due by `now` to the driver.
     fn leave_due(&self, timing: &Timing, entries: &[Watched], now: Instant) {
         for entry in entries {
             if timing.look_from(entry) <= now {

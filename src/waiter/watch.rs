@@ -1,6 +1,6 @@
 //! The watcher's parts: a lane's history and the entries it makes ([`LaneHistory`],
 //! [`Watched`]), how early the watcher wakes and looks ([`Early`], [`Timing`]), and its CPU
-//! budget ([`SpinBudget`]). How the watcher races the driver is described once, in the waiter's
+//! budget ([`CpuBudget`]). How the watcher races the driver is described once, in the waiter's
 //! module docs (`# The watcher`); the figures it uses are the constants below.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -22,9 +22,9 @@ pub(super) const MIN_NAP: Duration = Duration::from_micros(20);
 pub(super) const MAX_NAP: Duration = Duration::from_millis(20);
 /// The most the watcher looks at one wait's word.
 pub(super) const MAX_LOOK: Duration = Duration::from_micros(200);
-/// The watcher spins, over time, at most this fraction (its inverse) of one core.
+/// The watcher's thread takes, over time, at most this fraction (its inverse) of one core.
 pub(super) const CPU_SHARE: u32 = 4;
-/// The most spin time the watcher may save up while it spins less than its share.
+/// The most CPU time the watcher may save up while it uses less than its share.
 const BURST: Duration = Duration::from_millis(10);
 /// Looks with a pause between them before the watcher yields between looks instead.
 const SPIN_LOOKS: u32 = 64;
@@ -87,9 +87,9 @@ pub(super) struct Held<'a> {
 }
 
 impl LaneHistory {
-    /// The watcher's entry for `held`; none if the lane's waits are shorter than twice `early`,
-    /// how early the watcher wakes before an end it expects ([`Timing::early`]): its wake-up
-    /// would come no sooner than the driver's.
+    /// The watcher's entry for `held`; none if the lane's waits are too short to watch
+    /// ([`too_short`], with the watcher waking `early` before an end it expects: [`Timing::early`]).
+    /// The lane thread asks first, without the lock, with the prediction it last learnt.
     pub(super) fn entry(&self, held: Held<'_>, early: Duration) -> Option<Watched> {
         let predicted = self.predicted();
         if too_short(predicted, early) {
@@ -141,8 +141,9 @@ impl LaneHistory {
     }
 }
 
-/// Whether waits `predicted` to take so long are too short to watch, with the watcher waking
-/// `early` before an end it expects: its wake-up would come no sooner than the driver's.
+/// Whether waits `predicted` to take so long are too short to watch: shorter than
+/// [`MIN_WATCHED`], or than twice `early`, how early the watcher wakes before an end it expects
+/// (its wake-up would come no sooner than the driver's). A lane with no prediction is watched.
 pub(super) fn too_short(predicted: Option<Duration>, early: Duration) -> bool {
     predicted.is_some_and(|predicted| predicted < (early * 2).max(MIN_WATCHED))
 }
@@ -229,8 +230,7 @@ pub(super) struct Timing {
 
 impl Timing {
     /// How early before an end it expects the watcher wakes, at the least: the least its
-    /// recent sleeps overslept, and the least margin. Waits shorter than twice that are not
-    /// worth watching ([`LaneHistory::entry`]).
+    /// recent sleeps overslept, and the least margin ([`too_short`] weighs waits against it).
     pub(super) fn early(&self) -> Duration {
         let overslept = self.overslept.values().iter().min().copied();
         overslept.unwrap_or_default() + MIN_MARGIN
@@ -271,7 +271,7 @@ impl Timing {
 /// thread's CPU clock; where there is none, the time it looked), going into debt if a round ran
 /// over. While nothing is left, entries that come due are left to the driver: over time, the
 /// watcher takes at most its share of one core, beyond one burst and one round.
-pub(super) struct SpinBudget {
+pub(super) struct CpuBudget {
     /// Nanoseconds left; below zero, owed.
     left: i64,
     earned_to: Instant,
@@ -282,7 +282,7 @@ fn nanos(duration: Duration) -> i64 {
     i64::try_from(duration.as_nanos()).unwrap_or(i64::MAX)
 }
 
-impl SpinBudget {
+impl CpuBudget {
     pub(super) fn new(now: Instant) -> Self {
         Self {
             left: nanos(BURST),
@@ -333,8 +333,8 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{
-        past, Early, Held, LaneHistory, LaneKey, Slot, SpinBudget, Timing, Waitable, Watched,
-        BURST, CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MIN_MARGIN, MIN_WATCHED,
+        past, CpuBudget, Early, Held, LaneHistory, LaneKey, Slot, Timing, Waitable, Watched, BURST,
+        CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MIN_MARGIN, MIN_WATCHED,
     };
     use crate::progress_word::HostWord;
     use crate::{ProgressWord, ServerError};
@@ -594,7 +594,7 @@ mod tests {
     #[test]
     fn the_spin_budget_earns_its_share_of_the_time_and_saves_up_at_most_a_burst() {
         let start = Instant::now();
-        let mut budget = SpinBudget::new(start);
+        let mut budget = CpuBudget::new(start);
         assert!(budget.earn(start), "a burst to begin with");
         budget.spend(BURST);
         assert!(!budget.earn(start), "spent");
@@ -620,7 +620,7 @@ mod tests {
     fn a_watcher_that_would_spin_all_the_time_spins_at_most_its_share() {
         let start = Instant::now();
         let (mut now, mut spun) = (start, Duration::ZERO);
-        let mut budget = SpinBudget::new(now);
+        let mut budget = CpuBudget::new(now);
         let look = Duration::from_micros(150);
         for _ in 0..10_000 {
             if budget.earn(now) {
