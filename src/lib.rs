@@ -54,35 +54,25 @@
 //!
 //! # Architecture
 //!
-//! Layers, bottom up; each may use only those below it, and some not all
-//! of those. `tests/layers.rs` checks every `crate::` path in `src/`
-//! against a copy of this table.
+//! Each module of the crate root is a layer: a file or a folder with a front-door `mod.rs`.
+//! Bottom up, each may name the layers above it in this table, except those in its "never
+//! names" column, and no layer below it except those in its "also names" column.
+//! `tests/layers.rs` reads this table and checks every `crate::` path in `src/` against it.
 //!
-//! | layer | owns | may not import |
-//! |---|---|---|
-//! | `api`, `error` | the backend contract ([`EventApi`], [`EventFlags`], the process-wide order of recorded points) and [`ServerError`] | anything else of the crate (`api` names `error` and `progress_word`) |
-//! | `backend::{host, cuda}` | raw events and streams, the stream registry, fence-event pools; all `unsafe` (the FFI file `backend/cuda/driver.rs`; the binding guard, events, pool and kernels sit on it without `unsafe`) | `event`, `fence`, the waiter and everything above them (they name [`EventFence`] only to offer `cuda::fence` and [`host::HostStream::fence`]) |
-//! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | any backend, fences, the waiter |
-//! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | the waiter, any backend by name |
-//! | `waiter` | [`Waiter`]: threads, lanes, hand-off, the futures | any backend, the profiler, the drop queue, `any_fence` |
-//! | `any_fence`, `any_stream` | [`AnyFence`] and [`AnyStream`]: a fence and a stream of either backend, built on fences and the waiter | the profiler, the drop queue |
-//! | `profiler`, `drop_queue` | [`EventProfiler`], [`drop_queue::DropQueue`] and its `Fence` trait (implemented there for [`EventFence`] and [`AnyFence`]): built on fences and the waiter | one another |
-//! | `any_profiler` | [`AnyProfiler`]: an [`EventProfiler`] per backend behind [`AnyStream`] | the drop queue |
-//!
-//! `loom` (the waiter's locks and threads, swapped for loom's in its models),
-//! `fault_log` (warn once per faulted stream), `own_threads` (which
-//! threads the crate started: the waiter and the drop queue mark theirs,
-//! the CUDA backend leaves a context bound on them), `panics` (panics in
-//! code the crate calls but does not own, caught with their payloads),
-//! `fork` (whether this process is a fork of the one that made a pool),
-//! `shards` (how state is spread over locks: by hash, by thread),
-//! `idle_pool` (bounded pools of idle events: the fence-event pools),
-//! `progress_word` (a stream's progress in host memory, set by the stream),
-//! `live_events` (per-stream event counts for leak checks, feature
-//! `test-util`), `checked` (a lock guard that checks its state's
-//! invariants), `latency_histogram` ([`LatencyHistogram`]) and `plant` (the
-//! planted-defect hooks) serve every layer; they, like `api` and `error`,
-//! may be imported from any layer.
+//! | layer | holds | never names | also names |
+//! |---|---|---|---|
+//! | `error` | [`ServerError`] | | |
+//! | `sync` | the crate's locks and atomics (std's, or loom's in the waiter's models), a lock guard that checks its state's invariants, how state is spread over locks | | |
+//! | `os` | the crate's only operating-system calls and its only `unsafe` outside the CUDA FFI file: forks, the crate's own threads, timer slack, thread CPU time | | |
+//! | `panics` | panics in code the crate calls but does not own, caught with their payloads | | |
+//! | `api` | the backend contract ([`EventApi`], [`EventFlags`], the process-wide order of recorded points, a stream's progress word) | | |
+//! | `backend` | `cuda/` and `host/`: raw events and streams, the stream registry, fence-event pools, live-event counts; the FFI file `backend/cuda/driver.rs` | | `fence::EventFence`, to offer `cuda::fence` and [`host::HostStream::fence`] |
+//! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | `backend` | |
+//! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | `backend` | |
+//! | `waiter` | [`Waiter`]: threads, lanes, the watcher, hand-off, the futures, stats | `backend` | |
+//! | `profiler` | [`EventProfiler`]: device time between two points of a stream | | |
+//! | `any` | [`AnyFence`], [`AnyStream`] and [`AnyProfiler`]: either backend, chosen at run time | | |
+//! | `drop_queue` | [`drop_queue::DropQueue`] and its `Fence` trait (implemented there for [`EventFence`] and [`AnyFence`]) | `profiler` | |
 //!
 //! # Backends
 //!
@@ -131,8 +121,15 @@ macro_rules! match_backend {
 
 // In the order of the layers, bottom up (see "Architecture" above); the
 // blank lines keep rustfmt from sorting them.
-mod api;
 mod error;
+
+mod sync;
+
+mod os;
+
+mod panics;
+
+mod api;
 
 mod backend;
 
@@ -144,61 +141,39 @@ mod fence;
 mod waiter;
 
 #[cfg(multi_threading)]
-mod any_fence;
-mod any_stream;
+mod profiler;
+
+mod any;
 
 #[cfg(multi_threading)]
 pub mod drop_queue;
-#[cfg(multi_threading)]
-mod profiler;
 
+pub use any::AnyStream;
 #[cfg(multi_threading)]
-mod any_profiler;
-
-#[cfg(multi_threading)]
-mod checked;
-mod fault_log;
-mod fork;
-mod idle_pool;
-#[cfg(multi_threading)]
-mod latency_histogram;
-mod live_events;
-mod loom;
-#[cfg(multi_threading)]
-mod os_thread;
-mod own_threads;
-mod panics;
-mod plant;
-mod progress_word;
-mod shards;
-
-#[cfg(multi_threading)]
-pub use any_fence::{AnyFence, AnyFenceFuture};
-#[cfg(multi_threading)]
-pub use any_profiler::{AnyProfile, AnyProfileFuture, AnyProfileStart, AnyProfiler};
-pub use any_stream::AnyStream;
+pub use any::{
+    AnyFence, AnyFenceFuture, AnyProfile, AnyProfileFuture, AnyProfileStart, AnyProfiler,
+};
+#[doc(hidden)]
+pub use api::ProgressWord;
 pub use api::{EventApi, EventFlags};
 #[cfg(feature = "cuda")]
 pub use backend::cuda;
 pub use backend::host;
+#[cfg(any(test, feature = "test-util"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub use backend::live_events::LiveEvents;
 pub use error::{status, ErrorSource, ServerError};
 pub use event::Event;
 pub use fence::EventFence;
 #[cfg(multi_threading)]
-pub use latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
-#[cfg(any(test, feature = "test-util"))]
-#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
-pub use live_events::LiveEvents;
-#[cfg(multi_threading)]
 pub use profiler::{
     EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats, DEFAULT_PROFILER_CAPACITY,
 };
-#[doc(hidden)]
-pub use progress_word::ProgressWord;
 #[cfg(multi_threading)]
 pub use waiter::{
-    default_watchers, Awaitable, FenceFuture, StuckWait, Waiter, WaiterBuilder, WaiterStats,
-    DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, MAX_SPIN_BUDGET, MAX_THREADS_LIMIT, WATCHER_MIN_CORES,
+    default_watchers, Awaitable, FenceFuture, LatencyHistogram, StuckWait, Waiter, WaiterBuilder,
+    WaiterStats, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, LATENCY_BUCKETS, MAX_SPIN_BUDGET,
+    MAX_THREADS_LIMIT, WATCHER_MIN_CORES,
 };
 
 /// The README's examples, compiled and run as doctests.

@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use futures::future::FusedFuture;
 
-use crate::checked::{Checked, Invariants};
-use crate::loom::Mutex;
+use crate::sync::checked::{Checked, Invariants};
+use crate::sync::Mutex;
 use crate::waiter::{Handoff, LaneKey, Waitable, Waiter};
 use crate::{Event, EventApi, EventFlags, ServerError};
 

@@ -1,14 +1,6 @@
-//! `src/lib.rs`'s Architecture layers point only down, and no files of `src/` name one another
+//! `src/lib.rs`'s Architecture layers point only down (this file reads its table), and no files of `src/` name one another
 //! in a circle: by `crate::`, `super::`, `self::` or child paths in code, re-exports seen through.
 use std::collections::{BTreeMap as Map, BTreeSet as Set};
-/// Each layer, bottom up as in the Architecture table, and what it may import besides itself
-/// (`module::Name`: that name only; a module in no layer: nothing); `*`: the helpers.
-const LAYERS: &str = "*: api error loom fault_log own_threads panics fork plant shards idle_pool progress_word os_thread
-    live_events checked latency_histogram; error:; api: error progress_word; event: *; fence: * event; waiter: * event fence; backend: *
-    fence::EventFence; any_fence: * backend event fence waiter any_stream; any_stream: * backend
-    event fence waiter any_fence; profiler: * backend event fence waiter any_fence; drop_queue: *
-    backend event fence waiter any_fence; any_profiler: * backend event fence waiter any_fence
-    any_stream profiler";
 /// Pairs of files that may name each other, with why; a circle made of such pairs passes.
 const ALLOWED: &str = "backend/host/mod.rs backend/host/context.rs: re-exported; calls `error`
     backend/host/mod.rs backend/host/event.rs: re-exported; calls `error`
@@ -17,7 +9,27 @@ const ALLOWED: &str = "backend/host/mod.rs backend/host/context.rs: re-exported;
     backend/host/event.rs backend/host/context.rs: an event's wait fails with its context's fault
     backend/host/stream.rs backend/host/event.rs: a stream records the events it pools
     backend/cuda/event.rs backend/cuda/fence_pool.rs: a pool and the events it lends
-    any_fence.rs any_stream.rs: a stream of either backend makes fences; a fence waits on one";
+    any/fence.rs any/stream.rs: a stream of either backend makes fences; a fence waits on one";
+
+/// What each layer may name besides itself, from the Architecture table of `lib_rs` (rows
+/// bottom up: `| `layer` | holds | never names | also names |`), as a list of words.
+fn layers(lib_rs: &str) -> Map<String, String> {
+    let rows = lib_rs.lines().filter_map(|l| l.strip_prefix("//! | `"));
+    let ticked = |cell: &str| Vec::from_iter(cell.split('`').skip(1).step_by(2).map(String::from));
+    let (mut below, mut may) = (Vec::<String>::new(), Map::new());
+    for row in rows {
+        let cells: Vec<_> = row.split('|').collect();
+        let (layer, never, also) = (
+            row.split('`').next().unwrap(),
+            ticked(cells[2]),
+            ticked(cells[3]),
+        );
+        let names = below.iter().filter(|m| !never.contains(m)).chain(&also);
+        may.insert(layer.to_owned(), Vec::from_iter(names.cloned()).join(" "));
+        below.push(layer.to_owned());
+    }
+    may
+}
 type Lib = Map<String, Vec<String>>;
 type Paths = Vec<Vec<String>>;
 
@@ -66,10 +78,8 @@ fn check(files: &str) -> (Set<String>, Vec<String>) {
     let files: Vec<_> = files.filter_map(|file| file.split_once('\n')).collect();
     let mods: Map<_, _> = files.iter().map(|(f, _)| (module(f), *f)).collect();
     let has = |list: &str, word: &str| list.split_whitespace().any(|w| w == word);
-    let layers = LAYERS.split(';').filter_map(|l| l.split_once(':'));
-    let layers: Map<_, _> = layers.map(|(m, list)| (m.trim(), list)).collect();
-    let helpers = layers["*"].split_whitespace().map(|m| (m, "*"));
-    let may: Map<_, _> = helpers.chain(layers.clone()).collect(); // `api`, `error`: own lists
+    let lib_rs = files.iter().find(|f| f.0 == "lib.rs").map_or("", |f| f.1);
+    let may = layers(lib_rs);
     let (mut lib, mut bad, mut edges) = (Lib::new(), Set::new(), Set::new());
     for &(file, text) in files.iter().filter(|f| f.0 == "lib.rs").chain(&files) {
         // In the `mod tests` that ends a file, `super` is the file; other inline mods read as it.
@@ -83,7 +93,7 @@ fn check(files: &str) -> (Set<String>, Vec<String>) {
             i = if named { walk(i) } else { i + 1 };
         }
         let from = here.first().map_or("lib", String::as_str);
-        let list = may.get(from).unwrap_or(&"").replace('*', layers["*"]) + " " + from;
+        let list = may.get(from).cloned().unwrap_or_default() + " " + from;
         for path in paths {
             let (name, shown) = (path[..path.len().min(2)].join("::"), path.join("::"));
             if from != "lib" && !has(&list, &path[0]) && !has(&list, &name) {
@@ -136,15 +146,49 @@ fn src_keeps_to_the_layers_and_names_no_circle() {
 /// The check itself: planted bad imports and circles are found; comments and strings name none.
 #[test]
 fn a_forbidden_import_and_a_planted_circle_are_found() {
-    let tree = "== lib.rs\npub use waiter::Waiter;\n== fence.rs\nuse crate::{event::E, Waiter};
+    let tree = "== lib.rs\n//! | `api` | | | |\n//! | `event` | | `api` | `waiter::W` |
+//! | `fence` | | | |\n//! | `waiter` | | | |\npub use waiter::Waiter;
+== fence.rs\nuse crate::{event::E, Waiter};\n== event.rs\nuse crate::{api::A, waiter::W};
 == api.rs\nuse crate::loom;\n== waiter/mod.rs\nuse crate::fence::F;\nmod c;\nmod d;\nmod e;
 pub use self::c::C;\npub use d::D;\n== waiter/c.rs\nfn f(_: super::P) {}\n== waiter/d.rs
 pub struct D;\nmod tests {\n    use super::*;\n}\n== waiter/e.rs\nuse super::P;";
     let (bad, circles) = check(tree);
-    let expected = "src/api.rs: `api` names `crate::loom`
-src/fence.rs: `fence` names `crate::waiter::Waiter`\nfence.rs -> waiter/mod.rs -> fence.rs
-waiter/c.rs -> waiter/mod.rs -> waiter/c.rs";
+    let expected = "src/api.rs: `api` names `crate::loom`\nsrc/event.rs: `event` names `crate::api::A`
+src/fence.rs: `fence` names `crate::waiter::Waiter`\nevent.rs -> waiter/mod.rs -> fence.rs -> event.rs
+fence.rs -> waiter/mod.rs -> fence.rs\nwaiter/c.rs -> waiter/mod.rs -> waiter/c.rs";
     assert_eq!([Vec::from_iter(bad), circles].concat().join("\n"), expected);
     let clean = "== a.rs\nuse crate::b;\n== b.rs\n// crate::a\nconst A: &str = \"crate::a\";";
     assert!(check(clean).1.is_empty());
+}
+
+/// The house the Architecture section describes: few files at the root, a front door in every
+/// folder, and `unsafe` only in the CUDA FFI file and the operating-system file.
+#[test]
+fn src_has_few_root_files_a_front_door_per_folder_and_unsafe_in_two_files() {
+    let root = std::path::PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/src"));
+    let (mut dirs, mut root_files, mut unsafe_files) = (vec![root.clone()], 0, vec![]);
+    while let Some(dir) = dirs.pop() {
+        let entries = Vec::from_iter(std::fs::read_dir(&dir).unwrap().flatten().map(|e| e.path()));
+        let has = |name: &str| entries.iter().any(|p| p.file_name().unwrap() == name);
+        assert!(
+            dir == root || has("mod.rs"),
+            "{} has no mod.rs",
+            dir.display()
+        );
+        for path in entries {
+            if path.is_dir() {
+                dirs.push(path);
+                continue;
+            }
+            root_files += usize::from(dir == root);
+            let text = std::fs::read_to_string(&path).unwrap();
+            if text.contains("allow(unsafe_code)") {
+                let name = path.strip_prefix(&root).unwrap().to_string_lossy();
+                unsafe_files.push(name.replace('\\', "/"));
+            }
+        }
+    }
+    assert!(root_files <= 8, "{root_files} .rs files directly in src/");
+    unsafe_files.sort();
+    assert_eq!(unsafe_files, ["backend/cuda/driver.rs", "os.rs"]);
 }

@@ -13,8 +13,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 
-use crate::loom::RwLock;
-use crate::shards;
+use crate::sync::shards;
+use crate::sync::RwLock;
 
 /// Entries whose stream is gone are swept once a shard has grown past this
 /// many, then past twice what survived the last sweep.

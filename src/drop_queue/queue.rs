@@ -10,7 +10,7 @@ use super::futures::{Progress, PushFuture, Until};
 use super::handed_back::{HandedBack, Rejected};
 use super::shared::{current_thread, Shared};
 use super::stats::DropQueueStats;
-use crate::loom::Mutex;
+use crate::sync::Mutex;
 use crate::{panics, ServerError};
 
 /// Default [`DropQueue::new`] capacity.

@@ -8,8 +8,8 @@ use std::thread::ThreadId;
 
 use super::fence::{drop_value, settle, Fence};
 use super::stats::DropQueueStats;
-use crate::loom::{Condvar, Mutex, MutexGuard};
 use crate::panics;
+use crate::sync::{Condvar, Mutex, MutexGuard};
 
 pub(super) struct Shared<F, T> {
     pub(super) state: Mutex<State<F, T>>,
@@ -182,7 +182,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
     /// The queue's thread: wait for each fence in push order, then drop its value (or leak it
     /// if the fence failed).
     pub(super) fn run(&self) {
-        crate::own_threads::enter();
+        crate::os::mark_own_thread();
         // Whichever way the thread ends, awaiting shutdowns learn it.
         let _exit = ExitGuard(self);
         loop {

@@ -8,7 +8,7 @@ use super::pool::{Place, Pool, Wait};
 use super::slot::Slot;
 use super::threads;
 use super::waitable::{LaneKey, Waitable};
-use crate::loom::Arc;
+use crate::sync::Arc;
 use crate::ServerError;
 
 pub(crate) struct Handoff<W: Waitable> {
@@ -40,7 +40,7 @@ enum State<W> {
     Done,
 }
 
-/// A wait handed to the pool, and the process generation ([`crate::fork`]).
+/// A wait handed to the pool, and the process generation ([`crate::os`]).
 struct Handed {
     slot: Arc<Slot>,
     lane: LaneKey,
@@ -51,7 +51,7 @@ struct Handed {
 impl Handed {
     /// Handed off before this process forked: its thread is in the parent.
     fn is_forked(&self) -> bool {
-        self.generation != crate::fork::current()
+        self.generation != crate::os::fork_generation()
     }
 }
 

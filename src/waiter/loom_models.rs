@@ -17,7 +17,7 @@ use super::pool::{Config, Pool, Wait};
 use super::slot::Slot;
 use super::threads;
 use super::waitable::LaneKey;
-use crate::loom::{thread, Arc, AtomicUsize, Condvar, Mutex};
+use crate::sync::{thread, Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
 
 /// A task that sleeps between polls until woken, and counts its wake-ups.

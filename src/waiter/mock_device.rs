@@ -6,8 +6,8 @@
 use std::sync::atomic::Ordering;
 
 use super::waitable::{LaneKey, Waitable};
-use crate::loom::{thread, Arc, AtomicUsize, Condvar, Mutex};
-use crate::progress_word::WordMemory;
+use crate::api::WordMemory;
+use crate::sync::{thread, Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
 
 /// The "device": a flag its work sets when done.

@@ -104,10 +104,12 @@ mod future;
 #[cfg(all(test, not(device_events_loom)))]
 mod guard_tests;
 mod handoff;
+pub(crate) mod latency_histogram;
 #[cfg(all(test, device_events_loom))]
 mod loom_models;
 #[cfg(test)]
 mod mock_device;
+mod plant;
 #[cfg(test)]
 mod plants;
 mod pool;
@@ -128,12 +130,13 @@ use std::time::Duration;
 pub use future::FenceFuture;
 pub(crate) use handoff::Handoff;
 use handoff::PoolRef;
+pub use latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
 use pool::{Config, Pool};
 pub use stats::WaiterStats;
 pub use stuck::StuckWait;
 pub(crate) use waitable::{LaneKey, Waitable};
 
-use crate::loom::RwLock;
+use crate::sync::RwLock;
 use crate::{EventApi, EventFence, ServerError};
 
 /// Default [`WaiterBuilder::max_threads`].

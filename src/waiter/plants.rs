@@ -6,14 +6,14 @@
 /// `refused_spawns` spawns fail.
 #[derive(Default)]
 pub(super) struct Plants {
-    pub(super) escapes: crate::loom::AtomicUsize,
-    pub(super) watcher_escapes: crate::loom::AtomicUsize,
-    pub(super) refused_spawns: crate::loom::AtomicUsize,
+    pub(super) escapes: crate::sync::AtomicUsize,
+    pub(super) watcher_escapes: crate::sync::AtomicUsize,
+    pub(super) refused_spawns: crate::sync::AtomicUsize,
 }
 
 impl Plants {
     /// Whether a fault is left in `counter`; it is used up.
-    pub(super) fn take(counter: &crate::loom::AtomicUsize) -> bool {
+    pub(super) fn take(counter: &crate::sync::AtomicUsize) -> bool {
         use std::sync::atomic::Ordering::SeqCst;
         counter
             .fetch_update(SeqCst, SeqCst, |left| left.checked_sub(1))

@@ -10,8 +10,8 @@ use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::waitable::{LaneKey, Waitable};
 use super::watch::{Early, Held, LaneHistory, Watched, HISTORIES};
-use crate::checked::{Checked, Invariants};
-use crate::loom::{Arc, AtomicUsize, Condvar, Mutex};
+use crate::sync::checked::{Checked, Invariants};
+use crate::sync::{Arc, AtomicUsize, Condvar, Mutex};
 use crate::ServerError;
 use std::sync::atomic::Ordering;
 
@@ -61,7 +61,7 @@ struct Shared {
     published: AtomicUsize,
     /// How early the watcher wakes before an end it expects.
     watcher_early: Early,
-    /// The process generation the pool was made in ([`crate::fork`]).
+    /// The process generation the pool was made in ([`crate::os`]).
     fork_generation: u64,
     #[cfg(test)]
     plants: super::plants::Plants,
@@ -258,7 +258,7 @@ impl State {
     /// A lane thread woke (notified, spuriously, or timed out).
     fn woke(&mut self) {
         // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
-        if !crate::plant::planted("woke-keeps-idle-count") {
+        if !super::plant::planted("woke-keeps-idle-count") {
             self.idle -= 1;
         }
         self.notified = self.notified.saturating_sub(1);
@@ -449,7 +449,7 @@ impl Pool {
                 watch_work: Condvar::new(),
                 published: AtomicUsize::new(0),
                 watcher_early: Early::default(),
-                fork_generation: crate::fork::generation(),
+                fork_generation: crate::os::watch_forks(),
                 #[cfg(test)]
                 plants: Default::default(),
             }),
@@ -492,7 +492,7 @@ impl Pool {
 
     /// In a forked child, without the pool's threads (or its lock's holder).
     pub(crate) fn is_forked(&self) -> bool {
-        self.shared.fork_generation != crate::fork::current()
+        self.shared.fork_generation != crate::os::fork_generation()
     }
 
     /// Leave `result` for `slot`'s future and wake it, counting it first;
@@ -514,7 +514,7 @@ impl Pool {
         let key = wait.lane;
         let mut state = self.lock();
         // Plant for loom model `loom_shutdown_races_a_submit`.
-        if state.shutdown && !crate::plant::planted("submit-after-shutdown-queued") {
+        if state.shutdown && !super::plant::planted("submit-after-shutdown-queued") {
             drop(state);
             contain::drop(wait);
             return Err(ServerError::WaiterGone);
@@ -559,7 +559,7 @@ impl Pool {
             let lanes = std::mem::take(&mut state.lanes);
             let withdrawn = std::mem::take(&mut state.withdrawn);
             // Plant for loom model `loom_shutdown_during_the_race`.
-            if crate::plant::planted("shutdown-leaves-the-watchers-list") {
+            if super::plant::planted("shutdown-leaves-the-watchers-list") {
                 (lanes, withdrawn, Vec::new())
             } else {
                 (lanes, withdrawn, state.unwatch_all())
@@ -651,7 +651,7 @@ impl Pool {
         let removed = state.unwatch(&entry.slot);
         drop(state);
         // Plant for loom model `loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once`.
-        let ours = ours && !crate::plant::planted("watcher-takes-the-hold-delivers-nothing");
+        let ours = ours && !super::plant::planted("watcher-takes-the-hold-delivers-nothing");
         let delivered = ours && self.deliver(&entry.slot, result);
         // Its fence may be the last copy left (its lane thread done with it).
         contain::drop(removed);
@@ -804,7 +804,7 @@ impl Pool {
                 state.woke();
                 timed_out = timeout;
                 // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
-                if timeout && crate::plant::planted("idle-thread-leaves-without-looking") {
+                if timeout && super::plant::planted("idle-thread-leaves-without-looking") {
                     state.leave(owner);
                     return None;
                 }
@@ -915,7 +915,7 @@ impl Pool {
         if owner != Owner::Poller {
             let lanes = std::mem::take(&mut state.for_threads);
             // Plant for loom model `loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller`.
-            if crate::plant::planted("refused-lane-left-for-threads") {
+            if super::plant::planted("refused-lane-left-for-threads") {
                 state.for_threads.extend(lanes);
             } else {
                 state.for_poller.extend(lanes);
@@ -1002,7 +1002,7 @@ impl Pool {
     /// Wake what `action` says to wake; the caller starts the rest.
     pub(super) fn notify(&self, action: &Action) {
         // Plant for loom model `loom_two_idle_lane_threads_are_woken_for_new_lanes`.
-        if action.wake_thread && !crate::plant::planted("idle-thread-wake-never-sent") {
+        if action.wake_thread && !super::plant::planted("idle-thread-wake-never-sent") {
             self.shared.work.notify_one();
         }
         if action.wake_poller {

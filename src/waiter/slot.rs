@@ -5,7 +5,7 @@ use std::task::{Context, Poll, Waker};
 use std::time::Instant;
 
 use super::contain;
-use crate::loom::Mutex;
+use crate::sync::Mutex;
 use crate::ServerError;
 
 pub(crate) struct Slot {

@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use crate::latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
+use crate::waiter::latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
 
 /// A snapshot of a [`Waiter`](super::Waiter): [`Waiter::stats`](super::Waiter::stats).
 ///
@@ -55,7 +55,7 @@ pub struct WaiterStats {
     pub wake_latency: LatencyHistogram,
 }
 
-/// Stripes, one per thread's [`crate::shards::home`]: executor and waiter
+/// Stripes, one per thread's [`crate::sync::shards::home`]: executor and waiter
 /// threads do not bounce one cache line.
 const STRIPES: usize = 16;
 
@@ -94,7 +94,7 @@ impl Default for Counters {
 
 impl Counters {
     fn stripe(&self) -> &Stripe {
-        &self.stripes[crate::shards::home(STRIPES)]
+        &self.stripes[crate::sync::shards::home(STRIPES)]
     }
 
     pub(crate) fn ready_at_first_poll(&self) {

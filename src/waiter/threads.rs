@@ -7,7 +7,7 @@ use super::contain;
 use super::pool::{Action, Owner, Pool, Wait};
 use super::waitable::LaneKey;
 use super::watch::{self, CpuBudget, Held, Timing, Watched, MAX_NAP, MIN_NAP};
-use crate::loom::thread;
+use crate::sync::thread;
 use crate::ServerError;
 
 /// The most waits a thread takes out of a lane to query in one round.
@@ -64,7 +64,7 @@ struct WaiterThread {
 
 impl WaiterThread {
     fn run(pool: Pool, owner: Owner) {
-        crate::own_threads::enter();
+        crate::os::mark_own_thread();
         let mut this = WaiterThread {
             pool,
             owner,
@@ -175,10 +175,10 @@ impl WaiterThread {
     /// the words of those due until each passed (confirmed by a query, then resolved) or its
     /// window ended, within its CPU budget, and again. Its CPU time is counted as it goes.
     fn run_watcher(&mut self) {
-        crate::os_thread::lower_timer_slack();
+        crate::os::lower_timer_slack();
         let mut timing = Timing::default();
         let mut budget = CpuBudget::new(Instant::now());
-        let mut cpu = crate::os_thread::cpu_time();
+        let mut cpu = crate::os::thread_cpu_time();
         let mut entries = Vec::new();
         while let Some(published) = self.pool.watch_round(&mut entries) {
             self.pool.planted_escape(self.owner);
@@ -208,7 +208,7 @@ impl WaiterThread {
             entries.drain(..).for_each(contain::drop);
             // The round's CPU, all of it (its looks, wake-ups, naps), is spent from the budget:
             // the watcher's own CPU clock, where there is one; else the time it looked.
-            let now = crate::os_thread::cpu_time();
+            let now = crate::os::thread_cpu_time();
             match (cpu, now) {
                 (Some(before), Some(now)) => {
                     let used = now.saturating_sub(before);

@@ -450,7 +450,7 @@ fn the_poller_backs_off_while_its_lane_does_not_move() {
 /// A fence with a progress word, its queries counted; `answer` gives each
 /// query's answer from its number (from 1) and what the word says.
 struct WordFence {
-    word: Arc<crate::progress_word::HostWord>,
+    word: Arc<crate::api::HostWord>,
     queries: Arc<AtomicUsize>,
     blocks: Arc<AtomicUsize>,
     /// A block ends once this device finishes (at once without one).
@@ -536,7 +536,7 @@ fn a_first_poll_spins_on_the_progress_word_not_on_queries() {
 
 #[test]
 fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
-    let word = Arc::new(crate::progress_word::HostWord::default());
+    let word = Arc::new(crate::api::HostWord::default());
     word.advance(3);
     let queries = Arc::new(AtomicUsize::new(0));
     // The first query says "not yet", the next one the stream's fault.
@@ -581,7 +581,7 @@ fn word_fence(
     passed: bool,
     answer: fn(usize, bool) -> Result<bool, ServerError>,
 ) -> (WordFence, Arc<Device>) {
-    let word = Arc::new(crate::progress_word::HostWord::default());
+    let word = Arc::new(crate::api::HostWord::default());
     if passed {
         word.advance(3);
     }

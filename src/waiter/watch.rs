@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
-use crate::loom::Arc;
+use crate::sync::Arc;
 use crate::ProgressWord;
 
 /// How long past its hand-over the watcher looks at the word of a lane with no history.
@@ -318,7 +318,7 @@ pub(super) fn past(until: Instant, looks: u32) -> bool {
 /// watcher on a busy machine lets the threads it wakes (an executor's) run meanwhile.
 pub(super) fn pause(looks: u32) {
     #[cfg(device_events_loom)]
-    crate::loom::thread::yield_now();
+    crate::sync::thread::yield_now();
     if looks < SPIN_LOOKS {
         std::hint::spin_loop();
     } else {
@@ -336,7 +336,7 @@ mod tests {
         past, CpuBudget, Early, Held, LaneHistory, LaneKey, Slot, Timing, Waitable, Watched, BURST,
         CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MIN_MARGIN, MIN_WATCHED,
     };
-    use crate::progress_word::HostWord;
+    use crate::api::HostWord;
     use crate::{ProgressWord, ServerError};
 
     /// A fence no test here waits on.

@@ -21,7 +21,7 @@ use crate::ServerError;
 /// to the user's next cudarc call and would come back mislabelled as this crate's.
 ///
 /// On the crate's own threads (the waiter's and the drop queue's, see
-/// [`own_threads`](crate::own_threads)) nothing is restored: the context stays bound, so a waiter
+/// [`os`](crate::os)) nothing is restored: the context stays bound, so a waiter
 /// thread querying a batch of fences of one context switches contexts once, not twice per query. No
 /// executor runs there, and user code that does (a value the drop queue drops) finds some context
 /// current, as it would after any CUDA call; cudarc binds its own first.
@@ -90,7 +90,7 @@ thread_local! {
 /// crate's own threads, until another is bound).
 pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     let driver = driver()?;
-    let own = crate::own_threads::is_own();
+    let own = crate::os::is_own_thread();
     if own {
         relax_own_thread(driver);
     }
@@ -133,7 +133,7 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
 /// asked; `make`'s own result is returned as it is.
 pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerError> {
     let driver = driver()?;
-    if crate::own_threads::is_own() {
+    if crate::os::is_own_thread() {
         return Ok(make());
     }
     let previous = driver.ctx_get_current()?;
@@ -231,7 +231,7 @@ impl Drop for HeldContext {
         let Some(last) = Arc::into_inner(ctx) else {
             return;
         };
-        if crate::own_threads::is_own() {
+        if crate::os::is_own_thread() {
             return;
         }
         let Ok(driver) = driver() else {

@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use cudarc::driver::CudaContext;
 
 use super::{bind, driver};
-use crate::loom::Mutex;
+use crate::sync::Mutex;
 use crate::ServerError;
 
 /// How many CUDA devices the driver reports.

@@ -226,10 +226,10 @@ const FORKED: &str = "this process is a fork of the one that initialized the CUD
 /// undefined ("Any use of CUDA after a call to fork and before a subsequent call to exec has
 /// undefined behavior", NVIDIA's CUDA C++ guidelines), and a lock of the crate's may have been
 /// held by a thread that stayed in the parent. So the backend refuses every call before it takes
-/// a lock of its own, and its drops forget what they hold (see [`crate::fork`]). One relaxed
+/// a lock of its own, and its drops forget what they hold (see [`crate::os`]). One relaxed
 /// load once the driver is loaded.
 pub(super) fn in_forked_child() -> bool {
-    matches!(DRIVER.get(), Some(Ok(loaded)) if loaded.generation != crate::fork::current())
+    matches!(DRIVER.get(), Some(Ok(loaded)) if loaded.generation != crate::os::fork_generation())
 }
 
 /// [`in_forked_child`] as an error for the caller.
@@ -332,7 +332,7 @@ fn load() -> Result<Loaded, ServerError> {
         launch_kernel: entry!("cuLaunchKernel"),
     };
     // Taken first: a fork from now on is one of a process that may have initialized the driver.
-    let generation = crate::fork::generation();
+    let generation = crate::os::watch_forks();
     // SAFETY: cuInit takes flags by value; 0 is the only documented value.
     let status = unsafe { (api.init)(0) };
     // Named by the driver's own lookups: the table is not stored yet.

@@ -9,8 +9,8 @@ use super::bind::{bind, HeldContext};
 use super::driver::{driver, in_forked_child, not_forked, refused, Capture, RawEvent};
 use super::fence_pool::FencePool;
 use super::progress::Publish;
-use crate::live_events::LiveEvents;
-use crate::loom::Mutex;
+use crate::backend::live_events::LiveEvents;
+use crate::sync::Mutex;
 use crate::{status, EventFlags, ServerError};
 
 /// The CUDA backend's raw event. It keeps its context alive; a drop destroys it unless

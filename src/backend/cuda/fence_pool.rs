@@ -8,9 +8,9 @@ use super::bind::HeldContext;
 use super::driver::{driver, RawEvent};
 use super::event::CudaEvent;
 use super::progress::PoolWords;
-use crate::idle_pool::IdlePool;
-use crate::live_events::LiveEvents;
-use crate::loom::Mutex;
+use crate::backend::idle_pool::IdlePool;
+use crate::backend::live_events::LiveEvents;
+use crate::sync::Mutex;
 use crate::{EventFlags, ServerError};
 
 /// The most idle fence events a context's pool keeps, over [`FENCE_POOL_SHARDS`] shards.

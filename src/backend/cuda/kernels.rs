@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, CudaStream};
 
 use super::bind::{bind, HeldContext};
 use super::driver::{invalid_context, Function};
-use crate::loom::Mutex;
+use crate::sync::Mutex;
 use crate::ServerError;
 
 /// `sleep_ns` spins one GPU thread on `%globaltimer` until the given number of nanoseconds has

@@ -48,8 +48,8 @@ use cudarc::driver::CudaStream;
 
 use super::bind::{bind, Bound, HeldContext};
 use super::driver::MappedWord;
-use crate::loom::Mutex;
-use crate::progress_word::WordMemory;
+use crate::api::WordMemory;
+use crate::sync::Mutex;
 use crate::{ProgressWord, ServerError};
 
 /// `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY`.

@@ -11,9 +11,9 @@ use super::driver::{in_forked_child, not_forked, refused, Capture};
 use super::event::CudaEvent;
 use super::fence_pool::FencePool;
 use super::progress::{self, Publish, StreamWord};
+use crate::backend::live_events::LiveEvents;
 use crate::backend::registry::Registry;
-use crate::live_events::LiveEvents;
-use crate::loom::Mutex;
+use crate::sync::Mutex;
 use crate::{ProgressWord, ServerError};
 
 /// Every cudarc stream a handle was made for, held weakly, with what this crate keeps per stream.

@@ -6,7 +6,7 @@ use std::sync::{Arc, OnceLock, Weak};
 
 use super::error;
 use super::stream::{HostStream, StreamShared};
-use crate::loom::Mutex;
+use crate::sync::Mutex;
 use crate::ServerError;
 
 /// A cheap handle to a group of host streams that a fault poisons as a whole, as a fault poisons a
@@ -56,7 +56,7 @@ pub struct HostContext {
 
 pub(super) struct ContextShared {
     id: u64,
-    /// The fork generation it was made in (see [`crate::fork`]): in a forked child its
+    /// The fork generation it was made in (see [`crate::os`]): in a forked child its
     /// streams' workers are in the parent.
     generation: u64,
     /// The first fault's message; set once, never cleared.
@@ -75,7 +75,7 @@ impl HostContext {
         Self {
             shared: Arc::new(ContextShared {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-                generation: crate::fork::generation(),
+                generation: crate::os::watch_forks(),
                 fault: OnceLock::new(),
                 streams: Mutex::new(Vec::new()),
             }),
@@ -91,7 +91,7 @@ impl HostContext {
     pub fn primary() -> Self {
         static PRIMARY: OnceLock<Mutex<HostContext>> = OnceLock::new();
         let mut primary = PRIMARY.get_or_init(|| Mutex::new(Self::new())).lock();
-        if primary.shared.generation != crate::fork::current() {
+        if primary.shared.generation != crate::os::fork_generation() {
             *primary = Self::new();
         }
         primary.clone()
@@ -134,7 +134,7 @@ impl ContextShared {
     /// An error for `call` if the context was made before this process forked: its streams'
     /// workers stayed in the parent, so nothing queued runs here and a wait would never end.
     pub(super) fn not_forked(&self, call: &'static str) -> Result<(), ServerError> {
-        if self.generation == crate::fork::current() {
+        if self.generation == crate::os::fork_generation() {
             return Ok(());
         }
         Err(error::call(

@@ -7,9 +7,9 @@ use std::time::{Duration, Instant};
 
 use super::context::ContextShared;
 use super::error;
-use crate::idle_pool::IdlePool;
-use crate::live_events::LiveEvents;
-use crate::loom::{Condvar, Mutex, MutexGuard};
+use crate::backend::idle_pool::IdlePool;
+use crate::backend::live_events::LiveEvents;
+use crate::sync::{Condvar, Mutex, MutexGuard};
 use crate::ServerError;
 
 /// The most idle fence events a host stream keeps for later fences.

@@ -31,7 +31,7 @@ mod stream;
 use std::time::Duration;
 
 #[cfg(any(test, feature = "test-util"))]
-pub use crate::live_events::LiveEvents;
+pub use crate::backend::live_events::LiveEvents;
 pub use context::HostContext;
 pub use event::HostEvent;
 pub use stream::{HostStream, HostStreamHandle};

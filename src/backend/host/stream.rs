@@ -10,10 +10,10 @@ use super::context::{ContextShared, HostContext};
 use super::error;
 use super::event::{FencePool, HostEvent};
 use super::Host;
+use crate::api::HostWord;
+use crate::backend::live_events::LiveEvents;
 use crate::backend::registry::Registry;
-use crate::live_events::LiveEvents;
-use crate::loom::{Condvar, Mutex, MutexGuard};
-use crate::progress_word::HostWord;
+use crate::sync::{Condvar, Mutex, MutexGuard};
 use crate::{panics, EventFence, ProgressWord, ServerError};
 
 /// Every live host stream, so a copied handle can never dangle.

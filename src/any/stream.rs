@@ -3,10 +3,11 @@
 use std::fmt;
 use std::sync::Arc;
 
+use super::fence::AnyFence;
 #[cfg(feature = "cuda")]
 use crate::cuda::{self, cudarc::driver::CudaStream, Cuda, CudaStreamHandle};
 use crate::host::{Host, HostStream};
-use crate::{AnyFence, EventFence, ServerError};
+use crate::{EventFence, ServerError};
 
 /// A stream of either backend: cheap to clone (one `Arc`), made with `From` (or `.into()`) from
 /// a cudarc `Arc<CudaStream>` or a [`HostStream`].

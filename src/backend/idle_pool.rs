@@ -2,7 +2,7 @@
 //! more locks. The CUDA and host fence-event pools are each one of these
 //! (the profiler keeps its timing events per context, in a pool of its own).
 
-use crate::loom::Mutex;
+use crate::sync::Mutex;
 
 /// The most room a shard is made with: a pool asked to keep more grows
 /// past it as items come back.
@@ -11,7 +11,7 @@ const PREALLOCATED: usize = 1024;
 /// Up to a capacity of idle items, spread over `SHARDS` shards (a power of
 /// two, in the pool itself: no pointer to follow) that each hold an equal
 /// share. A thread takes from its home shard
-/// ([`crate::shards::home`]) first and then from the others, and gives back
+/// ([`crate::sync::shards::home`]) first and then from the others, and gives back
 /// to the shard it took from; a full shard hands the item back rather than
 /// lock another (a burst of give-backs beyond the capacity would lock every
 /// shard each time).
@@ -39,7 +39,7 @@ impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
     /// The calling thread's home shard.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn home(&self) -> usize {
-        crate::shards::home(SHARDS)
+        crate::sync::shards::home(SHARDS)
     }
 
     /// An idle item from `shard`, else from another. `counted` is told the

@@ -9,12 +9,13 @@ use std::time::Duration;
 
 use futures::future::FusedFuture;
 
+use super::stream::AnyStream;
 #[cfg(feature = "cuda")]
 use crate::cuda::{Cuda, CudaStreamHandle};
 use crate::host::Host;
 use crate::{
-    AnyStream, EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats, ServerError,
-    Waiter, DEFAULT_PROFILER_CAPACITY,
+    EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats, ServerError, Waiter,
+    DEFAULT_PROFILER_CAPACITY,
 };
 
 /// Measures device time between two points of an [`AnyStream`], whichever its backend: an

@@ -4,7 +4,7 @@
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
 
-use crate::loom::{Condvar, Mutex, MutexGuard};
+use crate::sync::{Condvar, Mutex, MutexGuard};
 
 /// State whose invariants one look can check.
 pub(crate) trait Invariants {

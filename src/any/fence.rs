@@ -7,10 +7,11 @@ use std::task::{Context, Poll};
 
 use futures::future::FusedFuture;
 
+use super::stream::AnyStream;
 #[cfg(feature = "cuda")]
 use crate::cuda::Cuda;
 use crate::host::Host;
-use crate::{AnyStream, EventFence, FenceFuture, ServerError, Waiter};
+use crate::{EventFence, FenceFuture, ServerError, Waiter};
 
 /// A fence of either backend, to hold, wait on and `.await` alike.
 ///

@@ -1,0 +1,15 @@
+//! Locks, shared state and the rules that keep it whole:
+//!
+//! - `loom.rs`: the crate's only locks, condition variable, atomics shared with the waiter's
+//!   models, and thread spawn (std's, or loom's under `cfg(device_events_loom)`), re-exported
+//!   here;
+//! - `checked.rs`: [`checked::Checked`], a lock guard that checks its state's invariants as the
+//!   lock is let go;
+//! - `shards.rs`: how state is spread over locks, by hash or by thread.
+
+#[cfg(multi_threading)]
+pub(crate) mod checked;
+mod loom;
+pub(crate) mod shards;
+
+pub(crate) use loom::*;
