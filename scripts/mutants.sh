@@ -6,7 +6,7 @@
 # equivalent mutant). Each known missed mutant is listed in scripts/README.md
 # with the test that kills it or the reason it is equivalent.
 #
-#   bash scripts/mutants.sh                 # src/waiter/, src/fence.rs, src/progress_word.rs
+#   bash scripts/mutants.sh                 # src/waiter/ (its tests aside), src/fence.rs, src/api.rs
 #   bash scripts/mutants.sh src/waiter/slot.rs   # one file
 #
 # Not in CI: it builds and tests a few hundred mutants (see scripts/README.md
@@ -25,7 +25,7 @@ fi
 
 files=("$@")
 if ((${#files[@]} == 0)); then
-    files=("src/waiter/*.rs" src/fence.rs src/progress_word.rs)
+    files=("src/waiter/*.rs" "src/waiter/watcher/*.rs" src/fence.rs src/api.rs)
 fi
 args=()
 for file in "${files[@]}"; do args+=(--file "$file"); done
@@ -35,11 +35,7 @@ for file in "${files[@]}"; do args+=(--file "$file"); done
 # word), the stats ones too. The loom models need
 # other build flags, and the test-only modules are not mutated.
 exec cargo mutants "${args[@]}" \
-    --exclude src/waiter/loom_models.rs \
-    --exclude src/waiter/guard_tests.rs \
-    --exclude src/waiter/mock_device.rs \
-    --exclude src/waiter/unit_tests.rs \
-    --exclude src/waiter/plants.rs \
+    --exclude 'src/waiter/tests/*' \
     --output "${MUTANTS_OUT:-target/mutants}" \
     --timeout "${MUTANTS_TIMEOUT:-60}" \
     --jobs "${MUTANTS_JOBS:-1}" \

@@ -6,8 +6,8 @@
 #
 #   bash scripts/plant-defects.sh
 #
-# Each defect is a hook beside the code it breaks (`crate::plant::planted`,
-# src/plant.rs), compiled only with `--cfg device_events_plant` and chosen
+# Each defect is a hook beside the code it breaks (`plant::planted`,
+# src/waiter/plant.rs), compiled only with `--cfg device_events_plant` and chosen
 # at run time by `DEVICE_EVENTS_PLANT=<name>`: the models are built once,
 # and a refactor moves a plant with its code.
 set -euo pipefail

@@ -4,8 +4,9 @@ use std::task::{Context, Poll};
 use std::time::Instant;
 
 use super::contain;
-use super::pool::{Place, Pool, Wait};
+use super::pool::Pool;
 use super::slot::Slot;
+use super::state::{Place, Wait};
 use super::threads;
 use super::waitable::{LaneKey, Waitable};
 use crate::sync::Arc;

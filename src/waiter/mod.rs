@@ -21,7 +21,7 @@
 //!
 //! 1. **First poll** (`handoff.rs`): one query (more within a spin budget);
 //!    reached is ready at once, with no allocation.
-//! 2. **Hand-off** (`pool.rs`): the wait goes into its lane under the one
+//! 2. **Hand-off** (`pool.rs`, `state.rs`): the wait goes into its lane under the one
 //!    lock. A wait that makes its lane picks who serves it: an idle lane
 //!    thread, else one between lanes, else a new one (up to `max_threads`),
 //!    else the poller. Decided under the lock, done after it (`Action`).
@@ -34,7 +34,7 @@
 //!    burst): ask the later waits in batches, doubling from 2 to 256 while
 //!    all are reached. An idle lane is removed; its thread takes a queued
 //!    lane, or one back from the poller, or exits after its keep-alive.
-//! 4. **The poller** asks its lanes in batches (from 1), backing off from
+//! 4. **The poller** (`poller.rs`) asks its lanes in batches (from 1), backing off from
 //!    50 µs to 1 ms while nothing moves, and wakes an idle lane thread to take
 //!    a lane back. It exits after six idle rounds, unless `stuck_after` is on
 //!    and a lane is left: then it looks every quarter of `stuck_after` and
@@ -53,7 +53,7 @@
 //! # The watcher
 //!
 //! An accelerator that races the driver and never replaces it
-//! (`watch.rs`). Where a stream publishes its progress in host memory (a
+//! (`watcher/`). Where a stream publishes its progress in host memory (a
 //! [`ProgressWord`](crate::ProgressWord): an atomic the host stream's worker
 //! sets; on CUDA, a page-locked word the stream writes with
 //! `cuStreamWriteValue64` after each fence), a lane thread about to block on
@@ -96,31 +96,26 @@
 //! - Streams whose words went off (a refused write, a capture) are not
 //!   watched: the backend hands out no word for them.
 //!
-//! `pool::State`'s invariants are checked as the lock is let go (debug and
-//! loom builds, `checked.rs`); the loom models are in `loom_models.rs`.
+//! `state::State`'s invariants are checked as the lock is let go (debug and
+//! loom builds, [`crate::sync::checked`]); the tests, loom models among them, are under `tests/`.
 
 mod contain;
 mod future;
-#[cfg(all(test, not(device_events_loom)))]
-mod guard_tests;
 mod handoff;
 pub(crate) mod latency_histogram;
-#[cfg(all(test, device_events_loom))]
-mod loom_models;
-#[cfg(test)]
-mod mock_device;
 mod plant;
-#[cfg(test)]
-mod plants;
+mod poller;
 mod pool;
+mod recovery;
 mod slot;
+mod state;
 mod stats;
 mod stuck;
+#[cfg(test)]
+mod tests;
 mod threads;
-#[cfg(all(test, not(device_events_loom)))]
-mod unit_tests;
 mod waitable;
-mod watch;
+mod watcher;
 
 use std::fmt;
 use std::future::IntoFuture;

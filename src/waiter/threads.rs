@@ -4,20 +4,15 @@
 use std::time::{Duration, Instant};
 
 use super::contain;
-use super::pool::{Action, Owner, Pool, Wait};
+use super::pool::Pool;
+use super::state::{Action, Owner, Wait};
 use super::waitable::LaneKey;
-use super::watch::{self, CpuBudget, Held, Timing, Watched, MAX_NAP, MIN_NAP};
+use super::watcher::Held;
 use crate::sync::thread;
 use crate::ServerError;
 
 /// The most waits a thread takes out of a lane to query in one round.
 const BATCH: usize = 256;
-/// The poller's first pause after a round without progress.
-const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
-/// The poller's longest pause: the most latency a polled lane can add.
-const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
-/// Idle rounds before the poller exits (none under loom: fewer states).
-const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
 
 /// Wake and start what `action` says, with no lock held (a thread name std
 /// would panic on never gets here: the pool refuses it).
@@ -50,16 +45,16 @@ pub(super) fn act(pool: &Pool, action: Action) {
 
 /// A waiter thread's lanes and batch. One that unwinds (a bug in the
 /// waiter) has this guard give them back ([`Pool::recover`]).
-struct WaiterThread {
-    pool: Pool,
-    owner: Owner,
+pub(super) struct WaiterThread {
+    pub(super) pool: Pool,
+    pub(super) owner: Owner,
     /// At most one for a lane thread; the poller's list.
-    lanes: Vec<LaneKey>,
-    batch: Vec<Wait>,
+    pub(super) lanes: Vec<LaneKey>,
+    pub(super) batch: Vec<Wait>,
     /// The lane the batch was taken from, while it is out.
-    batch_lane: Option<LaneKey>,
+    pub(super) batch_lane: Option<LaneKey>,
     /// Cleared once the pool has uncounted it as it left.
-    counted: bool,
+    pub(super) counted: bool,
 }
 
 impl WaiterThread {
@@ -151,7 +146,7 @@ impl WaiterThread {
         }
         let started = Instant::now();
         // Decided without the lock where the lane's last wait says so.
-        if !watch::too_short(predicted, self.pool.watcher_early(started)) {
+        if !super::watcher::too_short(predicted, self.pool.watcher_early(started)) {
             let word = contain::backend(|| Ok(wait.waitable.progress()));
             if let Some(word) = word.ok().flatten() {
                 let held = Held {
@@ -171,120 +166,13 @@ impl WaiterThread {
         (result, Some(started.elapsed()))
     }
 
-    /// The watcher: sleep until the first entry is nearly due (at most [`MAX_NAP`]), look at
-    /// the words of those due until each passed (confirmed by a query, then resolved) or its
-    /// window ended, within its CPU budget, and again. Its CPU time is counted as it goes.
-    fn run_watcher(&mut self) {
-        crate::os::lower_timer_slack();
-        let mut timing = Timing::default();
-        let mut budget = CpuBudget::new(Instant::now());
-        let mut cpu = crate::os::thread_cpu_time();
-        let mut entries = Vec::new();
-        while let Some(published) = self.pool.watch_round(&mut entries) {
-            self.pool.planted_escape(self.owner);
-            let first = entries.iter().map(|entry| timing.look_from(entry)).min();
-            let first = first.expect("a round has entries");
-            let now = Instant::now();
-            let mut napped = false;
-            if first.saturating_duration_since(now) >= MIN_NAP && !cfg!(device_events_loom) {
-                let until = first.min(now + MAX_NAP);
-                if let Some(late) = self.pool.watcher_nap(until, published) {
-                    timing.overslept(late);
-                    napped = until == first;
-                }
-            }
-            let mut looked = Duration::ZERO;
-            if self.pool.published() == published {
-                let started = Instant::now();
-                if budget.earn(started) {
-                    self.look(&mut timing, &entries, published, napped);
-                    looked = started.elapsed();
-                } else {
-                    self.leave_due(&timing, &entries, started);
-                }
-                self.pool.set_watcher_early(timing.early());
-            }
-            // Its copies of the entries go here, each maybe a fence's last.
-            entries.drain(..).for_each(contain::drop);
-            // The round's CPU, all of it (its looks, wake-ups, naps), is spent from the budget:
-            // the watcher's own CPU clock, where there is one; else the time it looked.
-            let now = crate::os::thread_cpu_time();
-            match (cpu, now) {
-                (Some(before), Some(now)) => {
-                    let used = now.saturating_sub(before);
-                    self.pool.counters().watcher_cpu(used);
-                    budget.spend(used);
-                }
-                _ => budget.spend(looked),
-            }
-            cpu = now;
-        }
-    }
-
-    /// With its CPU budget spent, the watcher leaves the entries due by `now` to the driver.
-    fn leave_due(&self, timing: &Timing, entries: &[Watched], now: Instant) {
-        for entry in entries {
-            if timing.look_from(entry) <= now {
-                self.pool.unwatch(entry);
-            }
-        }
-    }
-
-    /// Look at the words of `entries` due until each has passed or its window ended, taking
-    /// each off the list as it is decided; return when none is due (to sleep until the next
-    /// is), or when entries came after the `published`th.
-    fn look(&self, timing: &mut Timing, entries: &[Watched], published: usize, napped: bool) {
-        let mut open: Vec<&Watched> = entries.iter().collect();
-        let mut looks = 0u32;
-        loop {
-            let now = Instant::now();
-            let mut due = false;
-            open.retain(|entry| {
-                if timing.look_from(entry) > now {
-                    return true;
-                }
-                due = true;
-                if entry.passed() {
-                    self.resolve_watched(entry, napped && looks == 0);
-                } else if watch::past(timing.look_until(entry), looks) {
-                    self.pool.unwatch(entry);
-                } else {
-                    return true;
-                }
-                false
-            });
-            // New entries are taken in each 32 looks, not at each: a round copies them all.
-            let replan = looks.is_multiple_of(32) && self.pool.published() != published;
-            if !due || open.is_empty() || replan {
-                return;
-            }
-            looks = looks.wrapping_add(1);
-            watch::pause(looks);
-        }
-    }
-
-    /// `entry`'s word passed (seen `late`, at the first look after a sleep): confirm with a
-    /// query, and resolve its wait (with a fault too), unless its lane thread did first; a word
-    /// ahead of its event leaves the wait to the driver.
-    fn resolve_watched(&self, entry: &Watched, late: bool) {
-        let took = entry.started.elapsed();
-        let result = match contain::backend(|| entry.waitable.query()) {
-            Ok(false) => return self.pool.unwatch(entry),
-            reached => reached.map(drop),
-        };
-        let ok = result.is_ok();
-        if self.pool.end_watched(entry, result, took, late) && ok {
-            self.pool.counters().watched();
-        }
-    }
-
     /// Resolve, in order, the waits of `key` a query shows reached, up to
     /// the first that is not, in batches: taken out in one hold of the lock,
     /// asked outside it, the rest put back in one more. Each batch all
     /// reached doubles the next, from 2 (1 for the poller, which mostly hears
     /// "not yet") up to [`BATCH`]. How many it resolved, and whether the lane
     /// has more and is still this thread's.
-    fn resolve_reached(&mut self, key: LaneKey) -> (usize, bool) {
+    pub(super) fn resolve_reached(&mut self, key: LaneKey) -> (usize, bool) {
         let poller = self.owner == Owner::Poller;
         let mut limit = if poller { 1 } else { 2 };
         let mut resolved = 0;
@@ -316,77 +204,6 @@ impl WaiterThread {
             if more {
                 return (resolved, true);
             }
-        }
-    }
-
-    /// The poller: each round, adopt lanes, drop withdrawn waits, ask its
-    /// lanes, warn of stalls, and pause (backing off while nothing moves).
-    fn run_poller(&mut self) {
-        // Four looks per `stuck_after`, at most one a millisecond.
-        let check_every =
-            (self.pool.config().stuck_after).map(|after| (after / 4).max(Duration::from_millis(1)));
-        let mut next_check = Instant::now();
-        let mut backoff = POLL_BACKOFF_MIN;
-        let mut idle_rounds = 0;
-        loop {
-            let round =
-                self.pool
-                    .poller_round(&mut self.lanes, &mut idle_rounds, POLLER_LINGER_ROUNDS);
-            let Some(withdrawn) = round else {
-                return;
-            };
-            let mut progressed = !withdrawn.is_empty();
-            withdrawn.into_iter().for_each(contain::drop);
-            let mut index = 0;
-            while let Some(&key) = self.lanes.get(index) {
-                let (resolved, more) = self.resolve_reached(key);
-                progressed |= resolved > 0;
-                if more {
-                    index += 1;
-                } else {
-                    self.lanes.remove(index);
-                }
-            }
-            let mut pause = backoff;
-            if let Some(every) = check_every {
-                let now = Instant::now();
-                if now >= next_check {
-                    self.pool.warn_stuck();
-                    next_check = now + every;
-                }
-                if self.lanes.is_empty() {
-                    pause = next_check.saturating_duration_since(now);
-                }
-            }
-            if progressed {
-                backoff = POLL_BACKOFF_MIN;
-            } else {
-                self.pool.poller_pause(pause);
-                backoff = (backoff * 2).min(POLL_BACKOFF_MAX);
-            }
-        }
-    }
-}
-
-impl Drop for WaiterThread {
-    fn drop(&mut self) {
-        if !self.counted {
-            return;
-        }
-        crate::panics::log(|| {
-            log::error!(
-                "waiter thread {:?} ({:?}) unwound (a bug in the waiter); its lanes and waits go \
-                 back to the pool",
-                std::thread::current().name().unwrap_or("?"),
-                self.owner
-            );
-        });
-        let batch_lane = self.batch_lane.take();
-        let actions = self
-            .pool
-            .recover(self.owner, &self.lanes, batch_lane, &mut self.batch);
-        for action in actions {
-            act(&self.pool, action);
         }
     }
 }

@@ -5,15 +5,15 @@
 /// next `watcher_escapes` times the watcher starts a round; the next
 /// `refused_spawns` spawns fail.
 #[derive(Default)]
-pub(super) struct Plants {
-    pub(super) escapes: crate::sync::AtomicUsize,
-    pub(super) watcher_escapes: crate::sync::AtomicUsize,
-    pub(super) refused_spawns: crate::sync::AtomicUsize,
+pub(crate) struct Plants {
+    pub(crate) escapes: crate::sync::AtomicUsize,
+    pub(crate) watcher_escapes: crate::sync::AtomicUsize,
+    pub(crate) refused_spawns: crate::sync::AtomicUsize,
 }
 
 impl Plants {
     /// Whether a fault is left in `counter`; it is used up.
-    pub(super) fn take(counter: &crate::sync::AtomicUsize) -> bool {
+    pub(crate) fn take(counter: &crate::sync::AtomicUsize) -> bool {
         use std::sync::atomic::Ordering::SeqCst;
         counter
             .fetch_update(SeqCst, SeqCst, |left| left.checked_sub(1))

@@ -11,13 +11,14 @@ use std::sync::atomic::Ordering::SeqCst;
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
-use super::handoff::{Handoff, PoolRef};
 use super::mock_device::{Device, MockFence};
-use super::pool::{Config, Pool, Wait};
-use super::slot::Slot;
-use super::threads;
-use super::waitable::LaneKey;
 use crate::sync::{thread, Arc, AtomicUsize, Condvar, Mutex};
+use crate::waiter::handoff::{Handoff, PoolRef};
+use crate::waiter::pool::{Config, Pool};
+use crate::waiter::slot::Slot;
+use crate::waiter::state::Wait;
+use crate::waiter::threads;
+use crate::waiter::waitable::LaneKey;
 use crate::ServerError;
 
 /// A task that sleeps between polls until woken, and counts its wake-ups.

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use super::mock_device::support::{eventually, one_lane_thread_blocked, result_of, submit};
 use super::mock_device::Device;
-use super::pool::Pool;
+use crate::waiter::pool::Pool;
 use crate::ServerError;
 
 /// Idle threads leave soon, so each test can see every thread gone.

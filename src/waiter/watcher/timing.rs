@@ -6,24 +6,24 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use super::slot::Slot;
-use super::waitable::{LaneKey, Waitable};
 use crate::sync::Arc;
+use crate::waiter::slot::Slot;
+use crate::waiter::waitable::{LaneKey, Waitable};
 use crate::ProgressWord;
 
 /// How long past its hand-over the watcher looks at the word of a lane with no history.
-pub(super) const FIRST_WINDOW: Duration = Duration::from_micros(50);
+pub(crate) const FIRST_WINDOW: Duration = Duration::from_micros(50);
 /// The least margin before a predicted end, beyond how late sleeps have lately ended.
 const MIN_MARGIN: Duration = Duration::from_micros(5);
 /// A sleep shorter than this is spent looking instead.
-pub(super) const MIN_NAP: Duration = Duration::from_micros(20);
+pub(crate) const MIN_NAP: Duration = Duration::from_micros(20);
 /// The longest the watcher sleeps before it looks at its list again: no prediction holds its
 /// attention for long.
-pub(super) const MAX_NAP: Duration = Duration::from_millis(20);
+pub(crate) const MAX_NAP: Duration = Duration::from_millis(20);
 /// The most the watcher looks at one wait's word.
-pub(super) const MAX_LOOK: Duration = Duration::from_micros(200);
+pub(crate) const MAX_LOOK: Duration = Duration::from_micros(200);
 /// The watcher's thread takes, over time, at most this fraction (its inverse) of one core.
-pub(super) const CPU_SHARE: u32 = 4;
+pub(crate) const CPU_SHARE: u32 = 4;
 /// The most CPU time the watcher may save up while it uses less than its share.
 const BURST: Duration = Duration::from_millis(10);
 /// Looks with a pause between them before the watcher yields between looks instead.
@@ -31,13 +31,13 @@ const SPIN_LOOKS: u32 = 64;
 /// How many recent durations a prediction looks at.
 const HISTORY: usize = 4;
 /// How early the watcher wakes, as last measured, halves each time this passes.
-pub(super) const EARLY_HALF_LIFE: Duration = Duration::from_millis(100);
+pub(crate) const EARLY_HALF_LIFE: Duration = Duration::from_millis(100);
 /// Waits predicted shorter than this are left to the driver: its wake-up comes within tens of
 /// microseconds, and racing it costs the watcher's thread a wake-up per wait on a host whose
 /// cores the streams' own work keeps busy.
-pub(super) const MIN_WATCHED: Duration = Duration::from_micros(150);
+pub(crate) const MIN_WATCHED: Duration = Duration::from_micros(150);
 /// The lanes whose history a pool keeps: those used last.
-pub(super) const HISTORIES: usize = 1024;
+pub(crate) const HISTORIES: usize = 1024;
 
 /// The last few durations of one kind.
 #[derive(Default)]
@@ -58,11 +58,11 @@ impl Recent {
 }
 
 /// A lane's recent waits and its margin, kept by the pool under the lane's key.
-pub(super) struct LaneHistory {
+pub(crate) struct LaneHistory {
     took: Recent,
     margin: Duration,
     /// When the pool last used it (its own count), so it keeps those used last.
-    pub(super) used: u64,
+    pub(crate) used: u64,
 }
 
 impl Default for LaneHistory {
@@ -76,21 +76,21 @@ impl Default for LaneHistory {
 }
 
 /// What the watcher is given of a held wait.
-pub(super) struct Held<'a> {
-    pub(super) lane: LaneKey,
-    pub(super) sequence: u64,
-    pub(super) slot: &'a Arc<Slot>,
-    pub(super) waitable: &'a std::sync::Arc<dyn Waitable>,
-    pub(super) word: ProgressWord,
+pub(crate) struct Held<'a> {
+    pub(crate) lane: LaneKey,
+    pub(crate) sequence: u64,
+    pub(crate) slot: &'a Arc<Slot>,
+    pub(crate) waitable: &'a std::sync::Arc<dyn Waitable>,
+    pub(crate) word: ProgressWord,
     /// When its lane thread began to hold it.
-    pub(super) started: Instant,
+    pub(crate) started: Instant,
 }
 
 impl LaneHistory {
     /// The watcher's entry for `held`; none if the lane's waits are too short to watch
     /// ([`too_short`], with the watcher waking `early` before an end it expects: [`Timing::early`]).
     /// The lane thread asks first, without the lock, with the prediction it last learnt.
-    pub(super) fn entry(&self, held: Held<'_>, early: Duration) -> Option<Watched> {
+    pub(crate) fn entry(&self, held: Held<'_>, early: Duration) -> Option<Watched> {
         let predicted = self.predicted();
         if too_short(predicted, early) {
             return None;
@@ -111,14 +111,14 @@ impl LaneHistory {
 
     /// A wait of the lane took at most `took` from the start of its hold (the driver's wake, or
     /// the watcher's sighting, each no sooner than the end).
-    pub(super) fn ended(&mut self, took: Duration) {
+    pub(crate) fn ended(&mut self, took: Duration) {
         self.took.push(took);
     }
 
     /// The watcher saw `entry`'s word passed after `took`: at the first look after a sleep
     /// (`late`: the work ended during the sleep), the margin doubles, up to a quarter of the
     /// prediction; later, it shrinks by an eighth, down to the least.
-    pub(super) fn seen(&mut self, entry: &Watched, took: Duration, late: bool) {
+    pub(crate) fn seen(&mut self, entry: &Watched, took: Duration, late: bool) {
         self.ended(took);
         self.margin = if late {
             (self.margin * 2).min(entry.predicted / 4).max(MIN_MARGIN)
@@ -129,13 +129,13 @@ impl LaneHistory {
 
     /// How many waits it has learnt, for tests.
     #[cfg(all(test, not(device_events_loom)))]
-    pub(super) fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.took.seen
     }
 
     /// How long a wait should take from the start of its hold: the least of the recent waits,
     /// once there are two (a lane's first wait often waited for more than one item).
-    pub(super) fn predicted(&self) -> Option<Duration> {
+    pub(crate) fn predicted(&self) -> Option<Duration> {
         let took = self.took.values();
         (took.len() >= 2).then(|| took.iter().copied().min().unwrap_or_default())
     }
@@ -144,20 +144,20 @@ impl LaneHistory {
 /// Whether waits `predicted` to take so long are too short to watch: shorter than
 /// [`MIN_WATCHED`], or than twice `early`, how early the watcher wakes before an end it expects
 /// (its wake-up would come no sooner than the driver's). A lane with no prediction is watched.
-pub(super) fn too_short(predicted: Option<Duration>, early: Duration) -> bool {
+pub(crate) fn too_short(predicted: Option<Duration>, early: Duration) -> bool {
     predicted.is_some_and(|predicted| predicted < (early * 2).max(MIN_WATCHED))
 }
 
 /// A held wait on the watcher's list; its lane thread blocks on it in the driver meanwhile.
 #[derive(Clone)]
-pub(super) struct Watched {
-    pub(super) lane: LaneKey,
-    pub(super) slot: Arc<Slot>,
-    pub(super) waitable: std::sync::Arc<dyn Waitable>,
+pub(crate) struct Watched {
+    pub(crate) lane: LaneKey,
+    pub(crate) slot: Arc<Slot>,
+    pub(crate) waitable: std::sync::Arc<dyn Waitable>,
     word: ProgressWord,
     sequence: u64,
     /// When its lane thread began to hold it.
-    pub(super) started: Instant,
+    pub(crate) started: Instant,
     /// When it should end: `predicted` after its hold began (zero: no history).
     due: Instant,
     predicted: Duration,
@@ -168,12 +168,12 @@ pub(super) struct Watched {
 impl Watched {
     /// The earliest the watcher looks at its word, however late its sleeps end
     /// ([`Timing::look_from`] is never earlier): a watcher asleep until then need not be woken.
-    pub(super) fn looks_from_at_the_earliest(&self) -> Instant {
+    pub(crate) fn looks_from_at_the_earliest(&self) -> Instant {
         self.due - (self.predicted / 2).min(MAX_LOOK / 2)
     }
 
     /// Whether the stream has passed the wait's point.
-    pub(super) fn passed(&self) -> bool {
+    pub(crate) fn passed(&self) -> bool {
         self.word.passed(self.sequence)
     }
 }
@@ -181,7 +181,7 @@ impl Watched {
 /// How early the watcher wakes before an end it expects ([`Timing::early`]), as it last said,
 /// halved each [`EARLY_HALF_LIFE`] since: a figure that lane threads read, and that cannot stay
 /// high once the watcher stops sleeping.
-pub(super) struct Early {
+pub(crate) struct Early {
     epoch: Instant,
     nanos: AtomicU64,
     /// When it was said, in nanoseconds from `epoch`.
@@ -205,14 +205,14 @@ impl Early {
     }
 
     /// The watcher wakes `early` before an end it expects, as of `now`.
-    pub(super) fn set(&self, early: Duration, now: Instant) {
+    pub(crate) fn set(&self, early: Duration, now: Instant) {
         let nanos = u64::try_from(early.as_nanos()).unwrap_or(u64::MAX);
         self.nanos.store(nanos, Ordering::Relaxed);
         self.said.store(self.since_epoch(now), Ordering::Relaxed);
     }
 
     /// How early it wakes, as of `now`.
-    pub(super) fn get(&self, now: Instant) -> Duration {
+    pub(crate) fn get(&self, now: Instant) -> Duration {
         let age = self
             .since_epoch(now)
             .saturating_sub(self.said.load(Ordering::Relaxed));
@@ -224,14 +224,14 @@ impl Early {
 
 /// The watcher's timing: how late its sleeps end.
 #[derive(Default)]
-pub(super) struct Timing {
+pub(crate) struct Timing {
     overslept: Recent,
 }
 
 impl Timing {
     /// How early before an end it expects the watcher wakes, at the least: the least its
     /// recent sleeps overslept, and the least margin ([`too_short`] weighs waits against it).
-    pub(super) fn early(&self) -> Duration {
+    pub(crate) fn early(&self) -> Duration {
         let overslept = self.overslept.values().iter().min().copied();
         overslept.unwrap_or_default() + MIN_MARGIN
     }
@@ -247,21 +247,21 @@ impl Timing {
     }
 
     /// From when to look at `entry`'s word.
-    pub(super) fn look_from(&self, entry: &Watched) -> Instant {
+    pub(crate) fn look_from(&self, entry: &Watched) -> Instant {
         entry.due - self.lead(entry)
     }
 
     /// Until when to look at `entry`'s word before leaving it to the driver: twice the lead
     /// past its predicted end (at least [`FIRST_WINDOW`]), and no more than [`MAX_LOOK`] after
     /// the first look.
-    pub(super) fn look_until(&self, entry: &Watched) -> Instant {
+    pub(crate) fn look_until(&self, entry: &Watched) -> Instant {
         let lead = self.lead(entry);
         let until = entry.due + (lead * 2).max(FIRST_WINDOW);
         until.min(entry.due - lead + MAX_LOOK)
     }
 
     /// A sleep meant to end at some time ended `late` after it.
-    pub(super) fn overslept(&mut self, late: Duration) {
+    pub(crate) fn overslept(&mut self, late: Duration) {
         self.overslept.push(late);
     }
 }
@@ -271,7 +271,7 @@ impl Timing {
 /// thread's CPU clock; where there is none, the time it looked), going into debt if a round ran
 /// over. While nothing is left, entries that come due are left to the driver: over time, the
 /// watcher takes at most its share of one core, beyond one burst and one round.
-pub(super) struct CpuBudget {
+pub(crate) struct CpuBudget {
     /// Nanoseconds left; below zero, owed.
     left: i64,
     earned_to: Instant,
@@ -283,7 +283,7 @@ fn nanos(duration: Duration) -> i64 {
 }
 
 impl CpuBudget {
-    pub(super) fn new(now: Instant) -> Self {
+    pub(crate) fn new(now: Instant) -> Self {
         Self {
             left: nanos(BURST),
             earned_to: now,
@@ -291,7 +291,7 @@ impl CpuBudget {
     }
 
     /// Earn the share of the time since last asked; whether any is left to spend.
-    pub(super) fn earn(&mut self, now: Instant) -> bool {
+    pub(crate) fn earn(&mut self, now: Instant) -> bool {
         let passed = now.saturating_duration_since(self.earned_to);
         self.earned_to = self.earned_to.max(now);
         let earned = nanos(passed / CPU_SHARE);
@@ -300,14 +300,14 @@ impl CpuBudget {
     }
 
     /// A round used `spent`.
-    pub(super) fn spend(&mut self, spent: Duration) {
+    pub(crate) fn spend(&mut self, spent: Duration) {
         self.left = self.left.saturating_sub(nanos(spent));
     }
 }
 
 /// Whether a watch that has looked `looks` times is past `until` (the clock read once in 32
 /// looks); under loom, after two looks, so a model sees the word pass before, between and after.
-pub(super) fn past(until: Instant, looks: u32) -> bool {
+pub(crate) fn past(until: Instant, looks: u32) -> bool {
     if cfg!(device_events_loom) {
         return looks >= 2;
     }
@@ -316,7 +316,7 @@ pub(super) fn past(until: Instant, looks: u32) -> bool {
 
 /// Between two looks at the words: a pause, then, once it has looked a while, a yield, so that a
 /// watcher on a busy machine lets the threads it wakes (an executor's) run meanwhile.
-pub(super) fn pause(looks: u32) {
+pub(crate) fn pause(looks: u32) {
     #[cfg(device_events_loom)]
     crate::sync::thread::yield_now();
     if looks < SPIN_LOOKS {

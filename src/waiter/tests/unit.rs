@@ -11,10 +11,10 @@ use std::time::{Duration, Instant};
 
 use super::mock_device::support::{eventually, result_of, submit, submit_fence, submit_placed};
 use super::mock_device::Device;
-use super::pool::{Action, State, Wait};
-use super::slot::Slot;
-use super::stats::{Counters, WaiterStats};
-use super::waitable::LaneKey;
+use crate::waiter::slot::Slot;
+use crate::waiter::state::{Action, State, Wait};
+use crate::waiter::stats::{Counters, WaiterStats};
+use crate::waiter::waitable::LaneKey;
 use crate::ServerError;
 
 struct Counting(AtomicUsize);
@@ -221,7 +221,7 @@ fn new_lane(state: &mut State, lane: u64, max_threads: usize) -> Action {
         sequence: 0,
     };
     let slot = Arc::new(Slot::new(futures::task::noop_waker()));
-    let key = super::waitable::LaneKey::for_tests(lane);
+    let key = crate::waiter::waitable::LaneKey::for_tests(lane);
     assert!(state.insert(Wait::new(std::sync::Arc::new(fence), slot, key, None)));
     state.place(key, max_threads, false)
 }
@@ -253,15 +253,17 @@ fn withdrawn_waits_go_to_the_poller_never_to_a_new_lane_thread() {
 
 #[test]
 fn nothing_is_placed_after_shutdown() {
-    let mut state = State::default();
-    state.shutdown = true;
+    let mut state = State {
+        shutdown: true,
+        ..State::default()
+    };
     assert_eq!(new_lane(&mut state, 0, 4), Action::default());
 }
 
 /// A pool whose one lane thread is blocked on lane 0's held wait and whose
 /// second sleeps idle (its keep-alive far past the tests' limit): the pool
 /// and the held device.
-fn one_blocked_one_idle() -> (super::pool::Pool, Arc<Device>, Arc<Slot>) {
+fn one_blocked_one_idle() -> (crate::waiter::pool::Pool, Arc<Device>, Arc<Slot>) {
     let pool = super::mock_device::support::pool(4, Duration::from_secs(600), None);
     let held = Arc::new(Device::default());
     let blocked = submit(&pool, &held, 0, 0);
@@ -278,8 +280,8 @@ fn a_withdrawn_wait_wakes_the_idle_thread_that_drops_it() {
     let (pool, held, blocked) = one_blocked_one_idle();
     let (slot, place) = submit_placed(&pool, &held, 0, 1);
     assert!(slot.cancel());
-    let key = super::waitable::LaneKey::for_tests(0);
-    super::threads::act(&pool, pool.withdraw(key, place));
+    let key = crate::waiter::waitable::LaneKey::for_tests(0);
+    crate::waiter::threads::act(&pool, pool.withdraw(key, place));
     // Dropped by the idle thread, woken for it: not after its keep-alive.
     eventually("the withdrawn fence is dropped", || {
         held.fences_dropped.load(Ordering::SeqCst) == 1
@@ -308,7 +310,7 @@ fn two_new_lanes_with_one_idle_thread_wake_it_once_and_start_another() {
 /// its idle thread kept past any test's limit.
 fn one_lane_thread_blocked(
     stuck_after: Option<Duration>,
-) -> (super::pool::Pool, Arc<Device>, Arc<Slot>) {
+) -> (crate::waiter::pool::Pool, Arc<Device>, Arc<Slot>) {
     super::mock_device::support::one_lane_thread_blocked(Duration::from_secs(600), stuck_after)
 }
 
@@ -343,7 +345,8 @@ fn a_polled_stream_that_ends_a_wait_is_no_longer_stuck() {
     let (first, second) = (Arc::new(Device::default()), Arc::new(Device::default()));
     let polled = submit(&pool, &first, 1, 0);
     let behind = submit(&pool, &second, 1, 1);
-    let stuck_on_1 = |pool: &super::pool::Pool| pool.stuck().iter().any(|wait| wait.stream_id == 1);
+    let stuck_on_1 =
+        |pool: &crate::waiter::pool::Pool| pool.stuck().iter().any(|wait| wait.stream_id == 1);
     eventually("stream 1 is reported stuck", || stuck_on_1(&pool));
     first.finish();
     result_of(&polled).expect("resolved");
@@ -362,9 +365,9 @@ struct GatedFence {
     gate: Arc<Device>,
 }
 
-impl super::waitable::Waitable for GatedFence {
-    fn lane(&self) -> super::waitable::LaneKey {
-        super::waitable::LaneKey::for_tests(1)
+impl crate::waiter::waitable::Waitable for GatedFence {
+    fn lane(&self) -> crate::waiter::waitable::LaneKey {
+        crate::waiter::waitable::LaneKey::for_tests(1)
     }
 
     fn sequence(&self) -> u64 {
@@ -460,9 +463,9 @@ struct WordFence {
     off: Arc<AtomicBool>,
 }
 
-impl super::waitable::Waitable for WordFence {
-    fn lane(&self) -> super::waitable::LaneKey {
-        super::waitable::LaneKey::for_tests(7)
+impl crate::waiter::waitable::Waitable for WordFence {
+    fn lane(&self) -> crate::waiter::waitable::LaneKey {
+        crate::waiter::waitable::LaneKey::for_tests(7)
     }
 
     fn sequence(&self) -> u64 {
@@ -497,15 +500,16 @@ impl super::waitable::Waitable for WordFence {
 
 /// The first poll of `fence` in a pool that spins for the longest budget.
 fn first_poll_spinning(fence: WordFence) -> Poll<Result<(), ServerError>> {
-    let pool = super::pool::Pool::new(super::pool::Config {
+    let pool = crate::waiter::pool::Pool::new(crate::waiter::pool::Config {
         max_threads: 1,
         keep_alive: Duration::from_secs(1),
         thread_name: "unit-test-waiter".to_owned(),
-        spin_budget: super::MAX_SPIN_BUDGET,
+        spin_budget: crate::waiter::MAX_SPIN_BUDGET,
         stuck_after: None,
         watchers: 0,
     });
-    let mut handoff = super::Handoff::new(fence, super::handoff::PoolRef::Owned(pool.clone()));
+    let mut handoff =
+        crate::waiter::Handoff::new(fence, crate::waiter::handoff::PoolRef::Owned(pool.clone()));
     let waker = futures::task::noop_waker();
     let polled = handoff.poll(&mut Context::from_waker(&waker));
     drop(handoff);
@@ -527,7 +531,7 @@ fn a_first_poll_spins_on_the_progress_word_not_on_queries() {
     let started = Instant::now();
     assert!(first_poll_spinning(fence).is_pending(), "never reached");
     assert!(
-        started.elapsed() >= super::MAX_SPIN_BUDGET,
+        started.elapsed() >= crate::waiter::MAX_SPIN_BUDGET,
         "spun its budget"
     );
     // One query first, one as the budget ends; none while the word is read.
@@ -562,8 +566,8 @@ fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
 /// A pool whose lane thread may hand its wait to a watcher (`watchers`),
 /// and a wait on `fence` handed to it, whose block ends once `release`
 /// finishes: the pool and the wait's slot.
-fn watching_pool(watchers: usize, fence: WordFence) -> (super::pool::Pool, Arc<Slot>) {
-    let pool = super::pool::Pool::new(super::pool::Config {
+fn watching_pool(watchers: usize, fence: WordFence) -> (crate::waiter::pool::Pool, Arc<Slot>) {
+    let pool = crate::waiter::pool::Pool::new(crate::waiter::pool::Config {
         max_threads: 1,
         keep_alive: Duration::from_secs(1),
         thread_name: "unit-test-waiter".to_owned(),
@@ -746,7 +750,7 @@ fn a_word_that_never_moves_is_watched_for_a_window_then_left_to_the_driver() {
         blocks.load(Ordering::SeqCst) == 1 && pool.watched_entries() == 0
     });
     assert!(
-        started.elapsed() >= super::watch::FIRST_WINDOW,
+        started.elapsed() >= crate::waiter::watcher::FIRST_WINDOW,
         "watched for its window first"
     );
     assert_eq!(queries.load(Ordering::SeqCst), 0, "no query while watching");

@@ -5,9 +5,9 @@
 
 use std::sync::atomic::Ordering;
 
-use super::waitable::{LaneKey, Waitable};
 use crate::api::WordMemory;
 use crate::sync::{thread, Arc, AtomicUsize, Condvar, Mutex};
+use crate::waiter::waitable::{LaneKey, Waitable};
 use crate::ServerError;
 
 /// The "device": a flag its work sets when done.
@@ -185,8 +185,9 @@ pub(super) mod support {
     use std::time::{Duration, Instant};
 
     use super::{Device, MockFence};
-    use crate::waiter::pool::{Config, Place, Pool, Wait};
+    use crate::waiter::pool::{Config, Pool};
     use crate::waiter::slot::Slot;
+    use crate::waiter::state::{Place, Wait};
     use crate::waiter::threads;
     use crate::waiter::waitable::Waitable;
     use crate::ServerError;

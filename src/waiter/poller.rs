@@ -1,0 +1,112 @@
+//! The poller: serves the lanes past `max_threads` by asking them in rounds, drops withdrawn
+//! waits, and warns of stalls. See [`crate::waiter`], step 4.
+
+use std::time::{Duration, Instant};
+
+use super::contain;
+use super::pool::Pool;
+use super::state::{Owner, Wait};
+use super::threads::WaiterThread;
+use super::waitable::LaneKey;
+
+/// The poller's first pause after a round without progress.
+const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
+/// The poller's longest pause: the most latency a polled lane can add.
+const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
+/// Idle rounds before the poller exits (none under loom: fewer states).
+const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
+
+impl Pool {
+    /// A poller's round: adopt the lanes queued for it into `lanes`, take
+    /// the withdrawn waits, wake an idle lane thread if it has lanes. `None`
+    /// (and uncounted) when it should exit: idle `linger` rounds, or shut down.
+    pub(super) fn poller_round(
+        &self,
+        lanes: &mut Vec<LaneKey>,
+        idle_rounds: &mut u32,
+        linger: u32,
+    ) -> Option<Vec<Wait>> {
+        let mut state = self.lock();
+        let withdrawn = std::mem::take(&mut state.withdrawn);
+        let adopted = !state.for_poller.is_empty();
+        while let Some(key) = state.for_poller.pop_front() {
+            state.lanes.get_mut(&key).expect("a queued lane").owner = Owner::Poller;
+            if !lanes.contains(&key) {
+                lanes.push(key);
+            }
+        }
+        let idle = lanes.is_empty() && !adopted && withdrawn.is_empty();
+        let watching = self.watching() && !state.lanes.is_empty();
+        if idle && !watching && (*idle_rounds >= linger || state.shutdown) {
+            state.leave(Owner::Poller);
+            return None;
+        }
+        *idle_rounds = if idle { *idle_rounds + 1 } else { 0 };
+        if !lanes.is_empty() && state.wake_idle() {
+            drop(state);
+            self.shared.work.notify_one();
+        }
+        Some(withdrawn)
+    }
+
+    /// The poller sleeps up to `pause` between rounds, unless work came.
+    pub(super) fn poller_pause(&self, pause: Duration) {
+        let state = self.lock();
+        if state.for_poller.is_empty() && state.withdrawn.is_empty() && !state.shutdown {
+            // Under loom a zero timeout is a yield: the model explores both.
+            #[cfg(device_events_loom)]
+            let pause = pause.min(Duration::ZERO);
+            drop(state.wait_timeout(&self.shared.poller_work, pause));
+        }
+    }
+}
+
+impl WaiterThread {
+    /// The poller: each round, adopt lanes, drop withdrawn waits, ask its
+    /// lanes, warn of stalls, and pause (backing off while nothing moves).
+    pub(super) fn run_poller(&mut self) {
+        // Four looks per `stuck_after`, at most one a millisecond.
+        let check_every =
+            (self.pool.config().stuck_after).map(|after| (after / 4).max(Duration::from_millis(1)));
+        let mut next_check = Instant::now();
+        let mut backoff = POLL_BACKOFF_MIN;
+        let mut idle_rounds = 0;
+        loop {
+            let round =
+                self.pool
+                    .poller_round(&mut self.lanes, &mut idle_rounds, POLLER_LINGER_ROUNDS);
+            let Some(withdrawn) = round else {
+                return;
+            };
+            let mut progressed = !withdrawn.is_empty();
+            withdrawn.into_iter().for_each(contain::drop);
+            let mut index = 0;
+            while let Some(&key) = self.lanes.get(index) {
+                let (resolved, more) = self.resolve_reached(key);
+                progressed |= resolved > 0;
+                if more {
+                    index += 1;
+                } else {
+                    self.lanes.remove(index);
+                }
+            }
+            let mut pause = backoff;
+            if let Some(every) = check_every {
+                let now = Instant::now();
+                if now >= next_check {
+                    self.pool.warn_stuck();
+                    next_check = now + every;
+                }
+                if self.lanes.is_empty() {
+                    pause = next_check.saturating_duration_since(now);
+                }
+            }
+            if progressed {
+                backoff = POLL_BACKOFF_MIN;
+            } else {
+                self.pool.poller_pause(pause);
+                backoff = (backoff * 2).min(POLL_BACKOFF_MAX);
+            }
+        }
+    }
+}

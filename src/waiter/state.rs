@@ -1,0 +1,380 @@
+//! [`State`]: everything under the waiter's one lock, its invariants, and the decisions made
+//! under it; what is left to do after is an [`Action`]. See [`crate::waiter`].
+
+use std::collections::{BTreeMap, VecDeque};
+use std::time::Instant;
+
+use super::slot::Slot;
+use super::waitable::{LaneKey, Waitable};
+use super::watcher::{LaneHistory, Watched, HISTORIES};
+use crate::sync::checked::Invariants;
+use crate::sync::Arc;
+
+/// A wait's place in its lane: its sequence in its stream, then its
+/// hand-off's ticket (so a backend whose numbers repeat loses no wait).
+pub(crate) type Place = (u64, u64);
+
+/// Who serves a lane.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Owner {
+    /// Its key is in a queue, for a lane thread or the poller.
+    Queued,
+    Thread(usize),
+    Poller,
+    Watcher,
+}
+
+/// One pending wait: what to wait on and where its result goes.
+pub(crate) struct Wait {
+    /// Shared with the watcher while it watches the wait.
+    pub(crate) waitable: std::sync::Arc<dyn Waitable>,
+    pub(crate) slot: Arc<Slot>,
+    pub(super) lane: LaneKey,
+    pub(super) place: Place,
+    /// Its stream's name while stuck streams are reported (made before the
+    /// hand-off: the backend's `Debug`).
+    pub(super) name: Option<std::sync::Arc<str>>,
+}
+
+impl Wait {
+    /// Its number in its stream.
+    pub(super) fn sequence(&self) -> u64 {
+        self.place.0
+    }
+
+    pub(crate) fn new(
+        waitable: std::sync::Arc<dyn Waitable>,
+        slot: Arc<Slot>,
+        lane: LaneKey,
+        name: Option<std::sync::Arc<str>>,
+    ) -> Self {
+        let place = (waitable.sequence(), 0);
+        Self {
+            waitable,
+            slot,
+            lane,
+            place,
+            name,
+        }
+    }
+}
+
+/// A stream's lane.
+pub(super) struct Lane {
+    pub(super) waits: BTreeMap<Place, Wait>,
+    pub(super) owner: Owner,
+    /// The wait its lane thread has out, for shutdown to resolve.
+    pub(super) held: Option<Arc<Slot>>,
+    /// Its waits out in a batch.
+    pub(super) out: usize,
+    /// Since when it has ended no wait: the hand-off that found it idle, or
+    /// its last wait's end (kept while `stuck_after` is on).
+    pub(super) since: Instant,
+    /// The stall since `since` was warned about.
+    pub(super) reported: bool,
+    pub(super) name: Option<std::sync::Arc<str>>,
+}
+
+impl Lane {
+    /// Nothing queued, held or out: its owner removes it.
+    pub(super) fn is_idle(&self) -> bool {
+        self.waits.is_empty() && self.held.is_none() && self.out == 0
+    }
+
+    /// Its held wait, if it is still `slot`'s (not resolved by shutdown),
+    /// ended: it is held no more, and the lane progressed. Whether it was.
+    pub(super) fn end_hold(&mut self, slot: &Arc<Slot>, watching: bool) -> bool {
+        let ours = self.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
+        self.progressed(watching && ours);
+        ours
+    }
+
+    pub(super) fn progressed(&mut self, watching: bool) {
+        if watching {
+            self.since = Instant::now();
+            self.reported = false;
+        }
+    }
+}
+
+/// Everything under the lock. Invariants: a lane is `Queued` exactly while
+/// its key is in a queue; `lane_threads`, `poller` and `watcher` count the
+/// threads started or about to be, until they leave; `notified <= idle <=
+/// lane_threads`; entries in `watched` have a watcher; after `shutdown` no
+/// lane is left.
+#[derive(Default)]
+pub(super) struct State {
+    pub(super) lanes: BTreeMap<LaneKey, Lane>,
+    /// Lanes for lane threads (one woken, started or between lanes each).
+    pub(super) for_threads: VecDeque<LaneKey>,
+    /// Lanes for the poller; a lane thread out of work takes them first.
+    pub(super) for_poller: VecDeque<LaneKey>,
+    pub(super) lane_threads: usize,
+    /// Lane threads asleep for work, and the wake-ups sent them not taken.
+    pub(super) idle: usize,
+    pub(super) notified: usize,
+    pub(super) poller: bool,
+    pub(super) peak_threads: usize,
+    pub(super) next_thread: usize,
+    pub(super) next_ticket: u64,
+    /// Waits whose futures were dropped, for a waiter thread to drop.
+    pub(super) withdrawn: Vec<Wait>,
+    /// Held waits on the watcher's list; their lane threads block on them
+    /// in the driver meanwhile.
+    pub(super) watched: Vec<Watched>,
+    /// The lanes' histories, for the watcher's predictions: the
+    /// [`HISTORIES`] used last, kept while their lanes come and go.
+    pub(super) histories: BTreeMap<LaneKey, LaneHistory>,
+    /// Counts uses of `histories`.
+    pub(super) history_uses: u64,
+    pub(super) watcher: bool,
+    /// The watcher waits on `watch_work`: a new entry notifies it.
+    pub(super) watcher_waits: bool,
+    /// While it waits, when its nap ends (none: it waits for entries).
+    pub(super) watcher_nap_until: Option<Instant>,
+    pub(super) shutdown: bool,
+}
+
+/// What is left to do once the lock is let go; threads to start are
+/// counted in already.
+#[derive(Debug, Default, PartialEq, Eq)]
+#[must_use]
+pub(crate) struct Action {
+    pub(super) wake_thread: bool,
+    pub(super) spawn_thread: Option<usize>,
+    pub(super) wake_poller: bool,
+    pub(super) spawn_poller: bool,
+    pub(super) wake_watcher: bool,
+    pub(super) spawn_watcher: bool,
+}
+
+impl State {
+    /// Queue new lane `key` and decide who serves it: an idle lane thread,
+    /// else one between lanes (as many lane threads as lanes), else a new
+    /// one, else the poller. While `watching` the poller runs too.
+    pub(super) fn place(&mut self, key: LaneKey, max_threads: usize, watching: bool) -> Action {
+        let mut action = Action::default();
+        if self.shutdown {
+            return action;
+        }
+        if self.wake_idle() {
+            action.wake_thread = true;
+        } else if self.lane_threads < self.lanes.len() && self.lane_threads < max_threads {
+            action.spawn_thread = Some(self.add_lane_thread());
+        } else if self.lane_threads < self.lanes.len() {
+            self.for_poller.push_back(key);
+            return self.poller_for_work();
+        }
+        self.for_threads.push_back(key);
+        action.spawn_poller = watching && !self.poller && self.add_poller();
+        action
+    }
+
+    /// The poller has work: wake it, or start it.
+    pub(super) fn poller_for_work(&mut self) -> Action {
+        Action {
+            wake_poller: self.poller,
+            spawn_poller: !self.poller && self.add_poller(),
+            ..Action::default()
+        }
+    }
+
+    /// Withdrawn waits to drop: by the poller if it runs, else an idle
+    /// thread, else the poller started; never a new lane thread.
+    pub(super) fn dispose(&mut self) -> Action {
+        if !self.poller && self.wake_idle() {
+            return Action {
+                wake_thread: true,
+                ..Action::default()
+            };
+        }
+        self.poller_for_work()
+    }
+
+    /// Count a wake-up for an idle lane thread not woken yet, if any.
+    pub(super) fn wake_idle(&mut self) -> bool {
+        let idle = self.idle > self.notified;
+        self.notified += usize::from(idle);
+        idle
+    }
+
+    /// A lane thread woke (notified, spuriously, or timed out).
+    pub(super) fn woke(&mut self) {
+        // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
+        if !super::plant::planted("woke-keeps-idle-count") {
+            self.idle -= 1;
+        }
+        self.notified = self.notified.saturating_sub(1);
+    }
+
+    /// Count in a new lane thread: its number.
+    pub(super) fn add_lane_thread(&mut self) -> usize {
+        self.lane_threads += 1;
+        self.next_thread += 1;
+        self.peak_threads = self.peak_threads.max(self.threads());
+        self.next_thread
+    }
+
+    /// Count in the poller (there is none).
+    pub(super) fn add_poller(&mut self) -> bool {
+        self.poller = true;
+        self.peak_threads = self.peak_threads.max(self.threads());
+        true
+    }
+
+    pub(super) fn threads(&self) -> usize {
+        self.lane_threads + usize::from(self.poller) + usize::from(self.watcher)
+    }
+
+    pub(super) fn leave(&mut self, owner: Owner) {
+        match owner {
+            Owner::Poller => self.poller = false,
+            Owner::Watcher => self.watcher = false,
+            Owner::Thread(_) | Owner::Queued => self.lane_threads -= 1,
+        }
+    }
+
+    /// The watcher has entries, the new one to be looked at from `looks_from`
+    /// at the earliest (none: at once): wake it if it waits and would not
+    /// wake by then anyway, or start it.
+    pub(super) fn watcher_for_work(&mut self, looks_from: Option<Instant>) -> Action {
+        let spawn_watcher = !self.watcher;
+        if spawn_watcher {
+            self.watcher = true;
+            self.peak_threads = self.peak_threads.max(self.threads());
+        }
+        let wakes_in_time = matches!(
+            (looks_from, self.watcher_nap_until),
+            (Some(looks_from), Some(until)) if until <= looks_from
+        );
+        let wake_watcher = self.watcher_waits && !wakes_in_time;
+        self.watcher_waits &= !wake_watcher;
+        Action {
+            wake_watcher,
+            spawn_watcher,
+            ..Action::default()
+        }
+    }
+
+    /// Take every entry from the watcher (their lane threads block in the
+    /// driver already), to drop after the lock.
+    pub(super) fn unwatch_all(&mut self) -> Vec<Watched> {
+        std::mem::take(&mut self.watched)
+    }
+
+    /// Take `slot`'s entry off the watcher's list, if it is there.
+    pub(super) fn unwatch(&mut self, slot: &Arc<Slot>) -> Option<Watched> {
+        let index = self
+            .watched
+            .iter()
+            .position(|entry| Arc::ptr_eq(&entry.slot, slot))?;
+        Some(self.watched.swap_remove(index))
+    }
+
+    /// `key`'s history, made if new (the one used longest ago makes room).
+    pub(super) fn history(&mut self, key: LaneKey) -> &mut LaneHistory {
+        self.history_uses += 1;
+        if self.histories.len() >= HISTORIES && !self.histories.contains_key(&key) {
+            let oldest = self
+                .histories
+                .iter()
+                .min_by_key(|(_, history)| history.used);
+            if let Some((&oldest, _)) = oldest {
+                self.histories.remove(&oldest);
+            }
+        }
+        let history = self.histories.entry(key).or_default();
+        history.used = self.history_uses;
+        history
+    }
+
+    pub(super) fn lane_of(&mut self, key: LaneKey, owner: Owner) -> Option<&mut Lane> {
+        self.lanes.get_mut(&key).filter(|lane| lane.owner == owner)
+    }
+
+    /// Put `wait` in its lane; whether that made the lane.
+    pub(super) fn insert(&mut self, wait: Wait) -> bool {
+        let made = !self.lanes.contains_key(&wait.lane);
+        let lane = self.lanes.entry(wait.lane).or_insert_with(|| Lane {
+            waits: BTreeMap::new(),
+            owner: Owner::Queued,
+            held: None,
+            out: 0,
+            since: wait.slot.handed_at(),
+            reported: false,
+            name: wait.name.clone(),
+        });
+        if lane.is_idle() && !lane.reported {
+            lane.since = lane.since.max(wait.slot.handed_at());
+        }
+        lane.waits.insert(wait.place, wait);
+        made
+    }
+
+    /// Lane thread `owner` is done with `key`: whether it has waits again.
+    pub(super) fn release(&mut self, key: LaneKey, owner: Owner) -> bool {
+        let Some(lane) = self.lane_of(key, owner) else {
+            return false;
+        };
+        if lane.is_idle() {
+            self.lanes.remove(&key);
+            return false;
+        }
+        !lane.waits.is_empty()
+    }
+
+    /// Lane thread `owner` takes `key`'s oldest wait out to block on or ask.
+    pub(super) fn take_oldest(&mut self, key: LaneKey, owner: Owner) -> Option<Wait> {
+        let lane = self.lane_of(key, owner)?;
+        let (_, wait) = lane.waits.pop_first()?;
+        lane.held = Some(wait.slot.clone());
+        Some(wait)
+    }
+
+    /// For `owner`: a lane queued for threads, else for the poller, else one
+    /// of the poller's with nothing out.
+    pub(super) fn claim(&mut self, owner: Owner) -> Option<LaneKey> {
+        let queued = self.for_threads.pop_front();
+        let key = match queued.or_else(|| self.for_poller.pop_front()) {
+            Some(key) => key,
+            None if self.poller => {
+                *self
+                    .lanes
+                    .iter()
+                    .find(|(_, lane)| lane.owner == Owner::Poller && lane.out == 0)?
+                    .0
+            }
+            None => return None,
+        };
+        self.lanes.get_mut(&key).expect("a queued lane").owner = owner;
+        Some(key)
+    }
+}
+
+impl Invariants for State {
+    fn check_invariants(&self) {
+        let queued = self
+            .lanes
+            .values()
+            .filter(|lane| lane.owner == Owner::Queued);
+        let queues = self.for_threads.len() + self.for_poller.len();
+        assert_eq!(queued.count(), queues, "queued lanes and queues differ");
+        assert!(self.notified <= self.idle && self.idle <= self.lane_threads);
+        assert!(self.peak_threads >= self.threads());
+        assert!(self.for_threads.is_empty() || self.lane_threads > 0);
+        assert!(self.for_poller.is_empty() || self.poller || self.lane_threads > 0);
+        assert!(
+            !self.shutdown || self.lanes.is_empty(),
+            "lanes after shutdown"
+        );
+        assert!(
+            self.watched.is_empty() || self.watcher,
+            "entries for no watcher"
+        );
+        assert!(!self.watcher_waits || self.watcher);
+        for lane in self.lanes.values() {
+            assert!(lane.held.is_none() || matches!(lane.owner, Owner::Thread(_)));
+            assert!(lane.out == 0 || lane.owner != Owner::Queued);
+        }
+    }
+}

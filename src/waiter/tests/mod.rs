@@ -1,0 +1,16 @@
+//! The waiter's tests, and what they plant in a pool.
+//!
+//! - `unit.rs`: the pool, lanes, hand-off and watcher against a mock device;
+//! - `guards.rs`: threads that unwind, refused spawns, panicking wakers;
+//! - `loom_models.rs`: the loom models (`--cfg device_events_loom`);
+//! - `mock_device.rs`: a device whose fences a test ends one by one;
+//! - `plants.rs`: faults a test plants in one pool.
+
+#[cfg(not(device_events_loom))]
+mod guards;
+#[cfg(device_events_loom)]
+mod loom_models;
+mod mock_device;
+pub(super) mod plants;
+#[cfg(not(device_events_loom))]
+mod unit;

@@ -1,0 +1,16 @@
+//! The watcher: an accelerator that races the lane threads' blocks in the driver by watching
+//! streams' progress words. How it works is described once, in [`crate::waiter`]'s "The
+//! watcher".
+//!
+//! - `timing.rs`: each lane's history and margin, the list's entries, how early the watcher
+//!   wakes, its CPU budget;
+//! - `list.rs`: the pool's operations on the watcher's list;
+//! - `thread.rs`: the watcher's thread.
+
+mod list;
+mod thread;
+mod timing;
+
+#[cfg(all(test, not(device_events_loom)))]
+pub(super) use timing::FIRST_WINDOW;
+pub(super) use timing::{too_short, Early, Held, LaneHistory, Watched, HISTORIES};

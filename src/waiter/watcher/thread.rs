@@ -1,0 +1,117 @@
+//! The watcher's thread: sleep until entries are nearly due, look at their words, resolve
+//! those that passed, within its CPU budget.
+
+use std::time::{Duration, Instant};
+
+use super::timing::{self, CpuBudget, Timing, Watched, MAX_NAP, MIN_NAP};
+use crate::waiter::contain;
+use crate::waiter::threads::WaiterThread;
+
+impl WaiterThread {
+    /// The watcher: sleep until the first entry is nearly due (at most [`MAX_NAP`]), look at
+    /// the words of those due until each passed (confirmed by a query, then resolved) or its
+    /// window ended, within its CPU budget, and again. Its CPU time is counted as it goes.
+    pub(crate) fn run_watcher(&mut self) {
+        crate::os::lower_timer_slack();
+        let mut timing = Timing::default();
+        let mut budget = CpuBudget::new(Instant::now());
+        let mut cpu = crate::os::thread_cpu_time();
+        let mut entries = Vec::new();
+        while let Some(published) = self.pool.watch_round(&mut entries) {
+            self.pool.planted_escape(self.owner);
+            let first = entries.iter().map(|entry| timing.look_from(entry)).min();
+            let first = first.expect("a round has entries");
+            let now = Instant::now();
+            let mut napped = false;
+            if first.saturating_duration_since(now) >= MIN_NAP && !cfg!(device_events_loom) {
+                let until = first.min(now + MAX_NAP);
+                if let Some(late) = self.pool.watcher_nap(until, published) {
+                    timing.overslept(late);
+                    napped = until == first;
+                }
+            }
+            let mut looked = Duration::ZERO;
+            if self.pool.published() == published {
+                let started = Instant::now();
+                if budget.earn(started) {
+                    self.look(&mut timing, &entries, published, napped);
+                    looked = started.elapsed();
+                } else {
+                    self.leave_due(&timing, &entries, started);
+                }
+                self.pool.set_watcher_early(timing.early());
+            }
+            // Its copies of the entries go here, each maybe a fence's last.
+            entries.drain(..).for_each(contain::drop);
+            // The round's CPU, all of it (its looks, wake-ups, naps), is spent from the budget:
+            // the watcher's own CPU clock, where there is one; else the time it looked.
+            let now = crate::os::thread_cpu_time();
+            match (cpu, now) {
+                (Some(before), Some(now)) => {
+                    let used = now.saturating_sub(before);
+                    self.pool.counters().watcher_cpu(used);
+                    budget.spend(used);
+                }
+                _ => budget.spend(looked),
+            }
+            cpu = now;
+        }
+    }
+
+    /// With its CPU budget spent, the watcher leaves the entries due by `now` to the driver.
+    fn leave_due(&self, timing: &Timing, entries: &[Watched], now: Instant) {
+        for entry in entries {
+            if timing.look_from(entry) <= now {
+                self.pool.unwatch(entry);
+            }
+        }
+    }
+
+    /// Look at the words of `entries` due until each has passed or its window ended, taking
+    /// each off the list as it is decided; return when none is due (to sleep until the next
+    /// is), or when entries came after the `published`th.
+    fn look(&self, timing: &mut Timing, entries: &[Watched], published: usize, napped: bool) {
+        let mut open: Vec<&Watched> = entries.iter().collect();
+        let mut looks = 0u32;
+        loop {
+            let now = Instant::now();
+            let mut due = false;
+            open.retain(|entry| {
+                if timing.look_from(entry) > now {
+                    return true;
+                }
+                due = true;
+                if entry.passed() {
+                    self.resolve_watched(entry, napped && looks == 0);
+                } else if timing::past(timing.look_until(entry), looks) {
+                    self.pool.unwatch(entry);
+                } else {
+                    return true;
+                }
+                false
+            });
+            // New entries are taken in each 32 looks, not at each: a round copies them all.
+            let replan = looks.is_multiple_of(32) && self.pool.published() != published;
+            if !due || open.is_empty() || replan {
+                return;
+            }
+            looks = looks.wrapping_add(1);
+            timing::pause(looks);
+        }
+    }
+
+    /// `entry`'s word passed (seen `late`, at the first look after a sleep): confirm with a
+    /// query, and resolve its wait (with a fault too), unless its lane thread did first; a word
+    /// ahead of its event leaves the wait to the driver.
+    fn resolve_watched(&self, entry: &Watched, late: bool) {
+        let took = entry.started.elapsed();
+        let result = match contain::backend(|| entry.waitable.query()) {
+            Ok(false) => return self.pool.unwatch(entry),
+            reached => reached.map(drop),
+        };
+        let ok = result.is_ok();
+        if self.pool.end_watched(entry, result, took, late) && ok {
+            self.pool.counters().watched();
+        }
+    }
+}
