@@ -25,6 +25,9 @@ cargo test --test cuda_exit --test cuda_elapsed --test cuda_record_order --test 
 cargo run --example fences
 cargo run --example join_streams
 cargo run --example tokio_service
+# cuda_library_stream's libraries open their own contexts and streams; not
+# cuda_copy_to_host: the fake has no device memory or copies (no cuMemAlloc).
+cargo run --example cuda_library_stream
 # The HTTP service starts on the fake driver's streams (tests/http_service.rs
 # serves it requests) and stops cleanly on Ctrl-C.
 cargo build --example http_service

@@ -72,7 +72,7 @@ for test in "$bin"/tests/*; do
 done
 
 echo "== examples"
-for example in fences join_streams; do
+for example in fences join_streams cuda_copy_to_host cuda_library_stream; do
     if [ -x "$bin/examples/$example" ]; then
         if timeout 60 "$bin/examples/$example" > "$results/example-$example.log" 2>&1; then
             summary+=("PASS example $example: $(head -1 "$results/example-$example.log")")
