@@ -49,6 +49,14 @@ struct Handed {
     generation: u64,
 }
 
+/// What a first poll did.
+enum FirstPoll {
+    /// Found the fence reached, or failed: the future is ready with this.
+    Ready(Result<(), ServerError>),
+    /// Handed the wait to the pool.
+    Handed(Handed),
+}
+
 impl Handed {
     /// Handed off before this process forked: its thread is in the parent.
     fn is_forked(&self) -> bool {
@@ -67,11 +75,11 @@ impl<W: Waitable> Handoff<W> {
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
         match std::mem::replace(&mut self.state, State::Done) {
             State::First(waitable) => match self.first_poll(waitable, cx) {
-                Ok(handed) => {
+                FirstPoll::Handed(handed) => {
                     self.state = State::Waiting(handed);
                     Poll::Pending
                 }
-                Err(result) => {
+                FirstPoll::Ready(result) => {
                     self.pool.get().counters().ready_at_first_poll();
                     Poll::Ready(result)
                 }
@@ -94,12 +102,8 @@ impl<W: Waitable> Handoff<W> {
         }
     }
 
-    /// Ask (and spin, if allowed), then hand off; `Err`: ready at once.
-    fn first_poll(
-        &self,
-        waitable: W,
-        cx: &mut Context<'_>,
-    ) -> Result<Handed, Result<(), ServerError>> {
+    /// Ask (and spin, if allowed), then hand off.
+    fn first_poll(&self, waitable: W, cx: &mut Context<'_>) -> FirstPoll {
         let pool = self.pool.get();
         let budget = pool.config().spin_budget;
         // The clock is read only when spinning: a ready await is one query.
@@ -112,8 +116,8 @@ impl<W: Waitable> Handoff<W> {
             // Decided before the query, which one preempted past it still makes.
             let may_spin = started.is_some() && (first || in_budget());
             match contain::backend(|| waitable.query()) {
-                Ok(true) => return Err(Ok(())),
-                Err(err) => return Err(Err(err)),
+                Ok(true) => return FirstPoll::Ready(Ok(())),
+                Err(err) => return FirstPoll::Ready(Err(err)),
                 Ok(false) if may_spin => {}
                 Ok(false) => break,
             }
@@ -128,7 +132,10 @@ impl<W: Waitable> Handoff<W> {
             std::hint::spin_loop();
         }
         // The lane and the name come from the backend's handle: its code.
-        let lane = contain::backend(|| Ok(waitable.lane())).map_err(Err)?;
+        let lane = match contain::backend(|| Ok(waitable.lane())) {
+            Ok(lane) => lane,
+            Err(err) => return FirstPoll::Ready(Err(err)),
+        };
         let name = pool.config().stuck_after.map(|_| {
             let name = contain::backend(|| Ok(waitable.stream_name()));
             name.unwrap_or_else(|err| format!("a stream ({err})"))
@@ -136,9 +143,12 @@ impl<W: Waitable> Handoff<W> {
         });
         let slot = Arc::new(Slot::new(cx.waker().clone()));
         let wait = Wait::new(std::sync::Arc::new(waitable), slot.clone(), lane, name);
-        let (place, action) = pool.submit(wait).map_err(Err)?;
+        let (place, action) = match pool.submit(wait) {
+            Ok(placed) => placed,
+            Err(err) => return FirstPoll::Ready(Err(err)),
+        };
         threads::act(pool, action);
-        Ok(Handed {
+        FirstPoll::Handed(Handed {
             slot,
             lane,
             place,

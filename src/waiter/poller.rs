@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use super::contain;
 use super::pool::Pool;
 use super::state::{Owner, Wait};
-use super::threads::WaiterThread;
+use super::threads::{Resolved, WaiterThread};
 use super::waitable::LaneKey;
 
 /// The poller's first pause after a round without progress.
@@ -36,8 +36,8 @@ impl Pool {
             }
         }
         let idle = lanes.is_empty() && !adopted && withdrawn.is_empty();
-        let watching = self.watching() && !state.lanes.is_empty();
-        if idle && !watching && (*idle_rounds >= linger || state.shutdown) {
+        let reports_stuck = self.reports_stuck() && !state.lanes.is_empty();
+        if idle && !reports_stuck && (*idle_rounds >= linger || state.shutdown) {
             state.leave(Owner::Poller);
             return None;
         }
@@ -82,7 +82,7 @@ impl WaiterThread {
             withdrawn.into_iter().for_each(contain::drop);
             let mut index = 0;
             while let Some(&key) = self.lanes.get(index) {
-                let (resolved, more) = self.resolve_reached(key);
+                let Resolved { resolved, more } = self.resolve_reached(key);
                 progressed |= resolved > 0;
                 if more {
                     index += 1;

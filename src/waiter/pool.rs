@@ -99,7 +99,8 @@ impl Pool {
         Checked::lock(&self.shared.state)
     }
 
-    pub(super) fn watching(&self) -> bool {
+    /// Whether stalled streams are reported (`stuck_after` is set).
+    pub(super) fn reports_stuck(&self) -> bool {
         self.shared.config.stuck_after.is_some()
     }
 
@@ -136,7 +137,7 @@ impl Pool {
             contain::drop(wait);
             return Err(ServerError::WaiterGone);
         }
-        wait.place.1 = state.next_ticket;
+        wait.place.ticket = state.next_ticket;
         state.next_ticket += 1;
         let place = wait.place;
         // Counted before any thread can take it, so its outcome comes after.
@@ -145,7 +146,7 @@ impl Pool {
             return Ok((place, Action::default()));
         }
         let max_threads = self.shared.config.max_threads;
-        Ok((place, state.place(key, max_threads, self.watching())))
+        Ok((place, state.place(key, max_threads, self.reports_stuck())))
     }
 
     /// The future of the wait at `place` in `key` was dropped: take it out
@@ -222,10 +223,10 @@ impl Pool {
         took: Option<Duration>,
         next: bool,
     ) -> (Option<Wait>, Option<Duration>) {
-        let watching = self.watching();
+        let reports_stuck = self.reports_stuck();
         let mut state = self.lock();
         let lane = state.lane_of(key, owner);
-        let ours = lane.is_some_and(|lane| lane.end_hold(slot, watching));
+        let ours = lane.is_some_and(|lane| lane.end_hold(slot, reports_stuck));
         let (mut entry, mut predicted) = (None, None);
         if let Some(took) = took {
             entry = state.unwatch(slot);
@@ -278,14 +279,15 @@ impl Pool {
     /// them), `rest` not, put back (or dropped, if their futures were;
     /// failed, after shutdown).
     pub(super) fn settle(&self, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
-        let watching = self.watching();
+        let reports_stuck = self.reports_stuck();
         let mut state = self.lock();
         let Some(lane) = state.lanes.get_mut(&key) else {
             drop(state);
             return self.fail(rest, &ServerError::WaiterGone);
         };
-        lane.out = lane.out.saturating_sub(resolved + rest.len());
-        lane.progressed(watching && resolved > 0);
+        // Exact: the batch was counted out whole (overflow-checked in debug builds).
+        lane.out -= resolved + rest.len();
+        lane.progressed(reports_stuck && resolved > 0);
         let (cancelled, back): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
         for wait in back {

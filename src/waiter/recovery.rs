@@ -35,7 +35,7 @@ impl Pool {
             }
         }
         if state.poller {
-            // It may be asleep for a while (watching): the lanes are its now.
+            // It may be asleep for a while (between stall checks): the lanes are its now.
             return state.poller_for_work();
         }
         let mut failed = Vec::new();
@@ -64,11 +64,12 @@ impl Pool {
         batch_lane: Option<LaneKey>,
         batch: &mut Vec<Wait>,
     ) -> Vec<Action> {
-        let (max_threads, watching) = (self.shared.config.max_threads, self.watching());
+        let (max_threads, reports_stuck) = (self.shared.config.max_threads, self.reports_stuck());
         let mut held = Vec::new();
         let mut state = self.lock();
         if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
-            lane.out = lane.out.saturating_sub(batch.len());
+            // Exact: a batch is out of its lane until it is settled, and then no more its lane's.
+            lane.out -= batch.len();
         }
         state.leave(owner);
         // Placed again: one of them may have counted on this thread.
@@ -87,14 +88,14 @@ impl Pool {
         }
         let mut actions: Vec<Action> = placed
             .into_iter()
-            .map(|key| state.place(key, max_threads, watching))
+            .map(|key| state.place(key, max_threads, reports_stuck))
             .collect();
         // A watcher lost with entries left is started again.
         if owner == Owner::Watcher && !state.watched.is_empty() && !state.shutdown {
             actions.push(state.watcher_for_work(None));
         }
         // The poller watches while a lane is left, even if it was the one lost.
-        if watching && !state.poller && !state.shutdown && !state.lanes.is_empty() {
+        if reports_stuck && !state.poller && !state.shutdown && !state.lanes.is_empty() {
             actions.push(state.poller_for_work());
         }
         drop(state);

@@ -10,9 +10,13 @@ use super::watcher::{LaneHistory, Watched, HISTORIES};
 use crate::sync::checked::Invariants;
 use crate::sync::Arc;
 
-/// A wait's place in its lane: its sequence in its stream, then its
-/// hand-off's ticket (so a backend whose numbers repeat loses no wait).
-pub(crate) type Place = (u64, u64);
+/// A wait's place in its lane: ordered by its sequence in its stream, then by its hand-off's
+/// ticket (so a backend whose numbers repeat loses no wait).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Place {
+    pub(super) sequence: u64,
+    pub(super) ticket: u64,
+}
 
 /// Who serves a lane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +43,7 @@ pub(crate) struct Wait {
 impl Wait {
     /// Its number in its stream.
     pub(super) fn sequence(&self) -> u64 {
-        self.place.0
+        self.place.sequence
     }
 
     pub(crate) fn new(
@@ -48,7 +52,10 @@ impl Wait {
         lane: LaneKey,
         name: Option<std::sync::Arc<str>>,
     ) -> Self {
-        let place = (waitable.sequence(), 0);
+        let place = Place {
+            sequence: waitable.sequence(),
+            ticket: 0,
+        };
         Self {
             waitable,
             slot,
@@ -83,14 +90,14 @@ impl Lane {
 
     /// Its held wait, if it is still `slot`'s (not resolved by shutdown),
     /// ended: it is held no more, and the lane progressed. Whether it was.
-    pub(super) fn end_hold(&mut self, slot: &Arc<Slot>, watching: bool) -> bool {
+    pub(super) fn end_hold(&mut self, slot: &Arc<Slot>, reports_stuck: bool) -> bool {
         let ours = self.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
-        self.progressed(watching && ours);
+        self.progressed(reports_stuck && ours);
         ours
     }
 
-    pub(super) fn progressed(&mut self, watching: bool) {
-        if watching {
+    pub(super) fn progressed(&mut self, reports_stuck: bool) {
+        if reports_stuck {
             self.since = Instant::now();
             self.reported = false;
         }
@@ -151,8 +158,13 @@ pub(crate) struct Action {
 impl State {
     /// Queue new lane `key` and decide who serves it: an idle lane thread,
     /// else one between lanes (as many lane threads as lanes), else a new
-    /// one, else the poller. While `watching` the poller runs too.
-    pub(super) fn place(&mut self, key: LaneKey, max_threads: usize, watching: bool) -> Action {
+    /// one, else the poller. While stalls are reported the poller runs too.
+    pub(super) fn place(
+        &mut self,
+        key: LaneKey,
+        max_threads: usize,
+        reports_stuck: bool,
+    ) -> Action {
         let mut action = Action::default();
         if self.shutdown {
             return action;
@@ -166,15 +178,22 @@ impl State {
             return self.poller_for_work();
         }
         self.for_threads.push_back(key);
-        action.spawn_poller = watching && !self.poller && self.add_poller();
+        if reports_stuck && !self.poller {
+            self.add_poller();
+            action.spawn_poller = true;
+        }
         action
     }
 
     /// The poller has work: wake it, or start it.
     pub(super) fn poller_for_work(&mut self) -> Action {
+        let spawn_poller = !self.poller;
+        if spawn_poller {
+            self.add_poller();
+        }
         Action {
-            wake_poller: self.poller,
-            spawn_poller: !self.poller && self.add_poller(),
+            wake_poller: !spawn_poller,
+            spawn_poller,
             ..Action::default()
         }
     }
@@ -204,7 +223,9 @@ impl State {
         if !super::plant::planted("woke-keeps-idle-count") {
             self.idle -= 1;
         }
-        self.notified = self.notified.saturating_sub(1);
+        // It takes a wake-up sent for an idle thread, if one is pending: a thread that timed out
+        // or woke spuriously may find none (the one sent then wakes another idle thread).
+        self.notified -= usize::from(self.notified > 0);
     }
 
     /// Count in a new lane thread: its number.
@@ -216,10 +237,10 @@ impl State {
     }
 
     /// Count in the poller (there is none).
-    pub(super) fn add_poller(&mut self) -> bool {
+    pub(super) fn add_poller(&mut self) {
+        debug_assert!(!self.poller, "a second poller");
         self.poller = true;
         self.peak_threads = self.peak_threads.max(self.threads());
-        true
     }
 
     pub(super) fn threads(&self) -> usize {

@@ -121,7 +121,7 @@ impl WaiterThread {
                     contain::drop(wait);
                 }
             }
-            if !self.resolve_reached(key).1 {
+            if !self.resolve_reached(key).more {
                 return;
             }
             let Some(next) = self.pool.take_oldest(key, owner) else {
@@ -170,9 +170,8 @@ impl WaiterThread {
     /// the first that is not, in batches: taken out in one hold of the lock,
     /// asked outside it, the rest put back in one more. Each batch all
     /// reached doubles the next, from 2 (1 for the poller, which mostly hears
-    /// "not yet") up to [`BATCH`]. How many it resolved, and whether the lane
-    /// has more and is still this thread's.
-    pub(super) fn resolve_reached(&mut self, key: LaneKey) -> (usize, bool) {
+    /// "not yet") up to [`BATCH`].
+    pub(super) fn resolve_reached(&mut self, key: LaneKey) -> Resolved {
         let poller = self.owner == Owner::Poller;
         let mut limit = if poller { 1 } else { 2 };
         let mut resolved = 0;
@@ -181,7 +180,10 @@ impl WaiterThread {
                 .pool
                 .take_batch(key, self.owner, limit, &mut self.batch)
             {
-                return (resolved, false);
+                return Resolved {
+                    resolved,
+                    more: false,
+                };
             }
             self.batch_lane = Some(key);
             self.pool.planted_escape(self.owner);
@@ -191,6 +193,8 @@ impl WaiterThread {
             resolved += reached;
             limit = (limit * 2).min(BATCH);
             self.pool.settle(key, rest, reached);
+            // Settled: the batch is its lane's no more, whatever happens next.
+            self.batch_lane = None;
             let mut failed = failed.into_iter().peekable();
             for (index, wait) in self.batch.iter().enumerate() {
                 let result = match failed.next_if(|(at, _)| *at == index) {
@@ -200,12 +204,22 @@ impl WaiterThread {
                 self.pool.deliver(&wait.slot, result);
             }
             self.batch.drain(..).for_each(contain::drop);
-            self.batch_lane = None;
             if more {
-                return (resolved, true);
+                return Resolved {
+                    resolved,
+                    more: true,
+                };
             }
         }
     }
+}
+
+/// What [`WaiterThread::resolve_reached`] did.
+pub(super) struct Resolved {
+    /// How many waits it resolved.
+    pub(super) resolved: usize,
+    /// Whether the lane has more and is still this thread's.
+    pub(super) more: bool,
 }
 
 /// How many of `batch`'s waits a query shows reached (or failed) before the

@@ -38,10 +38,10 @@ impl Pool {
         took: Duration,
         late: bool,
     ) -> bool {
-        let watching = self.watching();
+        let reports_stuck = self.reports_stuck();
         let mut state = self.lock();
         let lane = state.lanes.get_mut(&entry.lane);
-        let ours = lane.is_some_and(|lane| lane.end_hold(&entry.slot, watching));
+        let ours = lane.is_some_and(|lane| lane.end_hold(&entry.slot, reports_stuck));
         if ours {
             state.history(entry.lane).seen(entry, took, late);
         }
