@@ -3,13 +3,13 @@
 # code one small way at a time (a condition flipped, a body replaced by a
 # default) and runs the tests that cover it; a mutant that no test fails
 # ("missed") is a gap in the tests, or a change that cannot be seen (an
-# equivalent mutant). Each known missed mutant is listed in scripts/README.md
+# equivalent mutant). Each known missed mutant is listed in docs/testing.md
 # with the test that kills it or the reason it is equivalent.
 #
 #   bash scripts/mutants.sh                 # src/waiter/ (its tests aside), src/fence.rs, src/api.rs
 #   bash scripts/mutants.sh src/waiter/slot.rs   # one file
 #
-# Not in CI: it builds and tests a few hundred mutants (see scripts/README.md
+# Not in CI: it builds and tests a few hundred mutants (see docs/testing.md
 # for how long that takes). Installs cargo-mutants if it is missing. Results
 # go to target/mutants/mutants.out/ (missed.txt, caught.txt, timeout.txt),
 # or under $MUTANTS_OUT. MUTANTS_TIMEOUT (seconds a mutant's tests may run,
