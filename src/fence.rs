@@ -59,7 +59,7 @@ impl<A: EventApi> EventFence<A> {
     /// is already reached; errors surface when it is waited on. A stream-capture refusal
     /// ([`ServerError::is_stream_capture`]) or a shut-down driver ([`ServerError::is_shut_down`])
     /// is not worked around: the fence holds that error. [`try_new`](Self::try_new) returns the
-    /// refusal instead.
+    /// refusal instead. A faulted stream warns once; later fences on it log at debug level.
     pub fn new(stream: A::Stream) -> Self {
         Self::try_new(stream).unwrap_or_else(|err| Self::fall_back(stream, err))
     }
@@ -193,6 +193,14 @@ impl<A: EventApi> EventFence<A> {
     /// the API call", `cuEventRecord` in the CUDA driver API), so the same fence can then make
     /// another stream wait, be awaited, be waited on, or go in a drop queue, with no second
     /// event recorded.
+    ///
+    /// Streams for stages: a device-side wait holds back everything queued on `stream` after
+    /// it, not only one request's work. Stage two of a request made to wait on its stage one
+    /// delays every later piece of work on that stream, other requests' included, so routing
+    /// each request's stage two to the next stream of a shared pool serializes requests behind
+    /// each other's stage one. Give each request in flight its own pair of streams, or queue
+    /// stage two behind its own stage one on the same stream (which orders it at no cost), and
+    /// keep `wait_async` for joining work that has to run on another stream.
     ///
     /// ```
     /// use device_events::host::HostStream;

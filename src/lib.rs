@@ -35,8 +35,15 @@
 //! [`AnyProfiler`] times either.
 //!
 //! How the waiter serves awaits (lanes, one thread per busy stream, the
-//! poller, cancellation) is described once, in [`Waiter`]'s docs (its
-//! section "How it works: the lane algorithm"); see also its builder.
+//! poller, the watcher, cancellation) is described once, in the [`waiter`]
+//! module's docs.
+//!
+//! What blocks the calling thread: [`EventFence::wait_sync`], and the drop
+//! queue's `flush`, `push_blocking`, `shutdown` and its drop (until every
+//! fence has passed). In async code use `.await`, `flush_async`,
+//! `push_async` and `shutdown_async`, which block no thread. Dropping a
+//! stream returns at once, as `cuStreamDestroy` does: its queued work still
+//! runs, so a buffer that work reads must outlive the work, not the stream.
 //!
 //! # Knobs
 //!
@@ -46,7 +53,8 @@
 //! [`keep_alive`](WaiterBuilder::keep_alive) (default
 //! [`DEFAULT_KEEP_ALIVE`]), [`thread_name`](WaiterBuilder::thread_name), and
 //! [`spin_budget`](WaiterBuilder::spin_budget) (default zero, at most
-//! [`MAX_SPIN_BUDGET`]), and [`stuck_after`](WaiterBuilder::stuck_after)
+//! [`MAX_SPIN_BUDGET`]), [`watchers`](WaiterBuilder::watchers) (default
+//! [`default_watchers`]) and [`stuck_after`](WaiterBuilder::stuck_after)
 //! (off by default). [`Waiter::stats`] tells what a waiter is doing
 //! ([`WaiterStats`]), [`Waiter::stuck`] which streams have not finished in
 //! `stuck_after`; with the `serde` feature every stats type is
@@ -138,7 +146,7 @@ mod event;
 mod fence;
 
 #[cfg(multi_threading)]
-mod waiter;
+pub mod waiter;
 
 #[cfg(multi_threading)]
 mod profiler;

@@ -14,6 +14,9 @@
 //! `futures.rs`, [`PushFuture`] and [`Progress`]; `handed_back.rs`,
 //! [`Rejected`] (with [`Refused`]) and [`HandedBack`], the values given back
 //! to the caller.
+//!
+//! The queue exists where threads do (`cfg(multi_threading)`, set by
+//! `build.rs`).
 
 mod fence;
 mod futures;

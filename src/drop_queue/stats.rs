@@ -14,7 +14,8 @@ pub struct DropQueueStats {
     /// Values dropped after their fence passed.
     pub dropped: u64,
     /// Values leaked because their fence failed, or had not passed when
-    /// given to a queue whose thread had exited.
+    /// given to a queue whose thread had exited. Above zero: values kept for good, because a
+    /// faulted device may still read their memory.
     pub leaked: u64,
     /// Values handed back unpassed by
     /// [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now).

@@ -29,7 +29,15 @@ use crate::{EventApi, EventFence, ServerError};
 ///
 /// Dropping it cancels the wait and never blocks: its event is destroyed at
 /// once, or soon after by a waiter thread (one it is blocked on, when the
-/// block ends), so timeouts retried on a stuck stream pile nothing up.
+/// block ends; destroying an event with pending work is legal and does not
+/// block), so timeouts retried on a stuck stream pile nothing up. The stream's
+/// work is not affected, and the stream and the waiter go on serving.
+///
+/// No future is left pending forever: a faulted stream resolves all its
+/// pending waits with the fault; a dropped stream's waits resolve once its
+/// queued work is done (dropping a stream does not wait for that work, as
+/// `cuStreamDestroy` does not); a panic in a waker or an event's release is
+/// logged once and costs only that wait.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct FenceFuture<A: EventApi> {
     handoff: Handoff<EventFence<A>>,

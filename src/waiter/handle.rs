@@ -182,7 +182,8 @@ impl Waiter {
 
     /// Resolve every pending wait with [`ServerError::WaiterGone`] (those a
     /// thread is blocked on too), refuse new ones so, and let the threads
-    /// exit; never blocks. On [`Waiter::global()`] it only logs a warning.
+    /// exit; never blocks, and safe to call twice. On [`Waiter::global()`] it only logs a
+    /// warning.
     pub fn shutdown(&self) {
         if self.global {
             log::warn!(
@@ -315,7 +316,10 @@ impl Default for WaiterBuilder {
 impl WaiterBuilder {
     /// How many threads may sleep in the driver at once, one per busy stream
     /// (1 to [`MAX_THREADS_LIMIT`], clamped; default [`DEFAULT_MAX_THREADS`]).
-    /// One more polls the streams beyond that.
+    /// One more thread polls the streams beyond that (a query each, backing off from 50 µs to
+    /// 1 ms while nothing moves), so a busy stream is never left waiting behind another's work;
+    /// those streams' waits may end up to 1 ms later. [`WaiterStats::threads`] near
+    /// `max_threads` for long says raise it.
     pub fn max_threads(mut self, max_threads: usize) -> Self {
         self.config.max_threads = max_threads.clamp(1, MAX_THREADS_LIMIT);
         self
@@ -328,7 +332,7 @@ impl WaiterBuilder {
         self
     }
 
-    /// The prefix of the threads' names (`{prefix}-{n}`, `{prefix}-poller`);
+    /// The prefix of the threads' names (`{prefix}-{n}`, `{prefix}-poller`, `{prefix}-watcher`);
     /// default `device-events-waiter`. No thread can be named with a NUL
     /// byte: [`try_build`](Self::try_build) rejects such a prefix.
     pub fn thread_name(mut self, prefix: impl Into<String>) -> Self {
@@ -362,8 +366,8 @@ impl WaiterBuilder {
     /// ([`WaiterStats::watcher_cpu`] reports it). Ask for `watchers(1)` on a
     /// small machine when wake latency matters more than that CPU: streams
     /// of items of steady length (about 1 ms and longer) gain most; waits
-    /// shorter than 150 µs are left to the driver. How it works: the module
-    /// docs of `src/waiter/mod.rs`.
+    /// shorter than 150 µs are left to the driver. How it works: the
+    /// [`waiter`](crate::waiter#the-watcher) module's docs.
     ///
     /// ```
     /// use device_events::Waiter;
@@ -382,6 +386,13 @@ impl WaiterBuilder {
     /// poller runs (the one thread beyond [`max_threads`](Self::max_threads)
     /// besides the watcher) and looks every quarter of `after`, at most once
     /// a millisecond.
+    ///
+    /// Each stall is warned about once, within a quarter of `after` past it, by the poller,
+    /// with no lock of the waiter's held (a slow logger holds up no wait): the warning names
+    /// the stream, how long its oldest wait has waited, how many wait behind it, and whether
+    /// that wait's own future gave up on it (a timeout does not end the stall: the stream is
+    /// still held). A long queue that keeps moving is not stuck, and a stream whose every wait
+    /// was given up while queued (not blocked on) is listed no more.
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self

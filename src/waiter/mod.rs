@@ -102,7 +102,7 @@
 //! - `handoff.rs`, `future.rs`, `slot.rs`: the first poll and hand-off, [`FenceFuture`], and
 //!   the slot a result goes to; `waitable.rs`: how the waiter sees a fence;
 //! - `state.rs`: everything under the one lock, its invariants (checked as the lock is let go,
-//!   in debug and loom builds: [`crate::sync::checked`]) and the decisions made under it;
+//!   in debug and loom builds, by `sync::checked`) and the decisions made under it;
 //! - `pool.rs`: the settings, the lock, and the operations on lanes;
 //! - `threads.rs`: starting threads, lane threads; `poller.rs`: the poller; `watcher/`: the
 //!   watcher; `recovery.rs`: a thread that could not start, or unwound, gives back what it held;

@@ -11,6 +11,12 @@ use crate::waiter::latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
 /// Every wait handed off ends as exactly one of `resolved`, `failed` or
 /// `cancelled` (its result or its future's drop, whichever came first), and
 /// every snapshot has `handed_off >= resolved + failed + cancelled`.
+///
+/// Read without stopping the waiter: counters are striped per thread, gauges read under the
+/// waiter's lock. Worth an alert: `failed` growing (device faults, which are sticky: the stream
+/// or context needs recreating; or a waiter shut down under live requests), and `pending`
+/// growing without bound while `resolved` stays flat (work queued faster than the device
+/// finishes it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
