@@ -30,9 +30,9 @@ use std::time::Duration;
 /// How many forks separate this process from the one that first asked.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
-/// The current fork generation, watching for forks from the first call on: take it when a pool
+/// The current fork generation, tracking forks from the first call on: take it when a pool
 /// is made, and compare later reads of [`fork_generation`] with it.
-pub(crate) fn watch_forks() -> u64 {
+pub(crate) fn track_forks() -> u64 {
     #[cfg(unix)]
     {
         static WATCH: std::sync::Once = std::sync::Once::new();
@@ -52,7 +52,7 @@ pub(crate) fn watch_forks() -> u64 {
     fork_generation()
 }
 
-/// The current fork generation, for comparing with one taken by [`watch_forks`].
+/// The current fork generation, for comparing with one taken by [`track_forks`].
 pub(crate) fn fork_generation() -> u64 {
     GENERATION.load(Ordering::Relaxed)
 }

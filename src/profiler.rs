@@ -156,8 +156,9 @@ impl<A: EventApi> EventProfiler<A> {
     /// default [`EventApi::stream_context`]) and the profiler's idle events are of the other.
     pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
         let key = A::stream_context(stream)?;
+        let (event, _sequence) = self.pool.record(key, stream)?;
         Ok(ProfileStart {
-            event: Some(self.pool.record(key, stream)?.0),
+            event: Some(event),
             key,
             pool: self.pool.clone(),
         })

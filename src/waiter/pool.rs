@@ -80,7 +80,7 @@ impl Pool {
                 watch_work: Condvar::new(),
                 published: AtomicUsize::new(0),
                 watcher_early: Early::default(),
-                fork_generation: crate::os::watch_forks(),
+                fork_generation: crate::os::track_forks(),
                 #[cfg(test)]
                 plants: Default::default(),
             }),
@@ -427,43 +427,5 @@ impl Pool {
             panic!("a panic planted by a test, outside any contained call");
         }
         let _ = owner;
-    }
-
-    #[cfg(test)]
-    pub(super) fn plants(&self) -> &super::tests::plants::Plants {
-        &self.shared.plants
-    }
-
-    /// The watcher's entries, for tests.
-    #[cfg(test)]
-    pub(super) fn watched_entries(&self) -> usize {
-        self.lock().watched.len()
-    }
-
-    /// Give `key`'s history a wait that took `took`, for tests.
-    #[cfg(all(test, not(device_events_loom)))]
-    pub(super) fn seed_history(&self, key: LaneKey, took: Duration) {
-        self.lock().history(key).ended(took);
-    }
-
-    /// How many waits `key`'s history has learnt, for tests.
-    #[cfg(all(test, not(device_events_loom)))]
-    pub(super) fn history_len(&self, key: LaneKey) -> usize {
-        self.lock()
-            .histories
-            .get(&key)
-            .map_or(0, super::watcher::LaneHistory::len)
-    }
-
-    /// Whether the watcher sleeps on its condvar now, for tests.
-    #[cfg(all(test, not(device_events_loom)))]
-    pub(super) fn watcher_waits(&self) -> bool {
-        self.lock().watcher_waits
-    }
-
-    /// Lane threads asleep for work now, for tests that need one idle.
-    #[cfg(all(test, not(device_events_loom)))]
-    pub(super) fn idle_threads(&self) -> usize {
-        self.lock().idle
     }
 }

@@ -359,11 +359,10 @@ impl State {
         let key = match queued.or_else(|| self.for_poller.pop_front()) {
             Some(key) => key,
             None if self.poller => {
-                *self
-                    .lanes
-                    .iter()
-                    .find(|(_, lane)| lane.owner == Owner::Poller && lane.out == 0)?
-                    .0
+                let adopted = self.lanes.iter();
+                let mut adopted = adopted.filter(|(_, lane)| lane.owner == Owner::Poller);
+                let (&key, _) = adopted.find(|(_, lane)| lane.out == 0)?;
+                key
             }
             None => return None,
         };

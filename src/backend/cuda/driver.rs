@@ -332,7 +332,7 @@ fn load() -> Result<Loaded, ServerError> {
         launch_kernel: entry!("cuLaunchKernel"),
     };
     // Taken first: a fork from now on is one of a process that may have initialized the driver.
-    let generation = crate::os::watch_forks();
+    let generation = crate::os::track_forks();
     // SAFETY: cuInit takes flags by value; 0 is the only documented value.
     let status = unsafe { (api.init)(0) };
     // Named by the driver's own lookups: the table is not stored yet.

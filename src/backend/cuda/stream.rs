@@ -167,16 +167,15 @@ impl CudaStreamHandle {
             // The registry's lock may have stayed held in the parent.
             return Self { id: 0, thread: 0 };
         }
+        let (id, _per_stream) = STREAMS.register(stream, || {
+            Arc::new(PerStream {
+                pool: FencePool::of(stream.context()),
+                live: LiveEvents::default(),
+                sequenced: Mutex::default(),
+            })
+        });
         Self {
-            id: STREAMS
-                .register(stream, || {
-                    Arc::new(PerStream {
-                        pool: FencePool::of(stream.context()),
-                        live: LiveEvents::default(),
-                        sequenced: Mutex::default(),
-                    })
-                })
-                .0,
+            id,
             thread: if per_thread { thread_key() } else { 0 },
         }
     }

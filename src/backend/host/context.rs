@@ -75,7 +75,7 @@ impl HostContext {
         Self {
             shared: Arc::new(ContextShared {
                 id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
-                generation: crate::os::watch_forks(),
+                generation: crate::os::track_forks(),
                 fault: OnceLock::new(),
                 streams: Mutex::new(Vec::new()),
             }),

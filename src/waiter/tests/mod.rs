@@ -4,7 +4,8 @@
 //! - `guards.rs`: threads that unwind, refused spawns, panicking wakers;
 //! - `loom_models.rs`: the loom models (`--cfg device_events_loom`);
 //! - `mock_device.rs`: a device whose fences a test ends one by one;
-//! - `plants.rs`: faults a test plants in one pool.
+//! - `plants.rs`: faults a test plants in one pool;
+//! - `readers.rs`: what tests read of a pool's state.
 
 #[cfg(not(device_events_loom))]
 mod guards;
@@ -12,5 +13,6 @@ mod guards;
 mod loom_models;
 mod mock_device;
 pub(super) mod plants;
+mod readers;
 #[cfg(not(device_events_loom))]
 mod unit;
