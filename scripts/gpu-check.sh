@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine from the binaries scripts/build-device-bin.sh made:
 # every test with DEVICE_EVENTS_REQUIRE_CUDA=1 (a missing driver fails them
-# instead of skipping), the examples, then the benchmark; a short summary last.
+# instead of skipping), the fences, join_streams, cuda_copy_to_host and
+# cuda_library_stream examples, then the benchmark; a short summary last.
 #
 #   bash device-bin/gpu-check.sh [device-bin] [--quick|--large]
 #
@@ -15,8 +16,6 @@
 # any other test binary):
 # - tests/cuda_capture.rs: a record on a stream whose capture was
 #   invalidated (refused with 901, or captured: the test accepts both);
-#   cuEventElapsedTime during another thread's global capture (the fake
-#   prohibits it; the crate makes it in the relaxed mode either way);
 #   fork and join of two streams within one capture ending cleanly.
 # - tests/cuda_exit.rs: a real driver's teardown at process exit under
 #   pending waits (exit status 0, no warnings or errors logged).

@@ -45,7 +45,7 @@ plant_loom() {
     # A model that fails reports FAILED, or (when loom's own clean-up
     # panics after it found a deadlock) dies with the model's panic logged.
     local failure
-    failure=$(grep -m1 -o -E "^test .*$model .* FAILED$|'waiter::loom_models::$model' \([0-9]+\) panicked at .*" "$work/$name.log" || true)
+    failure=$(grep -m1 -o -E "^test .*$model .* FAILED$|'waiter::tests::loom_models::$model' \([0-9]+\) panicked at .*" "$work/$name.log" || true)
     if [[ -z $failure ]]; then
         echo "NOT A MODEL FAILURE: $name (log $work/$name.log)"
         tail -5 "$work/$name.log"

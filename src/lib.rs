@@ -178,6 +178,7 @@ pub use profiler::{
     EventProfiler, Profile, ProfileFuture, ProfileStart, ProfilerStats, DEFAULT_PROFILER_CAPACITY,
 };
 #[cfg(multi_threading)]
+#[doc(inline)]
 pub use waiter::{
     default_watchers, Awaitable, FenceFuture, LatencyHistogram, StuckWait, Waiter, WaiterBuilder,
     WaiterStats, DEFAULT_KEEP_ALIVE, DEFAULT_MAX_THREADS, LATENCY_BUCKETS, MAX_SPIN_BUDGET,

@@ -1,5 +1,6 @@
 //! Implementations of [`EventApi`](crate::EventApi): the CUDA driver and CPU host streams, and
-//! what only backends use. Backends know nothing of fences or the waiter.
+//! what only backends use. Backends know nothing of the waiter, and name fences only to offer
+//! `cuda::fence` and `HostStream::fence`.
 //!
 //! - `cuda/`: the CUDA driver, through cudarc (feature `cuda`);
 //! - `host/`: CPU streams, each a worker thread running launched closures in order;

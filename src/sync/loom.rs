@@ -1,4 +1,4 @@
-//! The crate's only locks, condition variable and thread spawn: std's, or loom's under
+//! The crate's only locks and condition variable, and the waiter's thread spawns: std's, or loom's under
 //! `cfg(device_events_loom)` so the waiter's models explore every interleaving (as tokio's
 //! `src/loom/`).
 //!

@@ -1,7 +1,7 @@
 //! Locks, shared state and the rules that keep it whole:
 //!
-//! - `loom.rs`: the crate's only locks, condition variable, atomics shared with the waiter's
-//!   models, and thread spawn (std's, or loom's under `cfg(device_events_loom)`), re-exported
+//! - `loom.rs`: the crate's only locks and condition variable, the atomics shared with the
+//!   waiter's models, and the waiter's thread spawns (std's, or loom's under `cfg(device_events_loom)`), re-exported
 //!   here;
 //! - `checked.rs`: [`checked::Checked`], a lock guard that checks its state's invariants as the
 //!   lock is let go;

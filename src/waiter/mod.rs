@@ -8,7 +8,7 @@
 //!   `EventApi::stream_id`.
 //! - **lane thread**: serves one lane at a time. **Poller** (at most one):
 //!   asks the lanes past `max_threads` in rounds, drops withdrawn waits,
-//!   watches for stalls. **Watcher** (at most one, where watchers are on):
+//!   reports stalls. **Watcher** (at most one, where watchers are on):
 //!   races the lane threads' blocks by watching progress words (below).
 //! - **hand-off**: a first poll that found the fence not reached puts its
 //!   wait in its lane. **Resolve**: leave a result in the slot, wake the task.
@@ -108,7 +108,9 @@
 //!   watcher; `recovery.rs`: a thread that could not start, or unwound, gives back what it held;
 //! - `contain.rs`: calls into code the waiter does not own; `stuck.rs`: stall reports;
 //!   `stats.rs`, `latency_histogram.rs`: [`WaiterStats`]; `plant.rs`: planted-defect hooks;
-//! - `tests/`: unit tests, guards and loom models, with their mock device.
+//! - `tests/`: unit tests, guards and loom models, with their mock device and the faults
+//!   they plant in a pool (`plants.rs`); the watcher's own unit tests are in
+//!   `watcher/timing.rs`.
 
 mod contain;
 mod future;

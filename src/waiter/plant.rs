@@ -1,6 +1,6 @@
 //! Planted defects: each one a bug that a review once found (or that a fix
 //! removed), switched on by name so that `scripts/plant-defects.sh` can check
-//! that a test or a loom model fails with it.
+//! that a loom model fails with it.
 //!
 //! The hooks exist only in builds with `--cfg device_events_plant`; there,
 //! `DEVICE_EVENTS_PLANT=<name>` picks the defect for the whole process. In

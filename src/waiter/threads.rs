@@ -1,5 +1,5 @@
 //! The waiter's threads: how they start and serve lanes, and the guard that
-//! gives back what one held if it unwinds.
+//! gives back what one held if it unwinds (its `Drop` is in `recovery.rs`).
 
 use std::time::{Duration, Instant};
 

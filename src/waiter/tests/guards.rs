@@ -112,21 +112,23 @@ fn with_no_thread_at_all_the_waits_fail_instead_of_hanging() {
 }
 
 #[test]
-fn a_poller_that_unwinds_while_watching_is_started_again_and_watches_on() {
+fn a_poller_that_unwinds_while_reporting_stalls_is_started_again_and_reports_on() {
     // One lane thread, blocked on lane 0; the poller polls lane 1 and
-    // watches for stuck streams.
+    // reports stuck streams.
     let (pool, held, blocked) = one_lane_thread_blocked(KEEP_ALIVE, Some(Duration::from_millis(1)));
     assert_eq!(
         pool.gauges().threads,
         2,
-        "a lane thread and the watching poller"
+        "a lane thread and the poller reporting stalls"
     );
     pool.plants().escapes.store(1, Ordering::SeqCst);
     let polled = Arc::new(Device::default());
     assert!(is_panicked(&result_of(&submit(&pool, &polled, 1, 1))));
     // Lane 1 is gone with its wait; lane 0 is still held, so the poller is
     // started again to watch it, and lists it.
-    eventually("the poller watches again", || pool.gauges().threads == 2);
+    eventually("the poller reports stalls again", || {
+        pool.gauges().threads == 2
+    });
     eventually("the held stream is listed", || pool.stuck().len() == 1);
     assert_eq!(pool.stuck()[0].stream, "mock stream 0");
     held.finish();

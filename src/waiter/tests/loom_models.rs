@@ -446,6 +446,9 @@ fn loom_a_future_dropped_while_the_poller_has_its_wait_out() {
 
 #[test]
 fn loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once() {
+    // Catches plant `watcher-takes-the-hold-delivers-nothing`: a watcher that
+    // takes the held wait and never delivers it leaves its task asleep
+    // (deadlock).
     loom::model(|| {
         // The lane thread puts its wait on the watcher's list and blocks in
         // the driver; the device finishes (its event, then its word) as the
@@ -523,6 +526,8 @@ fn loom_a_wait_cancelled_while_watched() {
 
 #[test]
 fn loom_shutdown_during_the_race() {
+    // Catches plant `shutdown-leaves-the-watchers-list`: entries left on the
+    // list of a watcher that exits fail the pool's invariants.
     loom::model(|| {
         // Shutdown comes while the wait may be on the watcher's list (or
         // before it got there, or after it left): the wait resolves with the
