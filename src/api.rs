@@ -1,6 +1,5 @@
-//! The backend contract: what a driver must offer for events and fences, and
-//! [`ProgressWord`], how far a stream has got, in host memory that the stream itself sets as it
-//! passes each recorded point, so a host thread learns it with a memory load, not a driver call.
+//! The backend contract: what a driver must offer for events and fences, and [`ProgressWord`],
+//! how far a stream has got, learned with a memory load rather than a driver call.
 
 use core::fmt::{self, Debug};
 use core::hash::{Hash, Hasher};
@@ -13,18 +12,12 @@ use crate::ServerError;
 
 /// Orders recorded points across the process: for backends that keep no per-stream order (the
 /// default `EventApi::stream_sequence`), and for fences resolved at creation.
-static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
-
-/// The next number in the process-wide order of recorded points.
 pub(crate) fn next_sequence() -> u64 {
+    static NEXT_SEQUENCE: AtomicU64 = AtomicU64::new(0);
     NEXT_SEQUENCE.fetch_add(1, Ordering::Relaxed)
 }
 
-/// How an event is created.
-///
-/// Fences want [`EventFlags::FENCE`]: no timestamps (cheaper to record) and a blocking
-/// synchronize, so a thread waiting on one sleeps in the driver rather than spinning. Timing
-/// events ([`EventFlags::TIMING`]) keep timestamps for [`EventApi::event_elapsed`].
+/// How an event is created: [`FENCE`](Self::FENCE) or [`TIMING`](Self::TIMING).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct EventFlags {
     /// Record a timestamp, so the time between two events can be read.
@@ -34,12 +27,12 @@ pub struct EventFlags {
 }
 
 impl EventFlags {
-    /// For fences: no timing, blocking synchronize.
+    /// For fences: no timestamps (cheaper to record), and a thread waiting sleeps in the driver.
     pub const FENCE: Self = Self {
         timing: false,
         blocking_sync: true,
     };
-    /// For profiling: timing on, blocking synchronize.
+    /// For profiling: timestamps for [`EventApi::event_elapsed`], blocking synchronize.
     pub const TIMING: Self = Self {
         timing: true,
         blocking_sync: true,
@@ -49,8 +42,8 @@ impl EventFlags {
 /// A backend's event and stream calls, shaped like a driver's C API.
 ///
 /// Every function is static and works on raw handles; [`Event`](crate::Event) and
-/// [`EventFence`](crate::EventFence) add ownership and the fallbacks. Implementations must never
-/// panic on a driver or user fault: every failure comes back as a [`ServerError`].
+/// [`EventFence`](crate::EventFence) add ownership and the fallbacks. Implementations never panic
+/// on a driver or user fault: every failure is a [`ServerError`].
 ///
 /// Driver rules an implementation keeps (CUDA driver API semantics):
 /// - an event never recorded is complete;
@@ -58,13 +51,11 @@ impl EventFlags {
 ///   refers to the most recent record at the time of the call;
 /// - destroying an event whose work is pending is allowed and does not block.
 ///
-/// The trait also has hooks for fence events, hidden from these docs as they are for backends,
-/// not callers: `fence_event_acquire`, `fence_event_release`, `fence_event_record`,
-/// `event_record_sequenced`, `stream_sequence`, `stream_id` and `stream_progress`. Their
-/// defaults (create, destroy, create-then-record, record-then-number, one process-wide counter,
-/// a hash of the handle, no progress word) are correct for any backend; a backend may override
-/// them to pool fence events, keep a counter per stream, number its streams exactly or publish
-/// its streams' progress. Their contracts are documented in the source, `src/api.rs`.
+/// Hooks hidden from these docs (`fence_event_acquire`, `fence_event_release`,
+/// `fence_event_record`, `event_record_sequenced`, `stream_sequence`, `stream_id`,
+/// `stream_progress`) have defaults correct for any backend; a backend may override them to pool
+/// fence events, keep a counter per stream, number its streams exactly or publish their progress.
+/// Their contracts are documented in the source, `src/api.rs`.
 pub trait EventApi: Sized + Send + Sync + 'static {
     /// The backend's name, e.g. `"Cuda"` or `"Host"`.
     const BACKEND: &'static str;
@@ -75,8 +66,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// A raw event. Owned: [`EventApi::event_destroy`] consumes it.
     type Event: Send + Sync + 'static;
 
-    /// Create an event belonging to `stream`'s device and context (an event belongs to a
-    /// context: CUDA refuses to record an event on a stream of another context).
+    /// Create an event of `stream`'s context (CUDA refuses to record it on another context's).
     ///
     /// # Errors
     ///
@@ -120,9 +110,7 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// # Errors
     ///
     /// The driver refused the dependency, or `stream` is faulted or invalid
-    /// ([`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE): the caller's bug, which
-    /// [`EventFence::wait_async`](crate::EventFence::wait_async) does not paper over with a
-    /// host wait).
+    /// ([`status::INVALID_HANDLE`](crate::status::INVALID_HANDLE)).
     fn stream_wait_event(stream: Self::Stream, event: &Self::Event) -> Result<(), ServerError>;
 
     /// Block the calling thread until all work queued on `stream` is done.
@@ -139,23 +127,15 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     /// Either event has no timing or is not reached (`CUDA_ERROR_NOT_READY`), or a fault.
     fn event_elapsed(start: &Self::Event, end: &Self::Event) -> Result<Duration, ServerError>;
 
-    /// A key of `stream`'s context (device), for pools of events that belong to one context:
-    /// an [`EventProfiler`](crate::EventProfiler) keeps its idle timing events per key, so one
-    /// profiler serves every context it is given.
-    ///
-    /// For a backend's author, the contract:
-    /// - an event created for a stream of one key can be recorded on every stream of that key
-    ///   (one key, one context);
+    /// A key of `stream`'s context, by which an [`EventProfiler`](crate::EventProfiler) keeps its
+    /// idle timing events. The contract:
+    /// - an event created for a stream of one key can be recorded on every stream of that key;
     /// - a key is never given to a stream of another context while an event created for a
-    ///   stream of that key may still be alive: a number unique for the life of the process is
-    ///   simplest;
-    /// - streams of one context should share a key (else each key gets its own pool, and
-    ///   events are reused less).
+    ///   stream of that key may be alive (a number unique for the process's life is simplest);
+    /// - streams of one context should share a key (else events are reused less).
     ///
-    /// The default gives every stream the key 0, right for a backend with one context. A
-    /// backend with more that keeps the default gets one pool per profiler: used on a second
-    /// context, a profiler finds its idle events refused there and says so (a
-    /// [`ServerError::InvalidArgument`]), so its users keep one profiler per context.
+    /// The default gives every stream the key 0, right for a backend with one context; with more,
+    /// a profiler used on a second context refuses ([`ServerError::InvalidArgument`]).
     ///
     /// # Errors
     ///
@@ -167,10 +147,8 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         Ok(0)
     }
 
-    /// An event for a fence on `stream` ([`EventFlags::FENCE`]): from the backend's pool of
-    /// fence events when it keeps one, else a new one (the default creates one). Creating
-    /// events contends on the driver's context lock on busy GPUs; a pool makes a steady loop of
-    /// fences create none after warm-up.
+    /// An event for a fence on `stream` ([`EventFlags::FENCE`]): from the backend's pool, if it
+    /// keeps one (creating events contends on the driver's context lock on busy GPUs), else new.
     ///
     /// # Errors
     ///
@@ -181,9 +159,8 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     }
 
     /// Give back an event from [`fence_event_acquire`](Self::fence_event_acquire) that nothing
-    /// can wait on any more (its fence, future, waiter entry and drop-queue entry are gone):
-    /// keep it for a later fence, or destroy it (the default). Its last record may still be
-    /// pending; a later record replaces it, as the driver allows. Must not block.
+    /// can wait on any more: keep it for a later fence, or destroy it (the default). Its last
+    /// record may still be pending (a later record replaces it). Must not block.
     ///
     /// # Errors
     ///
@@ -193,23 +170,19 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         Self::event_destroy(event)
     }
 
-    /// A number for a point just recorded on `stream`: larger for a later record on the same
-    /// stream, and never the same twice for one stream. The waiter serves a stream's waits in
-    /// this order. The default takes one process-wide counter; a backend with per-stream state
-    /// keeps one counter per stream, so that fences on different streams, made on different
-    /// cores, do not contend on one cache line. Such a backend answers `u64::MAX` for a stream
-    /// it no longer finds (dropped): nothing is recorded on it after, so that number sorts after
-    /// every one the stream gave.
+    /// A number for a point just recorded on `stream`, larger for each later record on it: the
+    /// order the waiter serves a stream's waits in. The default takes one process-wide counter; a
+    /// backend may keep one per stream (no contended cache line), and answers `u64::MAX` for a
+    /// dropped stream (sorting after every number the stream gave).
     #[doc(hidden)]
     fn stream_sequence(stream: Self::Stream) -> u64 {
         let _ = stream;
         next_sequence()
     }
 
-    /// A number that tells `stream` apart from every other stream of this backend alive at the
-    /// same time: the waiter gives each number a lane of its own. The default hashes the
-    /// handle, so two streams of a backend that keeps it may share a number (their waits then
-    /// share a lane: one may wait behind the other's, but none fails or is lost).
+    /// A number that tells `stream` apart from the backend's other live streams: the waiter gives
+    /// each a lane. The default hashes the handle, so two streams may share one (then one may
+    /// wait behind the other's waits, but none fails or is lost).
     #[doc(hidden)]
     fn stream_id(stream: Self::Stream) -> u64 {
         let mut hasher = DefaultHasher::new();
@@ -217,12 +190,9 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         hasher.finish()
     }
 
-    /// `stream`'s progress word, if this backend keeps one: set by the stream itself, in its
-    /// order, as it passes each point recorded on it, so that `passed(n)` tells that the point
-    /// numbered `n` by [`stream_sequence`](Self::stream_sequence) was reached, with one load. A
-    /// waiter may watch it rather than block; the point's event stays the truth (for faults, and
-    /// to block on). A backend may start keeping one only once asked (the CUDA backend does, from
-    /// the stream's next point: a word costs each record a write). The default keeps none.
+    /// `stream`'s [`ProgressWord`], if this backend keeps one (the default keeps none): a waiter
+    /// may watch it rather than block; the point's event stays the truth. A backend may start
+    /// keeping one only once asked (the CUDA backend does: a word costs each record a write).
     #[doc(hidden)]
     fn stream_progress(stream: Self::Stream) -> Option<ProgressWord> {
         let _ = stream;
@@ -230,10 +200,9 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     }
 
     /// [`event_record`](Self::event_record) and the record's
-    /// [`stream_sequence`](Self::stream_sequence) as one step of `stream`: two threads recording
-    /// on one stream get numbers in the order of their records, so the waiter never serves a
-    /// stream's newer record before an older one. The default records, then numbers; a backend
-    /// whose records can race keeps the two under one per-stream lock.
+    /// [`stream_sequence`](Self::stream_sequence) as one step, so two threads recording on one
+    /// stream get numbers in record order. The default records, then numbers; a backend whose
+    /// records can race keeps the two under one per-stream lock.
     ///
     /// # Errors
     ///
@@ -247,10 +216,9 @@ pub trait EventApi: Sized + Send + Sync + 'static {
         Ok(Self::stream_sequence(stream))
     }
 
-    /// A fence's whole making: [`fence_event_acquire`](Self::fence_event_acquire) then
-    /// [`event_record_sequenced`](Self::event_record_sequenced) on `stream`, giving the event
-    /// back if the record fails. One call, so a backend can resolve the stream once (every
-    /// fence pays for it).
+    /// [`fence_event_acquire`](Self::fence_event_acquire) then
+    /// [`event_record_sequenced`](Self::event_record_sequenced), giving the event back if the
+    /// record fails: one call, so a backend can resolve the stream once.
     ///
     /// # Errors
     ///
@@ -265,10 +233,8 @@ pub trait EventApi: Sized + Send + Sync + 'static {
     }
 }
 
-/// [`EventApi::fence_event_record`]'s steps, written once for the trait's default and for
-/// backends that resolve their stream once for all of them: `acquire` an event, then `record`
-/// it and take its sequence (one step, see [`EventApi::event_record_sequenced`]); a refused
-/// record gives the event back (`release`) and is the error.
+/// [`EventApi::fence_event_record`]'s steps, for the default and for backends that resolve
+/// their stream once: a refused `record` gives the event back (`release`) and is the error.
 pub(crate) fn record_fence_event<E>(
     acquire: impl FnOnce() -> Result<E, ServerError>,
     record: impl FnOnce(&E) -> Result<u64, ServerError>,
@@ -286,12 +252,13 @@ pub(crate) fn record_fence_event<E>(
     }
 }
 
-/// A stream's progress word, from `EventApi::stream_progress`: whether the stream has passed a
-/// recorded point, read with one load. Cheap to clone.
+/// A stream's progress word, from `EventApi::stream_progress`: set by the stream itself, in host
+/// memory, as it passes each recorded point, so whether it passed one is read with one load.
+/// Cheap to clone.
 ///
-/// A word that says "passed" means the stream got there; whether the work before the point
-/// succeeded is the point's event's to say (a faulted stream stops moving its word, and its
-/// events fail), so a waiter confirms with one query of the event before resolving a wait.
+/// "Passed" means the stream got there; whether the work before succeeded is the point's event's
+/// to say (a faulted stream stops moving its word), so a waiter queries the event once before
+/// resolving a wait.
 #[derive(Clone)]
 pub struct ProgressWord(Arc<dyn WordMemory>);
 
@@ -300,7 +267,7 @@ impl ProgressWord {
         Self(memory)
     }
 
-    /// Whether the stream has passed its point numbered `sequence`; never blocks.
+    /// Whether the stream has passed its point numbered `sequence` (by `stream_sequence`).
     pub fn passed(&self, sequence: u64) -> bool {
         self.0.get() > sequence
     }
@@ -319,8 +286,7 @@ impl fmt::Debug for ProgressWord {
     }
 }
 
-/// A progress word in host memory, on a cache line of its own (the host backend's: its stream's
-/// worker advances it). It only grows.
+/// The host backend's progress word, on a cache line of its own; it only grows.
 #[derive(Debug, Default)]
 #[repr(align(64))]
 pub(crate) struct HostWord(AtomicU64);

@@ -5,9 +5,8 @@ use std::error::Error;
 use std::fmt;
 use std::sync::Arc;
 
-/// Driver status codes that this crate acts on or reports, named after the CUDA driver's
-/// `CUresult` values they mirror. The host backend reports the CUDA code of the same meaning, so
-/// a caller matches one set of codes for both backends:
+/// Driver status codes this crate acts on or reports, named after the CUDA `CUresult` values they
+/// mirror; the host backend reports the same codes, so one match serves both backends:
 ///
 /// ```
 /// use device_events::host::{Host, HostStream};
@@ -23,56 +22,44 @@ use std::sync::Arc;
 pub mod status {
     /// `CUDA_ERROR_INVALID_VALUE`: an argument is out of range.
     pub const INVALID_VALUE: i32 = 1;
-    /// `CUDA_ERROR_INVALID_HANDLE`: a stream or event handle names nothing live (a dropped
-    /// stream, an event of another context). Never a cause for a fallback:
-    /// [`EventFence::wait_async`](crate::EventFence::wait_async) returns it, with no host wait.
+    /// `CUDA_ERROR_INVALID_HANDLE`: a handle names nothing live (a dropped stream, an event of
+    /// another context); `EventFence::wait_async` returns it, with no host wait.
     pub const INVALID_HANDLE: i32 = 400;
     /// `CUDA_ERROR_NOT_READY`: the work is not done yet (two events timed before both are reached).
     pub const NOT_READY: i32 = 600;
     /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports (sticky, as on CUDA).
     pub const LAUNCH_FAILED: i32 = 719;
-    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a call not permitted while a stream is capturing
-    /// a graph (synchronizing the capturing stream, say). The first stream-capture status (900
-    /// to 908, never a cause for a fallback; see
-    /// [`ServerError::is_stream_capture`](crate::ServerError::is_stream_capture)).
+    /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a call not permitted while a stream captures a
+    /// graph; the first stream-capture status.
     pub const STREAM_CAPTURE_UNSUPPORTED: i32 = 900;
-    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: the capture was invalidated by an earlier error;
-    /// `cuStreamEndCapture` reports it too.
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED`: an earlier error invalidated the capture.
     pub const STREAM_CAPTURE_INVALIDATED: i32 = 901;
     /// `CUDA_ERROR_STREAM_CAPTURE_MERGE`: a wait would merge two independent captures.
     pub const STREAM_CAPTURE_MERGE: i32 = 902;
-    /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: a capturing stream was asked to wait on work
-    /// recorded outside its capture.
+    /// `CUDA_ERROR_STREAM_CAPTURE_ISOLATION`: a capturing stream asked to wait on work outside it.
     pub const STREAM_CAPTURE_ISOLATION: i32 = 905;
-    /// `CUDA_ERROR_CAPTURED_EVENT`: a query or wait of an event recorded while its stream was
-    /// capturing a graph: it marks a place in the graph, not work that runs.
+    /// `CUDA_ERROR_CAPTURED_EVENT`: a query or wait of an event recorded during a capture.
     pub const CAPTURED_EVENT: i32 = 907;
     /// `CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD`: the last of the stream-capture statuses.
     pub const STREAM_CAPTURE_WRONG_THREAD: i32 = 908;
-    /// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (at process exit); what
-    /// [`ServerError::ShutDown`](crate::ServerError::ShutDown) carries.
+    /// `CUDA_ERROR_DEINITIALIZED`: the driver is shutting down (at process exit).
     pub const DEINITIALIZED: i32 = 4;
     /// `CUDA_ERROR_UNKNOWN`: a failure the driver does not name.
     pub const UNKNOWN: i32 = 999;
 }
 
-/// The cause of a [`ServerError`]: a backend's own error (a cudarc `DriverError`, say), the
-/// operating system's answer to a thread spawn, or the earlier [`ServerError`] that a fallback
-/// could not recover from.
-///
-/// An opaque, cheap-to-clone handle (an `Arc`), so that [`ServerError`] stays `Clone`. Like
-/// [`std::io::Error`] around a custom error, it shows its error's message and passes on that
-/// error's own [`source`](Error::source); [`get_ref`](Self::get_ref) and
+/// The cause a [`ServerError`] carries: an opaque `Arc`, so that [`ServerError`] stays `Clone`.
+/// Like [`std::io::Error`] around a custom error, it shows its error's message and passes on that
+/// error's [`source`](Error::source); [`get_ref`](Self::get_ref) and
 /// [`downcast_ref`](Self::downcast_ref) reach the error itself.
 ///
-/// Two sources are equal when their messages are: the `Display` of the error and of each error
-/// in its source chain. Types are not compared (an `Arc<dyn Error>` has no equality of its
-/// own), and a clone is always equal to its original.
+/// Two sources are equal when the `Display` of the error and of each error in its source chain
+/// are (types are not compared), and a clone is always equal to its original.
 #[derive(Clone)]
 pub struct ErrorSource(Arc<BoxedError>);
 
-/// Boxed, so that an [`ErrorSource`] is one thin pointer: every `Result<_, ServerError>` on
-/// the hot paths carries its room.
+/// Boxed, so that an [`ErrorSource`] is one thin pointer: every `Result<_, ServerError>` has room
+/// for one.
 type BoxedError = Box<dyn Error + Send + Sync + 'static>;
 
 impl ErrorSource {
@@ -96,7 +83,6 @@ impl ErrorSource {
         self.get_ref().downcast_ref::<E>()
     }
 
-    /// The messages of the error and of each error in its source chain.
     fn messages(&self) -> impl Iterator<Item = String> + '_ {
         let mut next: Option<&(dyn Error + 'static)> = Some(self.get_ref());
         std::iter::from_fn(move || {
@@ -133,30 +119,24 @@ impl PartialEq for ErrorSource {
 
 impl Eq for ErrorSource {}
 
-// A source is only read (displayed, compared, downcast), never changed, so a panic cannot leave
-// one half-updated: an error crossing `catch_unwind` stays as `UnwindSafe` as `ServerError` was
-// before it had sources (as `anyhow::Error` and `std::io::Error` are).
+// A source is only read, never changed, so a panic cannot leave one half-updated (as
+// `anyhow::Error` and `std::io::Error`).
 impl std::panic::UnwindSafe for ErrorSource {}
 impl std::panic::RefUnwindSafe for ErrorSource {}
 
 /// What went wrong when creating, recording or waiting on a device event.
 ///
-/// Every variant is one a caller can act on: retry elsewhere when the driver is
-/// [`Unavailable`](Self::Unavailable), report a failed [`Call`](Self::Call), rebuild the device
-/// or stream when it is [`Faulted`](Self::Faulted) (sticky: every later call on it fails the
-/// same way), or rebuild the waiter when it is gone.
+/// Each variant says what to do: retry elsewhere when [`Unavailable`](Self::Unavailable), report
+/// a failed [`Call`](Self::Call), rebuild the device or stream when [`Faulted`](Self::Faulted)
+/// (sticky), or rebuild the waiter when it is gone.
 ///
 /// [`Call`](Self::Call), [`Faulted`](Self::Faulted) and [`ThreadSpawn`](Self::ThreadSpawn) may
 /// carry a [`source`](std::error::Error::source) ([`ErrorSource`]): the backend's own error (a
-/// cudarc `DriverError`), the operating system's [`std::io::Error`] for a refused thread, or the
-/// failure a fallback could not recover from (a fence whose event was refused and whose stream
-/// could not be synchronized either fails with the synchronize's error, whose source is the
-/// refusal, also kept by [`EventFence::fallback_cause`](crate::EventFence::fallback_cause)).
-/// These variants are `#[non_exhaustive]`: outside this crate, build them with
-/// [`call`](Self::call), [`faulted`](Self::faulted) and [`thread_spawn`](Self::thread_spawn), add
-/// a source with [`with_source`](Self::with_source), and match them with `..`.
-///
-/// `code` fields carry the driver's status code, the same on both backends (see [`status`]).
+/// cudarc `DriverError`), the operating system's [`std::io::Error`], or the failure a fallback
+/// could not recover from (see [`EventFence::fallback_cause`](crate::EventFence::fallback_cause)).
+/// They are `#[non_exhaustive]`: build them with [`call`](Self::call), [`faulted`](Self::faulted)
+/// and [`thread_spawn`](Self::thread_spawn), and match them with `..`. `code` fields carry the
+/// driver's status code, the same on both backends ([`status`]).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum ServerError {
@@ -182,13 +162,13 @@ pub enum ServerError {
         name: String,
         /// The driver's description of the status.
         message: String,
-        /// The cause, when known: the backend's own error, or a failure no fallback recovered from.
+        /// The cause, when known.
         #[source]
         source: Option<ErrorSource>,
     },
-    /// The device or stream hit a fault and stays faulted: every later call on it returns this
-    /// error again. Rebuild the device's context (on CUDA, restart the process) or the host
-    /// stream's [`HostContext`](crate::host::HostContext).
+    /// The device or stream is faulted for good: every later call on it returns this again.
+    /// Rebuild the context (on CUDA, restart the process; on the host, its
+    /// [`HostContext`](crate::host::HostContext)).
     #[error("{backend} is faulted ({call}): {name} ({code}): {message}")]
     #[non_exhaustive]
     Faulted {
@@ -202,7 +182,7 @@ pub enum ServerError {
         name: String,
         /// The driver's description of the status, or the panic message.
         message: String,
-        /// The cause, when known: the backend's own error, or a failure no fallback recovered from.
+        /// The cause, when known.
         #[source]
         source: Option<ErrorSource>,
     },
@@ -212,9 +192,9 @@ pub enum ServerError {
          still running (Waiter::global() never shuts down)"
     )]
     WaiterGone,
-    /// A thread this crate needs could not be started (the operating system refused: too many
-    /// threads, say). Not [`Unavailable`](Self::Unavailable): the driver and device may be
-    /// fine, so falling back to the CPU would be wrong; retry later, or with fewer threads.
+    /// The operating system refused a thread this crate needs. Not
+    /// [`Unavailable`](Self::Unavailable): the device may be fine, so do not fall back to the CPU;
+    /// retry later, or with fewer threads.
     #[error("{component} could not start a thread: {reason}")]
     #[non_exhaustive]
     ThreadSpawn {
@@ -226,8 +206,7 @@ pub enum ServerError {
         #[source]
         source: Option<ErrorSource>,
     },
-    /// An argument or setting this crate cannot work with, refused where it was given: the
-    /// caller's bug, not the driver's.
+    /// An argument or setting this crate cannot work with: the caller's bug, not the driver's.
     #[error("invalid {what}: {reason}")]
     InvalidArgument {
         /// What was given, e.g. `"Waiter thread_name"`.
@@ -235,17 +214,15 @@ pub enum ServerError {
         /// Why it cannot be used.
         reason: String,
     },
-    /// The waiter was made before this process forked: its threads stayed in the parent. A
-    /// child makes a waiter of its own ([`Waiter::global()`](crate::Waiter::global) is made
-    /// afresh in each child).
+    /// The waiter was made before this process forked, and its threads stayed in the parent
+    /// ([`Waiter::global()`](crate::Waiter::global) is made afresh in each child).
     #[error(
         "the waiter was made before this process forked, and its threads stayed in the parent: \
          make a new Waiter in the child (Waiter::global() is made afresh there)"
     )]
     WaiterForked,
-    /// A measurement's stop was reached before its start (they were on different streams, and
-    /// the stop's got there first). CUDA's `cuEventElapsedTime` gives a negative time here; a
-    /// `Duration` cannot be negative, and a zero would pass for a real one.
+    /// A measurement's stop was reached before its start (on another stream). CUDA's
+    /// `cuEventElapsedTime` gives a negative time; a zero `Duration` would pass for a real one.
     #[error("{backend}: the stop was reached {by:?} before the start")]
     StopBeforeStart {
         /// The backend whose events were timed.
@@ -253,10 +230,9 @@ pub enum ServerError {
         /// How much earlier the stop was reached.
         by: std::time::Duration,
     },
-    /// The driver was shut down: the CUDA driver tears itself down at process exit while other
-    /// threads (the waiter's, say) may run, then answers every call with `CUDA_ERROR_DEINITIALIZED`
-    /// ([`status::DEINITIALIZED`]). Terminal: once one call saw it, the backend makes no more
-    /// driver calls; each returns this error at once, and pending waits fail with it.
+    /// The driver was shut down (at process exit, while the waiter's threads may still run) and
+    /// answers every call with [`status::DEINITIALIZED`]. Terminal: once one call saw it, the
+    /// backend makes no more driver calls; each returns this at once, and pending waits fail.
     #[error(
         "{backend} call {call} refused: the driver was shut down (at process exit, say), \
          and no more calls are made to it"
@@ -267,18 +243,16 @@ pub enum ServerError {
         /// The call that failed, or was refused without reaching the driver.
         call: &'static str,
     },
-    /// A backend call made on a waiter thread panicked; the waiter keeps serving other waits.
-    /// The panic was in code the waiter calls (an outside [`EventApi`](crate::EventApi), say):
-    /// fix that code; the fence's stream is in whatever state the panic left it.
+    /// A backend call (an outside [`EventApi`](crate::EventApi), say) panicked on a waiter
+    /// thread, which serves on; the stream is in whatever state the panic left it.
     #[error("a waiter thread panicked: {message}")]
     WaiterPanicked {
         /// The panic's payload, when it was a string.
         message: String,
     },
-    /// A [`drop_queue::Fence`](crate::drop_queue::Fence)'s wait panicked on the drop queue's
-    /// thread (or in a caller's `wait_then_drop`): its value was leaked, not dropped, since the
-    /// device may still read it; the queue keeps serving other values. Fix the fence's
-    /// [`wait_blocking`](crate::drop_queue::Fence::wait_blocking).
+    /// A [`drop_queue::Fence`](crate::drop_queue::Fence)'s
+    /// [`wait_blocking`](crate::drop_queue::Fence::wait_blocking) panicked (on the queue's thread
+    /// or in `wait_then_drop`): its value was leaked; the queue serves on.
     #[error("a drop queue's fence panicked: {message}")]
     DropQueuePanicked {
         /// The panic's payload, when it was a string.
@@ -292,9 +266,8 @@ impl ServerError {
         matches!(self, Self::Faulted { .. })
     }
 
-    /// Whether this is one of the driver's stream-capture statuses
-    /// ([`status::STREAM_CAPTURE_UNSUPPORTED`] to [`status::STREAM_CAPTURE_WRONG_THREAD`], 900 to
-    /// 908): a call that a graph capture does not permit. The crate never falls back on one (a
+    /// Whether this is a stream-capture status ([`status::STREAM_CAPTURE_UNSUPPORTED`] to
+    /// [`status::STREAM_CAPTURE_WRONG_THREAD`], 900 to 908). The crate never falls back on one (a
     /// host wait or a stream synchronize would invalidate the capture); it returns it.
     ///
     /// ```
@@ -311,8 +284,7 @@ impl ServerError {
         })
     }
 
-    /// Whether the backend's driver was shut down (at process exit, say):
-    /// [`ShutDown`](Self::ShutDown).
+    /// Whether the backend's driver was shut down ([`ShutDown`](Self::ShutDown)).
     pub fn is_shut_down(&self) -> bool {
         matches!(self, Self::ShutDown { .. })
     }
@@ -331,8 +303,7 @@ impl ServerError {
         }
     }
 
-    /// A failed call ([`Call`](Self::Call)), with no source; add one with
-    /// [`with_source`](Self::with_source).
+    /// A failed call ([`Call`](Self::Call)), with no source.
     pub fn call(
         backend: &'static str,
         call: &'static str,
@@ -350,8 +321,7 @@ impl ServerError {
         }
     }
 
-    /// A sticky fault ([`Faulted`](Self::Faulted)), with no source; add one with
-    /// [`with_source`](Self::with_source).
+    /// A sticky fault ([`Faulted`](Self::Faulted)), with no source.
     pub fn faulted(
         backend: &'static str,
         call: &'static str,
@@ -380,13 +350,11 @@ impl ServerError {
     }
 
     /// This error with `source` as its [`source`](std::error::Error::source), replacing any it
-    /// had: for a backend's own error (`ServerError::call(..).with_source(driver_error)`) or the
-    /// failure that led to this one. Only [`Call`](Self::Call), [`Faulted`](Self::Faulted) and
-    /// [`ThreadSpawn`](Self::ThreadSpawn) carry a source; other variants are returned unchanged.
+    /// had; variants that carry none are returned unchanged.
     ///
     /// The source's `Display` runs whenever the error is shown or compared: a cudarc
-    /// `DriverError` asks the driver for its text there, and panics where no driver library is
-    /// loaded, so attach one only once the driver is (the crate's own conversions do).
+    /// `DriverError` asks the driver for its text, and panics where no driver library is loaded,
+    /// so attach one only once the driver is.
     #[must_use]
     pub fn with_source<E: Error + Send + Sync + 'static>(mut self, source: E) -> Self {
         if let Self::Call { source: slot, .. }
@@ -408,7 +376,7 @@ impl ServerError {
         }
     }
 
-    /// The error a panic payload becomes: its message when it is a string.
+    /// A panic payload's message, when it is a string.
     pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
         if let Some(message) = payload.downcast_ref::<&'static str>() {
             (*message).to_owned()

@@ -5,11 +5,8 @@ use core::time::Duration;
 
 use crate::{EventApi, EventFlags, ServerError};
 
-/// One device event, owned: it is destroyed when dropped, on every path
-/// (after a failed wait too).
-///
-/// Dropping an event whose work is still pending does not block: the driver
-/// releases it once the work completes.
+/// One device event, owned: destroyed when dropped, on every path, without blocking on pending
+/// work (the driver releases it once the work completes).
 ///
 /// # Example
 ///
@@ -33,8 +30,7 @@ pub struct Event<A: EventApi> {
 }
 
 impl<A: EventApi> Event<A> {
-    /// Create an event on `stream`'s device; it is not recorded yet (and, by
-    /// the driver's rule, reports complete until it is).
+    /// Create an event on `stream`'s device; not recorded yet, it reports complete.
     ///
     /// # Errors
     ///
@@ -46,10 +42,9 @@ impl<A: EventApi> Event<A> {
         })
     }
 
-    /// An event for a fence, recorded at the current end of `stream`: from
-    /// the backend's fence-event pool ([`EventApi::fence_event_record`]), and
-    /// given back to it when dropped.
-    /// Also returns the record's place in the stream's order.
+    /// An event for a fence, recorded at the current end of `stream`, with the record's sequence:
+    /// from the backend's fence-event pool ([`EventApi::fence_event_record`]), and given back to
+    /// it when dropped.
     pub(crate) fn recorded_for_fence(stream: A::Stream) -> Result<(Self, u64), ServerError> {
         let (raw, sequence) = A::fence_event_record(stream)?;
         Ok((
@@ -61,8 +56,7 @@ impl<A: EventApi> Event<A> {
         ))
     }
 
-    /// Record this event at the current end of `stream`'s work, replacing any
-    /// earlier record.
+    /// Record this event at the current end of `stream`'s work, replacing any earlier record.
     ///
     /// # Errors
     ///
@@ -71,8 +65,7 @@ impl<A: EventApi> Event<A> {
         A::event_record(self.raw(), stream)
     }
 
-    /// As [`record`](Self::record), with the record's place in the stream's
-    /// order, taken in the same step ([`EventApi::event_record_sequenced`]).
+    /// [`EventApi::event_record_sequenced`].
     pub(crate) fn record_sequenced(&self, stream: A::Stream) -> Result<u64, ServerError> {
         A::event_record_sequenced(self.raw(), stream)
     }
@@ -97,8 +90,7 @@ impl<A: EventApi> Event<A> {
         A::event_synchronize(self.raw())
     }
 
-    /// Make `stream` wait for this event on the device; the host does not
-    /// block.
+    /// Make `stream` wait for this event on the device; the host does not block.
     ///
     /// # Errors
     ///
@@ -107,8 +99,7 @@ impl<A: EventApi> Event<A> {
         A::stream_wait_event(stream, self.raw())
     }
 
-    /// Device time from `start` to this event; both need
-    /// [`EventFlags::TIMING`] and must have been reached.
+    /// Device time from `start` to this event; both must be [`EventFlags::TIMING`] and reached.
     ///
     /// # Errors
     ///
@@ -119,7 +110,6 @@ impl<A: EventApi> Event<A> {
 
     /// The raw event, for backends and the waiter.
     pub fn raw(&self) -> &A::Event {
-        // The only `None` is set in `drop`, after which `self` is gone.
         self.raw.as_ref().expect("emptied only by its drop")
     }
 }
@@ -134,7 +124,7 @@ impl<A: EventApi> Drop for Event<A> {
             };
             match released {
                 Ok(()) => {}
-                // Gone with the driver (at process exit, say): logged once.
+                // Gone with the driver (at process exit, say).
                 Err(err) if err.is_shut_down() => log::trace!("{err}"),
                 Err(err) => log::error!("a {} event could not be destroyed: {err}", A::BACKEND),
             }

@@ -1,16 +1,14 @@
-//! Panics in code the crate calls but does not own (launched work, a task's
-//! waker, a value's drop, a user's fence), caught where the call is made.
+//! Panics in code the crate calls but does not own (launched work, a task's waker, a value's
+//! drop, a user's fence), caught where the call is made.
 //!
-//! A panic's payload is user data too, and its drop may panic in turn: it is
-//! dropped under `catch_unwind` as well, and a second payload is forgotten
-//! (leaked) rather than risk a third.
+//! A panic's payload is user data too, whose drop may panic: it is dropped under `catch_unwind`
+//! as well, and a second payload is leaked rather than risk a third.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 use crate::ServerError;
 
-/// Run `call`; a panic comes back as its message, with its payload already
-/// dropped (under `catch_unwind`).
+/// Run `call`; a panic comes back as its message, its payload dropped.
 pub(crate) fn catch<T>(call: impl FnOnce() -> T) -> Result<T, String> {
     catch_unwind(AssertUnwindSafe(call)).map_err(|payload| {
         let message = ServerError::panic_message(payload.as_ref());
@@ -26,8 +24,8 @@ pub(crate) fn drop_caught<T>(value: T) -> Result<(), String> {
     catch(move || drop(value))
 }
 
-/// Log through the application's logger, which is not ours either: a
-/// logger that panics loses the line, nothing else.
+/// Log through the application's logger, which is not ours either: one that panics loses the
+/// line, nothing else.
 pub(crate) fn log(line: impl FnOnce()) {
     let _ = catch(line);
 }

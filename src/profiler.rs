@@ -1,5 +1,6 @@
 //! [`EventProfiler`]: device time between two stream points, from a bounded pool of timing events.
 
+use std::collections::HashSet;
 use std::fmt;
 use std::future::{Future, IntoFuture};
 use std::pin::Pin;
@@ -21,18 +22,15 @@ pub const DEFAULT_PROFILER_CAPACITY: usize = 64;
 /// Measures device time between two points of a stream.
 ///
 /// [`start`](Self::start) and [`stop`](Self::stop) record timing events; the [`Profile`] they give
-/// resolves to the device time between them, by [`Profile::wait_sync`] or `.await` (served by the
-/// [`Waiter`], so no executor thread blocks). Events come from a pool and go back to it once read,
-/// or when a [`ProfileStart`] or [`Profile`] is dropped unread, so a hot loop allocates no events
-/// after its first round. The pool keeps at most its capacity and destroys the rest.
+/// resolves to the device time between them, by [`Profile::wait_sync`] or `.await` (on the
+/// [`Waiter`]). Events come from a pool and go back to it once read or dropped unread, so a hot
+/// loop allocates no events after its first round; the pool destroys those past its capacity.
 ///
-/// An event belongs to the context (CUDA device) of its stream, so the pool keeps idle events per
-/// context ([`EventApi::stream_context`]) and one profiler serves every context it is given: two
-/// devices, or host streams however their contexts were made. The capacity counts them all; once
-/// full, the context used least recently gives up an idle event to the one in use. A profile's two
-/// points must be on streams of one context: a start and a stop on two are refused when read, as
-/// the driver refuses to time events of two contexts (`CUDA_ERROR_INVALID_HANDLE`; each host stream
-/// made with [`HostStream::new`](crate::host::HostStream::new) has its own context).
+/// The pool keeps idle events per context ([`EventApi::stream_context`]), so one profiler serves
+/// every device or host context; once full, the context used least recently gives up an idle
+/// event to the one in use. A profile's two points must be on streams of one context: else it is
+/// refused when read, as the driver refuses (`CUDA_ERROR_INVALID_HANDLE`; each host stream made
+/// with [`HostStream::new`](crate::host::HostStream::new) has its own context).
 ///
 /// # Example
 ///
@@ -58,25 +56,22 @@ pub struct EventProfiler<A: EventApi> {
 }
 
 struct EventPool<A: EventApi> {
-    /// One lock: a profiler is used by whoever holds it.
     idle: Mutex<Idle<A>>,
     created: AtomicUsize,
 }
 
 /// The idle events, by context key.
 struct Idle<A: EventApi> {
-    /// An entry per context key with idle events, and the entries emptied since a key was last
-    /// added (so a busy context keeps its `Vec`): about one per device in use, so searched in turn.
+    /// An entry per context key with idle events, and those emptied since a key was last added
+    /// (so a busy context keeps its `Vec`): about one per device in use, so searched in turn.
     contexts: Vec<ContextEvents<A>>,
     /// Idle events over all contexts, at most `capacity`.
     len: usize,
-    /// The most idle events kept, over all contexts.
     capacity: usize,
     /// Counts takes and give-backs, to tell which context was used least recently.
     clock: u64,
 }
 
-/// One context's idle events.
 struct ContextEvents<A: EventApi> {
     key: u64,
     events: Vec<Event<A>>,
@@ -90,25 +85,22 @@ struct ContextEvents<A: EventApi> {
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct ProfilerStats {
-    /// Timing events created since the profiler was made (a loop that
-    /// stops growing this allocates no events).
+    /// [`EventProfiler::created`].
     pub created: u64,
     /// Idle events in its pool now.
     pub pooled: usize,
 }
 
-/// A started measurement; pass it to [`EventProfiler::stop`]. Dropping it
-/// returns its event to the pool.
+/// A started measurement for [`EventProfiler::stop`]. Dropped, its event goes back to the pool.
 #[must_use = "a profile start measures nothing until it is stopped"]
 pub struct ProfileStart<A: EventApi> {
     event: Option<Event<A>>,
-    /// The event's context key.
     key: u64,
     pool: Arc<EventPool<A>>,
 }
 
-/// A stopped measurement: the device time from start to stop, once the
-/// device reaches the stop. Dropping it unread returns its events to the pool.
+/// A stopped measurement: the device time from start to stop, once the device reaches the stop.
+/// Dropped unread, its events go back to the pool.
 #[must_use = "a profile is read with wait_sync() or .await"]
 pub struct Profile<A: EventApi> {
     pair: Arc<EventPair<A>>,
@@ -116,8 +108,8 @@ pub struct Profile<A: EventApi> {
     sequence: u64,
 }
 
-/// The two events of a measurement; back to the pool when the last holder
-/// (the caller, or a waiter thread) drops it.
+/// The two events of a measurement; back to the pool when the last holder (the caller, or a
+/// waiter thread) drops it.
 struct EventPair<A: EventApi> {
     start: Option<Event<A>>,
     end: Option<Event<A>>,
@@ -152,8 +144,8 @@ impl<A: EventApi> EventProfiler<A> {
     /// # Errors
     ///
     /// The driver refused to create or record a timing event, or the stream is faulted or invalid;
-    /// [`ServerError::InvalidArgument`] when the backend gives streams of two contexts one key (the
-    /// default [`EventApi::stream_context`]) and the profiler's idle events are of the other.
+    /// [`ServerError::InvalidArgument`] when the backend gives two contexts one key (the default
+    /// [`EventApi::stream_context`]) and the idle events are of the other.
     pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
         let key = A::stream_context(stream)?;
         let (event, _sequence) = self.pool.record(key, stream)?;
@@ -164,8 +156,7 @@ impl<A: EventApi> EventProfiler<A> {
         })
     }
 
-    /// Record the end of the measurement `start` at the current end of `stream` (usually the one it
-    /// started on; one of another context is recorded, and refused when the profile is read).
+    /// Record the end of `start` at the current end of `stream` (usually the one it started on).
     ///
     /// # Errors
     ///
@@ -194,8 +185,8 @@ impl<A: EventApi> EventProfiler<A> {
         self.pool.idle.lock().len
     }
 
-    /// Events this profiler has created in all, over all contexts (a loop
-    /// that stops growing this allocates no events).
+    /// Events this profiler has created in all, over all contexts (a loop that stops growing this
+    /// allocates no events).
     pub fn created(&self) -> usize {
         self.pool.created.load(Ordering::Relaxed)
     }
@@ -216,61 +207,48 @@ impl<A: EventApi> Default for EventProfiler<A> {
 }
 
 impl<A: EventApi> EventPool<A> {
-    /// A pooled event of the context `key` (or a new one) recorded on `stream`, of that context,
-    /// with the record's place in the stream's order. A pooled event the driver refuses goes back
-    /// to the pool: when the stream refuses new events too (faulted, or gone), with the stream's
-    /// error, so refused starts neither destroy healthy events nor make new ones; when a new event
-    /// is accepted where it was not, the pooled one belongs to another context under the same key
-    /// (a backend with the default [`EventApi::stream_context`]), and the profiler is in use on a
-    /// second context: an error, not a silent swap of its pool.
+    /// A pooled event of the context `key` (or a new one) recorded on `stream`, with the record's
+    /// sequence. A pooled event the stream refuses goes back to the pool: with the stream's error
+    /// when a new event is refused too (faulted or gone), so refused starts neither destroy
+    /// healthy events nor make new ones; when a new one is accepted, the pooled one is of another
+    /// context under the same key (the default [`EventApi::stream_context`]): an error, not a
+    /// silent swap of the pool.
     fn record(&self, key: u64, stream: A::Stream) -> Result<(Event<A>, u64), ServerError> {
-        let pooled = Checked::lock(&self.idle).take(key);
-        let refused = match pooled {
+        let refused = match Checked::lock(&self.idle).take(key) {
             Some(event) => match event.record_sequenced(stream) {
                 Ok(sequence) => return Ok((event, sequence)),
                 Err(err) => Some((event, err)),
             },
             None => None,
         };
-        let fresh = match Event::new(stream, EventFlags::TIMING) {
-            Ok(fresh) => fresh,
-            Err(err) => {
-                if let Some((event, _)) = refused {
-                    self.give_back(key, event);
-                }
-                return Err(err);
-            }
-        };
-        self.created.fetch_add(1, Ordering::Relaxed);
-        match fresh.record_sequenced(stream) {
-            Ok(sequence) => match refused {
-                Some((event, err)) => {
-                    self.give_back(key, event);
-                    Err(ServerError::InvalidArgument {
-                        what: "EventProfiler stream",
-                        reason: format!(
-                            "this profiler's events belong to another {} context (device) than \
-                             the stream's, which refused them ({err}), and the backend does not \
-                             tell its contexts apart (EventApi::stream_context): use one \
-                             profiler per context",
-                            A::BACKEND
-                        ),
-                    })
-                }
-                None => Ok((fresh, sequence)),
-            },
-            Err(err) => {
-                if let Some((event, _)) = refused {
-                    self.give_back(key, event);
-                }
+        let fresh = Event::new(stream, EventFlags::TIMING).map(|fresh| {
+            self.created.fetch_add(1, Ordering::Relaxed);
+            let sequence = fresh.record_sequenced(stream);
+            (fresh, sequence)
+        });
+        let refused = refused.map(|(event, err)| {
+            self.give_back(key, event);
+            err
+        });
+        match (fresh?, refused) {
+            ((fresh, Err(err)), _) => {
                 self.give_back(key, fresh);
                 Err(err)
             }
+            ((fresh, Ok(sequence)), None) => Ok((fresh, sequence)),
+            ((_fresh, Ok(_)), Some(err)) => Err(ServerError::InvalidArgument {
+                what: "EventProfiler stream",
+                reason: format!(
+                    "this profiler's events belong to another {} context (device) than the \
+                     stream's, which refused them ({err}), and the backend does not tell its \
+                     contexts apart (EventApi::stream_context): use one profiler per context",
+                    A::BACKEND
+                ),
+            }),
         }
     }
 
-    /// Keep `event`, of the context `key`, for a later measurement, or destroy it (outside the
-    /// pool's lock) when the pool is full; see [`Idle::give_back`].
+    /// [`Idle::give_back`], destroying what it hands back outside the pool's lock.
     fn give_back(&self, key: u64, event: Event<A>) {
         let destroyed = Checked::lock(&self.idle).give_back(key, event);
         drop(destroyed);
@@ -292,27 +270,24 @@ impl<A: EventApi> Idle<A> {
         Some(event)
     }
 
-    /// Keep `event`, of the context `key`; the event to destroy, if any. Below the capacity it is
-    /// kept; at it, the context used least recently, when that is another, gives up an idle event
-    /// for it (contexts no longer used, such as those of dropped host streams, make way for the one
-    /// in use), and otherwise `event` itself is destroyed.
+    /// Keep `event`, of the context `key`; the event to destroy, if any. At the capacity, the
+    /// context used least recently, when that is another, gives up an idle event for it (so
+    /// contexts no longer used make way), and otherwise `event` itself is destroyed.
     fn give_back(&mut self, key: u64, event: Event<A>) -> Option<Event<A>> {
         if self.capacity == 0 {
             return Some(event);
         }
         self.clock += 1;
-        let index = match self.contexts.iter().position(|context| context.key == key) {
-            Some(index) => index,
-            None => {
-                self.contexts.retain(|context| !context.events.is_empty());
-                self.contexts.push(ContextEvents {
-                    key,
-                    events: Vec::new(),
-                    used: 0,
-                });
-                self.contexts.len() - 1
-            }
-        };
+        let index = self.contexts.iter().position(|context| context.key == key);
+        let index = index.unwrap_or_else(|| {
+            self.contexts.retain(|context| !context.events.is_empty());
+            self.contexts.push(ContextEvents {
+                key,
+                events: Vec::new(),
+                used: 0,
+            });
+            self.contexts.len() - 1
+        });
         let evicted = if self.len < self.capacity {
             self.len += 1;
             None
@@ -338,31 +313,17 @@ impl<A: EventApi> Idle<A> {
 /// `len` counts the idle events, within the capacity; one entry per key.
 impl<A: EventApi> Invariants for Idle<A> {
     fn check_invariants(&self) {
-        let idle: usize = self
-            .contexts
-            .iter()
-            .map(|context| context.events.len())
-            .sum();
+        let idle = self.contexts.iter().map(|c| c.events.len()).sum::<usize>();
         assert_eq!(self.len, idle, "the idle count drifted");
-        assert!(
-            self.len <= self.capacity,
-            "more idle events than the capacity"
-        );
-        for (index, context) in self.contexts.iter().enumerate() {
-            assert!(
-                self.contexts[..index]
-                    .iter()
-                    .all(|earlier| earlier.key != context.key),
-                "two entries for one context"
-            );
-        }
+        assert!(self.len <= self.capacity, "more idle than the capacity");
+        let keys = self.contexts.iter().map(|c| c.key).collect::<HashSet<_>>();
+        assert_eq!(keys.len(), self.contexts.len(), "a context listed twice");
     }
 }
 
 impl<A: EventApi> Profile<A> {
-    /// Block until the device reached both the start and the stop (they may be on different
-    /// streams, and `cuEventElapsedTime` returns `CUDA_ERROR_NOT_READY` until both are complete);
-    /// the device time from start to stop.
+    /// Block until the device reached both the start and the stop (`cuEventElapsedTime` returns
+    /// `CUDA_ERROR_NOT_READY` until both are); the device time from start to stop.
     ///
     /// # Errors
     ///
@@ -372,8 +333,8 @@ impl<A: EventApi> Profile<A> {
         self.pair.elapsed()
     }
 
-    /// A future of the device time, served by [`Waiter::global()`]; the same
-    /// as `profile.await`. On another waiter: `waiter.wait(profile)`.
+    /// A future of the device time on [`Waiter::global()`], as `profile.await`; on another waiter,
+    /// `waiter.wait(profile)`.
     pub fn wait(self) -> ProfileFuture<A> {
         Waiter::global().wait(self)
     }
@@ -406,13 +367,11 @@ impl<A: EventApi> EventPair<A> {
         self.end.as_ref().expect("emptied only by its drop")
     }
 
-    /// Whether the device reached both events (three outcomes, as a query).
     fn both_complete(&self) -> Result<bool, ServerError> {
         Ok(self.start().is_complete()? && self.end().is_complete()?)
     }
 
-    /// Block until the device reached both events: the start may be on
-    /// another, busier stream than the stop.
+    /// The start may be on another, busier stream than the stop.
     fn wait_both(&self) -> Result<(), ServerError> {
         self.start().wait_sync()?;
         self.end().wait_sync()
@@ -442,19 +401,17 @@ impl<A: EventApi> Drop for ProfileStart<A> {
     }
 }
 
-/// What the waiter holds of a profile: its two events, weakly, upgraded only for the length of a
-/// query or a blocking wait and released before the future is woken. So a completed profile's
-/// events are back in the pool by the time its future returns: a loop that awaits each profile
-/// reuses the same two events.
+/// What the waiter holds of a profile: its two events, weakly, upgraded only for a query or a
+/// blocking wait, so a completed profile's events are back in the pool by the time its future
+/// returns (a loop awaiting each profile reuses the same two).
 struct PairWait<A: EventApi> {
     pair: Weak<EventPair<A>>,
     stream: A::Stream,
     sequence: u64,
 }
 
-/// The waiter waits for both events, on the stop stream's lane (the start is usually on the same
-/// stream; when it is on another, the lane's thread may block on that stream's work first). A pair
-/// already gone (its future dropped) has nothing left to wait for.
+/// Both events, on the stop stream's lane (the lane's thread may block on a start stream's work
+/// first). A pair already gone (its future dropped) has nothing left to wait for.
 impl<A: EventApi> Waitable for PairWait<A> {
     fn lane(&self) -> LaneKey {
         LaneKey::of::<A>(self.stream)
@@ -465,17 +422,13 @@ impl<A: EventApi> Waitable for PairWait<A> {
     }
 
     fn query(&self) -> Result<bool, ServerError> {
-        match self.pair.upgrade() {
-            Some(pair) => pair.both_complete(),
-            None => Ok(true),
-        }
+        self.pair
+            .upgrade()
+            .map_or(Ok(true), |pair| pair.both_complete())
     }
 
     fn block(&self) -> Result<(), ServerError> {
-        match self.pair.upgrade() {
-            Some(pair) => pair.wait_both(),
-            None => Ok(()),
-        }
+        self.pair.upgrade().map_or(Ok(()), |pair| pair.wait_both())
     }
 
     fn stream_name(&self) -> String {
@@ -491,8 +444,8 @@ impl<A: EventApi> Waitable for PairWait<A> {
 ///
 /// # Cancel safety
 ///
-/// Dropping it cancels the wait without blocking. Its events go back to the pool at once, or, if a
-/// waiter thread is blocked on one of them right then, when that thread's wait ends.
+/// Dropping it cancels the wait without blocking. Its events go back to the pool at once, or when
+/// a waiter thread blocked on one of them right then stops waiting.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct ProfileFuture<A: EventApi> {
     pair: Arc<EventPair<A>>,

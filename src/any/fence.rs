@@ -1,11 +1,6 @@
 //! [`AnyFence`]: one fence type for either backend, not generic over [`EventApi`](crate::EventApi).
 
 use std::fmt;
-use std::future::{Future, IntoFuture};
-use std::pin::Pin;
-use std::task::{Context, Poll};
-
-use futures::future::FusedFuture;
 
 use super::stream::AnyStream;
 #[cfg(feature = "cuda")]
@@ -13,11 +8,8 @@ use crate::cuda::Cuda;
 use crate::host::Host;
 use crate::{EventFence, FenceFuture, ServerError, Waiter};
 
-/// A fence of either backend, to hold, wait on and `.await` alike.
-///
-/// Made with `From` (or `.into()`) from an `EventFence<Cuda>` or an `EventFence<Host>`, or by
-/// [`AnyStream::fence`] (or [`AnyStream::try_fence`]). A device-side wait
-/// ([`wait_async`](Self::wait_async)) takes an [`AnyStream`] of the fence's own backend.
+/// A fence of either backend, made with `From` an [`EventFence`] or by [`AnyStream::fence`]; a
+/// device-side wait ([`wait_async`](Self::wait_async)) takes an [`AnyStream`] of its backend.
 ///
 /// ```
 /// use device_events::host::HostStream;
@@ -50,7 +42,7 @@ impl AnyFence {
         match_backend!(self, AnyFence(_) => BACKEND)
     }
 
-    /// Block until the device has reached the fence; see [`EventFence::wait_sync`].
+    /// [`EventFence::wait_sync`].
     ///
     /// # Errors
     ///
@@ -59,7 +51,7 @@ impl AnyFence {
         match_backend!(self, AnyFence(fence) => fence.wait_sync())
     }
 
-    /// Whether the device has reached the fence, not blocking; see [`EventFence::is_complete`].
+    /// [`EventFence::is_complete`].
     ///
     /// # Errors
     ///
@@ -68,25 +60,23 @@ impl AnyFence {
         match_backend!(self, AnyFence(fence) => fence.is_complete())
     }
 
-    /// Whether the fence was reached when made (its event was refused, its stream synchronized).
+    /// [`EventFence::is_resolved_at_creation`].
     pub fn is_resolved_at_creation(&self) -> bool {
         match_backend!(self, AnyFence(fence) => fence.is_resolved_at_creation())
     }
 
-    /// Make `on` wait for this fence on the device; see [`EventFence::wait_async`], whose
-    /// fallback and errors it shares. The fence is not used up.
+    /// [`EventFence::wait_async`].
     ///
     /// # Errors
     ///
     /// As for [`EventFence::wait_async`]; and [`ServerError::InvalidArgument`], with no wait
-    /// made, when `on` is of the other backend (a device cannot wait on another backend's event).
+    /// made, when `on` is of the other backend.
     pub fn wait_async(&self, on: &AnyStream) -> Result<(), ServerError> {
         let paired = self.paired(on, "AnyFence::wait_async")?;
         match_backend!(paired, Paired(fence, stream) => fence.wait_async(stream))
     }
 
-    /// Make `on` wait for this fence on the device, or return the driver's refusal, with no
-    /// host wait; see [`EventFence::try_wait_async`].
+    /// [`EventFence::try_wait_async`].
     ///
     /// # Errors
     ///
@@ -108,7 +98,6 @@ impl AnyFence {
         match_backend!(paired, Paired(fence, stream) => fence.try_wait_async(stream))
     }
 
-    /// This fence and `on`'s handle, when both are of one backend.
     fn paired(&self, on: &AnyStream, what: &'static str) -> Result<Paired<'_>, ServerError> {
         match (self, on) {
             #[cfg(feature = "cuda")]
@@ -138,7 +127,6 @@ impl AnyFence {
     }
 }
 
-/// A fence and a stream of one backend, for a device-side wait.
 enum Paired<'a> {
     #[cfg(feature = "cuda")]
     Cuda(&'a EventFence<Cuda>, crate::cuda::CudaStreamHandle),
@@ -172,15 +160,6 @@ impl From<EventFence<Host>> for AnyFence {
     }
 }
 
-impl IntoFuture for AnyFence {
-    type Output = Result<(), ServerError>;
-    type IntoFuture = AnyFenceFuture;
-
-    fn into_future(self) -> AnyFenceFuture {
-        self.wait()
-    }
-}
-
 impl fmt::Debug for AnyFence {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match_backend!(self, AnyFence(fence) => fence.fmt(f))
@@ -201,22 +180,4 @@ enum Inner {
     Host(FenceFuture<Host>),
 }
 
-impl Future for AnyFenceFuture {
-    type Output = Result<(), ServerError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match_backend!(&mut self.get_mut().0, Inner(future) => Pin::new(future).poll(cx))
-    }
-}
-
-impl FusedFuture for AnyFenceFuture {
-    fn is_terminated(&self) -> bool {
-        match_backend!(&self.0, Inner(future) => future.is_terminated())
-    }
-}
-
-impl fmt::Debug for AnyFenceFuture {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match_backend!(&self.0, Inner(future) => future.fmt(f))
-    }
-}
+any_future!(AnyFence => AnyFenceFuture(Inner) -> Result<(), ServerError>);

@@ -5,6 +5,54 @@
 //! - `stream.rs`: [`AnyStream`], which makes them;
 //! - `profiler.rs`: [`AnyProfiler`], an [`EventProfiler`](crate::EventProfiler) per backend.
 
+/// `Debug` of `Any*` wrappers of an enum (`$inner`) of each backend's value: that value's.
+#[cfg(multi_threading)]
+macro_rules! any_debug {
+    ($($any:ident($inner:ident)),+) => {$(
+        impl std::fmt::Debug for $any {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                match_backend!(&self.0, $inner(inner) => inner.fmt(f))
+            }
+        }
+    )+};
+}
+
+/// `IntoFuture` for `$awaitable` (its `wait()`), and `Future`, `FusedFuture` and `Debug` for
+/// `$future`, a wrapper of an enum (`$inner`) of each backend's future: that future's.
+#[cfg(multi_threading)]
+macro_rules! any_future {
+    ($awaitable:ident => $future:ident($inner:ident) -> $output:ty) => {
+        impl std::future::IntoFuture for $awaitable {
+            type Output = $output;
+            type IntoFuture = $future;
+
+            fn into_future(self) -> $future {
+                self.wait()
+            }
+        }
+
+        impl std::future::Future for $future {
+            type Output = $output;
+
+            fn poll(
+                self: std::pin::Pin<&mut Self>,
+                cx: &mut std::task::Context<'_>,
+            ) -> std::task::Poll<$output> {
+                let inner = &mut self.get_mut().0;
+                match_backend!(inner, $inner(future) => std::pin::Pin::new(future).poll(cx))
+            }
+        }
+
+        impl futures::future::FusedFuture for $future {
+            fn is_terminated(&self) -> bool {
+                match_backend!(&self.0, $inner(future) => future.is_terminated())
+            }
+        }
+
+        any_debug!($future($inner));
+    };
+}
+
 #[cfg(multi_threading)]
 mod fence;
 #[cfg(multi_threading)]

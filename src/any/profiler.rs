@@ -1,13 +1,7 @@
-//! [`AnyProfiler`]: device time between two points of an [`AnyStream`], on
-//! either backend, beside [`AnyStream`] and [`AnyFence`](crate::AnyFence).
+//! [`AnyProfiler`]: device time between two points of an [`AnyStream`], on either backend.
 
 use std::fmt;
-use std::future::{Future, IntoFuture};
-use std::pin::Pin;
-use std::task::{Context, Poll};
 use std::time::Duration;
-
-use futures::future::FusedFuture;
 
 use super::stream::AnyStream;
 #[cfg(feature = "cuda")]
@@ -19,13 +13,7 @@ use crate::{
 };
 
 /// Measures device time between two points of an [`AnyStream`], whichever its backend: an
-/// [`EventProfiler`] per backend behind one type, so code written against `AnyStream` times its
-/// stages without knowing where they run.
-///
-/// [`start`](Self::start) and [`stop`](Self::stop) take the stream by reference; the [`AnyProfile`]
-/// they give is read by [`wait_sync`](AnyProfile::wait_sync) or `.await`. Events are pooled as in
-/// [`EventProfiler`], per backend and per context, so one profiler serves every device and host
-/// stream it is given; as there, a profile's start and stop must be on streams of one context.
+/// [`EventProfiler`] per backend behind one type, whose pooling and rules it shares.
 ///
 /// ```
 /// use device_events::host::HostStream;
@@ -48,8 +36,7 @@ pub struct AnyProfiler {
     host: EventProfiler<Host>,
 }
 
-/// A started measurement of [`AnyProfiler`]; pass it to [`AnyProfiler::stop`] with a stream of the
-/// same backend. Dropping it returns its event to the pool.
+/// A started measurement for [`AnyProfiler::stop`], as [`ProfileStart`].
 #[must_use = "a profile start measures nothing until it is stopped"]
 pub struct AnyProfileStart(Start);
 
@@ -59,8 +46,7 @@ enum Start {
     Host(ProfileStart<Host>),
 }
 
-/// A stopped measurement of [`AnyProfiler`]: the device time from start to stop, read with
-/// [`wait_sync`](Self::wait_sync) or `.await`; see [`Profile`].
+/// A stopped measurement of [`AnyProfiler`], as [`Profile`].
 #[must_use = "a profile is read with wait_sync() or .await"]
 pub struct AnyProfile(Stopped);
 
@@ -103,8 +89,8 @@ impl AnyProfiler {
     /// # Errors
     ///
     /// As for [`EventProfiler::stop`]; and [`ServerError::InvalidArgument`], with nothing recorded,
-    /// when `stream` is of another backend than the start's (a device cannot time one backend's
-    /// event against another's). Either way `start`'s event goes back to the pool.
+    /// when `stream` is of another backend than the start's. Either way `start`'s event goes back
+    /// to the pool.
     pub fn stop(
         &self,
         start: AnyProfileStart,
@@ -133,31 +119,27 @@ impl AnyProfiler {
         }))
     }
 
-    /// Idle events in the pools now, both backends together.
+    /// [`EventProfiler::pooled`], both backends together.
     pub fn pooled(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        let cuda = self.cuda.pooled();
-        #[cfg(not(feature = "cuda"))]
-        let cuda = 0;
-        cuda + self.host.pooled()
+        self.stats().pooled
     }
 
-    /// Events this profiler has created in all, both backends together (a
-    /// loop that stops growing this allocates no events).
+    /// [`EventProfiler::created`], both backends together.
     pub fn created(&self) -> usize {
-        #[cfg(feature = "cuda")]
-        let cuda = self.cuda.created();
-        #[cfg(not(feature = "cuda"))]
-        let cuda = 0;
-        cuda + self.host.created()
+        self.stats().created as usize
     }
 
-    /// [`created`](Self::created) and [`pooled`](Self::pooled) together, both backends.
+    /// [`created`](Self::created) and [`pooled`](Self::pooled) together.
     pub fn stats(&self) -> ProfilerStats {
-        ProfilerStats {
-            created: self.created() as u64,
-            pooled: self.pooled(),
+        #[allow(unused_mut)]
+        let mut stats = self.host.stats();
+        #[cfg(feature = "cuda")]
+        {
+            let cuda = self.cuda.stats();
+            stats.created += cuda.created;
+            stats.pooled += cuda.pooled;
         }
+        stats
     }
 }
 
@@ -180,8 +162,7 @@ impl AnyProfile {
         match_backend!(&self.0, Stopped(_) => BACKEND)
     }
 
-    /// Block until the device reached both the start and the stop; the
-    /// device time from start to stop. See [`Profile::wait_sync`].
+    /// [`Profile::wait_sync`].
     ///
     /// # Errors
     ///
@@ -190,8 +171,8 @@ impl AnyProfile {
         match_backend!(self.0, Stopped(profile) => profile.wait_sync())
     }
 
-    /// A future of the device time, served by [`Waiter::global()`]; the
-    /// same as `profile.await`. On another waiter: `waiter.wait(profile)`.
+    /// A future on [`Waiter::global()`], as `profile.await`; on another waiter,
+    /// `waiter.wait(profile)`.
     pub fn wait(self) -> AnyProfileFuture {
         Waiter::global().wait(self)
     }
@@ -211,17 +192,7 @@ impl crate::waiter::Awaitable for AnyProfile {
     }
 }
 
-impl IntoFuture for AnyProfile {
-    type Output = Result<Duration, ServerError>;
-    type IntoFuture = AnyProfileFuture;
-
-    fn into_future(self) -> AnyProfileFuture {
-        self.wait()
-    }
-}
-
-/// The future of [`AnyProfile::wait`] and `profile.await`; see
-/// [`ProfileFuture`], whose errors and cancel safety it shares.
+/// The future of [`AnyProfile::wait`] and `profile.await`, with [`ProfileFuture`]'s errors.
 ///
 /// # Cancel safety
 ///
@@ -235,19 +206,8 @@ enum Reading {
     Host(ProfileFuture<Host>),
 }
 
-impl Future for AnyProfileFuture {
-    type Output = Result<Duration, ServerError>;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match_backend!(&mut self.get_mut().0, Reading(future) => Pin::new(future).poll(cx))
-    }
-}
-
-impl FusedFuture for AnyProfileFuture {
-    fn is_terminated(&self) -> bool {
-        match_backend!(&self.0, Reading(future) => future.is_terminated())
-    }
-}
+any_future!(AnyProfile => AnyProfileFuture(Reading) -> Result<Duration, ServerError>);
+any_debug!(AnyProfileStart(Start), AnyProfile(Stopped));
 
 impl fmt::Debug for AnyProfiler {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -255,23 +215,5 @@ impl fmt::Debug for AnyProfiler {
             .field("pooled", &self.pooled())
             .field("created", &self.created())
             .finish()
-    }
-}
-
-impl fmt::Debug for AnyProfileStart {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match_backend!(&self.0, Start(start) => start.fmt(f))
-    }
-}
-
-impl fmt::Debug for AnyProfile {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match_backend!(&self.0, Stopped(profile) => profile.fmt(f))
-    }
-}
-
-impl fmt::Debug for AnyProfileFuture {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match_backend!(&self.0, Reading(future) => future.fmt(f))
     }
 }

@@ -9,23 +9,16 @@ use crate::cuda::{self, cudarc::driver::CudaStream, Cuda, CudaStreamHandle};
 use crate::host::{Host, HostStream};
 use crate::{EventFence, ServerError};
 
-/// A stream of either backend: cheap to clone (one `Arc`), made with `From` (or `.into()`) from
-/// a cudarc `Arc<CudaStream>` or a [`HostStream`].
-///
-/// A service written against it differs per backend only where it launches its own work (a kernel
-/// is not a closure): [`fence`](Self::fence) gives an [`AnyFence`] that `.await`s, waits, goes in a
-/// drop queue, and makes another `AnyStream` wait on the device ([`AnyFence::wait_async`]).
+/// A stream of either backend: cheap to clone (one `Arc`), made with `From` a cudarc
+/// `Arc<CudaStream>` or a [`HostStream`]. Code written against it differs per backend only where
+/// it launches work; [`fence`](Self::fence) gives an [`AnyFence`].
 ///
 /// ```
 /// use device_events::host::HostStream;
-/// use device_events::{AnyFence, AnyStream};
+/// use device_events::{AnyStream, ServerError};
 ///
 /// /// Stage two runs behind stage one on the device; the task awaits both.
-/// async fn pipeline(
-///     one: &AnyStream,
-///     two: &AnyStream,
-///     launch: impl Fn(&AnyStream) -> Result<(), device_events::ServerError>,
-/// ) -> Result<(), device_events::ServerError> {
+/// async fn pipeline(one: &AnyStream, two: &AnyStream) -> Result<(), ServerError> {
 ///     launch(one)?;
 ///     let first = one.fence();
 ///     first.wait_async(two)?; // the device orders stage two after stage one
@@ -35,16 +28,18 @@ use crate::{EventFence, ServerError};
 ///     second.await
 /// }
 ///
-/// // Launching is the only code written per backend.
-/// let launch = |stream: &AnyStream| match stream {
-///     AnyStream::Host(host) => host.launch(|| { /* stage work */ }),
-///     // AnyStream::Cuda(stream) => your kernel's launch on `stream`,
-///     _ => unreachable!("only host streams in this example"),
-/// };
-/// let one = AnyStream::from(HostStream::new()?);
-/// let two = AnyStream::from(HostStream::new()?);
-/// futures::executor::block_on(pipeline(&one, &two, launch))?;
-/// # Ok::<(), device_events::ServerError>(())
+/// /// Launching is the only code written per backend.
+/// fn launch(stream: &AnyStream) -> Result<(), ServerError> {
+///     match stream {
+///         AnyStream::Host(host) => host.launch(|| { /* stage work */ }),
+///         // AnyStream::Cuda(stream) => your kernel's launch on `stream`,
+///         _ => unreachable!("only host streams in this example"),
+///     }
+/// }
+///
+/// let (one, two) = (HostStream::new()?.into(), HostStream::new()?.into());
+/// futures::executor::block_on(pipeline(&one, &two))?;
+/// # Ok::<(), ServerError>(())
 /// ```
 #[derive(Clone)]
 #[non_exhaustive]
@@ -71,8 +66,7 @@ impl AnyStream {
         }
     }
 
-    /// A fence at the stream's current end, or the driver's refusal, with no stream
-    /// synchronize; see [`EventFence::try_new`].
+    /// [`EventFence::try_new`].
     ///
     /// # Errors
     ///
@@ -111,9 +105,8 @@ impl AnyStream {
         }
     }
 
-    /// The stream's counts of its events in use, on either backend
-    /// ([`HostStream::live_events`](crate::host::HostStream::live_events), `cuda::live_events`),
-    /// for a leak check written once. For tests: only with the `test-util` feature.
+    /// The stream's [`LiveEvents`](crate::LiveEvents), on either backend, for a leak check
+    /// written once. For tests: only with the `test-util` feature.
     ///
     /// ```
     /// use device_events::host::HostStream;

@@ -1,30 +1,23 @@
-//! [`IdlePool`]: idle items (events) kept for reuse, bounded, over one or
-//! more locks. The CUDA and host fence-event pools are each one of these
-//! (the profiler keeps its timing events per context, in a pool of its own).
+//! [`IdlePool`]: idle items (events) kept for reuse, bounded, over one or more locks: the CUDA
+//! and host fence-event pools.
 
 use crate::sync::Mutex;
 
-/// The most room a shard is made with: a pool asked to keep more grows
-/// past it as items come back.
+/// The most room a shard is made with: a pool asked to keep more grows past it.
 const PREALLOCATED: usize = 1024;
 
-/// Up to a capacity of idle items, spread over `SHARDS` shards (a power of
-/// two, in the pool itself: no pointer to follow) that each hold an equal
-/// share. A thread takes from its home shard
-/// ([`crate::sync::shards::home`]) first and then from the others, and gives back
-/// to the shard it took from; a full shard hands the item back rather than
-/// lock another (a burst of give-backs beyond the capacity would lock every
-/// shard each time).
+/// Up to a capacity of idle items, spread over `SHARDS` shards (a power of two) that each hold an
+/// equal share. A thread takes from its home shard ([`crate::sync::shards::home`]) first, then
+/// from the others, and gives back to the shard it took from; a full shard hands the item back
+/// rather than lock another (a burst beyond the capacity would lock every shard each time).
 pub(crate) struct IdlePool<T, const SHARDS: usize> {
     shards: [Mutex<Vec<T>>; SHARDS],
     shard_capacity: usize,
 }
 
 impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
-    /// Room for `capacity` idle items. Each shard is made with room for its
-    /// share (up to [`PREALLOCATED`]), so giving back never grows it (a
-    /// growing `Vec` in the middle of a burst made the allocator
-    /// consolidate, measurably).
+    /// Room for `capacity` idle items. Each shard is made with room for its share (up to
+    /// [`PREALLOCATED`]): a `Vec` growing in a burst made the allocator consolidate, measurably.
     pub(crate) fn new(capacity: usize) -> Self {
         const { assert!(SHARDS.is_power_of_two(), "shards are a power of two") };
         let shard_capacity = capacity.div_ceil(SHARDS);
@@ -36,15 +29,13 @@ impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
         }
     }
 
-    /// The calling thread's home shard.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn home(&self) -> usize {
         crate::sync::shards::home(SHARDS)
     }
 
-    /// An idle item from `shard`, else from another. `counted` is told the
-    /// length of the shard it came from, under that shard's lock (a gauge
-    /// kept in step).
+    /// An idle item from `shard`, else from another. `counted` is told the length of the shard it
+    /// came from, under that shard's lock (a gauge kept in step).
     pub(crate) fn take(&self, shard: usize, counted: impl Fn(usize)) -> Option<T> {
         (0..SHARDS).find_map(|step| {
             let mut idle = self.shards[(shard + step) & (SHARDS - 1)].lock();
@@ -54,8 +45,7 @@ impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
         })
     }
 
-    /// Keep `item` in `shard`, or hand it back when that shard is full.
-    /// `counted` is told the shard's new length, under its lock.
+    /// Keep `item` in `shard`, or hand it back when that shard is full; `counted` as in `take`.
     pub(crate) fn give_back(
         &self,
         shard: usize,
@@ -77,8 +67,7 @@ impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
         self.shards.iter().map(|shard| shard.lock().len()).sum()
     }
 
-    /// Every idle item, taken out; `counted` is told each emptied shard's
-    /// new length (zero) under its lock, before the items are dropped.
+    /// Every idle item, taken out; `counted` is told each emptied shard's new length (zero).
     pub(crate) fn take_all(&self, counted: impl Fn(usize)) -> Vec<T> {
         let mut all = Vec::new();
         for shard in &self.shards {

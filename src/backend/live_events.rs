@@ -1,5 +1,5 @@
-//! [`LiveEvents`]: per-stream counts of the events a backend made for a
-//! stream, for leak checks that run the same on either backend.
+//! [`LiveEvents`]: per-stream counts of the events a backend made for a stream, for leak checks
+//! that run the same on either backend.
 
 #[cfg(any(test, feature = "test-util"))]
 use std::fmt;
@@ -9,15 +9,13 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// Counts of the events created for one stream: a host stream's
-/// ([`HostStream::live_events`](crate::host::HostStream::live_events)) or a
-/// CUDA stream's (`cuda::live_events`). For tests: only with the `test-util`
-/// feature (without it, the backends keep no counts).
+/// ([`HostStream::live_events`](crate::host::HostStream::live_events)) or a CUDA stream's
+/// (`cuda::live_events`). For tests: only with the `test-util` feature (without it, the backends
+/// keep no counts).
 ///
-/// A cheap handle, shared by the stream and each of its events, so it can be
-/// read after the stream is dropped, when everything the stream's worker held
-/// has been released. It counts one stream's events, not the process's, so a
-/// leak check on it is not disturbed by other streams (or other tests)
-/// creating and destroying events at the same time.
+/// A cheap handle shared by the stream and its events, so it can be read after the stream is
+/// dropped. It counts one stream's events, not the process's, so other streams (or tests)
+/// creating events at the same time do not disturb a leak check.
 #[cfg(any(test, feature = "test-util"))]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 #[derive(Clone, Default)]
@@ -40,46 +38,38 @@ impl LiveEvents {
 #[cfg(any(test, feature = "test-util"))]
 #[derive(Default)]
 struct Counts {
-    /// The stream's events allocated (or taken from a pool its stream does
-    /// not own) and not yet freed (or given back there): in use, or idle in
-    /// the stream's own pool.
+    /// The stream's events allocated (or taken from a shared pool) and not yet freed (or given
+    /// back there): in use, or idle in the stream's own pool.
     alive: AtomicUsize,
-    /// Of those, how many are idle in the stream's own pool: a gauge the
-    /// pool sets under its lock, with a plain store, so taking and giving
-    /// back a pooled event costs no read-modify-write here.
+    /// Of those, how many are idle in the stream's own pool: a gauge the pool stores under its
+    /// lock, so a pooled event costs no read-modify-write here.
     idle: AtomicUsize,
     created: AtomicU64,
 }
 
 #[cfg(any(test, feature = "test-util"))]
 impl LiveEvents {
-    /// How many of the stream's events are in use right now: created (or
-    /// taken from a fence-event pool) and not yet destroyed or given back to
-    /// the pool. On the host, an event destroyed while a marker for it is
-    /// still queued counts until the marker passes (a driver frees such an
-    /// event once its work completes, and so does that backend); idle events
-    /// in a pool do not count.
+    /// How many of the stream's events are in use right now: created (or taken from a pool) and
+    /// not yet destroyed or given back. An event destroyed while a marker for it is still queued
+    /// counts until the marker passes (a driver frees it once its work completes).
     pub fn count(&self) -> usize {
-        // The gauge first: an event given back between the two reads then
-        // still counts (never a count too low for a leak check to trust).
+        // The gauge first: an event given back between the two reads still counts (never a count
+        // too low for a leak check to trust).
         let idle = self.0.idle.load(Ordering::SeqCst);
         self.0.alive.load(Ordering::SeqCst).saturating_sub(idle)
     }
 
-    /// How many events were ever created for the stream: a steady loop of
-    /// fences that stops growing this creates none (its events are pooled).
+    /// How many events were ever created for the stream (a steady loop of fences creates none).
     pub fn created(&self) -> u64 {
         self.0.created.load(Ordering::SeqCst)
     }
 
-    /// An event was created for the stream.
     pub(crate) fn allocated(&self) {
         self.0.created.fetch_add(1, Ordering::SeqCst);
         self.0.alive.fetch_add(1, Ordering::SeqCst);
     }
 
-    /// An idle event of a pool shared with other streams (a CUDA context's)
-    /// is in use for the stream.
+    /// An idle event of a pool shared with other streams (a CUDA context's) is in use.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn reused(&self) {
         self.0.alive.fetch_add(1, Ordering::SeqCst);
@@ -90,8 +80,7 @@ impl LiveEvents {
         self.0.alive.fetch_sub(1, Ordering::SeqCst);
     }
 
-    /// The stream's own pool now holds `idle` events; called under the
-    /// pool's lock.
+    /// The stream's own pool now holds `idle` events; called under the pool's lock.
     pub(crate) fn set_idle(&self, idle: usize) {
         self.0.idle.store(idle, Ordering::Release);
     }

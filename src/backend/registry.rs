@@ -1,13 +1,11 @@
 //! Copyable stream handles that cannot dangle.
 //!
-//! [`EventApi::Stream`](crate::EventApi::Stream) must be `Copy`, so a handle cannot own its stream.
-//! Each backend keeps a registry of weak references instead: a handle is a number, and a call
-//! through one whose stream was dropped returns an error, never touches freed memory.
+//! [`EventApi::Stream`](crate::EventApi::Stream) must be `Copy`, so a handle is a number in a
+//! registry of weak references: a call through one whose stream was dropped returns an error.
 //!
 //! Every fence resolves its stream here, from every executor thread, so the registry is split into
-//! shards, each behind its own read-write lock: a lookup, and the registration of a stream already
-//! known, take one shard's read lock; only a stream's first registration and its removal write.
-//! Streams in different shards never touch the same lock.
+//! shards behind read-write locks: a lookup, or registering a known stream, takes one shard's read
+//! lock; only a stream's first registration and its removal write.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -16,16 +14,15 @@ use std::sync::{Arc, Weak};
 use crate::sync::shards;
 use crate::sync::RwLock;
 
-/// Entries whose stream is gone are swept once a shard has grown past this
-/// many, then past twice what survived the last sweep.
+/// Entries whose stream is gone are swept once a shard has grown past this many, then past twice
+/// what survived the last sweep.
 const FIRST_SWEEP: usize = 64;
 
 /// How many shards: a power of two, so a handle's low bits name its shard.
 const SHARDS: usize = 16;
 const SHARD_BITS: u32 = SHARDS.trailing_zeros();
 
-/// Maps handle numbers to weak references of `T`, each with a payload `X`
-/// that the backend attaches at registration (a pool, say).
+/// Maps handle numbers to weak references of `T`, each with a payload `X` (a pool, say).
 pub(crate) struct Registry<T, X = ()> {
     shards: [RwLock<Shard<T, X>>; SHARDS],
     next: AtomicU64,
@@ -33,14 +30,12 @@ pub(crate) struct Registry<T, X = ()> {
 
 struct Shard<T, X> {
     by_id: BTreeMap<u64, (Weak<T>, X)>,
-    /// The id given to a live `Arc`, so registering it again returns the same handle. The address
-    /// is a sound key: a `Weak` in `by_id` keeps the allocation while the entry lives.
+    /// The id of a live `Arc`, by address (a sound key: a `Weak` in `by_id` keeps the allocation).
     by_address: BTreeMap<usize, u64>,
     sweep_at: usize,
 }
 
 impl<T, X: Clone> Registry<T, X> {
-    /// An empty registry; `const` so it can be a `static`.
     pub(crate) const fn new() -> Self {
         Self {
             shards: [const {
@@ -55,7 +50,7 @@ impl<T, X: Clone> Registry<T, X> {
     }
 
     /// The id of `value` and its payload, registering it (with the payload `payload` makes) if it
-    /// has none yet. A value already registered costs one shard's read lock.
+    /// has none yet.
     pub(crate) fn register(&self, value: &Arc<T>, payload: impl FnOnce() -> X) -> (u64, X) {
         let address = Arc::as_ptr(value) as usize;
         // The shard of an allocation: its address, mixed.
@@ -82,14 +77,12 @@ impl<T, X: Clone> Registry<T, X> {
         (id, payload)
     }
 
-    /// The value behind `id` and its payload, while the value is alive.
     pub(crate) fn get(&self, id: u64) -> Option<(Arc<T>, X)> {
         let shard = self.shards[shard_of_id(id)].read();
         let (weak, payload) = shard.by_id.get(&id)?;
         Some((weak.upgrade()?, payload.clone()))
     }
 
-    /// Forget `id` (its owner is being dropped).
     pub(crate) fn remove(&self, id: u64) {
         let mut shard = self.shards[shard_of_id(id)].write();
         if let Some((weak, _)) = shard.by_id.remove(&id) {

@@ -1,21 +1,20 @@
-//! [`Fence`]: what a [`DropQueue`](super::DropQueue) waits for, and how a
-//! value is settled once its fence passes (dropped) or fails (leaked).
+//! [`Fence`]: what a [`DropQueue`](super::DropQueue) waits for, and how a value is settled once
+//! its fence passes (dropped) or fails (leaked).
 
 use crate::{panics, AnyFence, EventApi, EventFence, ServerError};
 
-/// Something that can be waited for: the contract a [`DropQueue`](super::DropQueue) needs.
-/// [`EventFence`] and [`AnyFence`] implement it.
+/// What a [`DropQueue`](super::DropQueue) waits for: [`EventFence`], [`AnyFence`], or yours.
 pub trait Fence: Send + 'static {
-    /// Block until the fence has passed. (Named for what it does: an
-    /// [`EventFence`]'s own [`wait`](EventFence::wait) returns a future.)
+    /// Block until the fence has passed (an [`EventFence`]'s own [`wait`](EventFence::wait)
+    /// returns a future).
     ///
     /// # Errors
     ///
     /// The fence failed: the device faulted, or the driver refused the wait.
     fn wait_blocking(self) -> Result<(), ServerError>;
 
-    /// Whether the fence has passed, without blocking: `Ok(true)` passed,
-    /// `Ok(false)` not yet (also the answer of fences that cannot tell).
+    /// Whether the fence has passed, without blocking; `Ok(false)` also from fences that cannot
+    /// tell.
     ///
     /// # Errors
     ///
@@ -25,19 +24,12 @@ pub trait Fence: Send + 'static {
     }
 }
 
-/// The drop queue is where a fence pays off: a freed host buffer waits on one
-/// rather than on the stream's owner.
+/// If the fence's wait fails, the stream is synchronized instead (with a warning): when that
+/// succeeds, everything queued before the fence has run. Only when the stream cannot be
+/// synchronized either (a faulted stream or device) does the fence fail.
 ///
-/// If the fence's wait fails, the stream is synchronized instead (with a
-/// warning), as the crate's other fallbacks do: when that succeeds, the
-/// stream is idle, so everything queued before the fence has run and the
-/// fence has passed. Only when the stream cannot be synchronized either (a
-/// faulted stream or device) does the fence fail.
-///
-/// Nor is a stream-capture status worked around
-/// ([`ServerError::is_stream_capture`]): a fence recorded while its stream
-/// captured a graph marks a place in that graph, which may be launched any
-/// time later, so nothing says when the value is free. The value is leaked.
+/// A stream-capture status ([`ServerError::is_stream_capture`]) is not worked around: the fence
+/// marks a place in a graph that may be launched any time later, so the value is leaked.
 impl<A: EventApi> Fence for EventFence<A> {
     fn wait_blocking(self) -> Result<(), ServerError> {
         let stream = self.stream();
@@ -60,8 +52,7 @@ impl<A: EventApi> Fence for EventFence<A> {
     }
 }
 
-/// A drop queue may hold fences of either backend: each waits as its
-/// [`EventFence`] does.
+/// Each waits as its [`EventFence`] does.
 impl Fence for AnyFence {
     fn wait_blocking(self) -> Result<(), ServerError> {
         match_backend!(self, AnyFence(fence) => fence.wait_blocking())
@@ -72,9 +63,8 @@ impl Fence for AnyFence {
     }
 }
 
-/// Wait for `fence`, then drop `value`; if the fence fails (or its wait
-/// panics), leak the value instead, with an error logged. `Err` is the
-/// fence's failure: the value was leaked.
+/// Wait for `fence`, then drop `value`; if the fence fails (or its wait panics), leak the value
+/// instead, with an error logged, and return the failure.
 pub(super) fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError> {
     let passed = panics::catch(|| fence.wait_blocking())
         .unwrap_or_else(|message| Err(ServerError::DropQueuePanicked { message }));
@@ -101,8 +91,7 @@ pub(super) fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError>
     }
 }
 
-/// Drop a value whose fence passed; a panic in its `Drop` (or in its
-/// payload's) is logged, and the queue goes on.
+/// Drop a value whose fence passed; a panic in its `Drop` is logged, and the queue goes on.
 pub(super) fn drop_value<T>(value: T) {
     if let Err(message) = panics::drop_caught(value) {
         panics::log(|| log::error!("a value's drop panicked in the drop queue: {message}"));

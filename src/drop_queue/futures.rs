@@ -1,5 +1,4 @@
-//! [`PushFuture`] and [`Progress`]: waiting for room and for progress
-//! without blocking a thread.
+//! [`PushFuture`] and [`Progress`]: waiting for room and for progress without blocking a thread.
 
 use std::fmt;
 use std::future::Future;
@@ -12,7 +11,6 @@ use super::handed_back::Rejected;
 use super::shared::Shared;
 use super::stats::DropQueueStats;
 
-/// What a [`Progress`] future waits for.
 #[derive(Debug, Clone, Copy)]
 pub(super) enum Until {
     /// This many values dropped, leaked or handed back.
@@ -21,10 +19,8 @@ pub(super) enum Until {
     Exited,
 }
 
-/// The future of [`DropQueue::flush_async`](super::DropQueue::flush_async): resolves with the queue's stats
-/// once the values pushed before it was made have been handled.
-///
-/// Dropping it before it resolves takes its waker back out of the queue.
+/// The future of [`DropQueue::flush_async`](super::DropQueue::flush_async) and `shutdown_async`:
+/// resolves with the queue's stats. Dropping it takes its waker back out of the queue.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct Progress<F, T> {
     pub(super) shared: Arc<Shared<F, T>>,
@@ -64,21 +60,19 @@ impl<F, T> Drop for Progress<F, T> {
     }
 }
 
-/// The future of [`DropQueue::push_async`](super::DropQueue::push_async): resolves once the value is
-/// queued (or refused because the queue is closing).
+/// The future of [`DropQueue::push_async`](super::DropQueue::push_async): resolves once the value
+/// is queued (or refused because the queue is closing).
 ///
 /// # Cancel safety
 ///
-/// Dropping it before it resolved queues the value all the same, past the
-/// capacity, without blocking, as a dropped [`Rejected`] does: the value is
-/// never dropped before its fence.
+/// Dropping it before it resolved queues the value all the same, past the capacity, without
+/// blocking, as a dropped [`Rejected`] does: the value is never dropped before its fence.
 #[must_use = "futures do nothing unless you .await or poll them; dropping this one queues \
               its value all the same"]
 pub struct PushFuture<F: Fence, T: Send + 'static> {
     pub(super) shared: Arc<Shared<F, T>>,
     /// The fence and value, until queued or handed back.
     pub(super) entry: Option<(F, T)>,
-    /// Its entry among the queue's wakers.
     pub(super) id: u64,
 }
 
@@ -93,10 +87,9 @@ impl<F: Fence, T: Send + 'static> Future for PushFuture<F, T> {
         }
         let own_thread = this.shared.on_own_thread();
         let mut state = this.shared.lock();
-        // The entry stays in the future until it is queued or handed back:
-        // a panic in the waker's clone or drop (an executor's code) leaves
-        // it to the future's drop, which queues it. On the queue's own
-        // thread it is queued at once, as `push_blocking` queues it.
+        // The entry stays in the future until it is queued or handed back: a panic in the waker's
+        // clone or drop (an executor's code) leaves it to the future's drop, which queues it. On
+        // the queue's own thread it is queued at once, as `push_blocking` queues it.
         let closed = state.closing && !own_thread;
         if !closed && state.pending() >= state.capacity && !own_thread {
             let replaced = state.wakers.register(this.id, cx.waker());

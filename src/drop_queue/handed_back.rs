@@ -11,13 +11,11 @@ use crate::ServerError;
 /// Why a push was refused, with the fence and value ([`Refused`]).
 ///
 /// Take both back with [`into_inner`](Self::into_inner) (then keeping the value alive until the
-/// fence passes is the caller's job), or wait for the fence here with
-/// [`wait_then_drop`](Self::wait_then_drop). Ignored (dropped, `.ok()`, carried away by `?`), it
-/// never frees the value early and never blocks: its drop queues the value all the same, past the
-/// capacity, even while the queue closes. Once the queue's thread has exited, it drops the value if
-/// the fence has passed, else leaks it (counted in [`leaked`](super::DropQueueStats::leaked)). To
-/// never hold a refused value, push with [`push_blocking`](super::DropQueue::push_blocking) or
-/// [`push_async`](super::DropQueue::push_async), which wait for room.
+/// fence passes is the caller's job), or wait here with [`wait_then_drop`](Self::wait_then_drop).
+/// Ignored (dropped, `.ok()`, `?`), it never frees the value early and never blocks: its drop
+/// queues the value all the same, past the capacity, even while the queue closes; once the queue's
+/// thread has exited, it drops the value if the fence has passed, else leaks it (counted in
+/// [`leaked`](super::DropQueueStats::leaked)).
 ///
 /// ```
 /// use device_events::drop_queue::{DropQueue, Rejected};
@@ -48,25 +46,22 @@ pub enum Rejected<F, T> {
     Closed(Refused<F, T>),
 }
 
-/// A refused push's fence and value: [`Rejected`] says why, and what its drop does with them.
+/// A refused push's fence and value; see [`Rejected`].
 pub struct Refused<F, T> {
-    /// The fence and value, until taken back or given to the queue.
     entry: Option<(F, T)>,
     queue: Arc<dyn Adopt<F, T>>,
 }
 
 impl<F, T> Rejected<F, T> {
-    /// A full queue's refusal; dropped, it gives the entry to `queue`.
     pub(super) fn full(queue: Arc<dyn Adopt<F, T>>, fence: F, value: T) -> Self {
         Self::Full(Refused::new(queue, fence, value))
     }
 
-    /// A closed queue's refusal; dropped, it gives the entry to `queue`.
     pub(super) fn closed(queue: Arc<dyn Adopt<F, T>>, fence: F, value: T) -> Self {
         Self::Closed(Refused::new(queue, fence, value))
     }
 
-    /// The fence and value that were refused.
+    /// The fence and value, for the caller to keep alive until the fence passes.
     pub fn into_inner(self) -> (F, T) {
         match self {
             Self::Full(refused) | Self::Closed(refused) => refused.into_inner(),
@@ -79,8 +74,7 @@ impl<F: Fence, T> Rejected<F, T> {
     ///
     /// # Errors
     ///
-    /// The fence failed: the value is leaked, not dropped (see [`DropQueue`](super::DropQueue)),
-    /// and the error logged.
+    /// The fence failed: the value is leaked, not dropped, and the error logged.
     pub fn wait_then_drop(self) -> Result<(), ServerError> {
         let (fence, value) = self.into_inner();
         settle(fence, value)
@@ -95,7 +89,7 @@ impl<F, T> Refused<F, T> {
         }
     }
 
-    /// The fence and value, for the caller to keep alive until the fence passes.
+    /// As [`Rejected::into_inner`].
     pub fn into_inner(mut self) -> (F, T) {
         self.entry.take().expect("taken only here and by the drop")
     }
@@ -120,13 +114,11 @@ impl<F, T> fmt::Display for Rejected<F, T> {
 
 impl<F, T> std::error::Error for Rejected<F, T> {}
 
-/// The values [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now) handed back, with
-/// their fences, in push order: none has passed yet.
-///
-/// Read them as a slice; take them over with [`into_vec`](Self::into_vec) or by iterating (then
-/// keeping each value alive until its fence passes is the caller's job); or let
-/// [`wait_then_drop`](Self::wait_then_drop), or the drop, wait for each fence on this thread and
-/// drop its value (a value whose fence fails is leaked, as in the queue).
+/// The values [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now) handed back with their
+/// fences, in push order, none passed yet: a slice. Take them over with
+/// [`into_vec`](Self::into_vec) or by iterating (then keeping each alive until its fence passes is
+/// the caller's job), or let [`wait_then_drop`](Self::wait_then_drop), or the drop, wait for each
+/// fence here and drop its value (leaking it if the fence fails).
 #[must_use = "dropping the handed-back values blocks until each fence has passed; \
               keep them alive, or call wait_then_drop() where blocking is fine"]
 pub struct HandedBack<F: Fence, T> {

@@ -1,22 +1,18 @@
-//! [`DropQueue`]: keep values alive until their fence has passed, then drop
-//! them off the caller's thread.
+//! [`DropQueue`]: keep values alive until their fence has passed, then drop them off the
+//! caller's thread.
 //!
-//! The case it is for: a pinned host staging buffer that a device copy may
-//! still read. Freeing it when the host is done with it would let the copy
-//! read freed memory; waiting for the copy on the spot would stall whoever
-//! freed it. Instead the buffer goes into the queue with a fence recorded
-//! after the copy, and the queue's own thread drops it once the fence passes.
+//! The case it is for: a pinned host staging buffer that a device copy may still read. Freeing it
+//! at once would let the copy read freed memory; waiting for the copy would stall whoever freed
+//! it. Instead it goes into the queue with a fence recorded after the copy.
 //!
-//! In this folder: `fence.rs`, the [`Fence`] trait and how a value is
-//! settled once its fence passes; `queue.rs`, the [`DropQueue`] handle;
-//! `stats.rs`, [`DropQueueStats`]; `shared.rs`, the state the handle, the
-//! queue's thread and the futures share, and the thread itself;
-//! `futures.rs`, [`PushFuture`] and [`Progress`]; `handed_back.rs`,
-//! [`Rejected`] (with [`Refused`]) and [`HandedBack`], the values given back
-//! to the caller.
+//! - `fence.rs`: the [`Fence`] trait, and how a value is settled once its fence passes;
+//! - `queue.rs`: the [`DropQueue`] handle;
+//! - `stats.rs`: [`DropQueueStats`];
+//! - `shared.rs`: the state the handle, the thread and the futures share, and the thread;
+//! - `futures.rs`: [`PushFuture`] and [`Progress`];
+//! - `handed_back.rs`: [`Rejected`], [`Refused`] and [`HandedBack`], values given back.
 //!
-//! The queue exists where threads do (`cfg(multi_threading)`, set by
-//! `build.rs`).
+//! The queue exists where threads do (`cfg(multi_threading)`, set by `build.rs`).
 
 mod fence;
 mod futures;

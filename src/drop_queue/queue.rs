@@ -20,35 +20,23 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 /// in push order.
 ///
 /// - One thread waits each fence in turn, so a value waits behind every value pushed before it,
-///   even one on another stream. Give streams that run at different paces a queue each: a slow
-///   stream then holds back (and fills) only its own.
-/// - Memory is bounded: at most `capacity` values wait at once, but for those of refusals and
-///   push futures dropped unanswered. [`push_blocking`](Self::push_blocking) waits for room and
+///   even one on another stream: give streams that run at different paces a queue each.
+/// - At most `capacity` values wait at once, but for those of refusals and push futures dropped
+///   unanswered. [`push_blocking`](Self::push_blocking) waits for room, and
 ///   [`push_async`](Self::push_async) awaits it; [`push`](Self::push) never blocks, and hands a
-///   refused fence and value back ([`Rejected`]) for the caller to keep alive.
-/// - **No value is ever dropped before its fence**, on any path: a refused push hands it back
-///   ([`Rejected::wait_then_drop`] keeps the promise for the caller),
-///   [`shutdown_now`](Self::shutdown_now) hands back what has not passed in a [`HandedBack`]
-///   whose drop waits for each fence, and a [`Rejected`] or `push_async` future dropped
-///   unanswered queues its value all the same, past the capacity (once the thread has exited,
-///   it leaks a value whose fence has not passed).
+///   refused fence and value back ([`Rejected`]).
+/// - **No value is ever dropped before its fence**, on any path: a refused push hands it back,
+///   [`shutdown_now`](Self::shutdown_now) hands back what has not passed ([`HandedBack`]), and a
+///   [`Rejected`] or `push_async` future dropped unanswered queues its value all the same.
 /// - When a fence's wait fails, an [`EventFence`](crate::EventFence) synchronizes its stream,
-///   and if the stream is idle its value is dropped as usual (the driver may merely have
-///   refused the wait while a copy still ran). A fence that **fails** even so (a faulted stream
-///   or device) says nothing about whether the device still reads the value, so the value is
-///   **leaked** (never dropped), with an error logged and counted in
-///   [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a bounded loss, a freed one
-///   still read by the device is memory corruption.
-/// - Dropping the queue **blocks** until every fence has passed, as
-///   [`shutdown`](Self::shutdown) does, but not while the dropping thread panics (see
-///   [Drop](#drop)). In async code, use [`shutdown_async`](Self::shutdown_async) (and
-///   [`flush_async`](Self::flush_async) for [`flush`](Self::flush)), which block no thread.
-/// - A value's drop may use its own queue: `push_blocking` and `push_async` there queue past the
-///   capacity, even while closing (only the queue's thread makes room, and it drains the queue
-///   before it exits); a flush or shutdown there, blocking or awaited, returns at once rather
-///   than wait for itself; the last handle dropped there lets the thread finish on its own.
-/// - There is no `Default`: starting the thread can fail, and `Default` could not return that
-///   error. Use `DropQueue::new(DEFAULT_DROP_QUEUE_CAPACITY)`.
+///   and if that succeeds its value is dropped as usual. A fence that **fails** even so (a
+///   faulted stream or device) leaves the value **leaked** (never dropped), with an error logged
+///   and counted in [`leaked`](DropQueueStats::leaked): a leaked staging buffer is a bounded
+///   loss, a freed one still read by the device is memory corruption.
+/// - A value's drop may use its own queue: pushes there queue past the capacity, even while
+///   closing, and a flush or shutdown there returns at once rather than wait for itself.
+/// - There is no `Default`: starting the thread can fail. Use
+///   `DropQueue::new(DEFAULT_DROP_QUEUE_CAPACITY)`.
 ///
 /// ```
 /// use device_events::drop_queue::DropQueue;
@@ -68,30 +56,22 @@ pub const DEFAULT_DROP_QUEUE_CAPACITY: usize = 4096;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 ///
-/// In async code, `queue.push_async(fence, staging).await` waits for room
-/// without blocking a thread.
-///
 /// # Drop
 ///
 /// Dropping the queue closes it to new pushes (as [`close`](Self::close)), then:
 ///
 /// - **Normally**, it is [`shutdown`](Self::shutdown): it **blocks** until every queued fence
-///   has passed (the slowest stream's queued work), drops every value, and joins the thread.
-/// - **While the dropping thread panics** ([`std::thread::panicking`]: the queue dropped by an
-///   unwind), it returns at once, without waiting for any fence: the thread is detached, and
-///   goes on dropping each value once its fence passes, then exits. Waiting there could hang
-///   the unwind for good, as when a failing test holds the queue over work it holds back
-///   itself (a gate it drops after the queue). No value is dropped early: one whose fence
-///   fails is leaked, as ever, and values still queued when the process exits are never
-///   dropped (their memory goes with the process).
+///   has passed, drops every value, and joins the thread. In async code, use
+///   [`shutdown_async`](Self::shutdown_async), after which the drop returns at once.
+/// - **While the dropping thread panics** ([`std::thread::panicking`]), it returns at once: the
+///   thread is detached, and goes on dropping each value once its fence passes. Waiting could
+///   hang the unwind for good (a failing test holding the queue over work it holds back itself).
+///   Values still queued when the process exits are never dropped.
 /// - On the queue's own thread (the last handle, dropped by a value's drop), it returns at
 ///   once too: the thread drops the rest, then exits.
-/// - After [`shutdown_async`](Self::shutdown_async), whose future joins the thread, it returns
-///   at once.
 pub struct DropQueue<F: Fence, T: Send + 'static> {
     shared: Arc<Shared<F, T>>,
-    /// Taken by the first to shut down: [`DropQueue::shutdown_async`] (via `&self`, so behind a
-    /// lock) or the queue's drop.
+    /// Taken by the first to shut down (behind a lock for `shutdown_async(&self)`).
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -127,8 +107,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// # Errors
     ///
     /// [`Rejected::Full`] when `capacity` values are waiting, [`Rejected::Closed`] while shutting
-    /// down; both hand back the fence and value, which the caller must keep alive until the
-    /// fence passes ([`Rejected::wait_then_drop`]), or drop the refusal to queue the value anyway.
+    /// down; both hand back the fence and value (see [`Rejected`]).
     pub fn push(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
         let state = self.shared.lock();
         if state.closing {
@@ -142,16 +121,13 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     }
 
     /// As [`push`](Self::push), but when `capacity` values are waiting, block until one has been
-    /// dropped. In async code, use [`push_async`](Self::push_async).
-    ///
-    /// On the queue's own thread (in a value's drop) it does not wait: the value is queued past
-    /// the capacity, even while closing, since only that thread makes room, and it drains the
-    /// queue before it exits.
+    /// dropped. In async code, use [`push_async`](Self::push_async). On the queue's own thread
+    /// it queues past the capacity, even while closing: only that thread makes room, and it
+    /// drains the queue before it exits.
     ///
     /// # Errors
     ///
-    /// [`Rejected::Closed`] while shutting down, with the fence and value, which the caller must
-    /// keep alive until the fence passes ([`Rejected::wait_then_drop`]).
+    /// [`Rejected::Closed`] while shutting down, with the fence and value.
     pub fn push_blocking(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
         let mut state = self.shared.lock();
         // On its own thread the thread has not exited and will see the entry, closing or not.
@@ -169,12 +145,11 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     }
 
     /// A future of [`push_blocking`](Self::push_blocking): resolves once the value is queued,
-    /// waiting for room without blocking a thread (the queue's thread wakes it).
+    /// blocking no thread.
     ///
     /// # Cancel safety
     ///
-    /// Dropping the future before it resolved neither drops the value early nor blocks: it is
-    /// queued all the same (past the capacity), as a dropped [`Rejected`] queues it.
+    /// As for [`PushFuture`]: dropped early, it queues the value all the same, without blocking.
     ///
     /// # Errors
     ///
@@ -193,12 +168,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         self.shared.lock().capacity
     }
 
-    /// Block until every value pushed before this call has been dropped (or leaked, if its fence
-    /// failed, or handed back by [`shutdown_now`](Self::shutdown_now)). In async code, use
-    /// [`flush_async`](Self::flush_async).
-    ///
-    /// On the queue's own thread (in a value's drop) it returns at once: the queue cannot wait
-    /// for itself.
+    /// Block until every value pushed before this call has been dropped (or leaked, or handed back
+    /// by [`shutdown_now`](Self::shutdown_now)); at once on the queue's own thread. In async code,
+    /// use [`flush_async`](Self::flush_async).
     pub fn flush(&self) {
         if self.shared.on_own_thread() {
             panics::log(|| {
@@ -221,43 +193,29 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         self.shared.lock().stats()
     }
 
-    /// A future of [`flush`](Self::flush): resolves once every value pushed before this call has
-    /// been dropped (or leaked). Blocks no thread: the queue's thread wakes it.
+    /// A future of [`flush`](Self::flush), blocking no thread.
     ///
     /// # Cancel safety
     ///
     /// Dropping it changes nothing: the values are dropped all the same.
     #[doc(alias = "flush")]
     pub fn flush_async(&self) -> Progress<F, T> {
-        let mut state = self.shared.lock();
-        let target = state.stats.pushed;
-        let id = state.wakers.id();
-        drop(state);
-        Progress {
-            shared: self.shared.clone(),
-            until: Until::Handled(target),
-            id,
-        }
+        self.progress(Until::Handled)
     }
 
-    /// Wait for every fence, drop every value, and join the thread. Blocks until the slowest
-    /// fence passes; in async code, use [`shutdown_async`](Self::shutdown_async).
-    ///
-    /// On the queue's own thread (in a value's drop) it closes the queue and returns at once:
-    /// the thread drops the rest, then exits.
+    /// Wait for every fence, drop every value, and join the thread (on the queue's own thread,
+    /// close it and return at once). In async code, use [`shutdown_async`](Self::shutdown_async).
     pub fn shutdown(mut self) -> DropQueueStats {
         self.close_and_join();
         self.stats()
     }
 
-    /// A future of [`shutdown`](Self::shutdown): refuses new pushes at once, then resolves with
-    /// the final stats once every fence has passed, every value is dropped and the thread has
-    /// exited. Blocks no thread.
+    /// A future of [`shutdown`](Self::shutdown), blocking no thread: refuses new pushes at once,
+    /// then resolves with the final stats once the thread has exited.
     ///
     /// It takes `&self`, so a queue shared by a service's handlers (in an `Arc`) shuts down
     /// without a lock of the service's own: handlers that push meanwhile get
-    /// [`Rejected::Closed`]. Every call's future resolves once the thread has exited; the
-    /// queue's drop afterwards returns at once.
+    /// [`Rejected::Closed`]. The queue's drop afterwards returns at once.
     ///
     /// # Cancel safety
     ///
@@ -283,16 +241,11 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     #[doc(alias = "shutdown")]
     pub fn shutdown_async(&self) -> impl Future<Output = DropQueueStats> + Send + 'static {
         self.shared.close();
-        let id = self.shared.lock().wakers.id();
         let thread = self.take_thread();
-        let progress = Progress {
-            shared: self.shared.clone(),
-            until: Until::Exited,
-            id,
-        };
+        let progress = self.progress(|_| Until::Exited);
         async move {
             let stats = progress.await;
-            // The thread has said it exits: joining takes no time (skipped on the thread itself).
+            // The thread has said it exits: joining takes no time.
             if let Some(thread) = thread.filter(|thread| thread.thread().id() != current_thread()) {
                 if thread.join().is_err() {
                     log::error!("the drop queue's thread panicked");
@@ -302,11 +255,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
     }
 
-    /// Stop without waiting on the device: values whose fence has already passed are dropped;
-    /// the rest are handed back with their fences, in push order, for the caller to keep alive
-    /// until their fences pass ([`HandedBack`]: its drop waits for them). The value being waited
-    /// on when this is called is waited for. A fence whose [`is_passed`](Fence::is_passed) fails
-    /// or panics is handed back, not dropped.
+    /// Stop without waiting on the device: values whose fence has passed are dropped, the rest
+    /// handed back ([`HandedBack`]), as is a value whose [`is_passed`](Fence::is_passed) fails or
+    /// panics. The value being waited on when this is called is waited for.
     pub fn shutdown_now(mut self) -> HandedBack<F, T> {
         self.shared.close();
         let waiting: Vec<(u64, F, T)> = {
@@ -343,16 +294,23 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         HandedBack { entries }
     }
 
-    /// Refuse new pushes from now on ([`Rejected::Closed`]; `push_async` futures not queued yet
-    /// resolve with it too), without waiting: values already queued are still dropped, each once
-    /// its fence has passed, and the thread exits once it has dropped the last;
-    /// [`flush`](Self::flush), [`shutdown_async`](Self::shutdown_async) or the queue's drop wait
-    /// for that. Safe to call more than once, and from any handle of a shared queue.
+    /// Refuse new pushes from now on ([`Rejected::Closed`], also for `push_async` futures not
+    /// queued yet), without waiting: queued values are still dropped as their fences pass, then
+    /// the thread exits. Safe to call more than once.
     pub fn close(&self) {
         self.shared.close();
     }
 
-    /// The queue's thread, for the first caller that shuts the queue down.
+    /// A [`Progress`] future until `until` of the values pushed so far.
+    fn progress(&self, until: impl FnOnce(u64) -> Until) -> Progress<F, T> {
+        let mut state = self.shared.lock();
+        Progress {
+            until: until(state.stats.pushed),
+            id: state.wakers.id(),
+            shared: self.shared.clone(),
+        }
+    }
+
     fn take_thread(&self) -> Option<JoinHandle<()>> {
         self.thread.lock().take()
     }
@@ -360,16 +318,14 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     fn close_and_join(&mut self) {
         self.shared.close();
         if let Some(thread) = self.take_thread() {
-            // The last handle dropped by a value on the queue's own thread: it finishes on its own.
+            // On the queue's own thread (the last handle, dropped by a value): it finishes alone.
             if thread.thread().id() != current_thread() && thread.join().is_err() {
                 panics::log(|| log::error!("the drop queue's thread panicked"));
             }
         }
     }
 
-    /// The queue dropped by a panicking thread: close it and let its thread finish on its own,
-    /// dropping each value once its fence passes. Joining could wait for good, on work that
-    /// only the unwind (dropping a gate declared before the queue, say) would let finish.
+    /// The queue dropped by a panicking thread (see [`DropQueue`]'s `# Drop`).
     fn close_and_detach(&mut self) {
         self.shared.close();
         let Some(thread) = self.take_thread() else {
@@ -384,7 +340,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
                 );
             });
         }
-        // Detached: the thread owns its share of the state, and exits once the queue is empty.
+        // Detached: the thread owns its share, and exits once the queue is empty.
         drop(thread);
     }
 }

@@ -1,5 +1,5 @@
-//! [`Shared`]: the state a [`DropQueue`](super::DropQueue), its thread and
-//! its futures share, and the queue's thread.
+//! [`Shared`]: the state a [`DropQueue`](super::DropQueue), its thread and its futures share,
+//! and the queue's thread.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::OnceLock;
@@ -15,8 +15,8 @@ pub(super) struct Shared<F, T> {
     pub(super) state: Mutex<State<F, T>>,
     /// The queue's thread waits here for entries, flushes and blocking pushes for progress.
     pub(super) changed: Condvar,
-    /// The queue's thread, set once it is started (before any value can reach it): a value's
-    /// drop runs there, and must not wait for it.
+    /// The queue's thread, set once started (before any value can reach it): a value's drop runs
+    /// there, and must not wait for it.
     pub(super) thread: OnceLock<ThreadId>,
 }
 
@@ -34,14 +34,12 @@ pub(super) struct State<F, T> {
     /// nothing queued): from then on nobody else will drop a queued value.
     pub(super) exited: bool,
     pub(super) stats: DropQueueStats,
-    /// Tasks awaiting progress ([`DropQueue::flush_async`](super::DropQueue::flush_async),
-    /// [`DropQueue::shutdown_async`](super::DropQueue::shutdown_async), [`DropQueue::push_async`](super::DropQueue::push_async)): woken after
-    /// each value and on exit.
+    /// Futures awaiting progress or room: woken after each value and on exit.
     pub(super) wakers: Wakers,
 }
 
-/// The wakers of pending futures, one per future: a future dropped unresolved takes its waker
-/// out, so none is kept for a task that no longer waits, and a poll finds its entry without a scan.
+/// The wakers of pending futures, one per future, found without a scan; a future dropped
+/// unresolved takes its waker out.
 #[derive(Default)]
 pub(super) struct Wakers {
     next: u64,
@@ -49,14 +47,13 @@ pub(super) struct Wakers {
 }
 
 impl Wakers {
-    /// A number for a new future.
     pub(super) fn id(&mut self) -> u64 {
         self.next += 1;
         self.next
     }
 
-    /// Keep `waker` for future `id`; the waker it replaces comes back, to be dropped outside the
-    /// lock (a waker's drop is an executor's code).
+    /// Keep `waker` for future `id`; the one it replaces comes back, to drop outside the lock (a
+    /// waker's drop is an executor's code).
     #[must_use]
     pub(super) fn register(&mut self, id: u64, waker: &Waker) -> Option<Waker> {
         match self.by_future.get(&id) {
@@ -65,31 +62,19 @@ impl Wakers {
         }
     }
 
-    /// Forget future `id`'s waker; it comes back, to be dropped outside the lock.
+    /// Forget future `id`'s waker; it comes back, to drop outside the lock.
     #[must_use]
     pub(super) fn remove(&mut self, id: u64) -> Option<Waker> {
         self.by_future.remove(&id)
     }
 
-    /// All of them, to wake outside the lock (a woken future registers again if it still waits).
+    /// All of them, to wake outside the lock (a future still waiting registers again).
     pub(super) fn take(&mut self) -> Vec<Waker> {
         self.by_future.drain().map(|(_, waker)| waker).collect()
     }
 }
 
-/// Wake `wakers`; a waker that panics (a user's executor) costs only its own wake.
-fn wake_all(wakers: Vec<Waker>) {
-    for waker in wakers {
-        if let Err(message) = panics::catch(|| waker.wake()) {
-            panics::log(|| {
-                log::error!("a task's waker panicked when the drop queue woke it: {message}")
-            });
-        }
-    }
-}
-
 impl<F, T> Shared<F, T> {
-    /// The state of an empty, open queue of at most `capacity` values.
     pub(super) fn new(capacity: usize) -> Self {
         Self {
             state: Mutex::new(State {
@@ -111,7 +96,7 @@ impl<F, T> Shared<F, T> {
         self.state.lock()
     }
 
-    /// Whether the caller is the queue's own thread: in a value's drop.
+    /// Whether the caller is the queue's own thread (in a value's drop).
     pub(super) fn on_own_thread(&self) -> bool {
         self.thread.get() == Some(&current_thread())
     }
@@ -121,8 +106,7 @@ impl<F, T> Shared<F, T> {
         self.update_and_wake(|state| state.closing = true);
     }
 
-    /// Change the state, then tell everyone who waits on it: blocked flushes and pushers (the
-    /// condvar) and pending futures (their wakers, woken outside the lock).
+    /// Change the state, then wake everyone who waits on it: blocked threads and pending futures.
     pub(super) fn update_and_wake(&self, change: impl FnOnce(&mut State<F, T>)) {
         let wakers = {
             let mut state = self.lock();
@@ -130,7 +114,14 @@ impl<F, T> Shared<F, T> {
             state.wakers.take()
         };
         self.changed.notify_all();
-        wake_all(wakers);
+        // A waker that panics (a user's executor) costs only its own wake.
+        for waker in wakers {
+            if let Err(message) = panics::catch(|| waker.wake()) {
+                panics::log(|| {
+                    log::error!("a task's waker panicked when the drop queue woke it: {message}")
+                });
+            }
+        }
     }
 }
 
@@ -148,10 +139,9 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
         self.changed.notify_all();
     }
 
-    /// Take in a value whose push was refused or abandoned (its [`Rejected`](super::Rejected)
-    /// or future dropped): queued past the capacity, even while closing, as long as the queue's
-    /// thread will still see it. Once that thread has exited, dropped here if its fence has
-    /// passed, else leaked: the dropping thread may be an executor's, and must not wait.
+    /// Take in a value whose push was refused or abandoned: queued past the capacity, even while
+    /// closing, as long as the queue's thread will see it; after, dropped here if its fence has
+    /// passed, else leaked (the dropping thread may be an executor's, and must not wait).
     pub(super) fn adopt(&self, fence: F, value: T) {
         let state = self.lock();
         if !state.exited {
@@ -179,8 +169,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
         state.count_settled(passed);
     }
 
-    /// The queue's thread: wait for each fence in push order, then drop its value (or leak it
-    /// if the fence failed).
+    /// The queue's thread: settle each value in push order.
     pub(super) fn run(&self) {
         crate::os::mark_own_thread();
         // Whichever way the thread ends, awaiting shutdowns learn it.
@@ -245,9 +234,8 @@ impl<F, T> State<F, T> {
     }
 
     /// Whether the first `target` values pushed are all dropped, leaked or handed back: none is
-    /// queued, waited on, or being checked by `shutdown_now` (by push number, since
-    /// `shutdown_now` hands back later values while an earlier one is still waited on). Also
-    /// once the thread has exited with nothing being checked: nothing more is handled then.
+    /// queued, waited on, or checked by `shutdown_now` (by push number: it hands back later values
+    /// while an earlier one is waited on); or the thread has exited with nothing being checked.
     pub(super) fn handled(&self, target: u64) -> bool {
         let after = |number: Option<u64>| number.is_none_or(|number| number > target);
         let settled = after(self.in_flight)
@@ -256,7 +244,6 @@ impl<F, T> State<F, T> {
         settled || (self.exited && self.checking.is_none())
     }
 
-    /// What the queue has done so far, and what waits now.
     pub(super) fn stats(&self) -> DropQueueStats {
         DropQueueStats {
             pending: self.pending(),

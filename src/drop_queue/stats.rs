@@ -1,9 +1,8 @@
-//! [`DropQueueStats`]: what a queue has done and holds. In a file of its
-//! own so that the handle, its futures and the shared state can all name it
-//! without naming one another.
+//! [`DropQueueStats`]: what a queue has done and holds (named by the handle, its futures and the
+//! shared state alike).
 
-/// What a [`DropQueue`](super::DropQueue) has done (counters, since it was
-/// made) and holds (gauges): [`DropQueue::stats`](super::DropQueue::stats).
+/// What a [`DropQueue`](super::DropQueue) has done (counters, since it was made) and holds
+/// (gauges): [`DropQueue::stats`](super::DropQueue::stats).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
@@ -13,16 +12,13 @@ pub struct DropQueueStats {
     pub pushed: u64,
     /// Values dropped after their fence passed.
     pub dropped: u64,
-    /// Values leaked because their fence failed, or had not passed when
-    /// given to a queue whose thread had exited. Above zero: values kept for good, because a
-    /// faulted device may still read their memory.
+    /// Values leaked because their fence failed, or had not passed when given to a queue whose
+    /// thread had exited: kept for good, as a faulted device may still read their memory.
     pub leaked: u64,
-    /// Values handed back unpassed by
-    /// [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now).
+    /// Values handed back by [`DropQueue::shutdown_now`](super::DropQueue::shutdown_now).
     pub handed_back: u64,
-    /// Values waiting now (queued or being waited on); more than the
-    /// capacity while values given with a dropped
-    /// [`Rejected`](super::Rejected) wait.
+    /// Values waiting now (queued or being waited on); more than the capacity while values given
+    /// with a dropped [`Rejected`](super::Rejected) wait.
     pub pending: usize,
     /// Of those, the ones the queue's thread has not taken up yet.
     pub queued: usize,

@@ -1,5 +1,5 @@
-//! [`Checked`]: a lock guard that checks its state's invariants as the lock
-//! is let go (debug and loom builds), so a broken state fails where it broke.
+//! [`Checked`]: a lock guard that checks its state's invariants as the lock is let go (debug and
+//! loom builds), so a broken state fails where it broke.
 
 use std::ops::{Deref, DerefMut};
 use std::time::Duration;
@@ -12,7 +12,6 @@ pub(crate) trait Invariants {
     fn check_invariants(&self);
 }
 
-/// Whether guards check on release: in debug and loom builds.
 const CHECKING: bool = cfg!(any(debug_assertions, device_events_loom));
 
 /// A guard of a [`Mutex`] around state with [`Invariants`].
@@ -22,15 +21,14 @@ pub(crate) struct Checked<'a, T: Invariants> {
 }
 
 impl<'a, T: Invariants> Checked<'a, T> {
-    /// Lock `mutex`.
     pub(crate) fn lock(mutex: &'a Mutex<T>) -> Self {
         Self {
             guard: Some(mutex.lock()),
         }
     }
 
-    /// Let go of the lock (checked), wait on `condvar` at most `timeout`,
-    /// hold it again; and whether it timed out.
+    /// Let go of the lock (checked), wait on `condvar` at most `timeout`, hold it again; and
+    /// whether it timed out.
     pub(crate) fn wait_timeout(mut self, condvar: &Condvar, timeout: Duration) -> (Self, bool) {
         let guard = self.guard.take().expect("a checked guard holds its lock");
         if CHECKING {

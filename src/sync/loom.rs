@@ -2,10 +2,8 @@
 //! `cfg(device_events_loom)` so the waiter's models explore every interleaving (as tokio's
 //! `src/loom/`).
 //!
-//! The locks ignore poisoning, as tokio's `loom/std/mutex.rs` does: every critical section in this
-//! crate leaves its state consistent before anything that can panic (user code and backend calls
-//! run outside locks, under `catch_unwind` where they may panic), so a panic elsewhere never leaves
-//! a lock's data half-changed, and no call site handles `PoisonError`.
+//! The locks ignore poisoning, as tokio's `loom/std/mutex.rs` does: user code and backend calls
+//! run outside locks, so a panic never leaves a lock's data half-changed.
 
 use std::fmt;
 use std::sync::PoisonError;
@@ -30,7 +28,7 @@ pub(crate) use loom::thread;
 pub(crate) struct Mutex<T>(imp::Mutex<T>);
 
 impl<T> Mutex<T> {
-    /// A new mutex; `const` outside loom, so it can be a `static`.
+    /// `const` outside loom, so it can be a `static`.
     #[cfg(not(device_events_loom))]
     pub(crate) const fn new(value: T) -> Self {
         Self(imp::Mutex::new(value))
@@ -61,8 +59,8 @@ impl<T> fmt::Debug for Mutex<T> {
     }
 }
 
-/// A held [`Mutex`]: the lock's own guard, and the mutex it came from (so
-/// that a timed wait under loom can let go of the lock and take it again).
+/// A held [`Mutex`], with the mutex it came from (so that a timed wait under loom can let go of
+/// the lock and take it again).
 pub(crate) struct MutexGuard<'a, T> {
     #[cfg_attr(not(device_events_loom), allow(dead_code))]
     mutex: &'a Mutex<T>,
@@ -86,8 +84,7 @@ impl<T> std::ops::DerefMut for MutexGuard<'_, T> {
 /// A condition variable for [`Mutex`], whose waits ignore poisoning.
 pub(crate) struct Condvar {
     inner: imp::Condvar,
-    /// Notifications sent so far: how a timed wait under loom tells a
-    /// wake-up from a timeout (see [`Condvar::wait_timeout`]).
+    /// Notifications sent so far: how a timed wait under loom tells a wake-up from a timeout.
     #[cfg(device_events_loom)]
     notifications: imp::atomic::AtomicUsize,
 }
@@ -99,7 +96,6 @@ impl Default for Condvar {
 }
 
 impl Condvar {
-    /// A new condition variable; `const` outside loom.
     #[cfg(not(device_events_loom))]
     pub(crate) const fn new() -> Self {
         Self {
@@ -144,13 +140,10 @@ impl Condvar {
     /// Wait at most `timeout`; also whether it timed out.
     ///
     /// loom 0.7's own timed wait never times out, so a model could never see an idle thread leave.
-    /// Here a zero timeout (`keep_alive(0)`) is a choice the schedule makes: the wait lets go of
-    /// the lock, yields, and takes the lock again; if a notification came meanwhile it was woken,
-    /// otherwise its time ran out. So loom explores a notification before the timeout, after it
-    /// (the thread has gone: the notification is lost, as it is on a real condition variable), and
-    /// every step of the other threads in between. Any other timeout never runs out, as in loom
-    /// itself: the thread sleeps until notified, so a model with a long keep-alive deadlocks on a
-    /// lost wake-up instead of hiding it behind a timeout.
+    /// Here a zero timeout (`keep_alive(0)`) is the schedule's choice: the wait lets go of the
+    /// lock, yields, and takes it again, woken if a notification came meanwhile, else timed out
+    /// (a later notification is lost, as on a real condition variable). Any other timeout never
+    /// runs out, so a model with a long keep-alive deadlocks on a lost wake-up, not hides it.
     #[cfg(device_events_loom)]
     pub(crate) fn wait_timeout<'a, T>(
         &self,
@@ -190,8 +183,8 @@ impl fmt::Debug for Condvar {
     }
 }
 
-/// A read-write lock that ignores poisoning. Always std's: it guards the stream registries, which
-/// no loom model explores, and must be `const` for their statics.
+/// A read-write lock that ignores poisoning. Always std's: the stream registries it guards are in
+/// no loom model, and `static`.
 pub(crate) struct RwLock<T>(std::sync::RwLock<T>);
 
 impl<T> RwLock<T> {

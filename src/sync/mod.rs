@@ -1,10 +1,8 @@
 //! Locks, shared state and the rules that keep it whole:
 //!
 //! - `loom.rs`: the crate's only locks and condition variable, the atomics shared with the
-//!   waiter's models, and the waiter's thread spawns (std's, or loom's under `cfg(device_events_loom)`), re-exported
-//!   here;
-//! - `checked.rs`: [`checked::Checked`], a lock guard that checks its state's invariants as the
-//!   lock is let go;
+//!   waiter's models, and the waiter's thread spawns, re-exported here;
+//! - `checked.rs`: [`checked::Checked`], a lock guard that checks its state's invariants;
 //! - `shards.rs`: how state is spread over locks, by hash or by thread.
 
 #[cfg(multi_threading)]

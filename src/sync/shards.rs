@@ -1,26 +1,22 @@
-//! How the crate spreads state over locks: by a key's hash (the waiter's
-//! lanes, the stream registry), or by the calling thread (pools of idle
-//! events, which every thread takes from and gives back to). One scheme for
-//! each, written once.
+//! How the crate spreads state over locks: by a key's hash (the waiter's lanes, the stream
+//! registry), or by the calling thread (pools of idle events).
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-/// Which of `shards` (a power of two) a well-mixed `hash` falls in: its low
-/// bits.
+/// Which of `shards` (a power of two) a well-mixed `hash` falls in: its low bits.
 pub(crate) fn of_hash(hash: u64, shards: usize) -> usize {
     debug_assert!(shards.is_power_of_two());
     (hash as usize) & (shards - 1)
 }
 
-/// A well-mixed hash of an allocation's address: the alignment bits
-/// dropped, then Fibonacci hashing, whose high bits are the mixed ones.
+/// A well-mixed hash of an allocation's address: the alignment bits dropped, then Fibonacci
+/// hashing, whose high bits are the mixed ones.
 pub(crate) fn hash_address(address: usize) -> u64 {
     ((address as u64 >> 4).wrapping_mul(0x9E37_79B9_7F4A_7C15)) >> 32
 }
 
-/// The calling thread's shard among `shards` (a power of two): threads are
-/// spread over the shards in the order they first ask, so a few threads
-/// each get their own.
+/// The calling thread's shard among `shards` (a power of two), in the order threads first ask, so
+/// a few threads each get their own.
 pub(crate) fn home(shards: usize) -> usize {
     static NEXT: AtomicUsize = AtomicUsize::new(0);
     thread_local! {

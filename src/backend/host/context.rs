@@ -15,17 +15,14 @@ use crate::ServerError;
 /// The CUDA driver's rule for a fault such as an illegal address (`CUDA_ERROR_ILLEGAL_ADDRESS`,
 /// driver API error codes): "This leaves the process in an inconsistent state and any further CUDA
 /// work will return the same error. To continue using CUDA, the process must be terminated and
-/// relaunched." Every stream of the context fails, not only the faulting one. So here, once work on
-/// any stream of a context panics, all its streams are faulted for good: queued work never runs,
-/// pending records fail their waiters, and every later launch, record, event creation, wait or
-/// synchronize, and every new stream on the context, returns [`ServerError::Faulted`]. Other
-/// contexts carry on, except a stream waiting on a record the fault lost: it is faulted too (the
-/// driver docs do not say; the stricter reading keeps work that depends on lost work from running).
+/// relaunched." So here, once work on any stream of a context panics, all its streams are faulted
+/// for good: queued work never runs, pending records fail their waiters, and every later call and
+/// new stream on the context returns [`ServerError::Faulted`]. Other contexts carry on, except a
+/// stream waiting on a record the fault lost (the driver docs do not say; the stricter reading
+/// keeps work that depends on lost work from running).
 ///
-/// [`HostStream::new`] gives each stream a context of its own, so a panic in its work faults that
-/// stream alone (and, as above, streams waiting on a record it lost): host streams are CPU queues,
-/// not a shared device, and one panicking job must not break every other test or pipeline. Streams
-/// put on one context with [`new_stream`](Self::new_stream) keep CUDA's rule, the whole context:
+/// [`HostStream::new`] gives each stream a context of its own, so one panicking job does not break
+/// every other test or pipeline; streams made with [`new_stream`](Self::new_stream) share one:
 ///
 /// ```
 /// use device_events::host::{HostContext, HostStream};
@@ -42,13 +39,11 @@ use crate::ServerError;
 /// # Ok::<(), device_events::ServerError>(())
 /// ```
 ///
-/// An event belongs to the context of the stream it was created for, and is recorded only on that
-/// context's streams (`cuEventRecord`: "hEvent and hStream must be from the same context otherwise
-/// CUDA_ERROR_INVALID_HANDLE is returned"); a stream may wait on an event of any context
-/// (`cuStreamWaitEvent`: "hEvent may be from a different context or device than hStream"); a
-/// profile whose two events are of different contexts is refused when read (the driver answers
-/// `CUDA_ERROR_INVALID_HANDLE`). So across two streams made with [`HostStream::new`], fences and
-/// device-side waits work, but streams that share events or profiles go on one context.
+/// An event is recorded only on its context's streams (`cuEventRecord`: "hEvent and hStream must
+/// be from the same context otherwise CUDA_ERROR_INVALID_HANDLE is returned"); a stream may wait
+/// on an event of any context (`cuStreamWaitEvent`: "hEvent may be from a different context or
+/// device than hStream"); a profile across contexts is refused when read. So streams that share
+/// events or profiles go on one context.
 #[derive(Clone)]
 pub struct HostContext {
     shared: Arc<ContextShared>,
@@ -56,8 +51,7 @@ pub struct HostContext {
 
 pub(super) struct ContextShared {
     id: u64,
-    /// The fork generation it was made in (see [`crate::os`]): in a forked child its
-    /// streams' workers are in the parent.
+    /// The fork generation it was made in (see [`crate::os`]).
     generation: u64,
     /// The first fault's message; set once, never cleared.
     fault: OnceLock<String>,
@@ -65,7 +59,6 @@ pub(super) struct ContextShared {
     streams: Mutex<Vec<Weak<StreamShared>>>,
 }
 
-/// Context numbers, for telling an event's context from a stream's.
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
 impl HostContext {
@@ -82,12 +75,9 @@ impl HostContext {
         }
     }
 
-    /// One context for the whole process, the same on every call, for streams that share it as CUDA
-    /// code shares a device's primary context: they may record each other's events and be profiled
-    /// together, and a panic in work on any of them faults all of them, and every stream made on it
-    /// later, for the rest of the process. [`HostStream::new`] does not use it: use
-    /// `HostContext::primary().new_stream()`. A forked child gets its own (the parent's workers
-    /// stayed in the parent).
+    /// One context for the whole process, as CUDA code shares a device's primary context: a panic
+    /// on any of its streams faults them all for the rest of the process. [`HostStream::new`]
+    /// does not use it: use `HostContext::primary().new_stream()`. A forked child gets its own.
     pub fn primary() -> Self {
         static PRIMARY: OnceLock<Mutex<HostContext>> = OnceLock::new();
         let mut primary = PRIMARY.get_or_init(|| Mutex::new(Self::new())).lock();
@@ -126,13 +116,12 @@ impl ContextShared {
         self.id
     }
 
-    /// The fault that poisoned this context, if any.
     pub(super) fn fault(&self) -> Option<&String> {
         self.fault.get()
     }
 
-    /// An error for `call` if the context was made before this process forked: its streams'
-    /// workers stayed in the parent, so nothing queued runs here and a wait would never end.
+    /// An error for `call` if the context was made before this process forked: its workers stayed
+    /// in the parent, so a wait would never end.
     pub(super) fn not_forked(&self, call: &'static str) -> Result<(), ServerError> {
         if self.generation == crate::os::fork_generation() {
             return Ok(());
@@ -157,6 +146,7 @@ impl ContextShared {
     /// Count `stream` among the context's streams unless the context is faulted, checked under
     /// the lock [`poison`](Self::poison) takes: no stream joins a context being poisoned unseen.
     pub(super) fn join(&self, stream: &Arc<StreamShared>) -> Result<(), ServerError> {
+        // Before the lock, which the parent may have held at a fork.
         self.not_forked("stream_create")?;
         let mut streams = self.streams.lock();
         self.check("stream_create")?;

@@ -15,19 +15,17 @@ use crate::ServerError;
 /// The most idle fence events a host stream keeps for later fences.
 pub(super) const FENCE_POOL_CAPACITY: usize = 64;
 
-/// A host stream's idle fence events. Owned by the stream; its events point
-/// back at it weakly, so one given back after the stream is gone is freed.
+/// A host stream's idle fence events. Its events point back at it weakly, so one given back after
+/// the stream is gone is freed.
 pub(super) struct FencePool {
     /// One shard: a host stream's fences are made by whoever holds it.
     idle: IdlePool<HostEvent, 1>,
     /// The stream's counts, whose idle gauge this pool keeps.
     live: LiveEvents,
-    /// The stream's context, which its events belong to.
     context: Arc<ContextShared>,
 }
 
 impl FencePool {
-    /// An empty pool for the stream counted in `live`, on `context`.
     pub(super) fn new(live: LiveEvents, context: Arc<ContextShared>) -> Self {
         Self {
             idle: IdlePool::new(FENCE_POOL_CAPACITY),
@@ -44,8 +42,7 @@ impl FencePool {
         HostEvent::create(false, &self.live, &self.context, Some(Arc::downgrade(self)))
     }
 
-    /// Free the idle events now (their stream is dropped); events given back later still come
-    /// here while queued work runs.
+    /// Free the idle events (their stream is dropped); events given back later still come here.
     pub(super) fn clear(&self) {
         // The gauge before the frees: a count read meanwhile is too high, never too low.
         let freed = self.idle.take_all(|idle| self.live.set_idle(idle));
@@ -63,12 +60,11 @@ impl Drop for FencePool {
 /// The host backend's raw event: shared by its owner and the stream markers that will signal it.
 ///
 /// Each record starts a new *generation*; a waiter waits for the one latest when it asked, only
-/// that one. That is the driver's rule (`cuEventRecord`, CUDA driver API): "Other APIs such as
+/// that one, by the driver's rule (`cuEventRecord`, CUDA driver API): "Other APIs such as
 /// `cuStreamWaitEvent()` use the most recently captured state at the time of the API call, and are
-/// not affected by later calls to `cuEventRecord()`." So a later record (on another, idle stream,
-/// say) reaching first does not release a wait on an earlier one, nor does a fault that loses a
-/// later record fail it; a query looks at the latest record only ("Any subsequent calls which
-/// examine the status of hEvent will only examine the completion of this most recent call").
+/// not affected by later calls to `cuEventRecord()`." A query looks at the latest record only
+/// ("Any subsequent calls which examine the status of hEvent will only examine the completion of
+/// this most recent call").
 #[derive(Clone)]
 pub struct HostEvent {
     pub(super) inner: Arc<EventInner>,
@@ -80,9 +76,9 @@ pub(super) struct EventInner {
     timing: bool,
     /// The creating stream's counts.
     live: LiveEvents,
-    /// The creating stream's context: the only one it may be recorded on, whose fault it reports.
+    /// The only context it may be recorded on, whose fault it reports.
     context: Arc<ContextShared>,
-    /// The fence-event pool it goes back to, for fence events.
+    /// For fence events, the pool it goes back to.
     pool: Option<Weak<FencePool>>,
 }
 
@@ -90,10 +86,8 @@ pub(super) struct EventInner {
 struct EventState {
     /// The generation of the latest record; 0 when never recorded.
     recorded: u64,
-    /// Generations whose marker is queued on a stream and not yet passed, ascending (each record
-    /// takes the next). Usually one or two, but one per record for an event recorded over and
-    /// over on a busy stream: so it is searched, not scanned, and the oldest (passed first)
-    /// leaves from the front. A pooled event keeps the buffer, so a record allocates nothing.
+    /// Generations whose marker is queued and not yet passed, ascending: binary-searched, as an
+    /// event recorded over and over on a busy stream has many. A pooled event keeps the buffer.
     pending: VecDeque<u64>,
     /// When the latest record was reached, for timing events.
     reached_at: Option<Instant>,
@@ -113,7 +107,7 @@ impl EventState {
         Some(fault.map_or(Ok(()), |(_, message)| Err(message.clone())))
     }
 
-    /// `generation`'s marker has left its stream's queue (passed or dropped).
+    /// `generation`'s marker has left its queue (passed or dropped).
     fn settle(&mut self, generation: u64) {
         if let Ok(index) = self.pending.binary_search(&generation) {
             self.pending.remove(index);
@@ -122,8 +116,8 @@ impl EventState {
 }
 
 impl HostEvent {
-    /// A new event of `context`, counted in `live` (its stream's counts) until freed; a fence
-    /// event goes back to `pool` when released.
+    /// A new event of `context`, counted in `live` until freed; a fence event goes back to `pool`
+    /// when released.
     pub(super) fn create(
         timing: bool,
         live: &LiveEvents,
@@ -144,12 +138,11 @@ impl HostEvent {
     }
 
     /// Give a fence event back to its stream's pool, or free it if the pool is full or gone.
-    /// Queued markers still signal it; its next record starts a new generation, as a driver's.
+    /// Queued markers still signal it.
     pub(super) fn release(self) {
         let Some(pool) = self.inner.pool.as_ref().and_then(Weak::upgrade) else {
             return;
         };
-        // A full pool hands it back, to be freed here.
         let full = pool
             .idle
             .give_back(0, self, |idle| pool.live.set_idle(idle));
@@ -161,7 +154,6 @@ impl HostEvent {
         self.inner.context.not_forked(call)
     }
 
-    /// The context the event belongs to.
     pub(super) fn context(&self) -> u64 {
         self.inner.context.id()
     }
@@ -176,8 +168,8 @@ impl HostEvent {
         generation
     }
 
-    /// Record a new generation that is reached at once (its stream is idle):
-    /// [`next_generation`](Self::next_generation) and [`signal`](Self::signal) in one lock.
+    /// [`next_generation`](Self::next_generation) and [`signal`](Self::signal) in one lock, for
+    /// an idle stream.
     pub(super) fn record_reached(&self) {
         let mut state = self.inner.lock();
         state.recorded += 1;
@@ -209,8 +201,7 @@ impl HostEvent {
     }
 
     /// Whether the latest record has been passed; a fault of the record or of the event's
-    /// context is an error (sticky: after a fault "any further CUDA work will return the same
-    /// error", so a record passed before it reports the fault too).
+    /// context is an error (sticky: "any further CUDA work will return the same error").
     pub(super) fn query(&self, call: &'static str) -> Result<bool, ServerError> {
         self.inner.context.check(call)?;
         let state = self.inner.lock();
@@ -221,17 +212,16 @@ impl HostEvent {
         }
     }
 
-    /// Block until `generation` is passed or lost to a fault; once the event's context is
-    /// faulted, its error (as [`query`](Self::query)).
+    /// Block until `generation` is passed or lost; a faulted context's error as in
+    /// [`query`](Self::query).
     pub(super) fn wait_for(&self, generation: u64, call: &'static str) -> Result<(), ServerError> {
         self.inner.context.check(call)?;
         self.wait_record(generation, call)?;
         self.inner.context.check(call)
     }
 
-    /// Block until `generation` is passed or lost to a fault, whatever became of the context
-    /// since: what a stream of another context waits for (`cuStreamWaitEvent` captures the
-    /// record; the docs do not say that a later fault of the event's context reaches the waiter).
+    /// Block until `generation` is passed or lost, whatever became of the context since: what a
+    /// stream of another context waits for (the docs do not say a later fault reaches it).
     pub(super) fn wait_record(
         &self,
         generation: u64,
@@ -250,23 +240,15 @@ impl HostEvent {
         }
     }
 
-    /// When the latest record was reached.
     pub(super) fn reached_at(&self, call: &'static str) -> Result<Instant, ServerError> {
         self.inner.context.check(call)?;
+        let invalid = |message| Err(error::call(call, error::INVALID_HANDLE, message));
         if !self.inner.timing {
-            return Err(error::call(
-                call,
-                error::INVALID_HANDLE,
-                "the event was created without timing",
-            ));
+            return invalid("the event was created without timing");
         }
         let state = self.inner.lock();
         if state.recorded == 0 {
-            return Err(error::call(
-                call,
-                error::INVALID_HANDLE,
-                "the event was never recorded",
-            ));
+            return invalid("the event was never recorded");
         }
         if let Some(Err(message)) = state.settled(state.recorded) {
             return Err(error::faulted(call, message));
@@ -276,8 +258,8 @@ impl HostEvent {
             .ok_or_else(|| error::call(call, error::NOT_READY, "the event is not reached yet"))
     }
 
-    /// Device time from `start` to `end`; refused across contexts, whose times a driver does not
-    /// compare (CUDA answers `CUDA_ERROR_INVALID_HANDLE`).
+    /// Device time from `start` to `end`; refused across contexts, as CUDA does
+    /// (`CUDA_ERROR_INVALID_HANDLE`).
     pub(super) fn elapsed(start: &Self, end: &Self) -> Result<Duration, ServerError> {
         const CALL: &str = "event_elapsed";
         if start.context() != end.context() {

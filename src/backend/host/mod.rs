@@ -1,15 +1,10 @@
 //! The host backend: streams that are CPU worker queues.
 //!
-//! It implements [`EventApi`] with the same semantics as the CUDA backend, so
-//! every behaviour of fences and the waiter can be tested, benchmarked and
-//! demonstrated on a machine without a GPU, and GPU-shaped pipelines can run
-//! on a CPU. Where CUDA's behaviour matters, the rule is taken from the
-//! driver docs and cited beside the code that models it: a wait is for the
-//! record current at the call ([`HostEvent`]); a fault poisons every stream
-//! of its context ([`HostContext`]), and [`HostStream::new`] gives each
-//! stream a context of its own, so a panic there faults that stream alone;
-//! dropping a stream returns at once and its queued work still runs
-//! ([`HostStream`]).
+//! It implements [`EventApi`] with the CUDA backend's semantics, so fences and the waiter can be
+//! tested and demonstrated without a GPU, and GPU-shaped pipelines run on a CPU. Each CUDA rule
+//! it models is cited beside the code: a wait is for the record current at the call
+//! ([`HostEvent`]); a fault poisons its context ([`HostContext`]); dropping a stream returns at
+//! once and its queued work still runs ([`HostStream`]).
 //!
 //! ```
 //! use device_events::host::{Host, HostStream};
@@ -74,8 +69,8 @@ impl EventApi for Host {
     }
 
     fn event_destroy(event: HostEvent) -> Result<(), ServerError> {
-        // Markers still queued hold their own reference; the event is freed when the last of them
-        // is passed, as a driver frees a destroyed event once its work completes.
+        // Queued markers hold their own reference, as a driver frees a destroyed event once its
+        // work completes.
         drop(event);
         Ok(())
     }
@@ -121,8 +116,7 @@ impl EventApi for Host {
         stream.id()
     }
 
-    /// Advanced by the stream's worker as it passes each marker (at once for a record on an
-    /// idle stream); a dropped stream has none.
+    /// Advanced by the stream's worker as it passes each marker; a dropped stream has none.
     fn stream_progress(stream: HostStreamHandle) -> Option<ProgressWord> {
         stream
             .resolve("stream_progress")
@@ -144,11 +138,8 @@ impl EventApi for Host {
 mod error {
     use crate::{status, ServerError};
 
-    /// [`status::INVALID_HANDLE`].
     pub(super) const INVALID_HANDLE: (i32, &str) = (status::INVALID_HANDLE, "invalid handle");
-    /// [`status::NOT_READY`].
     pub(super) const NOT_READY: (i32, &str) = (status::NOT_READY, "not ready");
-    /// [`status::LAUNCH_FAILED`]: what a faulted host stream reports.
     const LAUNCH_FAILED: (i32, &str) = (status::LAUNCH_FAILED, "launch failed");
 
     pub(super) fn call(

@@ -20,26 +20,22 @@ use crate::{panics, EventFence, ProgressWord, ServerError};
 static STREAMS: Registry<StreamShared> = Registry::new();
 
 /// A CPU stream: launched closures run in order on its worker thread, as kernels on a GPU stream.
-///
 /// Events recorded on it are queue markers the worker passes; a device-side wait is a queued wait.
-/// It belongs to a [`HostContext`] ([`new`](Self::new): one of its own), which a panic in launched
-/// work faults for good, as an illegal address faults a CUDA context: later launches, records,
-/// waits and synchronizes on its streams return [`ServerError::Faulted`], as do pending waits.
+/// A panic in launched work faults its [`HostContext`] for good.
 ///
 /// Dropping the stream returns at once, as `cuStreamDestroy` does ("in case the device is still
 /// doing work in the stream hStream when cuStreamDestroy() is called, the function will return
 /// immediately and the resources associated with hStream will be released automatically once
-/// the device has completed all work in hStream"): queued work still runs, then the worker exits.
-/// So a buffer that queued work reads must outlive that work, not the stream: synchronize the
-/// stream (or wait a fence recorded after the work) before freeing it. A [`HostStreamHandle`]
-/// that outlives the stream gives an error when used.
+/// the device has completed all work in hStream"): queued work still runs, so a buffer it reads
+/// must outlive the work, not the stream. A [`HostStreamHandle`] that outlives the stream gives
+/// an error when used.
 pub struct HostStream {
     shared: Arc<StreamShared>,
     handle: HostStreamHandle,
 }
 
-/// A copyable handle to a [`HostStream`], taken by [`EventFence::new`] and the [`Host`] calls.
-/// It does not keep the stream alive: calls after the stream's drop return an invalid-handle error.
+/// A copyable handle to a [`HostStream`], taken by [`EventFence::new`] and the [`Host`] calls; it
+/// does not keep the stream alive.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HostStreamHandle {
     id: u64,
@@ -47,17 +43,15 @@ pub struct HostStreamHandle {
 
 pub(super) struct StreamShared {
     state: Mutex<StreamState>,
-    /// The context whose fault is this stream's.
     context: Arc<ContextShared>,
     work_queued: Condvar,
     /// Synchronizing threads wait here for the worker's progress.
     progressed: Condvar,
-    /// Counts of the events created for this stream.
     live_events: LiveEvents,
     fence_pool: Arc<FencePool>,
     /// The order of points recorded on this stream, for the waiter.
     sequence: AtomicU64,
-    /// The latest point passed, in that order: advanced by the worker as it passes each.
+    /// The latest point passed, in that order.
     progress: Arc<HostWord>,
 }
 
@@ -70,8 +64,7 @@ struct StreamState {
     finished: u64,
     /// Set when the owner drops the stream: no new work.
     closing: bool,
-    /// The worker waits on `work_queued`: only then does a push wake it (a futex wake is a
-    /// system call; a busy worker finds the work anyway).
+    /// The worker waits on `work_queued`: only then does a push wake it (a system call).
     worker_waiting: bool,
     /// Threads waiting on `progressed` in `synchronize`.
     synchronizing: usize,
@@ -85,14 +78,9 @@ enum Op {
 }
 
 impl HostStream {
-    /// Start a stream and its worker thread on a [`HostContext`] of its own.
-    ///
-    /// A panic in its work faults this stream for good, as CUDA's sticky errors fault a context
-    /// ("any further CUDA work will return the same error"; see [`HostContext`]), and no other
-    /// stream, even one made by `new` in a test beside it. Across such streams, fences and
-    /// device-side waits work, but events are recorded only on their own stream, and a profile
-    /// spanning two is refused when read, as the driver refuses across contexts. Streams that share
-    /// events, profiles or faults go on one context: [`HostContext::new_stream`].
+    /// Start a stream and its worker thread on a [`HostContext`] of its own: a panic in its work
+    /// faults no other stream. Streams that share events, profiles or faults go on one context:
+    /// [`HostContext::new_stream`].
     ///
     /// # Errors
     ///
@@ -101,7 +89,6 @@ impl HostStream {
         Self::on(&HostContext::new())
     }
 
-    /// Start a stream and its worker thread on `context` ([`HostContext::new_stream`]).
     pub(super) fn on(context: &HostContext) -> Result<Self, ServerError> {
         let context = context.shared().clone();
         let live_events = LiveEvents::default();
@@ -143,8 +130,8 @@ impl HostStream {
         self.shared.push("launch", Op::Work(Box::new(work)))
     }
 
-    /// A fence at the current end of this stream's work, the host twin of `cuda::fence` (CUDA
-    /// backend); the same as `EventFence::<Host>::new(stream.handle())`.
+    /// A fence at the current end of this stream's work, as `EventFence::<Host>::new(handle)`: the
+    /// host twin of `cuda::fence`.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -158,8 +145,8 @@ impl HostStream {
         EventFence::new(self.handle)
     }
 
-    /// Block the calling thread until all work queued on this stream before the call has
-    /// finished; as [`Host::stream_synchronize`](crate::EventApi::stream_synchronize).
+    /// Block until all work queued before the call has finished
+    /// ([`Host::stream_synchronize`](crate::EventApi::stream_synchronize)).
     ///
     /// # Errors
     ///
@@ -173,9 +160,8 @@ impl HostStream {
         self.handle
     }
 
-    /// A counter of this stream's live events ([`LiveEvents::count`]), for leak checks other
-    /// streams cannot disturb; readable after the stream's drop, when markers still queued count
-    /// until the worker passes them. For tests: only with the `test-util` feature.
+    /// This stream's [`LiveEvents`], readable after its drop. For tests: only with the
+    /// `test-util` feature.
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -206,8 +192,8 @@ impl HostStream {
 }
 
 impl Drop for HostStream {
-    /// Returns at once; the worker runs what is queued, then exits. Idle fence events are
-    /// freed here, so the stream's `live_events` (feature `test-util`) are exact on return.
+    /// Returns at once; the worker runs what is queued, then exits. Idle fence events are freed
+    /// here, so `live_events` are exact on return.
     fn drop(&mut self) {
         STREAMS.remove(self.handle.id);
         self.shared.fence_pool.clear();
@@ -217,7 +203,7 @@ impl Drop for HostStream {
 }
 
 impl HostStreamHandle {
-    /// The stream's registry number: no other stream ever has it.
+    /// No other stream ever has it.
     pub(super) fn id(self) -> u64 {
         self.id
     }
@@ -232,17 +218,14 @@ impl HostStreamHandle {
 }
 
 impl StreamShared {
-    /// The number of this stream's context, unique for the process's life.
     pub(super) fn context_id(&self) -> u64 {
         self.context.id()
     }
 
-    /// The next number in this stream's order of recorded points.
     pub(super) fn next_sequence(&self) -> u64 {
         self.sequence.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// This stream's progress word.
     pub(super) fn progress(&self) -> ProgressWord {
         ProgressWord::new(self.progress.clone())
     }
@@ -250,11 +233,15 @@ impl StreamShared {
     /// A new event of this stream's context; refused once it is faulted.
     pub(super) fn create_event(&self, timing: bool) -> Result<HostEvent, ServerError> {
         self.context.check("event_create")?;
-        let event = HostEvent::create(timing, &self.live_events, &self.context, None);
-        Ok(event)
+        Ok(HostEvent::create(
+            timing,
+            &self.live_events,
+            &self.context,
+            None,
+        ))
     }
 
-    /// A fence event from this stream's pool, or a new one; refused once the context is faulted.
+    /// A fence event from this stream's pool, or a new one; refused once it is faulted.
     pub(super) fn take_fence_event(&self) -> Result<HostEvent, ServerError> {
         self.context.check("event_create")?;
         Ok(self.fence_pool.take())
@@ -274,7 +261,7 @@ impl StreamShared {
         Ok(())
     }
 
-    /// Queue `op` (the caller checked it under the lock it hands over) and wake a sleeping worker.
+    /// Queue `op` (checked under the lock handed over) and wake a sleeping worker.
     // Not inlined: an idle stream's `record` (the common fence) skips it and is faster without it.
     #[inline(never)]
     fn enqueue(&self, mut state: MutexGuard<'_, StreamState>, op: Op) {
@@ -289,8 +276,8 @@ impl StreamShared {
 
     /// Queue a marker for a new generation of `event`; returns the record's sequence number.
     pub(super) fn record(&self, event: &HostEvent) -> Result<u64, ServerError> {
-        // Lock order: stream, then event. Taking the generation and the sequence under the
-        // stream lock keeps both in queue order on this stream.
+        // Lock order: stream, then event. Under the stream lock, the generation and the sequence
+        // keep queue order.
         if event.context() != self.context.id() {
             return Err(error::call(
                 "event_record",
@@ -303,8 +290,8 @@ impl StreamShared {
         self.accepting(&state, "event_record")?;
         let sequence = self.next_sequence();
         if state.queue.is_empty() && state.finished == state.queued {
-            // Idle: all work before it has run, so the event is reached now: no marker, no
-            // wake-up. (The worker advanced the word for every point before, then counted it.)
+            // Idle: the event is reached now, with no marker (the worker advanced the word for
+            // every point before, then counted it).
             event.record_reached();
             self.progress.advance(sequence);
             return Ok(sequence);
@@ -356,8 +343,8 @@ impl StreamShared {
         Ok(())
     }
 
-    /// The context is faulted: drop the queue, failing its markers, and wake synchronizers; called
-    /// per stream by [`ContextShared::poison`], and by a worker that finds work queued after it.
+    /// The context is faulted: drop the queue, failing its markers, and wake synchronizers (for
+    /// [`ContextShared::poison`], and a worker that finds work queued after it).
     pub(super) fn fault_with(&self, message: &str) {
         let (dropped, synchronizing) = {
             let mut state = self.lock();
@@ -373,8 +360,8 @@ impl StreamShared {
         if synchronizing {
             self.progressed.notify_all();
         }
-        // User closures are dropped outside the lock (their drops may do anything, even touch
-        // this stream), each on its own: one that panics costs only itself.
+        // Closures are dropped outside the lock (their drops may touch this stream), each on its
+        // own: one that panics costs only itself.
         for op in dropped {
             if let Err(message) = panics::drop_caught(op) {
                 panics::log(|| log::error!("dropping work a fault discarded panicked: {message}"));
@@ -382,8 +369,7 @@ impl StreamShared {
         }
     }
 
-    /// The worker: run operations in order until closed and drained; it outlives the
-    /// [`HostStream`] when work is still queued at its drop.
+    /// The worker: run operations in order until closed and drained.
     fn run(&self) {
         loop {
             let op = {
