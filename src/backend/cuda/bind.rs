@@ -12,43 +12,34 @@ use cudarc::driver::CudaContext;
 use super::driver::{driver, CurrentContext, Driver, CAPTURE_MODE_RELAXED};
 use crate::ServerError;
 
-/// A context made current on the calling thread for the guard's life; the context that was current
-/// before is made current again when it drops, as a device guard does, so executor threads (and
-/// threads that drop events) are left as found and multi-GPU code on them keeps its device.
+/// A context made current on the calling thread for the guard's life, the previous one made current
+/// again when it drops, as a device guard does; on the crate's own threads ([`os`](crate::os))
+/// the context stays bound, so a waiter thread switches once per burst of one context's fences
+/// (see the CUDA guide, docs/cuda.md).
 ///
-/// It binds through the driver, not cudarc's `bind_to_thread`: that first takes any error a cudarc
-/// `Drop` stored in the context (cudarc's drops store failures there, not panicking), which belongs
-/// to the user's next cudarc call and would come back mislabelled as this crate's.
-///
-/// On the crate's own threads (the waiter's and the drop queue's, see
-/// [`os`](crate::os)) nothing is restored: the context stays bound, so a waiter
-/// thread querying a batch of fences of one context switches contexts once, not twice per query. No
-/// executor runs there, and user code that does (a value the drop queue drops) finds some context
-/// current, as it would after any CUDA call; cudarc binds its own first.
+/// It binds through the driver, not cudarc's `bind_to_thread`, which first takes any error a
+/// cudarc `Drop` stored in the context: that belongs to the user's next cudarc call.
 #[must_use = "the context is current only while the guard lives"]
 pub(super) struct Bound {
     /// What was current before, to restore; `None` if it was `ctx` or on the crate's own threads.
     previous: Option<CurrentContext>,
     driver: Driver,
-    /// Whether this is one of the crate's own threads (already in the
-    /// relaxed capture mode, see [`relaxed`](Self::relaxed)).
+    /// One of the crate's own threads (already relaxed, see [`relaxed`](Self::relaxed)).
     own: bool,
 }
 
 impl Bound {
-    /// The driver's calls, to make while the context is bound.
+    /// The driver, to call while the context is bound.
     pub(super) fn driver(&self) -> Driver {
         self.driver
     }
 
     /// Make `call`, one of the driver's "potentially unsafe" calls during a graph capture (a query
-    /// or a synchronize), in the relaxed capture mode, so it cannot invalidate a capture another
-    /// thread (or this one) is making. The driver prohibits such calls on a thread in the default
-    /// global mode while any thread captures in global mode, and invalidates that capture
+    /// or a synchronize), in the relaxed capture mode, so it cannot invalidate a capture
     /// (`cuThreadExchangeStreamCaptureMode`: "if any other thread has a concurrent capture sequence
     /// initiated with CU_STREAM_CAPTURE_MODE_GLOBAL, this thread is prohibited from potentially
     /// unsafe API calls"; relaxed: "the local thread is not prohibited"). A user's thread gets its
-    /// own mode back after; the crate's own threads stay relaxed (set once, at first bind).
+    /// mode back after; the crate's own threads stay relaxed.
     pub(super) fn relaxed<T>(
         &self,
         call: impl FnOnce(Driver) -> Result<T, ServerError>,
@@ -75,19 +66,17 @@ impl Bound {
 }
 
 thread_local! {
-    /// On the crate's own threads: whether the thread's capture mode is
-    /// relaxed already (see [`Bound::relaxed`]).
+    /// On the crate's own threads: whether the capture mode is relaxed already.
     static RELAXED: Cell<bool> = const { Cell::new(false) };
 
-    /// The context object that this thread's binding was last made (or checked) for by [`bind`]: on
-    /// the crate's own threads, the context left bound; on other threads, the one found already
-    /// current and bound afresh. Weak, so it holds the allocation (no other context can take its
-    /// address while it is kept here) and not the context.
+    /// The context object this thread's binding was last made for by [`bind`] and left bound.
+    /// Weak: it holds the allocation (no other context takes its address meanwhile), not the
+    /// context.
     static LEFT_BOUND: RefCell<Weak<CudaContext>> = const { RefCell::new(Weak::new()) };
 }
 
-/// Make `ctx` current on this thread until the returned guard drops (on the
-/// crate's own threads, until another is bound).
+/// Make `ctx` current on this thread until the guard drops (on the crate's own threads, until
+/// another is bound).
 pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     let driver = driver()?;
     let own = crate::os::is_own_thread();
@@ -95,13 +84,11 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
         relax_own_thread(driver);
     }
     let previous = driver.ctx_get_current()?;
-    // A handle equal to the target does not prove the target is bound: after a context current on
-    // this thread was torn down, a context made later (a device's primary context retained anew,
-    // say) can have the same handle, and the thread's binding may be stale (some drivers answer
-    // CUDA_ERROR_CONTEXT_IS_DESTROYED through it until the thread binds again). So it counts only
-    // if this very context object bound it on this thread and stayed alive since (its `Arc` holds
-    // the context's retain, so no context was torn down under that handle); otherwise the context
-    // is bound afresh, once per thread and object.
+    // An equal handle does not prove `ctx` is bound: a context made later under a torn-down one's
+    // handle leaves the thread's binding maybe stale (some drivers answer
+    // CUDA_ERROR_CONTEXT_IS_DESTROYED through it). So it counts only if this very object bound it
+    // here and stayed alive since (its retain kept the handle's context); else it is bound afresh,
+    // once per thread and object.
     if previous.is(ctx) && left_bound_by(ctx) {
         return Ok(Bound {
             previous: None,
@@ -112,8 +99,8 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     driver.ctx_set_current(ctx)?;
     let left_bound = own || previous.is(ctx);
     if left_bound {
-        // Left bound: nothing to restore (the handle was current already, on a thread not the
-        // crate's). At thread exit nothing is remembered: the next bind (if any) switches again.
+        // Nothing to restore (on a user's thread, the handle was current already); not
+        // remembered at thread exit.
         let _ = LEFT_BOUND.try_with(|left| *left.borrow_mut() = Arc::downgrade(ctx));
     }
     Ok(Bound {
@@ -123,14 +110,13 @@ pub(super) fn bind(ctx: &Arc<CudaContext>) -> Result<Bound, ServerError> {
     })
 }
 
-/// Run `make`, a cudarc call that leaves a context bound to the calling thread (`CudaContext::new`
-/// does), then make the thread's previous context current again, as [`Bound`] does: threads not the
-/// crate's are left as found. The crate's own threads keep the new binding.
+/// Run `make`, a cudarc call that leaves a context bound (`CudaContext::new` does), then make the
+/// previous context current again, as [`Bound`] does (not on the crate's own threads).
 ///
 /// # Errors
 ///
-/// The driver's, when it is not loaded or the current context cannot be
-/// asked; `make`'s own result is returned as it is.
+/// The driver's, when it is not loaded or the current context cannot be asked; `make`'s own
+/// result is returned as it is.
 pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerError> {
     let driver = driver()?;
     if crate::os::is_own_thread() {
@@ -138,24 +124,23 @@ pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerEr
     }
     let previous = driver.ctx_get_current()?;
     let made = make();
-    // Restored only if `make` changed it: a binding the thread had (even a
-    // stale one, see `bind`) is left exactly as it was.
-    let changed = driver
-        .ctx_get_current()
-        .map_or(true, |now| now.raw() != previous.raw());
+    // Restored only if `make` changed it: a binding the thread had (even stale) is left as it was.
+    let changed = driver.ctx_get_current().map_or(true, |now| now != previous);
     if changed {
-        if let Err(err) = driver.ctx_restore(previous) {
-            log::debug!(
-                "the thread's previous CUDA context could not be made current again: {err}"
-            );
-        }
+        restore(driver, previous);
     }
     Ok(made)
 }
 
-/// Put one of the crate's own threads in the relaxed capture mode, once: its queries and waits must
-/// never invalidate a user's graph capture (see [`Bound::relaxed`]). No executor or user code runs
-/// there but what the drop queue drops, for which the relaxed mode only allows more.
+/// Make `previous` current again; a failure is logged.
+fn restore(driver: Driver, previous: CurrentContext) {
+    if let Err(err) = driver.ctx_restore(previous) {
+        log::debug!("the thread's previous CUDA context could not be made current again: {err}");
+    }
+}
+
+/// Put one of the crate's own threads in the relaxed capture mode, once (see [`Bound::relaxed`]).
+/// The only user code there is what the drop queue drops, for which relaxed only allows more.
 fn relax_own_thread(driver: Driver) {
     let _ = RELAXED.try_with(|relaxed| {
         if relaxed.get() {
@@ -196,9 +181,8 @@ impl Drop for Bound {
 }
 
 /// A context the crate holds (an event's, a kernel's, a pool's). cudarc's `Drop` of a context's
-/// last handle makes it current on the dropping thread, releases it there and leaves it current;
-/// through this, the thread's current context is saved first and restored after, so threads not the
-/// crate's are left as found. Other handles drop as an `Arc` does.
+/// last handle leaves it current on the dropping thread; this restores the thread's previous one
+/// after (not on the crate's own threads). Other handles drop as an `Arc` does.
 pub(super) struct HeldContext(Option<Arc<CudaContext>>);
 
 impl From<Arc<CudaContext>> for HeldContext {
@@ -243,13 +227,8 @@ impl Drop for HeldContext {
         // The thread had this very context current: cudarc leaves it so.
         let keep = previous.is(&last);
         drop(last);
-        if keep {
-            return;
-        }
-        if let Err(err) = driver.ctx_restore(previous) {
-            log::debug!(
-                "the thread's previous CUDA context could not be made current again: {err}"
-            );
+        if !keep {
+            restore(driver, previous);
         }
     }
 }

@@ -1,5 +1,4 @@
-//! The device count and each device's primary context, shared: what every
-//! other part of the CUDA backend makes its contexts from.
+//! The device count and each device's primary context, shared.
 
 use std::sync::{Arc, OnceLock, Weak};
 
@@ -27,14 +26,10 @@ pub fn device_count() -> Result<usize, ServerError> {
     Ok(usize::try_from(count).unwrap_or(0))
 }
 
-/// The primary context of device `ordinal`, after checking that the driver
-/// and the device exist (cudarc alone would panic without a driver).
-///
-/// While a context returned for `ordinal` is alive, later calls return the
-/// same `Arc`: cudarc makes a new `CudaContext` on every `CudaContext::new`,
-/// and each one's first stream synchronizes the whole device. Unlike
-/// `CudaContext::new`, it leaves the calling thread's current context as it
-/// found it.
+/// The primary context of device `ordinal`, once the driver and the device are found (cudarc
+/// alone would panic without a driver). While one for `ordinal` is alive, later calls return the
+/// same `Arc` (each new `CudaContext`'s first stream synchronizes the whole device). Unlike
+/// `CudaContext::new`, it leaves the calling thread's current context as it found it.
 ///
 /// ```
 /// match device_events::cuda::context(0) {
@@ -51,10 +46,9 @@ pub fn context(ordinal: usize) -> Result<Arc<CudaContext>, ServerError> {
     static CONTEXTS: OnceLock<Mutex<Vec<Weak<CudaContext>>>> = OnceLock::new();
     let count = device_count()?;
     if ordinal >= count {
-        return Err(ServerError::Unavailable {
-            backend: driver::BACKEND,
-            reason: format!("no CUDA device {ordinal}: the driver reports {count}"),
-        });
+        return Err(driver::unavailable(format!(
+            "no CUDA device {ordinal}: the driver reports {count}"
+        )));
     }
     let mut contexts = CONTEXTS.get_or_init(Mutex::default).lock();
     if let Some(ctx) = contexts.get(ordinal).and_then(Weak::upgrade) {

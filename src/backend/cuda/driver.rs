@@ -1,13 +1,11 @@
-//! The CUDA backend's FFI edge, as cudarc's `result.rs` sits under its `safe/` types: the
-//! driver's entry-point table and its one load state, the mapping of a status to a
-//! [`ServerError`] (all through [`check`]), and a thin safe wrapper ([`Driver`]) around each raw
-//! driver call the crate makes. The binding guard, events, the fence-event pool and the kernels
-//! sit on these wrappers with no `unsafe` of their own.
+//! The CUDA backend's FFI edge, as cudarc's `result.rs` sits under its `safe/` types: the driver's
+//! entry points and load state, the mapping of a status to a [`ServerError`] ([`check`]), and a
+//! thin safe wrapper ([`Driver`]) around each raw call; the rest of the backend has no `unsafe`.
 //!
-//! cudarc's safe layer is used where it fits (contexts and streams); the calls here drop to
-//! `cudarc::driver::sys` because a fence event needs flags that cudarc's enum cannot express
-//! (`DISABLE_TIMING | BLOCKING_SYNC`), queries need all three outcomes, destroying an event must
-//! report its error to the caller, and binding a context must not take cudarc's stored errors.
+//! cudarc's safe layer serves contexts and streams; events drop to raw calls because a fence
+//! event needs flags cudarc's enum cannot express (`DISABLE_TIMING | BLOCKING_SYNC`), queries need
+//! all three outcomes, a destroy must report its error, and a bind must not take cudarc's stored
+//! errors.
 //!
 //! The driver API pages the rules here come from (CUDA 12 and 13):
 //! - events (`cuEventCreate`, `cuEventRecord`, `cuEventQuery`,
@@ -78,21 +76,17 @@ pub(super) const REQUIRED_SYMBOLS: &[&str] = &[
     "cuLaunchKernel",
 ];
 
-/// The names `cuEventElapsedTime` has had, preferred first: CUDA 12.8 added `_v2`, and CUDA 13
-/// headers map the plain name to it; the legacy entry point can return unrelated asynchronous
-/// errors of earlier work, the `_v2` only the timing's own. Both take the same arguments (and,
-/// measured on an H200 with a 13.0 driver, give the same times), so the first one the library
-/// exports is used; a driver with neither only loses timing, not the backend.
+/// The names `cuEventElapsedTime` has had, preferred first: CUDA 12.8 added `_v2` (CUDA 13 maps
+/// the plain name to it), which returns only the timing's own errors, not earlier work's. Same
+/// arguments (and times, on an H200 with driver 13.0); a driver with neither only loses timing.
 const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime_v2", "cuEventElapsedTime"];
 
-/// `cuCtxGetId` (CUDA 12.0): a context's number, unique for the life of the process, which tells
-/// apart contexts made one after another under one handle (a device's primary context released
-/// and retained again). Optional: a driver without it only shares less ([`Driver::ctx_id`]).
+/// `cuCtxGetId` (CUDA 12.0): tells apart contexts made one after another under one handle.
+/// Optional: a driver without it only shares less ([`Driver::ctx_id`]).
 const CTX_ID_SYMBOL: &str = "cuCtxGetId";
 
-/// The entry points of a stream's progress word (`progress.rs`), each in CUDA 12.0 and later; all
-/// or none: a driver lacking one waits on fences through their events alone. CUDA 12 headers map
-/// `cuStreamWriteValue64` and `cuMemHostGetDevicePointer` to these names.
+/// The entry points of a stream's progress word (`progress.rs`), in CUDA 12.0 and later (whose
+/// headers map the plain names to these); all or none, else fences wait on events alone.
 const WORD_SYMBOLS: [&str; 4] = [
     "cuMemHostAlloc",
     "cuMemHostGetDevicePointer_v2",
@@ -103,11 +97,10 @@ const WORD_SYMBOLS: [&str; 4] = [
 /// A driver status, as the driver returns it: a C `enum`, which is an `int`.
 type Status = c_int;
 
-/// The driver entry points this crate calls itself, looked up once by name and typed to return
-/// the status as a plain integer. cudarc's `sys` bindings return a Rust `enum`, and a status the
-/// compiled bindings do not list (`CUDA_ERROR_CONTAINED` from a CUDA 13 driver under the CUDA
-/// 12.0 bindings, say) would be undefined behaviour the moment it came back; as an integer, any
-/// status is a number. Signatures: the CUDA driver API reference (links at the top).
+/// The driver entry points this crate calls itself, typed to return the status as an integer:
+/// cudarc's `sys` bindings return a Rust `enum`, and a status they do not list
+/// (`CUDA_ERROR_CONTAINED` from a CUDA 13 driver under the 12.0 bindings, say) would be undefined
+/// behaviour. Signatures: the CUDA driver API reference (links at the top).
 struct Api {
     init: unsafe extern "C" fn(c_uint) -> Status,
     error_name: unsafe extern "C" fn(Status, *mut *const c_char) -> Status,
@@ -132,10 +125,8 @@ struct Api {
     /// Optional (see [`WORD_SYMBOLS`]).
     word: Option<WordApi>,
     stream_synchronize: unsafe extern "C" fn(sys::CUstream) -> Status,
-    /// `cuStreamGetCaptureInfo_v2` (CUDA 11.3; the name CUDA 12 headers map
-    /// `cuStreamGetCaptureInfo` to, exported by later drivers too): the capture status as the
-    /// `int` the C enum is, and the capture's id; the graph and dependency outputs are optional,
-    /// and left null.
+    /// `cuStreamGetCaptureInfo_v2` (CUDA 11.3; CUDA 12 headers map `cuStreamGetCaptureInfo` to
+    /// it): the status as the C enum's `int`, the capture id, and optional outputs left null.
     #[allow(clippy::type_complexity)]
     stream_capture_info: unsafe extern "C" fn(
         sys::CUstream,
@@ -176,16 +167,17 @@ struct WordApi {
     write_value64: unsafe extern "C" fn(sys::CUstream, sys::CUdeviceptr, u64, c_uint) -> Status,
 }
 
-/// The driver as [`load`] left it: its entry points, and `cuInit`'s answer.
+/// The driver as [`load`] left it.
 struct Loaded {
     api: Api,
-    /// An error makes the backend unavailable; the entry points still name and describe statuses.
+    /// `cuInit`'s answer: an error makes the backend unavailable; the entry points still name and
+    /// describe statuses.
     init: Result<(), ServerError>,
     /// The fork generation it was loaded in (see [`in_forked_child`]).
     generation: u64,
 }
 
-/// The one load state, set once by [`load`]: an error if the library or an entry point is missing.
+/// The one load state: an error if the library or an entry point is missing.
 static DRIVER: OnceLock<Result<Loaded, ServerError>> = OnceLock::new();
 
 /// Load the driver library, probe its symbols and initialize it, once.
@@ -222,12 +214,10 @@ const FORKED: &str = "this process is a fork of the one that initialized the CUD
                       to other processes upon a call to fork\" (NVIDIA's CUDA C++ guidelines), so \
                       no CUDA call is made here; use CUDA in a child only after exec";
 
-/// Whether this process is a fork of the one that loaded the driver: there, any CUDA call is
-/// undefined ("Any use of CUDA after a call to fork and before a subsequent call to exec has
-/// undefined behavior", NVIDIA's CUDA C++ guidelines), and a lock of the crate's may have been
-/// held by a thread that stayed in the parent. So the backend refuses every call before it takes
-/// a lock of its own, and its drops forget what they hold (see [`crate::os`]). One relaxed
-/// load once the driver is loaded.
+/// Whether this process is a fork of the one that loaded the driver ("Any use of CUDA after a call
+/// to fork and before a subsequent call to exec has undefined behavior", NVIDIA's CUDA C++
+/// guidelines), where a lock of the crate's may be held by a thread left in the parent: the
+/// backend refuses every call before taking a lock, and its drops forget what they hold.
 pub(super) fn in_forked_child() -> bool {
     matches!(DRIVER.get(), Some(Ok(loaded)) if loaded.generation != crate::os::fork_generation())
 }
@@ -244,9 +234,8 @@ pub(super) fn not_forked() -> Result<(), ServerError> {
     Ok(())
 }
 
-/// The entry points once cudarc has loaded the driver library and every symbol it needs was
-/// found (whatever `cuInit` answered): from then on the driver's error name and description
-/// lookups cannot panic. Never loads.
+/// The entry points once loaded, whatever `cuInit` answered (so error lookups cannot panic).
+/// Never loads.
 fn loaded_api() -> Option<&'static Api> {
     DRIVER.get()?.as_ref().ok().map(|loaded| &loaded.api)
 }
@@ -344,7 +333,7 @@ fn load() -> Result<Loaded, ServerError> {
     })
 }
 
-fn unavailable(reason: String) -> ServerError {
+pub(super) fn unavailable(reason: String) -> ServerError {
     ServerError::Unavailable {
         backend: BACKEND,
         reason,
@@ -352,16 +341,13 @@ fn unavailable(reason: String) -> ServerError {
 }
 
 /// `CUDA_ERROR_DEINITIALIZED`: "This indicates that the CUDA driver is in the process of
-/// shutting down" (`CUresult`, link above). The driver tears itself down in an exit handler
-/// while other threads (the waiter's) may still call it; every call answers this from then on.
+/// shutting down" (`CUresult`, link above); at exit, see the CUDA guide, docs/cuda.md.
 const CUDA_ERROR_DEINITIALIZED: Status = sys::CUresult::CUDA_ERROR_DEINITIALIZED as Status;
 
-/// The call that first saw [`CUDA_ERROR_DEINITIALIZED`]: from then on no call reaches the driver
-/// (see [`live`]).
+/// The call that first saw [`CUDA_ERROR_DEINITIALIZED`]: no later call reaches the driver.
 static SHUT_DOWN: OnceLock<&'static str> = OnceLock::new();
 
-/// Note that the driver is shutting down, as `call` found: logged once, quietly (at process
-/// exit it is expected).
+/// The driver is shutting down, as `call` found: logged once, quietly (expected at exit).
 fn shutting_down(call: &'static str) -> ServerError {
     if SHUT_DOWN.set(call).is_ok() {
         log::debug!(
@@ -388,10 +374,8 @@ fn live(call: &'static str) -> Result<(), ServerError> {
     SHUT_DOWN.get().map_or(Ok(()), |_| Err(shut_down(call)))
 }
 
-/// `CUDA_SUCCESS`, as the integer [`Api`]'s entry points return.
 const CUDA_SUCCESS: Status = sys::CUresult::CUDA_SUCCESS as Status;
-
-/// `CUDA_ERROR_NOT_READY`: `cuEventQuery`'s "not yet".
+/// `cuEventQuery`'s "not yet".
 const CUDA_ERROR_NOT_READY: Status = sys::CUresult::CUDA_ERROR_NOT_READY as Status;
 
 /// Status codes after which the process must restart: "This leaves the process in an
@@ -414,9 +398,8 @@ const STICKY: &[sys::CUresult] = &[
     sys::CUresult::CUDA_ERROR_EXTERNAL_DEVICE,
 ];
 
-/// Sticky codes of CUDA 12.8 that cudarc's bindings for CUDA 12.0 to 12.6 lack, so they cannot be
-/// named through `sys` in every build: `CUDA_ERROR_CONTAINED` (226) and
-/// `CUDA_ERROR_TENSOR_MEMORY_LEAK` (721). Their driver docs say the process must be restarted.
+/// Sticky codes of CUDA 12.8, which cudarc's 12.0 to 12.6 bindings lack: `CUDA_ERROR_CONTAINED`
+/// (226) and `CUDA_ERROR_TENSOR_MEMORY_LEAK` (721); their driver docs say the process must restart.
 const STICKY_SINCE_12_8: &[Status] = &[226, 721];
 
 /// Whether `code` leaves the context (and process) unusable for good.
@@ -437,10 +420,8 @@ fn check(api: Option<&Api>, call: &'static str, status: Status) -> Result<(), Se
     }
 }
 
-/// A cudarc error (from its own calls, or a user's), as this crate reports driver errors, with
-/// `err` as its source once the driver is loaded. Never panics: without a driver the source is
-/// left out, as cudarc's `Display` of its error asks the driver for a description (and its
-/// loader panics where there is no driver library).
+/// A cudarc error as this crate reports driver errors, with `err` as its source once the driver is
+/// loaded: without one, cudarc's `Display` of it would panic in its loader.
 pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError {
     if err.0 as Status == CUDA_ERROR_DEINITIALIZED {
         return shutting_down(call);
@@ -453,8 +434,8 @@ pub(super) fn driver_error(call: &'static str, err: DriverError) -> ServerError 
     }
 }
 
-/// A failed status, named and described by the driver when it is loaded (`fallback` names it
-/// otherwise), marked faulted when it is one of the sticky ones.
+/// A failed status, named and described by the driver when loaded (else by `fallback`), faulted
+/// when sticky.
 fn status_error(
     api: Option<&Api>,
     call: &'static str,
@@ -492,13 +473,7 @@ impl From<DriverError> for ServerError {
     }
 }
 
-/// `CUDA_ERROR_INVALID_CONTEXT` for `call`, refused before the driver.
-pub(super) fn invalid_context(call: &'static str, message: &str) -> ServerError {
-    refused(call, sys::CUresult::CUDA_ERROR_INVALID_CONTEXT, message)
-}
-
-/// A call this crate refuses before the driver sees it (or whose answer it cannot use), with
-/// the status the driver would have given.
+/// A call refused before the driver (or whose answer is unusable), with the driver's status.
 pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) -> ServerError {
     ServerError::call(BACKEND, call, code as Status, format!("{code:?}"), message)
 }
@@ -508,9 +483,8 @@ pub(super) fn refused(call: &'static str, code: sys::CUresult, message: &str) ->
 /// `cuThreadExchangeStreamCaptureMode`).
 pub(super) const CAPTURE_MODE_RELAXED: c_int = 2;
 
-/// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_NONE`, not capturing.
+/// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_NONE` and `_ACTIVE`.
 const CAPTURE_STATUS_NONE: c_int = 0;
-/// `CUstreamCaptureStatus`: `CU_STREAM_CAPTURE_STATUS_ACTIVE`.
 const CAPTURE_STATUS_ACTIVE: c_int = 1;
 
 /// A stream's capture state, from [`Driver::stream_capture`].
@@ -525,12 +499,12 @@ pub(super) enum Capture {
     Invalidated,
 }
 
-/// `cuEventCreate` flags.
 const EVENT_BLOCKING_SYNC: c_uint = sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as c_uint;
 const EVENT_DISABLE_TIMING: c_uint = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as c_uint;
 
 /// The context current on a thread when [`Driver::ctx_get_current`] asked (null: none), to make
 /// current again with [`Driver::ctx_restore`]. Not `Send`: it is the thread's own.
+#[derive(PartialEq, Eq)]
 pub(super) struct CurrentContext(sys::CUcontext);
 
 impl CurrentContext {
@@ -538,19 +512,11 @@ impl CurrentContext {
     pub(super) fn is(&self, ctx: &CudaContext) -> bool {
         self.0 == ctx.cu_ctx()
     }
-
-    /// The handle, to compare with another thread state's.
-    pub(super) fn raw(&self) -> sys::CUcontext {
-        self.0
-    }
 }
 
-/// An event made by [`Driver::event_create`] and not yet given to [`Driver::event_destroy`],
-/// which takes it by value: nothing else destroys one. Dropped, it is forgotten, not destroyed
-/// (its context frees it). Its holder keeps the event's context alive while it calls through
-/// it: a [`CudaEvent`](super::CudaEvent) holds the context, and an idle event in a fence pool is
-/// called through only once a `CudaEvent` holds it again (the pool destroys its idle events
-/// through a context object still alive, and forgets them only when it knows of none).
+/// An event made by [`Driver::event_create`], destroyed only by [`Driver::event_destroy`] (by
+/// value); dropped, it is forgotten (its context frees it). It is called through only while a
+/// [`CudaEvent`](super::CudaEvent) holds it, and so its context, alive.
 pub(super) struct RawEvent(sys::CUevent);
 
 // SAFETY: a CUevent is a driver handle, not memory this process reads; the driver API is
@@ -577,23 +543,16 @@ unsafe impl Send for Function {}
 // SAFETY: as for `Send`; launching is the only use and the driver serializes it.
 unsafe impl Sync for Function {}
 
-/// A progress word's bytes: one cache line, so a word shares its line with nothing the host
-/// writes.
+/// A progress word's bytes: one cache line, shared with nothing the host writes.
 const MAPPED_WORD_BYTES: usize = 64;
-
-/// A page of progress words: [`WORDS_PER_PAGE`] of them, so a context pays one page-locked
-/// allocation for many streams' words.
+/// One page-locked allocation holds many streams' words.
 const MAPPED_PAGE_BYTES: usize = 4096;
-
-/// The words on a page.
 pub(super) const WORDS_PER_PAGE: usize = MAPPED_PAGE_BYTES / MAPPED_WORD_BYTES;
 
-/// One word of a page of page-locked host memory mapped into a context's address space
-/// ([`Driver::alloc_mapped_page`]): its host and device addresses. A place, not an owner: the
-/// crate never frees a page it handed out (a write captured into a graph can replay into it as
-/// long as the context lives, see `progress.rs`), so the memory lives as long as its context,
-/// which frees it ("all resources" of a context go with it). Whoever reads or resets a word holds
-/// its context alive meanwhile (a live stream of it, or a held context object).
+/// One word of a page of mapped page-locked host memory ([`Driver::alloc_mapped_page`]): its host
+/// and device addresses. A place, not an owner: the crate never frees a page it handed out (see
+/// `progress.rs`); its context frees it ("all resources" of a context go with it), and whoever
+/// reads or resets a word holds that context alive.
 #[derive(Clone, Copy)]
 pub(super) struct MappedWord {
     host: NonNull<AtomicU64>,
@@ -631,9 +590,8 @@ impl fmt::Debug for MappedWord {
     }
 }
 
-/// The loaded driver: a thin safe wrapper around each raw call the crate makes, its status
-/// turned into a result by [`check`]. Got from [`driver`] (a binding guard carries one); the
-/// calls act on the calling thread's current context, which the caller binds first.
+/// The loaded driver: a safe wrapper around each raw call, from [`driver`] (or a binding guard).
+/// The calls act on the calling thread's current context, which the caller binds first.
 #[derive(Clone, Copy)]
 pub(super) struct Driver {
     api: &'static Api,
@@ -644,12 +602,18 @@ impl Driver {
         check(Some(self.api), call, status)
     }
 
+    /// Make `raw`, the driver call `call`, unless the driver has shut down ([`live`]); its status
+    /// checked.
+    fn call(self, call: &'static str, raw: impl FnOnce() -> Status) -> Result<(), ServerError> {
+        live(call)?;
+        self.check(call, raw())
+    }
+
     /// `cuCtxGetCurrent`: the calling thread's current context.
     pub(super) fn ctx_get_current(self) -> Result<CurrentContext, ServerError> {
-        live("cuCtxGetCurrent")?;
         let mut current = ptr::null_mut();
         // SAFETY: `current` is a valid place for the handle.
-        self.check("cuCtxGetCurrent", unsafe {
+        self.call("cuCtxGetCurrent", || unsafe {
             (self.api.ctx_get_current)(&mut current)
         })?;
         Ok(CurrentContext(current))
@@ -657,9 +621,8 @@ impl Driver {
 
     /// `cuCtxSetCurrent`: make `ctx` current on the calling thread.
     pub(super) fn ctx_set_current(self, ctx: &CudaContext) -> Result<(), ServerError> {
-        live("cuCtxSetCurrent")?;
         // SAFETY: the handle is live: `ctx` holds its primary-context retain for the borrow.
-        self.check("cuCtxSetCurrent", unsafe {
+        self.call("cuCtxSetCurrent", || unsafe {
             (self.api.ctx_set_current)(ctx.cu_ctx())
         })
     }
@@ -679,17 +642,15 @@ impl Driver {
     /// `cuCtxSetCurrent`: make a context found by [`ctx_get_current`](Self::ctx_get_current)
     /// current again.
     pub(super) fn ctx_restore(self, previous: CurrentContext) -> Result<(), ServerError> {
-        live("cuCtxSetCurrent")?;
         // SAFETY: `previous` was current on this thread when it was found (or null: no context),
         // so it is the caller's to keep alive; the driver rejects one destroyed meanwhile.
-        self.check("cuCtxSetCurrent", unsafe {
+        self.call("cuCtxSetCurrent", || unsafe {
             (self.api.ctx_set_current)(previous.0)
         })
     }
 
     /// `cuEventCreate` in the current context.
     pub(super) fn event_create(self, flags: EventFlags) -> Result<RawEvent, ServerError> {
-        live("cuEventCreate")?;
         let mut bits = 0;
         if !flags.timing {
             bits |= EVENT_DISABLE_TIMING;
@@ -699,7 +660,7 @@ impl Driver {
         }
         let mut raw = ptr::null_mut();
         // SAFETY: `raw` is a valid place for the new handle; the flags are documented bits.
-        self.check("cuEventCreate", unsafe {
+        self.call("cuEventCreate", || unsafe {
             (self.api.event_create)(&mut raw, bits)
         })?;
         Ok(RawEvent(raw))
@@ -711,10 +672,9 @@ impl Driver {
         event: &RawEvent,
         stream: &CudaStream,
     ) -> Result<(), ServerError> {
-        live("cuEventRecord")?;
         // SAFETY: both handles are live: the event until it is destroyed by value (see
         // `RawEvent`), the stream borrowed from its owner for the call.
-        self.check("cuEventRecord", unsafe {
+        self.call("cuEventRecord", || unsafe {
             (self.api.event_record)(event.0, stream.cu_stream())
         })
     }
@@ -732,9 +692,8 @@ impl Driver {
 
     /// `cuEventSynchronize`: block until `event` is reached.
     pub(super) fn event_synchronize(self, event: &RawEvent) -> Result<(), ServerError> {
-        live("cuEventSynchronize")?;
         // SAFETY: the event is live (see `RawEvent`).
-        self.check("cuEventSynchronize", unsafe {
+        self.call("cuEventSynchronize", || unsafe {
             (self.api.event_synchronize)(event.0)
         })
     }
@@ -752,18 +711,16 @@ impl Driver {
                 ELAPSED_SYMBOLS.join(" nor ")
             ))
         })?;
-        live(name)?;
         // SAFETY: `ms` is a valid place for the result; both events are live (see `RawEvent`);
         // `elapsed` has the driver's signature for these arguments.
-        self.check(name, unsafe { elapsed(&mut ms, start.0, end.0) })?;
+        self.call(name, || unsafe { elapsed(&mut ms, start.0, end.0) })?;
         Ok(ms)
     }
 
     /// `cuEventDestroy`. Does not block: the driver releases the event once its pending work ends.
     pub(super) fn event_destroy(self, event: RawEvent) -> Result<(), ServerError> {
-        live("cuEventDestroy")?;
         // SAFETY: the event is live, and destroyed once: it is taken by value.
-        self.check("cuEventDestroy", unsafe {
+        self.call("cuEventDestroy", || unsafe {
             (self.api.event_destroy)(event.0)
         })
     }
@@ -775,18 +732,16 @@ impl Driver {
         stream: &CudaStream,
         event: &RawEvent,
     ) -> Result<(), ServerError> {
-        live("cuStreamWaitEvent")?;
         // SAFETY: both handles are live (see `event_record`); flag 0 is CU_EVENT_WAIT_DEFAULT.
-        self.check("cuStreamWaitEvent", unsafe {
+        self.call("cuStreamWaitEvent", || unsafe {
             (self.api.stream_wait_event)(stream.cu_stream(), event.0, 0)
         })
     }
 
     /// `cuStreamSynchronize`: block until all work queued on `stream` is done.
     pub(super) fn stream_synchronize(self, stream: &CudaStream) -> Result<(), ServerError> {
-        live("cuStreamSynchronize")?;
         // SAFETY: the stream is live, borrowed from its owner for the call.
-        self.check("cuStreamSynchronize", unsafe {
+        self.call("cuStreamSynchronize", || unsafe {
             (self.api.stream_synchronize)(stream.cu_stream())
         })
     }
@@ -802,13 +757,12 @@ impl Driver {
         call: &'static str,
         stream: &CudaStream,
     ) -> Result<Capture, ServerError> {
-        live(call)?;
         let mut status = CAPTURE_STATUS_NONE;
         let mut id = 0u64;
         // SAFETY: the stream is live, borrowed from its owner for the call; `status` and `id` are
         // valid places for the enum's `int` and the `cuuint64_t`; the three other outputs are
         // optional (null).
-        self.check(call, unsafe {
+        self.call(call, || unsafe {
             (self.api.stream_capture_info)(
                 stream.cu_stream(),
                 &mut status,
@@ -830,11 +784,10 @@ impl Driver {
     /// `cuDevicePrimaryCtxGetState`: whether the primary context of `device` is active (retained
     /// by someone, this process's other libraries included).
     pub(super) fn primary_ctx_active(self, device: sys::CUdevice) -> Result<bool, ServerError> {
-        live("cuDevicePrimaryCtxGetState")?;
         let (mut flags, mut active) = (0, 0);
-        // SAFETY: a device handle is a plain number the driver validates;
-        // `flags` and `active` are valid places for the outputs.
-        self.check("cuDevicePrimaryCtxGetState", unsafe {
+        // SAFETY: a device handle is a plain number the driver validates; `flags` and `active`
+        // are valid places for the outputs.
+        self.call("cuDevicePrimaryCtxGetState", || unsafe {
             (self.api.primary_ctx_state)(device, &mut flags, &mut active)
         })?;
         Ok(active != 0)
@@ -842,11 +795,10 @@ impl Driver {
 
     /// `cuThreadExchangeStreamCaptureMode`: set this thread's capture mode, returning the old one.
     pub(super) fn exchange_capture_mode(self, mode: c_int) -> Result<c_int, ServerError> {
-        live("cuThreadExchangeStreamCaptureMode")?;
         let mut mode = mode;
         // SAFETY: `mode` is a valid, initialized place for the enum's `int`; callers pass a
         // documented mode or one the driver gave back.
-        self.check("cuThreadExchangeStreamCaptureMode", unsafe {
+        self.call("cuThreadExchangeStreamCaptureMode", || unsafe {
             (self.api.thread_exchange_capture_mode)(&mut mode)
         })?;
         Ok(mode)
@@ -858,11 +810,10 @@ impl Driver {
         attribute: c_int,
         device: sys::CUdevice,
     ) -> Result<c_int, ServerError> {
-        live("cuDeviceGetAttribute")?;
         let mut value = 0;
         // SAFETY: `value` is a valid place for the `int`; the attribute and device are plain
         // numbers the driver validates.
-        self.check("cuDeviceGetAttribute", unsafe {
+        self.call("cuDeviceGetAttribute", || unsafe {
             (self.api.device_attribute)(&mut value, attribute, device)
         })?;
         Ok(value)
@@ -879,15 +830,11 @@ impl Driver {
         })
     }
 
-    /// A page of [`WORDS_PER_PAGE`] zeroed words, each on a cache line of page-locked host memory
-    /// mapped into the current context's address space: `cuMemHostAlloc` with
-    /// `CU_MEMHOSTALLOC_DEVICEMAP` ("Maps the allocation into the CUDA address space"), neither
-    /// portable nor write-combined (the host reads it), and its device address from
-    /// `cuMemHostGetDevicePointer` (flags "must be set to 0"). Never freed once handed out (see
-    /// [`MappedWord`]); a page that cannot be mapped is freed at once, as nothing can write it.
-    ///
-    /// Page-locked allocation may make the context's streams wait for each other (the CUDA
-    /// programming guide, "Implicit Synchronization"): never call it on a fence's path.
+    /// A page of [`WORDS_PER_PAGE`] zeroed words of page-locked host memory mapped into the
+    /// current context: `cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP` ("Maps the allocation
+    /// into the CUDA address space"), neither portable nor write-combined (the host reads it), and
+    /// its device address from `cuMemHostGetDevicePointer` (flags "must be set to 0"). A page that
+    /// cannot be mapped is freed at once. Never on a fence's path (see `progress.rs`).
     pub(super) fn alloc_mapped_page(self) -> Result<Vec<MappedWord>, ServerError> {
         live("cuMemHostAlloc")?;
         let api = self.word_api("cuMemHostAlloc")?;
@@ -921,14 +868,12 @@ impl Driver {
             return Err(err);
         }
         let words: Vec<MappedWord> = (0..WORDS_PER_PAGE)
-            .map(|index| {
-                let offset = index * MAPPED_WORD_BYTES;
-                MappedWord {
-                    // SAFETY: `offset` is within the `MAPPED_PAGE_BYTES` allocation, at a
-                    // multiple of 64 bytes from its page-aligned start (so aligned for `u64`).
-                    host: unsafe { page.byte_add(offset) },
-                    device: device + offset as sys::CUdeviceptr,
-                }
+            .map(|index| index * MAPPED_WORD_BYTES)
+            .map(|offset| MappedWord {
+                // SAFETY: `offset` is within the `MAPPED_PAGE_BYTES` allocation, at a multiple of
+                // 64 bytes from its page-aligned start (so aligned for `u64`).
+                host: unsafe { page.byte_add(offset) },
+                device: device + offset as sys::CUdeviceptr,
             })
             .collect();
         // The driver does not say it zeroes the memory.
@@ -958,10 +903,9 @@ impl Driver {
 
     /// `cuModuleLoadData`: JIT-load `ptx` (NUL-terminated PTX text) into the current context.
     pub(super) fn module_load_data(self, ptx: &CStr) -> Result<Module, ServerError> {
-        live("cuModuleLoadData")?;
         let mut module = ptr::null_mut();
         // SAFETY: `ptx` is NUL-terminated and outlives the call; `module` is a valid place.
-        self.check("cuModuleLoadData", unsafe {
+        self.call("cuModuleLoadData", || unsafe {
             (self.api.module_load_data)(&mut module, ptx.as_ptr().cast())
         })?;
         Ok(Module(module))
@@ -973,11 +917,10 @@ impl Driver {
         module: &Module,
         name: &CStr,
     ) -> Result<Function, ServerError> {
-        live("cuModuleGetFunction")?;
         let mut function = ptr::null_mut();
         // SAFETY: the module is live (never unloaded); `name` is NUL-terminated; `function` is a
         // valid place for the handle.
-        self.check("cuModuleGetFunction", unsafe {
+        self.call("cuModuleGetFunction", || unsafe {
             (self.api.module_get_function)(&mut function, module.0, name.as_ptr())
         })?;
         Ok(Function(function))
@@ -991,13 +934,12 @@ impl Driver {
         stream: &CudaStream,
         mut argument: u64,
     ) -> Result<(), ServerError> {
-        live("cuLaunchKernel")?;
         let mut params = [ptr::addr_of_mut!(argument).cast::<c_void>()];
         // SAFETY: the function is live (its module is never unloaded) and is one of this crate's
         // kernels, each of which takes exactly one u64 parameter; the driver copies the parameter
         // values before cuLaunchKernel returns, so pointers to locals are enough; the stream is
         // borrowed from its owner for the call.
-        self.check("cuLaunchKernel", unsafe {
+        self.call("cuLaunchKernel", || unsafe {
             (self.api.launch_kernel)(
                 function.0,
                 1,

@@ -6,7 +6,7 @@ use std::sync::{Arc, Weak};
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::bind::{bind, HeldContext};
-use super::driver::{driver, in_forked_child, not_forked, refused, Capture, RawEvent};
+use super::driver::{driver, in_forked_child, not_forked, refused, Capture, Driver, RawEvent};
 use super::fence_pool::FencePool;
 use super::progress::Publish;
 use crate::backend::live_events::LiveEvents;
@@ -31,12 +31,10 @@ use crate::{status, EventFlags, ServerError};
 pub struct CudaEvent {
     /// `None` only once destroyed or pooled; all that take it but [`Drop`] consume the event.
     raw: Option<RawEvent>,
-    /// The pool a fence event goes back to, and the shard it came from. Dropped before `ctx`: a
-    /// pool whose last handle this is destroys its idle events through a context object it knows to
-    /// be alive, and this event's may be the last one.
+    /// The pool a fence event goes back to, and its shard. Dropped before `ctx`: a pool dropped
+    /// here destroys its idle events through a live object of its context, maybe this one's.
     pool: Option<(Arc<FencePool>, usize)>,
-    /// Dropped after the event is destroyed (fields drop after `Drop`),
-    /// leaving the thread's current context as found if it is the last.
+    /// Dropped after the event is destroyed (fields drop after `Drop`).
     ctx: HeldContext,
     /// Where its latest record was made (see [`Self::record`]).
     recorded: Mutex<Recorded>,
@@ -44,10 +42,9 @@ pub struct CudaEvent {
     live: Option<LiveEvents>,
 }
 
-/// Where an event's latest record was made: in a graph capture it marks a place in the graph, not
-/// work that runs, and the driver refuses to query or wait on it (a query during the capture
-/// invalidates the capture; after it, the driver answers `CUDA_ERROR_INVALID_VALUE`, as measured on
-/// an H200), so this crate refuses first.
+/// Where an event's latest record was made: a captured record marks a place in a graph, and the
+/// driver refuses queries and waits on it (invalidating the capture while it goes on; after it,
+/// `CUDA_ERROR_INVALID_VALUE`, measured on an H200), so this crate refuses first.
 #[derive(Clone, Default)]
 enum Recorded {
     /// Outside any capture (or never recorded): work that runs.
@@ -62,10 +59,9 @@ enum Recorded {
 
 impl Recorded {
     /// From the stream's capture state just before and just after the record: the same capture on
-    /// both sides holds the record (ids are unique for the process, and a capture that ended never
-    /// resumes); none on both sides means outside, unless a whole capture began and ended inside
-    /// the call (then the driver's later answer, `CUDA_ERROR_INVALID_VALUE`, is read as captured:
-    /// see [`CudaEvent::query`]).
+    /// both sides holds it (ids are unique for the process, and an ended capture never resumes);
+    /// none on both sides means outside, unless a whole capture began and ended inside the call
+    /// (see [`CudaEvent::answered`]).
     fn of(before: Capture, after: Capture, stream: &Arc<CudaStream>) -> Self {
         match (before, after) {
             (Capture::None, Capture::None) => Self::Outside,
@@ -146,18 +142,13 @@ impl CudaEvent {
         self.destroy()
     }
 
-    /// Record at the current end of `stream`, which must share the event's context. On a capturing
-    /// stream the record is legal and becomes a graph node. The driver is asked which capture (if
-    /// any) holds it just before and just after, so a capture another thread begins or ends
-    /// meanwhile is never missed (see [`Recorded::of`]): such a record fails its waits, never frees
-    /// a value a graph may still read. While the record is made (and after, if the second question
-    /// fails), it counts as [`Recorded::Unknown`]: a thread querying the event meanwhile is
-    /// refused, not sent to the driver with a record that may be in a capture.
+    /// Record at the current end of `stream`, of the event's context (a graph node if it captures),
+    /// between two questions of its capture state ([`Recorded::of`]); until the second answer it is
+    /// [`Recorded::Unknown`], so a concurrent query is refused.
     ///
-    /// With `publish`, a record made while the stream was not capturing is followed by the write
-    /// of the stream's progress word, inside the same two questions: a write that may have been
-    /// captured turns the word off (see [`StreamWord::captured`](super::progress::StreamWord::captured));
-    /// the word's memory is safe from the graph either way (it lives as long as the context).
+    /// With `publish`, a record made while the stream was not capturing is followed, inside the
+    /// same two questions, by the progress word's write; one that may have been captured turns the
+    /// word off ([`StreamWord::captured`](super::progress::StreamWord::captured)).
     pub(super) fn record(
         &self,
         stream: &Arc<CudaStream>,
@@ -213,10 +204,9 @@ impl CudaEvent {
         }
     }
 
-    /// The driver's answer for an event recorded outside any capture, as far as the crate could
-    /// see: `CUDA_ERROR_INVALID_VALUE`, its answer for an event whose capture has ended, may mean
-    /// that a whole capture began and ended on another thread inside the record, so it is reported
-    /// as a capture status (never a reason to fall back and free a value).
+    /// The driver's answer for an event recorded outside any capture, as far as the crate saw:
+    /// `CUDA_ERROR_INVALID_VALUE` (its answer for an event of an ended capture) may mean a whole
+    /// capture began and ended inside the record, so it is a capture status, never a fallback.
     fn answered<T>(call: &'static str, answer: Result<T, ServerError>) -> Result<T, ServerError> {
         answer.map_err(|err| {
             if err.code() != Some(status::INVALID_VALUE) {
@@ -233,34 +223,30 @@ impl CudaEvent {
 
     /// Reached, not yet, or an error: all three outcomes of `cuEventQuery`.
     pub(super) fn query(&self) -> Result<bool, ServerError> {
-        not_forked()?;
-        self.not_captured("cuEventQuery")?;
-        let bound = bind(&self.ctx)?;
-        Self::answered(
-            "cuEventQuery",
-            bound.relaxed(|driver| driver.event_query(self.raw())),
-        )
+        self.ask("cuEventQuery", Driver::event_query)
     }
 
     /// Block until reached; sleeps in the driver for a `BLOCKING_SYNC` event.
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
+        self.ask("cuEventSynchronize", Driver::event_synchronize)
+    }
+
+    /// `call`, made on the event in the relaxed capture mode, unless its record may be captured.
+    fn ask<T>(
+        &self,
+        call: &'static str,
+        make: impl FnOnce(Driver, &RawEvent) -> Result<T, ServerError>,
+    ) -> Result<T, ServerError> {
         not_forked()?;
-        self.not_captured("cuEventSynchronize")?;
+        self.not_captured(call)?;
         let bound = bind(&self.ctx)?;
-        Self::answered(
-            "cuEventSynchronize",
-            bound.relaxed(|driver| driver.event_synchronize(self.raw())),
-        )
+        Self::answered(call, bound.relaxed(|driver| make(driver, self.raw())))
     }
 
     /// Make `stream` (of any context) wait on the device for this event's latest record. What the
     /// driver would refuse, invalidating captures ("Stream capture" in its docs), is refused first:
-    /// - a capturing stream may wait only on events of its own capture (else
-    ///   `CUDA_ERROR_STREAM_CAPTURE_ISOLATION` for one recorded outside,
-    ///   `CUDA_ERROR_STREAM_CAPTURE_MERGE` for another capture's);
-    /// - a stream not capturing may wait on an event of a capture that goes on (joining it), but
-    ///   not of one that has ended: its record marks a place in a graph, with nothing to wait for;
-    /// - no stream waits on a record whose capture is unknown (see [`Recorded::Unknown`]).
+    /// a capturing stream waits only on its own capture's events, a stream not capturing not on an
+    /// ended capture's, and none on [`Recorded::Unknown`]; see the CUDA guide, docs/cuda.md.
     pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
         const CALL: &str = "cuStreamWaitEvent";
         let bound = bind(stream.context())?;
@@ -302,8 +288,7 @@ impl CudaEvent {
         }
     }
 
-    /// Whether capture `id`, which `origin` was part of, still goes on: its
-    /// streams stay in it until it ends.
+    /// Whether capture `id`, which `origin` was in, goes on (its streams stay in it until it ends).
     fn capture_goes_on(&self, id: u64, origin: &Weak<CudaStream>) -> Result<bool, ServerError> {
         let Some(origin) = origin.upgrade() else {
             return Ok(false);
@@ -315,8 +300,7 @@ impl CudaEvent {
             == Capture::Active(id))
     }
 
-    /// Milliseconds from `start` to `self`, as the driver measures them; refused first when the two
-    /// events belong to different contexts (the driver answers `CUDA_ERROR_INVALID_HANDLE`).
+    /// Milliseconds from `start` to `self`; refused first across contexts, as the driver would.
     pub(super) fn elapsed_ms(&self, start: &Self) -> Result<f32, ServerError> {
         start.not_captured("cuEventElapsedTime")?;
         self.not_captured("cuEventElapsedTime")?;
@@ -332,8 +316,8 @@ impl CudaEvent {
         bound.relaxed(|driver| driver.event_elapsed_ms(start.raw(), self.raw()))
     }
 
-    /// Destroy now and report the driver's answer. Does not block: the driver
-    /// releases an event with pending work once the work completes.
+    /// Destroy now and report the driver's answer (without blocking: see
+    /// [`Driver::event_destroy`](super::driver::Driver::event_destroy)).
     pub(super) fn destroy(mut self) -> Result<(), ServerError> {
         self.destroy_raw()
     }
@@ -343,8 +327,7 @@ impl CudaEvent {
             return Ok(());
         };
         self.uncount();
-        // In a forked child no CUDA call is made, and what the event holds
-        // is forgotten with it (its pool and context are the parent's).
+        // In a forked child no CUDA call is made; its pool and context are the parent's.
         if let Err(forked) = not_forked() {
             std::mem::forget(self.pool.take());
             return Err(forked);

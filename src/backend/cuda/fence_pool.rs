@@ -16,27 +16,17 @@ use crate::{EventFlags, ServerError};
 /// The most idle fence events a context's pool keeps, over [`FENCE_POOL_SHARDS`] shards.
 const FENCE_POOL_CAPACITY: usize = 512;
 
-/// How many locks a context's pool is split into: every executor thread makes fences on the same
-/// context, so one lock would be shared by all. Each thread takes from its own shard, or another's
-/// when its own is empty; an event goes back to its taker's shard (see [`IdlePool`]).
+/// How many locks a context's pool is split into, since every executor thread makes fences on the
+/// same context (see [`IdlePool`]).
 const FENCE_POOL_SHARDS: usize = 8;
 
-/// One context's idle fence events (`DISABLE_TIMING | BLOCKING_SYNC`), for later fences: on busy
-/// GPUs `cuEventCreate` contends on the driver's context lock, so a steady loop of fences creates
-/// none after warm-up. At most [`FENCE_POOL_CAPACITY`] idle events, spread over
-/// [`FENCE_POOL_SHARDS`] locks.
+/// One context's idle fence events, for later fences: on busy GPUs `cuEventCreate` contends on the
+/// driver's context lock, so a steady loop of fences creates none after warm-up.
 ///
-/// One pool per driver context, not per `CudaContext` object: cudarc makes an object (and a
-/// primary-context retain) per `CudaContext::new`, and objects come and go while another (or
-/// another library) keeps the context alive; their events are the context's, and go on serving it.
-/// The driver's context id (`cuCtxGetId`) tells the context apart from one made later under the
-/// same handle; a driver without it gets a pool per object.
-///
-/// Idle events do not keep the context alive (the pool holds its objects weakly): when the pool
-/// goes, it destroys them through any of its objects still alive, or through the device's primary
-/// context when that is provably the same one still alive (something the pool never saw keeps it:
-/// another cudarc object, another library, the CUDA runtime); only a context that is gone has its
-/// events forgotten, as the driver freed them with it.
+/// One pool per driver context (told apart by `cuCtxGetId`; without it, one per `CudaContext`
+/// object), holding its objects weakly: when it goes, its idle events are destroyed through a
+/// context object still alive ([`live_context`](Self::live_context)), or left to the driver,
+/// which freed them with the context. See the CUDA guide, docs/cuda.md.
 pub(crate) struct FencePool {
     /// The driver's id of the context, when it has `cuCtxGetId`.
     id: Option<u64>,
@@ -44,12 +34,11 @@ pub(crate) struct FencePool {
     ordinal: usize,
     device: sys::CUdevice,
     handle: usize,
-    /// Objects of the driver context whose streams use the pool: any one alive keeps it alive.
-    /// Without an id, only the first, whose allocation (held by the `Weak`) identifies the pool.
+    /// Objects of the context whose streams use the pool. Without an id, only the first, whose
+    /// allocation (held by the `Weak`) identifies the pool.
     objects: Mutex<Vec<Weak<CudaContext>>>,
     idle: IdlePool<IdleEvent, FENCE_POOL_SHARDS>,
-    /// The progress words of the context's streams (its slab, kept past the pool: see
-    /// `progress.rs`).
+    /// The progress words of the context's streams (kept past the pool: see `progress.rs`).
     pub(super) words: PoolWords,
 }
 
@@ -57,8 +46,7 @@ pub(crate) struct FencePool {
 struct IdleEvent(RawEvent);
 
 impl FencePool {
-    /// The pool of `ctx`'s fence events: the same pool for every stream of a
-    /// driver context, found once per stream registration (not per fence).
+    /// The pool of `ctx`'s driver context, found once per stream registration (not per fence).
     pub(crate) fn of(ctx: &Arc<CudaContext>) -> Arc<Self> {
         // In a `OnceLock`: the crate's mutex is not `const` under loom.
         static POOLS: OnceLock<Mutex<Vec<Weak<FencePool>>>> = OnceLock::new();
@@ -104,9 +92,8 @@ impl FencePool {
         })
     }
 
-    /// An idle fence event of this pool's context from the calling thread's shard, or a new one,
-    /// counted in `live` (its stream's counts). `ctx` is an object of the pool's context, kept
-    /// alive by the caller's stream.
+    /// An idle fence event from the calling thread's shard, or a new one, counted in `live`. `ctx`
+    /// is an object of the pool's context, kept alive by the caller's stream.
     pub(crate) fn take(
         self: &Arc<Self>,
         ctx: &Arc<CudaContext>,
@@ -123,8 +110,7 @@ impl FencePool {
         Ok(event.pooled(self.clone(), shard))
     }
 
-    /// Keep `raw`, a released fence event of this pool's context, in
-    /// `shard`; hand it back when that shard is full.
+    /// Keep `raw`, a released fence event of this pool's context, in `shard`; back if it is full.
     pub(super) fn give_back(&self, shard: usize, raw: RawEvent) -> Result<(), RawEvent> {
         self.idle
             .give_back(shard, IdleEvent(raw), |_| {})
@@ -132,8 +118,8 @@ impl FencePool {
     }
 
     /// A live object of the pool's context: one of its own, or the device's primary context when
-    /// provably the same one; `None` once the context is gone (the driver freed what it held).
-    /// Held, so that if it is the last handle, the thread's current context is left as found.
+    /// provably the same one (kept alive by something the pool never saw: another library, the
+    /// CUDA runtime); `None` once the context is gone.
     pub(super) fn live_context(&self) -> Option<HeldContext> {
         let known = self.objects.lock().iter().find_map(Weak::upgrade);
         known
@@ -141,10 +127,9 @@ impl FencePool {
             .map(HeldContext::from)
     }
 
-    /// The device's primary context, when it is still the pool's own: active (retained by someone),
-    /// under the same handle and with the same id, which a context made again would not have
-    /// ("unique for the life of the program", `cuCtxGetId`). Retained for the call, not made: an
-    /// inactive primary context is not looked at.
+    /// The device's primary context, when it is still the pool's own: active (retained by someone;
+    /// an inactive one is not made), under the same handle and with the same id, which a context
+    /// made again would not have ("unique for the life of the program", `cuCtxGetId`).
     fn primary_still_alive(&self) -> Option<Arc<CudaContext>> {
         let id = self.id?;
         let driver = driver().ok()?;

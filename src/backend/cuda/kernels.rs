@@ -6,22 +6,19 @@ use std::ffi::CStr;
 use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
-use cudarc::driver::{CudaContext, CudaStream};
+use cudarc::driver::{sys, CudaContext, CudaStream};
 
 use super::bind::{bind, HeldContext};
-use super::driver::{invalid_context, Function};
+use super::driver::{refused, unavailable, Function};
 use crate::sync::Mutex;
 use crate::ServerError;
 
-/// `sleep_ns` spins one GPU thread on `%globaltimer` until the given number of nanoseconds has
-/// passed, or until it has spun once per nanosecond asked (`%rd5` counts down): the PTX ISA
-/// leaves `%globaltimer` unspecified when PTX is JIT-compiled for another target, so a timer
-/// that stalls must not hang the kernel. One spin reads the timer, which takes well over a
-/// nanosecond, so the count never ends a working sleep early; with a stalled timer the kernel
-/// still ends, within (nanoseconds asked) × (one spin's time). `write_u32` stores 1 at the given
-/// address. `{TARGET}` is filled in from [`TARGETS`]; every module is assembled by NVIDIA's
-/// `ptxas` in CI (`tests/ptx.rs`). Every entry takes exactly one `.u64` parameter: that is what
-/// [`Kernel::launch_u64`] passes.
+/// `sleep_ns` spins one GPU thread on `%globaltimer` for the given nanoseconds, and at most once
+/// per nanosecond (`%rd5` counts down): the PTX ISA leaves `%globaltimer` unspecified when PTX is
+/// JIT-compiled for another target, and a spin takes well over a nanosecond, so a stalled timer
+/// cannot hang it and a working one is never cut short. `write_u32` stores 1 at the given address.
+/// `{TARGET}` comes from [`TARGETS`] (each assembled by `ptxas` in CI, `tests/ptx.rs`). Every entry
+/// takes exactly one `.u64`: what [`Kernel::launch_u64`] passes.
 const PTX: &str = r#"
 .version 7.0
 .target {TARGET}
@@ -63,8 +60,7 @@ DONE:
 }
 "#;
 
-/// One kernel of a PTX module loaded into a context. The module is never unloaded (see
-/// `driver::Module`): load a kernel once per context, not once per launch.
+/// One kernel of a PTX module loaded into a context (never unloaded, see `driver::Module`).
 struct Kernel {
     function: Function,
     ctx: HeldContext,
@@ -74,9 +70,7 @@ impl Kernel {
     /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx` and find `name`.
     fn load(ctx: &Arc<CudaContext>, ptx: &CStr, name: &CStr) -> Result<Self, ServerError> {
         let bound = bind(ctx)?;
-        // In the relaxed capture mode: a load can synchronize the context, a call the driver
-        // prohibits (and which invalidates the capture) on a thread in the global mode while any
-        // thread captures in it.
+        // Relaxed: a load can synchronize the context, which could invalidate a capture.
         let module = bound.relaxed(|driver| driver.module_load_data(ptx))?;
         let function = bound.driver().module_get_function(&module, name)?;
         Ok(Self {
@@ -88,8 +82,9 @@ impl Kernel {
     /// Launch on one thread of one block with one `u64` argument.
     fn launch_u64(&self, stream: &CudaStream, argument: u64) -> Result<(), ServerError> {
         if stream.context().cu_ctx() != self.ctx.cu_ctx() {
-            return Err(invalid_context(
+            return Err(refused(
                 "cuLaunchKernel",
+                sys::CUresult::CUDA_ERROR_INVALID_CONTEXT,
                 "the kernel and the stream belong to different contexts",
             ));
         }
@@ -112,15 +107,11 @@ fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
             Err(err) => last = Some(err),
         }
     }
-    Err(last.unwrap_or_else(|| ServerError::Unavailable {
-        backend: super::driver::BACKEND,
-        reason: "no PTX target could be loaded".to_owned(),
-    }))
+    Err(last.unwrap_or_else(|| unavailable("no PTX target could be loaded".to_owned())))
 }
 
-/// The PTX modules the crate ships, one per target, in the order they are tried: `(target,
-/// NUL-free PTX text)`. For tests (feature `test-util`): checking them with NVIDIA's assembler
-/// (`ptxas -arch=<target>`) on a machine without a GPU.
+/// The PTX modules the crate ships, `(target, NUL-free PTX text)` in the order they are tried,
+/// to check with `ptxas -arch=<target>` without a GPU. Feature `test-util`.
 ///
 /// ```
 /// let modules = device_events::cuda::ptx_modules();
@@ -162,13 +153,9 @@ pub struct SleepKernel {
 }
 
 impl SleepKernel {
-    /// Load the kernel into `ctx`. Its module stays loaded as long as the context: load once per
-    /// context, not once per launch.
-    ///
-    /// Load it before launching work that must run meanwhile: loading a module can synchronize
-    /// the context (the CUDA Programming Guide, "Lazy Loading", warns that loading kernels "might
-    /// require context synchronization"; on an H200 a load on one thread held other threads'
-    /// calls until their running kernels had ended).
+    /// Load the kernel into `ctx`, for as long as the context lives: once per context, and before
+    /// launching work that must overlap (the CUDA Programming Guide, "Lazy Loading": loading
+    /// kernels "might require context synchronization"; on an H200 it held other threads' calls).
     ///
     /// # Errors
     ///
@@ -179,9 +166,8 @@ impl SleepKernel {
         })
     }
 
-    /// The kernel loaded into `ctx`'s context, shared: loaded on the first call, and the same
-    /// `Arc` for every later call while any is alive, so servers (or tests) that each need it
-    /// load it once per context (a load can stall other threads' calls, see [`new`](Self::new)).
+    /// The kernel loaded into `ctx`'s context on the first call, and the same `Arc` while any is
+    /// alive: loaded once per context (see [`new`](Self::new)).
     ///
     /// ```no_run
     /// use device_events::cuda::{self, SleepKernel};
@@ -233,10 +219,9 @@ impl std::fmt::Debug for SleepKernel {
     }
 }
 
-/// A kernel that writes to an illegal address: it poisons its context on purpose, for tests of
-/// fault handling (feature `test-util`). After it runs, every call on the context fails with
-/// `CUDA_ERROR_ILLEGAL_ADDRESS` (a sticky [`ServerError::Faulted`]) for the rest of the process:
-/// run it in a test binary of its own.
+/// A kernel that writes to an illegal address, poisoning its context for tests of faults (feature
+/// `test-util`): every later call on the context fails with `CUDA_ERROR_ILLEGAL_ADDRESS` (a sticky
+/// [`ServerError::Faulted`]), so run it in a test binary of its own.
 ///
 /// ```no_run
 /// use device_events::cuda::{self, FaultKernel};

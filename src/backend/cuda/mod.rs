@@ -1,24 +1,16 @@
-//! The CUDA backend, on cudarc's driver API loaded at run time.
+//! The CUDA backend, on cudarc's driver API loaded at run time: without a driver (or with one
+//! too old, or no device) calls return [`ServerError::Unavailable`], never panic. Fence events are
+//! `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`, so a waiting thread sleeps in the driver.
+//! Every call binds the stream's or event's context first and gives your thread its previous
+//! context back; for contexts and threads, default streams, faults and graph capture, see the
+//! CUDA guide, docs/cuda.md.
 //!
-//! The crate builds and runs without CUDA: the driver library is looked for on first use, and
-//! its absence (or a driver too old, or no device) is a [`ServerError::Unavailable`], never a
-//! panic. Fence events are created with `CU_EVENT_DISABLE_TIMING | CU_EVENT_BLOCKING_SYNC`, so a
-//! thread waiting on one sleeps in the driver instead of spinning. Every call binds the stream's
-//! or event's context on the calling thread first, so any thread (a waiter thread has no current
-//! context) may wait. Your threads get their previous context back after each call (and after
-//! the crate drops the last handle of a context, which cudarc's drop leaves current); a binding
-//! left from a context torn down and made again under the same handle is bound afresh, not
-//! trusted. The crate's own threads (the waiter's, the drop queue's) keep the last one bound,
-//! which spares a waiter thread two `cuCtxSetCurrent` calls per query in a burst.
-//!
-//! Where the device reports 64-bit stream memory operations and host-mapped memory, a stream
-//! that a waiter has asked about (its watcher, or a spinning first poll) also keeps a progress
-//! word: a fence's record is followed by a `cuStreamWriteValue64` of the fence's number into a
-//! cache line of page-locked host memory, so the waiter's watcher (see
-//! `WaiterBuilder::watchers`) and a spinning first poll (`WaiterBuilder::spin_budget`) read
-//! memory instead of querying the driver, and ask the event once when the word says the stream
-//! got there. Never on a capturing stream; any refusal leaves
-//! the stream's fences on events alone.
+//! Where the device supports 64-bit stream memory operations and mapped host memory, a stream a
+//! waiter asks about also keeps a progress word: each fence's record is followed by a
+//! `cuStreamWriteValue64` of its number into page-locked host memory, which the waiter's watcher
+//! (`WaiterBuilder::watchers`) and a spinning first poll (`WaiterBuilder::spin_budget`) read,
+//! querying the event once the word says the stream got there. Never on a capturing stream; any
+//! refusal leaves the stream's fences on events alone.
 //!
 //! From cudarc, a fence is one call:
 //!
@@ -69,11 +61,8 @@ pub fn required_symbols() -> &'static [&'static str] {
 pub use stream::CudaStreamHandle;
 
 /// Counts of the events the backend made for `stream` and has not destroyed or given back to its
-/// context's pool: the same [`LiveEvents`](crate::LiveEvents) a host stream gives
-/// ([`HostStream::live_events`](crate::host::HostStream::live_events)), so a leak check runs the
-/// same on either backend (see [`AnyStream::live_events`](crate::AnyStream::live_events)). Idle
-/// events in the context's pool do not count; it stays readable after the stream is dropped.
-/// For tests: only with the `test-util` feature.
+/// context's pool (idle pooled events do not count), readable after the stream is dropped: as
+/// [`HostStream::live_events`](crate::host::HostStream::live_events). Feature `test-util`.
 ///
 /// ```no_run
 /// use device_events::cuda;
@@ -243,10 +232,8 @@ impl EventApi for Cuda {
     }
 
     /// The driver's id of the stream's context (`cuCtxGetId`: "unique for the life of the
-    /// program"), so a context made again under an old handle gets a new key. A driver without
-    /// it: the address of the stream's cudarc context object, which every event made for the
-    /// stream holds, so it is not reused while such an event is alive (two objects of one context
-    /// then get two keys: less reuse, no error).
+    /// program"). A driver without it: the address of the stream's cudarc context object, which
+    /// the stream's events hold, so it is not reused while one is alive (less reuse, no error).
     fn stream_context(stream: CudaStreamHandle) -> Result<u64, ServerError> {
         let stream = stream.resolve("cuCtxGetId")?;
         let ctx = stream.context();
@@ -278,10 +265,8 @@ impl EventApi for Cuda {
         stream.lane_id()
     }
 
-    /// The stream's progress word, once a fence wrote it: the first ask takes a word (off the
-    /// fence path) for the stream's next fences outside a capture to write (see `progress.rs`:
-    /// only where the device supports stream memory operations), so a stream no waiter watches
-    /// writes none. The word holds the stream's context alive: its memory is the context's.
+    /// The stream's progress word, once a fence wrote it; the first ask installs one for later
+    /// fences (see `progress.rs`), so a stream no waiter watches writes none.
     fn stream_progress(stream: CudaStreamHandle) -> Option<crate::ProgressWord> {
         let (stream, per_stream) = stream.resolve_per_stream("cuStreamWriteValue64").ok()?;
         per_stream.progress(&stream)

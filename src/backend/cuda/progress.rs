@@ -1,45 +1,37 @@
 //! A CUDA stream's progress word: a `u64` of page-locked, device-mapped host memory that the
-//! stream itself sets with `cuStreamWriteValue64`, right after each fence's event record, to one
-//! more than the fence's number, so a host thread learns that the stream has passed a fence with
-//! one load instead of a `cuEventQuery` (which takes the driver's lock). The event stays the
-//! truth: a waiter confirms a word's "passed" with one query before resolving a wait.
+//! stream sets with `cuStreamWriteValue64`, right after each fence's event record, to one more than
+//! the fence's number, so a host thread learns that the stream passed a fence with one load instead
+//! of a `cuEventQuery` (which takes the driver's lock). The event stays the truth: a waiter
+//! confirms a word's "passed" with one query before resolving a wait.
 //!
-//! A stream keeps a word once a waiter has asked for it (a spinning first poll does, and so does
-//! a lane thread while the waiter's watcher is on): the write costs every fence a driver call,
-//! which a stream no one waits on through a waiter should not pay. Only where the
-//! device reports both `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY` and
+//! A stream keeps a word once a waiter asks for it (a spinning first poll, or a lane thread while
+//! the watcher is on): the write costs every fence a driver call. Only where the device reports
+//! both `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY` and
 //! `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` ("64-bit operations are supported in
 //! cuStreamBatchMemOp and related MemOp APIs"), and never on a stream seen capturing (a captured
-//! write would be a graph node, replaying old numbers). Any refusal turns the stream's word off,
-//! and its fences are waited on through their events alone.
+//! write would be a graph node, replaying old numbers). Any refusal turns the stream's word off.
 //!
 //! # Memory
 //!
-//! Word memory is never freed while its context lives. A write the crate queues can be captured
-//! into a graph unseen (another thread begins and ends a relaxed capture of the stream between the
-//! two capture checks around a fence's record), and a graph can be launched any time while its
-//! context lives, so no check of ours can tell when a word is written for the last time. So:
+//! Word memory is never freed while its context lives: another thread can begin and end a relaxed
+//! capture of the stream between the two capture checks around a record, capturing a write unseen,
+//! and a graph can be launched any time while its context lives. So:
 //!
-//! - Words come from a per-context [`WordSlab`]: pages of [`WORDS_PER_PAGE`](super::driver::WORDS_PER_PAGE) words (one
-//!   `cuMemHostAlloc` each), never freed by the crate; the driver frees them with the context.
-//!   A context's slab outlives its pool: when the pool goes while the context may live on, the
-//!   slab is parked and the context's next pool takes it back (the driver's context id tells the
-//!   context apart from one made later), so streams that come and go reuse the same pages.
-//! - A word is recycled (reset to 0 and given to another stream of the context) once its stream
-//!   is gone, no reader holds it, and its last queued write has landed. A stale write replayed
-//!   from a graph into a recycled word only shows a wrong number, and the waiter confirms every
-//!   "passed" with an event query.
-//! - A [`ProgressWord`] handed out holds its stream's context alive (a [`HeldContext`]), so the
-//!   memory it reads lives at least as long as the word.
-//! - Pages are allocated off the fence path: when a stream's word is first asked for
-//!   ([`PerStream::progress`](super::stream::PerStream::progress)), before the stream's lock is
-//!   taken, and installed for the next fence to write. Page-locked allocation may make the
-//!   context's streams wait for each other (the CUDA programming guide, "Implicit
-//!   Synchronization"); `cuda::fence()` allocates and frees nothing.
+//! - Words come from a per-context [`WordSlab`] of pages of
+//!   [`WORDS_PER_PAGE`](super::driver::WORDS_PER_PAGE) words (one `cuMemHostAlloc` each), which
+//!   the driver frees with the context. A slab outlives its pool: parked when the pool goes, it is
+//!   taken back by the context's next pool (told apart by the driver's context id).
+//! - A word is recycled (reset to 0, given to another stream of the context) once its stream is
+//!   gone, no reader holds it, and its last queued write has landed. A stale write replayed into it
+//!   only shows a wrong number, which the waiter's event query catches.
+//! - A [`ProgressWord`] handed out holds its stream's context alive (a [`HeldContext`]).
+//! - Pages are allocated off the fence path, when a stream's word is first asked for
+//!   ([`PerStream::progress`](super::stream::PerStream::progress)), before the stream's lock:
+//!   page-locked allocation may make the context's streams wait for each other (the CUDA
+//!   programming guide, "Implicit Synchronization"); `cuda::fence()` allocates and frees nothing.
 //!
-//! A write that may have been captured still turns the word off ([`StreamWord::captured`]): its
-//! graph would replay old numbers into the word, which only costs queries, but a stream seen
-//! capturing is likely to capture again.
+//! A write that may have been captured turns the word off ([`StreamWord::captured`]): a stream
+//! seen capturing is likely to capture again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock, Weak};
@@ -52,21 +44,20 @@ use crate::api::WordMemory;
 use crate::sync::Mutex;
 use crate::{ProgressWord, ServerError};
 
-/// `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY`.
-const CAN_MAP_HOST_MEMORY: i32 = 19;
-/// `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS`, its number in CUDA 12 and 13 headers.
-const CAN_USE_64_BIT_STREAM_MEM_OPS: i32 = 122;
+/// The device attributes a word needs, with their numbers in CUDA 12 and 13 headers.
+const ATTRIBUTES: [(i32, &str); 2] = [
+    (19, "CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY"),
+    (122, "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS"),
+];
 
-/// A stream's progress word, kept under the stream's sequence lock: every write is queued in the
-/// order of the fences' numbers.
+/// A stream's progress word, under the stream's sequence lock: writes queue in fence order.
 #[derive(Default)]
 pub(super) enum StreamWord {
-    /// Nothing asked for the stream's progress yet: its fences write none, so a stream no waiter
-    /// watches pays nothing for it.
+    /// Nothing asked for the stream's progress yet: its fences write none.
     #[default]
     Unasked,
-    /// Taken from the context's slab (weakly here: the slab holds it), to be written from the
-    /// stream's next fence on; no reader gets it before a write is queued.
+    /// Taken from the context's slab (which holds it), for the next fence to write; no reader
+    /// gets it before then.
     Installed(Weak<SlabWord>),
     /// Written by the stream's fences.
     Open(Weak<SlabWord>),
@@ -88,8 +79,8 @@ impl StreamWord {
         }
     }
 
-    /// Install `word`, taken from the slab for this stream, if nothing was asked for yet; else
-    /// hand it back.
+    /// Install `word`, taken from the slab for this stream, if nothing was asked for yet: whether
+    /// it was (else the caller hands it back).
     pub(super) fn install(&mut self, word: &Arc<SlabWord>) -> bool {
         if !self.is_unasked() {
             return false;
@@ -105,9 +96,8 @@ impl StreamWord {
         }
     }
 
-    /// Queue the write of `value` on `stream` (its context bound, the stream not capturing just
-    /// before the fence's record), if a word is installed or open. No allocation: the word was
-    /// taken when first asked for. Whether a write was queued.
+    /// Queue the write of `value` on `stream` (its context bound, not capturing just before the
+    /// fence's record) if a word is installed or open, allocating nothing: whether one was queued.
     pub(super) fn publish(&mut self, bound: &Bound, stream: &Arc<CudaStream>, value: u64) -> bool {
         // The slab holds the word while the stream lives.
         let Some(word) = (match self {
@@ -135,9 +125,8 @@ impl StreamWord {
         }
     }
 
-    /// The write just queued may have been captured into a graph (a capture began or ended on
-    /// the stream around the record): the word is off for later fences. Its memory is safe
-    /// whatever the graph does (see the module's docs).
+    /// The write just queued may have been captured into a graph: the word is off for later
+    /// fences (its memory is safe whatever the graph does, see the module's docs).
     pub(super) fn captured(&mut self) {
         *self = Self::Off;
     }
@@ -156,8 +145,8 @@ pub(super) struct SlabWord {
     queued: AtomicU64,
 }
 
-/// What a [`ProgressWord`] of a CUDA stream holds: the word, and its context, alive (the word's
-/// memory is the context's).
+/// What a [`ProgressWord`] of a CUDA stream holds alive: the word, and its context (which owns
+/// the memory).
 struct WordReader {
     word: Arc<SlabWord>,
     _context: HeldContext,
@@ -192,9 +181,9 @@ pub(super) struct WordSlab {
     pages: usize,
 }
 
-/// [`parked`]: slabs of pools gone while their context may live on, with the context's id: taken back by the
-/// context's next pool. At most one per device (a device has one primary context at a time, and
-/// a slab of an older one is of a context gone: its pages went with it).
+/// Slabs of pools gone while their context may live on, with its device and id, for the
+/// context's next pool. At most one per device: a device has one primary context at a time, and
+/// an older one's pages went with it.
 fn parked() -> &'static Mutex<Vec<(usize, u64, WordSlab)>> {
     // In a `OnceLock`: the crate's mutex is not `const` under loom.
     static PARKED: OnceLock<Mutex<Vec<(usize, u64, WordSlab)>>> = OnceLock::new();
@@ -202,8 +191,8 @@ fn parked() -> &'static Mutex<Vec<(usize, u64, WordSlab)>> {
 }
 
 impl PoolWords {
-    /// The words of a new pool of context `id` on device `ordinal`: the slab a pool of the same
-    /// context parked, if any.
+    /// The words of a new pool of context `id` on device `ordinal`: the slab its context parked,
+    /// if any.
     pub(super) fn adopt(ordinal: usize, id: Option<u64>) -> Self {
         let Some(id) = id else {
             return Self::default();
@@ -243,23 +232,13 @@ impl PoolWords {
         parked.push((ordinal, id, slab));
     }
 
-    /// A word for `stream` (alive, of this pool's context), in use from now on: a free word that
-    /// holds its last value, reset to 0, or one of a new page. Called off the fence path, before
-    /// the stream's lock: it may allocate, with the stream's context bound.
+    /// A word for `stream` (alive, of this pool's context): a free word that holds its last value,
+    /// reset to 0, or one of a new page (allocated with the context bound: off the fence path).
     pub(super) fn take(&self, stream: &Arc<CudaStream>) -> Result<Arc<SlabWord>, ServerError> {
         let bound = bind(stream.context())?;
         let driver = bound.driver();
         let device = stream.context().cu_device();
-        for (attribute, name) in [
-            (
-                CAN_MAP_HOST_MEMORY,
-                "CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY",
-            ),
-            (
-                CAN_USE_64_BIT_STREAM_MEM_OPS,
-                "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS",
-            ),
-        ] {
+        for (attribute, name) in ATTRIBUTES {
             if driver.device_attribute(attribute, device)? == 0 {
                 return Err(super::driver::refused(
                     "cuDeviceGetAttribute",
@@ -276,10 +255,7 @@ impl PoolWords {
             .iter()
             .position(|(memory, last)| memory.get() == *last);
         let memory = match found {
-            Some(index) => {
-                let (memory, _last) = slab.free.swap_remove(index);
-                memory
-            }
+            Some(index) => slab.free.swap_remove(index).0,
             None => {
                 // Allocating is a "potentially unsafe" call during another thread's capture.
                 let mut page = bound.relaxed(|driver| driver.alloc_mapped_page())?;
@@ -310,16 +286,10 @@ impl WordSlab {
     /// Move to the free list every word whose stream is gone and that no reader holds (the slab's
     /// is its only handle). Touches no word memory.
     fn recycle(&mut self) {
-        let mut index = 0;
-        while index < self.in_use.len() {
-            let (stream, word) = &self.in_use[index];
-            if stream.strong_count() > 0 || Arc::strong_count(word) > 1 {
-                index += 1;
-                continue;
-            }
-            let (_, word) = self.in_use.swap_remove(index);
-            self.free
-                .push((word.memory, word.queued.load(Ordering::Relaxed)));
-        }
+        let gone = self.in_use.extract_if(.., |(stream, word)| {
+            stream.strong_count() == 0 && Arc::strong_count(word) == 1
+        });
+        let free = gone.map(|(_, word)| (word.memory, word.queued.load(Ordering::Relaxed)));
+        self.free.extend(free);
     }
 }

@@ -16,18 +16,17 @@ use crate::backend::registry::Registry;
 use crate::sync::Mutex;
 use crate::{ProgressWord, ServerError};
 
-/// Every cudarc stream a handle was made for, held weakly, with what this crate keeps per stream.
+/// Every cudarc stream a handle was made for, held weakly, with what this crate keeps for it.
 static STREAMS: Registry<CudaStream, Arc<PerStream>> = Registry::new();
 
 /// What this crate keeps per registered stream.
 pub(super) struct PerStream {
     /// The stream's context's fence-event pool.
     pub(super) pool: Arc<FencePool>,
-    /// The stream's counts of its events in use (feature `test-util`).
+    /// Its events in use (feature `test-util`).
     pub(super) live: LiveEvents,
-    /// The waiter's next number in the stream's order of recorded points, and the stream's
-    /// progress word. A lock, not an atomic: [`record_in_order`](Self::record_in_order) takes a
-    /// record, its number and its word's write as one step.
+    /// The next number in the stream's order of records, and its progress word. A lock, not an
+    /// atomic: [`record_in_order`](Self::record_in_order) records, numbers and writes in one step.
     sequenced: Mutex<Sequenced>,
 }
 
@@ -45,11 +44,10 @@ impl PerStream {
         sequenced.next - 1
     }
 
-    /// Record `event` on `stream` (this one's), number it, and have the stream publish the number
-    /// in its progress word, as one step: numbered after the call, two threads recording could
-    /// take numbers in the opposite order to their records, and a waiter lane would block on the
-    /// newer one first (and the word would go back). The lock is the stream's: only two threads
-    /// recording on it at once contend, and the driver serializes those anyway.
+    /// Record `event` on `stream` (this one's), number it and publish the number in the progress
+    /// word, as one step: numbered apart, two threads' records could take numbers in the opposite
+    /// order, and a waiter lane would block on the newer first (and the word would go back). Only
+    /// threads recording on this stream at once contend, which the driver serializes anyway.
     pub(super) fn record_in_order(
         &self,
         event: &CudaEvent,
@@ -69,9 +67,8 @@ impl PerStream {
         Ok(sequence)
     }
 
-    /// `stream`'s (this one's) progress word, once a fence wrote it. Asked for the first time,
-    /// a word is taken from the context's slab (which may allocate a page: off the fence path,
-    /// before the stream's lock) and installed for the next fence to write.
+    /// `stream`'s (this one's) progress word, once a fence wrote it; the first ask takes one from
+    /// the context's slab (which may allocate: before the stream's lock) for the next fence.
     pub(super) fn progress(&self, stream: &Arc<CudaStream>) -> Option<ProgressWord> {
         {
             let sequenced = self.sequenced.lock();
@@ -106,23 +103,15 @@ impl PerStream {
 /// A copyable handle to an `Arc<cudarc::driver::CudaStream>`, taken by
 /// [`EventFence::new`](crate::EventFence::new) and the [`Cuda`](super::Cuda) calls.
 ///
-/// The handle does not keep the stream alive (it is `Copy`, so it cannot own anything): while the
-/// `Arc<CudaStream>` lives, calls through the handle use it; once every `Arc` is dropped, they
-/// return an invalid-handle error instead of touching a destroyed stream. A fence does not need its
-/// stream once recorded: its event keeps the stream's context alive.
+/// The handle does not keep the stream alive (it is `Copy`): once every `Arc` is dropped, calls
+/// through it return an invalid-handle error instead of touching a destroyed stream; a recorded
+/// fence's event keeps the context alive. Handles made from the same `Arc` are equal; two `Arc`s
+/// made separately for one raw stream give different handles.
 ///
-/// Handles made from the same `Arc` are equal; two `Arc<CudaStream>` made
-/// separately for the same raw stream give different handles.
-///
-/// # Per-thread default streams
-///
-/// `CU_STREAM_PER_THREAD` (cudarc's `ctx.per_thread_stream()`) means "the calling thread's default
-/// stream": the same handle names a different stream on every thread. A handle made for one
-/// therefore belongs to the thread that made it, and a stream call through it on another thread (a
-/// drop queue's fallback synchronize, say) is refused with `CUDA_ERROR_INVALID_HANDLE` instead of
-/// silently using that thread's stream. Events and fences are not affected: a fence is recorded on
-/// the caller's thread, and waiting on its event is correct from any thread. The legacy default
-/// stream (null or `CU_STREAM_LEGACY`) is one per context and may be used from any thread.
+/// A handle to a per-thread default stream (`CU_STREAM_PER_THREAD`) belongs to the thread that
+/// made it: stream calls through it on another thread are refused with
+/// `CUDA_ERROR_INVALID_HANDLE` (its fences may be awaited anywhere); see the CUDA guide,
+/// docs/cuda.md.
 ///
 /// ```no_run
 /// use device_events::cuda::{self, Cuda, CudaStreamHandle};
@@ -146,8 +135,7 @@ pub struct CudaStreamHandle {
 /// `CU_STREAM_PER_THREAD`, as the driver API defines it.
 const PER_THREAD_STREAM: usize = 0x2;
 
-/// A number for the calling thread, unique for the life of the process (a
-/// `ThreadId` has no stable number to order or hash by value).
+/// A number for the calling thread, unique for the process's life (`ThreadId` has no stable one).
 fn thread_key() -> u64 {
     static NEXT: AtomicU64 = AtomicU64::new(1);
     thread_local! {
@@ -157,10 +145,8 @@ fn thread_key() -> u64 {
 }
 
 impl CudaStreamHandle {
-    /// The handle for `stream`. Infallible and cheap after the first call for the same `Arc` (one
-    /// map lookup). For a per-thread default stream, the handle belongs to the calling thread (see
-    /// the type's docs). In a forked child of a process that used CUDA, a handle that names no
-    /// stream: no CUDA call may be made there.
+    /// The handle for `stream`: infallible, one map lookup after the first call for the same
+    /// `Arc`. In a forked child of a process that used CUDA, a handle that names no stream.
     pub fn new(stream: &Arc<CudaStream>) -> Self {
         let per_thread = stream.cu_stream() as usize == PER_THREAD_STREAM;
         if in_forked_child() {
@@ -197,8 +183,8 @@ impl CudaStreamHandle {
         self.id | self.thread << 32
     }
 
-    /// The stream, or an invalid-handle error once it has been dropped, or
-    /// when it is another thread's per-thread default stream.
+    /// The stream, or an invalid-handle error once it was dropped or on another thread's
+    /// per-thread default stream.
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<CudaStream>, ServerError> {
         self.resolve_per_stream(call).map(|(stream, _)| stream)
     }
@@ -224,9 +210,8 @@ impl CudaStreamHandle {
     }
 }
 
-/// Block until all work queued on `stream` is done. A stream capturing a graph runs nothing to wait
-/// for: it is refused here with `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`, before the driver refuses
-/// it the same way and invalidates the capture.
+/// Block until `stream`'s work is done; refused on a capturing stream, before the driver would
+/// invalidate the capture.
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
     let bound = bind(stream.context())?;
     if bound
@@ -257,10 +242,7 @@ impl From<&Arc<CudaStream>> for CudaStreamHandle {
 
 impl fmt::Debug for CudaStreamHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.thread == 0 {
-            write!(f, "CudaStreamHandle({})", self.id)
-        } else {
-            write!(f, "CudaStreamHandle({}, per-thread)", self.id)
-        }
+        let per_thread = if self.thread == 0 { "" } else { ", per-thread" };
+        write!(f, "CudaStreamHandle({}{per_thread})", self.id)
     }
 }
