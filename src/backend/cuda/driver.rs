@@ -635,7 +635,7 @@ impl Driver {
         let mut id = 0u64;
         // SAFETY: the handle is live (`ctx` holds its retain for the borrow); `id` is a valid
         // place for the number.
-        self.check("cuCtxGetId", unsafe { get_id(ctx.cu_ctx(), &mut id) })?;
+        self.call("cuCtxGetId", || unsafe { get_id(ctx.cu_ctx(), &mut id) })?;
         Ok(Some(id))
     }
 
