@@ -359,9 +359,9 @@ impl State {
         let key = match queued.or_else(|| self.for_poller.pop_front()) {
             Some(key) => key,
             None if self.poller => {
-                let adopted = self.lanes.iter();
-                let mut adopted = adopted.filter(|(_, lane)| lane.owner == Owner::Poller);
-                let (&key, _) = adopted.find(|(_, lane)| lane.out == 0)?;
+                let mut lanes = self.lanes.iter();
+                let (&key, _) =
+                    lanes.find(|(_, lane)| lane.owner == Owner::Poller && lane.out == 0)?;
                 key
             }
             None => return None,

@@ -255,7 +255,10 @@ impl PoolWords {
             .iter()
             .position(|(memory, last)| memory.get() == *last);
         let memory = match found {
-            Some(index) => slab.free.swap_remove(index).0,
+            Some(index) => {
+                let (memory, _last_write) = slab.free.swap_remove(index);
+                memory
+            }
             None => {
                 // Allocating is a "potentially unsafe" call during another thread's capture.
                 let mut page = bound.relaxed(|driver| driver.alloc_mapped_page())?;
