@@ -95,6 +95,10 @@
 //!   [`WaiterStats::watcher_cpu`] reports its thread's CPU time.
 //! - Streams whose words went off (a refused write, a capture) are not
 //!   watched: the backend hands out no word for them.
+//! - **Lanes it cannot predict** (items of irregular length) cost it
+//!   little: after `n` watches of a lane in a row whose window ended before
+//!   the word passed, the lane's next `2^(n-1) - 1` watchable waits (at most
+//!   15) are left to the driver; a sighting ends the run of misses.
 //!
 //! # Files
 //!

@@ -57,9 +57,17 @@ impl Pool {
     }
 
     /// The watcher leaves `entry` to its lane thread, which blocks on it in
-    /// the driver: its window ended, or its word ran ahead of its event.
-    pub(crate) fn unwatch(&self, entry: &Watched) {
-        let removed = self.lock().unwatch(&entry.slot);
+    /// the driver: its word ran ahead of its event, or (`missed`) its window
+    /// ended before the word passed, which its lane's history learns
+    /// ([`LaneHistory::missed`](super::LaneHistory::missed)) unless the lane
+    /// thread had taken the entry off first.
+    pub(crate) fn unwatch(&self, entry: &Watched, missed: bool) {
+        let mut state = self.lock();
+        let removed = state.unwatch(&entry.slot);
+        if missed && removed.is_some() {
+            state.history(entry.lane).missed();
+        }
+        drop(state);
         contain::drop(removed);
     }
 

@@ -62,7 +62,7 @@ impl WaiterThread {
     fn leave_due(&self, timing: &Timing, entries: &[Watched], now: Instant) {
         for entry in entries {
             if timing.look_from(entry) <= now {
-                self.pool.unwatch(entry);
+                self.pool.unwatch(entry, false);
             }
         }
     }
@@ -84,7 +84,7 @@ impl WaiterThread {
                 if entry.passed() {
                     self.resolve_watched(entry, napped && looks == 0);
                 } else if timing::past(timing.look_until(entry), looks) {
-                    self.pool.unwatch(entry);
+                    self.pool.unwatch(entry, true);
                 } else {
                     return true;
                 }
@@ -106,7 +106,7 @@ impl WaiterThread {
     fn resolve_watched(&self, entry: &Watched, late: bool) {
         let took = entry.started.elapsed();
         let result = match contain::backend(|| entry.waitable.query()) {
-            Ok(false) => return self.pool.unwatch(entry),
+            Ok(false) => return self.pool.unwatch(entry, false),
             reached => reached.map(drop),
         };
         let ok = result.is_ok();

@@ -38,6 +38,9 @@ pub(crate) const EARLY_HALF_LIFE: Duration = Duration::from_millis(100);
 pub(crate) const MIN_WATCHED: Duration = Duration::from_micros(150);
 /// The lanes whose history a pool keeps: those used last.
 pub(crate) const HISTORIES: usize = 1024;
+/// The most waits in a row a lane leaves to the driver after watches that missed: after `n`
+/// misses in a row, `2^(n-1) - 1` of them, up to this.
+pub(crate) const MAX_SKIP: u32 = 15;
 
 /// The last few durations of one kind.
 #[derive(Default)]
@@ -61,6 +64,10 @@ impl Recent {
 pub(crate) struct LaneHistory {
     took: Recent,
     margin: Duration,
+    /// Watches in a row whose window ended before the word passed.
+    misses: u32,
+    /// Waits still to leave to the driver after those misses.
+    skip: u32,
     /// When the pool last used it (its own count), so it keeps those used last.
     pub(crate) used: u64,
 }
@@ -70,6 +77,8 @@ impl Default for LaneHistory {
         Self {
             took: Recent::default(),
             margin: MIN_MARGIN,
+            misses: 0,
+            skip: 0,
             used: 0,
         }
     }
@@ -88,11 +97,16 @@ pub(crate) struct Held<'a> {
 
 impl LaneHistory {
     /// The watcher's entry for `held`; none if the lane's waits are too short to watch
-    /// ([`too_short`], with the watcher waking `early` before an end it expects: [`Timing::early`]).
+    /// ([`too_short`], with the watcher waking `early` before an end it expects: [`Timing::early`]),
+    /// or if the wait is one its last misses leave to the driver ([`LaneHistory::missed`]).
     /// The lane thread asks first, without the lock, with the prediction it last learnt.
-    pub(crate) fn entry(&self, held: Held<'_>, early: Duration) -> Option<Watched> {
+    pub(crate) fn entry(&mut self, held: Held<'_>, early: Duration) -> Option<Watched> {
         let predicted = self.predicted();
         if too_short(predicted, early) {
+            return None;
+        }
+        if self.skip > 0 {
+            self.skip -= 1;
             return None;
         }
         let predicted = predicted.unwrap_or_default();
@@ -120,11 +134,21 @@ impl LaneHistory {
     /// prediction; later, it shrinks by an eighth, down to the least.
     pub(crate) fn seen(&mut self, entry: &Watched, took: Duration, late: bool) {
         self.ended(took);
+        self.misses = 0;
         self.margin = if late {
             (self.margin * 2).min(entry.predicted / 4).max(MIN_MARGIN)
         } else {
             (self.margin - self.margin / 8).max(MIN_MARGIN)
         };
+    }
+
+    /// The watcher looked at a wait's word for its whole window and did not see it pass (the
+    /// lane's waits vary more than the window): after `n` such misses in a row, the lane's next
+    /// `2^(n-1) - 1` watchable waits (at most [`MAX_SKIP`]) are left to the driver, so a lane
+    /// the watcher cannot predict costs it little; a sighting ends the run of misses.
+    pub(crate) fn missed(&mut self) {
+        self.misses = self.misses.saturating_add(1);
+        self.skip = ((1u32 << (self.misses - 1).min(16)) - 1).min(MAX_SKIP);
     }
 
     /// How many waits it has learnt, for tests.
@@ -334,7 +358,7 @@ mod tests {
 
     use super::{
         past, CpuBudget, Early, Held, LaneHistory, LaneKey, Slot, Timing, Waitable, Watched, BURST,
-        CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MIN_MARGIN, MIN_WATCHED,
+        CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MAX_SKIP, MIN_MARGIN, MIN_WATCHED,
     };
     use crate::api::HostWord;
     use crate::{ProgressWord, ServerError};
@@ -366,7 +390,7 @@ mod tests {
     /// `history`'s entry for a wait at point 3 held from `started`, on `word` (a new one if
     /// none), if it watches it with the watcher waking `early`.
     fn try_entry(
-        history: &LaneHistory,
+        history: &mut LaneHistory,
         started: Instant,
         early: Duration,
         word: Option<&Arc<HostWord>>,
@@ -385,7 +409,7 @@ mod tests {
         history.entry(held, early)
     }
 
-    fn entry(history: &LaneHistory, started: Instant) -> Watched {
+    fn entry(history: &mut LaneHistory, started: Instant) -> Watched {
         try_entry(history, started, Duration::ZERO, None).expect("watched")
     }
 
@@ -424,12 +448,12 @@ mod tests {
             history.ended(MIN_WATCHED - Duration::from_nanos(1));
         }
         let started = Instant::now();
-        assert!(try_entry(&history, started, Duration::ZERO, None).is_none());
+        assert!(try_entry(&mut history, started, Duration::ZERO, None).is_none());
         history.ended(MIN_WATCHED);
         history.ended(MIN_WATCHED);
         history.ended(MIN_WATCHED);
         history.ended(MIN_WATCHED);
-        assert!(try_entry(&history, started, Duration::ZERO, None).is_some());
+        assert!(try_entry(&mut history, started, Duration::ZERO, None).is_some());
         assert!(super::too_short(
             Some(MIN_WATCHED - Duration::from_nanos(1)),
             Duration::ZERO
@@ -445,7 +469,7 @@ mod tests {
         let mut history = LaneHistory::default();
         let word = Arc::new(HostWord::default());
         let started = Instant::now();
-        let first = try_entry(&history, started, Duration::ZERO, Some(&word)).unwrap();
+        let first = try_entry(&mut history, started, Duration::ZERO, Some(&word)).unwrap();
         assert_eq!(first.due, started, "no history: due at once");
         assert_eq!(first.started, started);
         assert!(!first.passed());
@@ -453,27 +477,27 @@ mod tests {
         assert!(first.passed());
         history.ended(Duration::from_micros(400));
         history.ended(Duration::from_micros(500));
-        let later = entry(&history, started);
+        let later = entry(&mut history, started);
         assert_eq!(later.due, started + Duration::from_micros(400));
         assert_eq!(later.predicted, Duration::from_micros(400));
         // Waits shorter than twice how early the watcher wakes are not watched.
         let early = Duration::from_micros(200);
-        assert!(try_entry(&history, started, early, None).is_some());
+        assert!(try_entry(&mut history, started, early, None).is_some());
         let early = Duration::from_micros(201);
-        assert!(try_entry(&history, started, early, None).is_none());
+        assert!(try_entry(&mut history, started, early, None).is_none());
     }
 
     #[test]
     fn the_watcher_looks_early_by_the_most_it_overslept_lately_and_the_lanes_margin() {
         let mut history = LaneHistory::default();
         let started = Instant::now();
-        let lone = entry(&history, started);
+        let lone = entry(&mut history, started);
         let mut timing = Timing::default();
         assert_eq!(timing.look_from(&lone), started, "no history: at once");
         assert_eq!(timing.look_until(&lone), started + FIRST_WINDOW);
         history.ended(Duration::from_millis(1));
         history.ended(Duration::from_millis(1));
-        let entry = entry(&history, started);
+        let entry = entry(&mut history, started);
         let due = started + Duration::from_millis(1);
         assert_eq!(timing.look_from(&entry), due - MIN_MARGIN, "no sleep yet");
         for micros in [30, 20, 25, 28] {
@@ -494,7 +518,7 @@ mod tests {
         for _ in 0..2 {
             history.ended(Duration::from_millis(100));
         }
-        let long = entry(&history, started);
+        let long = entry(&mut history, started);
         let mut timing = Timing::default();
         // A watcher that once overslept by 5 ms still looks at most MAX_LOOK at a word.
         timing.overslept(Duration::from_millis(5));
@@ -508,7 +532,7 @@ mod tests {
         assert!(looked <= MAX_LOOK, "{looked:?}");
         // And at most half the prediction early.
         history.ended(Duration::from_micros(160));
-        let short = entry(&history, started);
+        let short = entry(&mut history, started);
         let due = started + Duration::from_micros(160);
         assert_eq!(timing.look_from(&short), due - Duration::from_micros(80));
         let looked = timing.look_until(&short) - timing.look_from(&short);
@@ -521,7 +545,7 @@ mod tests {
         let mut history = LaneHistory::default();
         history.ended(Duration::from_micros(200));
         history.ended(Duration::from_micros(200));
-        let entry = entry(&history, Instant::now());
+        let entry = entry(&mut history, Instant::now());
         let took = Duration::from_micros(200);
         history.seen(&entry, took, true);
         assert_eq!(history.margin, MIN_MARGIN * 2);
@@ -542,6 +566,37 @@ mod tests {
     }
 
     #[test]
+    fn after_watches_that_miss_in_a_row_a_lane_leaves_more_waits_to_the_driver_until_one_is_seen() {
+        /// How many watchable waits in a row `history` leaves to the driver now.
+        fn skipped(history: &mut LaneHistory) -> u32 {
+            let mut skipped = 0;
+            while try_entry(history, Instant::now(), Duration::ZERO, None).is_none() {
+                skipped += 1;
+                assert!(skipped <= MAX_SKIP, "left to the driver for good");
+            }
+            skipped
+        }
+        let mut history = LaneHistory::default();
+        for _ in 0..4 {
+            history.ended(Duration::from_millis(1));
+        }
+        assert_eq!(skipped(&mut history), 0, "no miss yet");
+        let mut after = Vec::new();
+        for _ in 0..7 {
+            history.missed();
+            after.push(skipped(&mut history));
+        }
+        assert_eq!(after, [0, 1, 3, 7, 15, 15, 15]);
+        // A sighting ends the run of misses.
+        let seen = entry(&mut history, Instant::now());
+        history.seen(&seen, Duration::from_millis(1), false);
+        history.missed();
+        assert_eq!(skipped(&mut history), 0);
+        history.missed();
+        assert_eq!(skipped(&mut history), 1);
+    }
+
+    #[test]
     fn one_lanes_margin_is_its_own() {
         // An irregular lane's late sightings widen its margin, not a steady lane's beside it.
         let (mut irregular, mut steady) = (LaneHistory::default(), LaneHistory::default());
@@ -549,15 +604,15 @@ mod tests {
             history.ended(Duration::from_millis(1));
             history.ended(Duration::from_millis(1));
         }
-        let late = entry(&irregular, Instant::now());
+        let late = entry(&mut irregular, Instant::now());
         for _ in 0..8 {
             irregular.seen(&late, Duration::from_millis(1), true);
         }
         assert!(irregular.margin > MIN_MARGIN);
-        let steady_entry = entry(&steady, Instant::now());
+        let steady_entry = entry(&mut steady, Instant::now());
         assert_eq!(steady_entry.margin, MIN_MARGIN);
         let timing = Timing::default();
-        let irregular_entry = entry(&irregular, steady_entry.started);
+        let irregular_entry = entry(&mut irregular, steady_entry.started);
         assert!(timing.look_from(&irregular_entry) < timing.look_from(&steady_entry));
     }
 
