@@ -1,4 +1,5 @@
-//! The benchmark's settings: full, `--quick` or `--large`, and `--only`.
+//! The benchmark's settings: full, `--quick` or `--large`, `--only`, and the sample counts
+//! (`--rounds`, `--reps`) for runs that must tell small differences from the machine's noise.
 
 use std::time::Duration;
 
@@ -15,7 +16,7 @@ pub struct Settings {
     pub ready: usize,
     pub idle_waits: usize,
     pub idle_window: Duration,
-    /// Repetitions of scenario 2; each figure is the median over them.
+    /// Repetitions of scenarios 2 and 8 (`--reps N`); each figure is the median over them.
     pub reps: usize,
     /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`;
     /// `8` is `8a` to `8e`).
@@ -28,11 +29,12 @@ pub struct Settings {
 
 const USAGE: &str =
     "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,6b,7,8,8a,8b,8c,8d,8e] \
-     [--strategies await,await_sleeping,await_watching,spawn_blocking,thread,query_yield,raw,raw_handoff,one_hop]";
+     [--rounds N] [--reps N] [--strategies await,await_sleeping,await_watching,spawn_blocking,thread,query_yield,raw,raw_handoff,one_hop]";
 
 impl Settings {
     pub fn from_args() -> Self {
         let (mut quick, mut large, mut only, mut strategies) = (false, false, None, None);
+        let (mut rounds, mut reps) = (None, None);
         let mut args = std::env::args().skip(1);
         while let Some(arg) = args.next() {
             match arg.as_str() {
@@ -46,6 +48,8 @@ impl Settings {
                     }
                     None => usage_error("--only needs a list of scenarios"),
                 },
+                "--rounds" => rounds = Some(count(args.next(), "--rounds")),
+                "--reps" => reps = Some(count(args.next(), "--reps")),
                 "--strategies" => match args.next() {
                     Some(list) => {
                         let names: Vec<String> = list.split(',').map(str::to_owned).collect();
@@ -65,6 +69,8 @@ impl Settings {
         }
         let settings = Self::for_mode(quick, large);
         Self {
+            rounds: rounds.unwrap_or(settings.rounds),
+            reps: reps.unwrap_or(settings.reps),
             only,
             strategies,
             ..settings
@@ -132,6 +138,14 @@ impl Settings {
                 strategies: None,
             }
         }
+    }
+}
+
+/// The count given after `flag`: a whole number from 1.
+fn count(value: Option<String>, flag: &str) -> usize {
+    match value.as_deref().map(str::parse::<usize>) {
+        Some(Ok(count)) if count > 0 => count,
+        _ => usage_error(&format!("{flag} needs a count from 1")),
     }
 }
 
