@@ -763,20 +763,20 @@ fn a_word_that_never_moves_is_watched_for_a_window_then_left_to_the_driver() {
 
 #[test]
 fn a_lane_whose_watches_miss_in_a_row_leaves_its_next_waits_to_the_driver() {
-    // Each wait's item takes 2 ms (long enough to watch), and its word never moves: the
-    // watcher looks for a window, misses, and leaves it to the driver. After two misses in a
-    // row the lane's next wait is not watched at all; the one after it is again.
+    // Each wait's item ends 2 ms after its lane thread blocks on it (so its lane's waits are
+    // long enough to watch), and its word never moves: the watcher looks for a window, misses,
+    // and leaves it to the driver. After two misses in a row the lane's next wait is not
+    // watched at all; the one after it is again.
     let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
     let mut published = Vec::new();
     for sequence in 1..=4 {
         let device = Device::with_word();
-        let started = Instant::now();
         let slot = submit(&pool, &device, 9, sequence);
         eventually("blocked, and the watcher done with it", || {
             device.blocked.load(Ordering::SeqCst) == 1 && pool.watched_entries() == 0
         });
         published.push(pool.published());
-        std::thread::sleep(Duration::from_millis(2).saturating_sub(started.elapsed()));
+        std::thread::sleep(Duration::from_millis(2));
         device.reach();
         result_of(&slot).expect("the block ends it");
         eventually("the lane is gone", || pool.gauges().pending == 0);
