@@ -787,6 +787,38 @@ fn a_lane_whose_watches_miss_in_a_row_leaves_its_next_waits_to_the_driver() {
 }
 
 #[test]
+fn a_word_ahead_of_its_event_is_not_a_miss() {
+    // Each wait's word has passed but its event says not yet (a reading the driver does not
+    // rule out): the watcher leaves it to the driver, as with a miss, but that says nothing of
+    // how well it predicts the lane. Each item ends 20 ms after its lane thread blocks on it,
+    // so the lane's waits are long enough to watch: every one of them is watched.
+    let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
+    let (mut published, mut asked) = (Vec::new(), Vec::new());
+    for _ in 0..4 {
+        let (fence, release) = word_fence(true, |_, _| Ok(false));
+        let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
+        let (slot, _) = submit_fence(&pool, Box::new(fence));
+        // On the list before the block: once both, the list empty means the watcher is done.
+        eventually("blocked, and the watcher done with it", || {
+            blocks.load(Ordering::SeqCst) == 1 && pool.watched_entries() == 0
+        });
+        published.push(pool.published());
+        asked.push(queries.load(Ordering::SeqCst));
+        std::thread::sleep(Duration::from_millis(20));
+        release.finish();
+        result_of(&slot).expect("the block ends it");
+        eventually("the lane is gone", || pool.gauges().pending == 0);
+    }
+    assert_eq!(published, [1, 2, 3, 4], "entries handed to the watcher");
+    assert_eq!(
+        asked,
+        [1, 1, 1, 1],
+        "each confirmed by a query, which said not yet"
+    );
+    pool.shutdown();
+}
+
+#[test]
 fn with_no_watchers_a_lane_thread_only_blocks_even_on_a_passed_word() {
     let (fence, release) = word_fence(true, |_, passed| Ok(passed));
     let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
