@@ -4,8 +4,8 @@
 use std::time::{Duration, Instant};
 
 use crate::measure::{
-    latencies, median_run, process_cpu, process_threads, quantile_us, threads_cpu, Clock, Stamps,
-    ThreadSampler,
+    latencies, median_run, process_cpu, process_threads, quantile_us, threads_cpu, turn_order,
+    Clock, Stamps, ThreadSampler,
 };
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
@@ -15,9 +15,10 @@ use crate::strategies::{self, Pending, Strategy, Waiters, SINGLE};
 /// Scenario 1: one stream, work of known length, a fence; wake latency, and
 /// the watcher thread's CPU per await of this crate's waiters.
 ///
-/// The strategies take turns round by round (each with its own runtime), so
-/// a noisy stretch of the machine hits all of them alike and the ratios
-/// compare like with like.
+/// The strategies take turns round by round (each with its own runtime), in
+/// an order shuffled each round ([`turn_order`]), so a noisy stretch of the
+/// machine, or the aftermath of the turn before, hits all of them alike and
+/// the ratios compare like with like.
 pub fn single_wait<R: Rig>(
     rig: &R,
     settings: &Settings,
@@ -48,7 +49,9 @@ pub fn single_wait<R: Rig>(
         .map(|_| (Stamps::new(total), Stamps::new(total)))
         .collect();
     for index in 0..total {
-        for ((strategy, runtime), (ends, wakes)) in strategies.iter().zip(&runtimes).zip(&stamps) {
+        for turn in turn_order(strategies.len(), index) {
+            let (strategy, runtime) = (&strategies[turn], &runtimes[turn]);
+            let (ends, wakes) = &stamps[turn];
             rig.work(0, settings.work, ends, index);
             let pending = Pending {
                 index,
@@ -118,17 +121,17 @@ pub fn many_pending<R: Rig>(
         streams * per_stream
     ));
     let mut series = Vec::new();
-    // The strategies take turns, rep by rep, so a noisy stretch of the
-    // machine hits each alike.
+    // The strategies take turns, rep by rep, in a shuffled order, so a noisy
+    // stretch of the machine hits each alike.
     let mut all_runs: Vec<Vec<(Vec<f64>, Vec<u64>)>> =
         strategies.iter().map(|_| Vec::new()).collect();
-    for _ in 0..reps {
-        for (&strategy, runs) in strategies.iter().zip(&mut all_runs) {
-            runs.push(many_pending_once(
+    for rep in 0..reps {
+        for turn in turn_order(strategies.len(), rep) {
+            all_runs[turn].push(many_pending_once(
                 rig,
                 (streams, per_stream),
                 hold,
-                strategy,
+                strategies[turn],
                 clock,
                 &mut table.notes,
             ));

@@ -33,6 +33,34 @@ impl Clock {
     }
 }
 
+/// SplitMix64 (Steele, Lea, Flood 2014): a few lines, deterministic, good
+/// enough to spread item lengths.
+pub struct SplitMix64(pub u64);
+
+impl SplitMix64 {
+    pub fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^ (z >> 31)
+    }
+}
+
+/// The order in which `count` strategies take their turns in round or rep `turn`: shuffled,
+/// the same in every run (a fixed seed per turn), so that no strategy always runs in the same
+/// place, or right after the same other, and inherits its aftermath (threads winding down,
+/// cold caches) in every turn.
+pub fn turn_order(count: usize, turn: usize) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..count).collect();
+    let mut random = SplitMix64(0x5eed_0000_0000_0000 ^ turn as u64);
+    // Fisher-Yates.
+    for last in (1..count).rev() {
+        order.swap(last, (random.next() % (last as u64 + 1)) as usize);
+    }
+    order
+}
+
 /// One timestamp per wait, written by whoever observes the moment, and a
 /// task that awaits the stamp ([`Stamps::stamped`]), woken by its writer.
 pub struct Stamps {

@@ -23,8 +23,8 @@
 use std::time::{Duration, Instant};
 
 use crate::measure::{
-    latencies, median_run, process_cpu, process_threads, quantile_us, threads_cpu, Clock, Stamps,
-    ThreadSampler, SAMPLER_THREAD,
+    latencies, median_run, process_cpu, process_threads, quantile_us, threads_cpu, turn_order,
+    Clock, SplitMix64, Stamps, ThreadSampler, SAMPLER_THREAD,
 };
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
@@ -103,20 +103,6 @@ impl Shape {
     }
 }
 
-/// SplitMix64 (Steele, Lea, Flood 2014): a few lines, deterministic, good
-/// enough to spread item lengths.
-struct SplitMix64(u64);
-
-impl SplitMix64 {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
-
 /// The shapes of a run: 8a to 8e.
 pub fn shapes(quick: bool) -> Vec<Shape> {
     if quick {
@@ -139,7 +125,8 @@ pub fn shapes(quick: bool) -> Vec<Shape> {
 }
 
 /// Scenario 8 for one shape: every strategy, the two floors included, taking
-/// turns rep by rep; each figure the median over the reps.
+/// turns rep by rep (in an order shuffled each rep); each figure the median
+/// over the reps.
 pub fn streaming<R: Rig>(
     rig: &R,
     shape: &Shape,
@@ -185,9 +172,17 @@ pub fn streaming<R: Rig>(
     strategies.retain(|&strategy| strategy != Strategy::OneHop || rig.work_stamps_its_end());
     let mut all_runs: Vec<Vec<(Vec<f64>, Vec<u64>)>> =
         strategies.iter().map(|_| Vec::new()).collect();
-    for _ in 0..reps {
-        for (&strategy, runs) in strategies.iter().zip(&mut all_runs) {
-            runs.push(once(rig, shape, streams, strategy, clock, &mut table.notes));
+    for rep in 0..reps {
+        for turn in turn_order(strategies.len(), rep) {
+            let run = once(
+                rig,
+                shape,
+                streams,
+                strategies[turn],
+                clock,
+                &mut table.notes,
+            );
+            all_runs[turn].push(run);
         }
     }
     let mut series = Vec::new();

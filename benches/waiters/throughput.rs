@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use device_events::Waiter;
 use futures::FutureExt;
 
-use crate::measure::process_cpu;
+use crate::measure::{process_cpu, turn_order};
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
 use crate::strategies::Strategy;
@@ -66,9 +66,10 @@ pub fn loop_awaits<R: Rig>(rig: &Arc<R>, loops: &Loops) -> Table {
         Strategy::QueryYield,
     ];
     let mut totals = vec![(0u64, Duration::ZERO, Duration::ZERO); strategies.len()];
-    for _ in 0..loops.rounds {
-        for (strategy, total) in strategies.iter().zip(&mut totals) {
-            let (count, elapsed, cpu) = one_round(rig, *strategy, loops, workers, streams);
+    for round in 0..loops.rounds {
+        for turn in turn_order(strategies.len(), round) {
+            let (count, elapsed, cpu) = one_round(rig, strategies[turn], loops, workers, streams);
+            let total = &mut totals[turn];
             total.0 += count;
             total.1 += elapsed;
             total.2 += cpu;
