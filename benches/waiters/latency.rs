@@ -39,7 +39,7 @@ pub fn single_wait<R: Rig>(
          per await ('-': no waiter of this crate)"
             .to_owned(),
     );
-    let mut strategies = SINGLE.to_vec();
+    let mut strategies = settings.pick(&SINGLE);
     strategies.retain(|&strategy| strategy != Strategy::OneHop || rig.work_stamps_its_end());
     let runtimes: Vec<_> = strategies.iter().map(|_| runtime()).collect();
     let waiters = Waiters::new();

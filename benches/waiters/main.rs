@@ -22,6 +22,7 @@
 //! cargo bench --bench waiters -- --large    # adds 100,000 awaits on 64 streams
 //! cargo bench --bench waiters -- --only 8   # streams ending items one after another (8a-8e)
 //! cargo bench --bench waiters -- --only 8d --strategies await_watching,await_sleeping
+//! cargo bench --bench waiters -- --only 1 --strategies await_watching,await,await_sleeping
 //! ```
 //!
 //! Prints a table per scenario with each strategy's ratio to this crate's,

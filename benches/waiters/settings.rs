@@ -21,9 +21,10 @@ pub struct Settings {
     /// `--only 1,4`: run just these scenarios (by number; `2b` is `--large`;
     /// `8` is `8a` to `8e`).
     pub only: Option<Vec<String>>,
-    /// `--strategies await,spawn_blocking`: in scenarios 2, 2b and 8, run
-    /// just these (by [`Strategy::flag`]), e.g. to profile one; in scenario
-    /// 8, any of scenario 1's, not only its usual rows.
+    /// `--strategies await,spawn_blocking`: in scenarios 1, 2, 2b and 8,
+    /// run just these (by [`Strategy::flag`]), e.g. to profile one, or to
+    /// time this crate's waiters with no other strategy's turns between
+    /// theirs; in scenario 8, any of scenario 1's, not only its usual rows.
     pub strategies: Option<Vec<String>>,
 }
 
