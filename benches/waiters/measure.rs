@@ -47,17 +47,21 @@ impl SplitMix64 {
     }
 }
 
-/// The order in which `count` strategies take their turns in round or rep `turn`: shuffled,
-/// the same in every run (a fixed seed per turn), so that no strategy always runs in the same
-/// place, or right after the same other, and inherits its aftermath (threads winding down,
-/// cold caches) in every turn.
+/// The order in which `count` strategies take their turns in round or rep `turn`. Turns come
+/// in blocks of `count`: each block shuffles the strategies (a fixed seed per block, so every
+/// run has the same orders) and rotates that order by one place per turn. Within a block each
+/// strategy takes each place once, and from block to block it follows a different one: no
+/// strategy always runs in the same place, or right after the same other, inheriting its
+/// aftermath (threads winding down, CPUs awake or asleep) turn after turn.
 pub fn turn_order(count: usize, turn: usize) -> Vec<usize> {
     let mut order: Vec<usize> = (0..count).collect();
-    let mut random = SplitMix64(0x5eed_0000_0000_0000 ^ turn as u64);
+    let (block, shift) = (turn / count.max(1), turn % count.max(1));
+    let mut random = SplitMix64(0x5eed_0000_0000_0000 ^ block as u64);
     // Fisher-Yates.
     for last in (1..count).rev() {
         order.swap(last, (random.next() % (last as u64 + 1)) as usize);
     }
+    order.rotate_left(shift);
     order
 }
 
