@@ -365,10 +365,10 @@ impl WaiterBuilder {
     /// design, at most a quarter of one core over time
     /// ([`WaiterStats::watcher_cpu`] reports it). Ask for `watchers(1)` on a
     /// small machine when wake latency matters more than that CPU: streams
-    /// of items of steady length (about 1 ms and longer) gain most (a
-    /// quarter sooner on a 2-core VM); a lone wait gains on an otherwise
-    /// idle host (its spin keeps a CPU awake for the wake-up that follows)
-    /// and not where other threads keep the CPUs busy; waits shorter than
+    /// of items of steady length (about 1 ms and longer) gain most (about a
+    /// third sooner on a 2-core VM); a lone wait gains on an otherwise idle
+    /// host (its spin keeps a CPU awake for the wake-up that follows) and not
+    /// where other threads keep the CPUs busy; waits shorter than
     /// 150 µs are left to the driver. The figures: `docs/performance.md` in
     /// the repository. How it works: the
     /// [`waiter`](crate::waiter#the-watcher) module's docs.
