@@ -16,9 +16,9 @@ use crate::strategies::{self, Pending, Strategy, Waiters, SINGLE};
 /// the watcher thread's CPU per await of this crate's waiters.
 ///
 /// The strategies take turns round by round (each with its own runtime), in
-/// an order shuffled each round ([`turn_order`]), so a noisy stretch of the
-/// machine, or the aftermath of the turn before, hits all of them alike and
-/// the ratios compare like with like.
+/// a balanced order ([`turn_order`]), so a noisy stretch of the machine, or
+/// the aftermath of the turn before, hits all of them alike and the ratios
+/// compare like with like.
 pub fn single_wait<R: Rig>(
     rig: &R,
     settings: &Settings,
@@ -121,7 +121,7 @@ pub fn many_pending<R: Rig>(
         streams * per_stream
     ));
     let mut series = Vec::new();
-    // The strategies take turns, rep by rep, in a shuffled order, so a noisy
+    // The strategies take turns, rep by rep, in a balanced order, so a noisy
     // stretch of the machine hits each alike.
     let mut all_runs: Vec<Vec<(Vec<f64>, Vec<u64>)>> =
         strategies.iter().map(|_| Vec::new()).collect();

@@ -34,7 +34,7 @@ impl Clock {
 }
 
 /// SplitMix64 (Steele, Lea, Flood 2014): a few lines, deterministic, good
-/// enough to spread item lengths.
+/// enough to spread item lengths and shuffle turns.
 pub struct SplitMix64(pub u64);
 
 impl SplitMix64 {

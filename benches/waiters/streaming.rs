@@ -125,8 +125,8 @@ pub fn shapes(quick: bool) -> Vec<Shape> {
 }
 
 /// Scenario 8 for one shape: every strategy, the two floors included, taking
-/// turns rep by rep (in an order shuffled each rep); each figure the median
-/// over the reps.
+/// turns rep by rep (in a balanced order: [`turn_order`]); each figure the
+/// median over the reps.
 pub fn streaming<R: Rig>(
     rig: &R,
     shape: &Shape,
