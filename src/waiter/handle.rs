@@ -356,10 +356,10 @@ impl WaiterBuilder {
     /// stream); 0: every wait ends in the driver alone. Default
     /// [`default_watchers`]: on with at least [`WATCHER_MIN_CORES`] cores.
     ///
-    /// The watcher never delays a wait: its lane thread blocks in the driver
-    /// all the same, and whichever sees the end first resolves it. Where it
-    /// wins, the task wakes within microseconds of the work's end rather
-    /// than after the driver's wake-up (tens of microseconds on CUDA's
+    /// The watcher never holds a wait back: its lane thread blocks in the
+    /// driver all the same, and whichever sees the end first resolves it.
+    /// Where it wins, the task wakes within microseconds of the work's end
+    /// rather than after the driver's wake-up (tens of microseconds on CUDA's
     /// blocking-sync events, more on a loaded host). It costs one thread
     /// (`max_threads + 2` in all), at most 200 µs of looking per wait and, by
     /// design, at most a quarter of one core over time
@@ -367,11 +367,11 @@ impl WaiterBuilder {
     /// small machine when wake latency matters more than that CPU: streams
     /// of items of steady length (about 1 ms and longer) gain most (about a
     /// third sooner on a 2-core VM); a lone wait gains on an otherwise idle
-    /// host (its spin keeps a CPU awake for the wake-up that follows) and not
-    /// where other threads keep the CPUs busy; waits shorter than
-    /// 150 µs are left to the driver. The figures: `docs/performance.md` in
-    /// the repository. How it works: the
-    /// [`waiter`](crate::waiter#the-watcher) module's docs.
+    /// host (the spin keeps a CPU awake for the wake-up), but on two cores
+    /// other threads keep busy it ends about 10% later, as the spin and the
+    /// lane thread's wake-up compete for them; waits shorter than 150 µs are
+    /// left to the driver. Figures: `docs/performance.md` in the repository;
+    /// how it works: the [`waiter`](crate::waiter#the-watcher) module's docs.
     ///
     /// ```
     /// use device_events::Waiter;
