@@ -366,11 +366,12 @@ impl WaiterBuilder {
     /// ([`WaiterStats::watcher_cpu`] reports it). Ask for `watchers(1)` on a
     /// small machine when wake latency matters more than that CPU: streams
     /// of items of steady length (about 1 ms and longer) gain most (about a
-    /// third sooner on a 2-core VM); a lone wait gains on an otherwise idle
-    /// host (the spin keeps a CPU awake for the wake-up), but on two cores
-    /// other threads keep busy it ends about 10% later, as the spin and the
-    /// lane thread's wake-up compete for them; waits shorter than 150 µs are
-    /// left to the driver. Figures: `docs/performance.md` in the repository;
+    /// third sooner on a 2-core VM); a lone wait wakes in about half the time
+    /// on an otherwise idle host (the spin keeps a CPU awake for the
+    /// wake-up), a tenth to a fifth sooner where other threads keep the CPUs
+    /// awake; waits shorter than 150 µs are left to the driver, and where the
+    /// streams keep every core busy, tail latencies can be a little longer.
+    /// Figures: `docs/performance.md` in the repository;
     /// how it works: the [`waiter`](crate::waiter#the-watcher) module's docs.
     ///
     /// ```

@@ -174,7 +174,7 @@ impl HostEvent {
         let mut state = self.inner.lock();
         state.recorded += 1;
         state.reached_at = self.inner.timing.then(Instant::now);
-        self.inner.wake(state);
+        self.inner.wake(state, || {});
     }
 
     /// The generation a waiter asking now refers to.
@@ -182,14 +182,16 @@ impl HostEvent {
         self.inner.lock().recorded
     }
 
-    /// A stream passed the marker of `generation`.
-    pub(super) fn signal(&self, generation: u64) {
+    /// A stream passed the marker of `generation`. `then` runs once a query sees it passed and
+    /// before the threads blocked on it are woken, as a device runs what follows a record (a
+    /// progress word's write) while the driver is still waking the threads blocked in it.
+    pub(super) fn signal(&self, generation: u64, then: impl FnOnce()) {
         let mut state = self.inner.lock();
         state.settle(generation);
         if generation == state.recorded && self.inner.timing {
             state.reached_at = Some(Instant::now());
         }
-        self.inner.wake(state);
+        self.inner.wake(state, then);
     }
 
     /// The stream holding the marker of `generation` faulted.
@@ -197,7 +199,7 @@ impl HostEvent {
         let mut state = self.inner.lock();
         state.settle(generation);
         state.faulted.push((generation, message.to_owned()));
-        self.inner.wake(state);
+        self.inner.wake(state, || {});
     }
 
     /// Whether the latest record has been passed; a fault of the record or of the event's
@@ -284,10 +286,11 @@ impl EventInner {
         self.state.lock()
     }
 
-    /// Let go of `state`, then wake the threads waiting on `changed`, if any.
-    fn wake(&self, state: MutexGuard<'_, EventState>) {
+    /// Let go of `state`, run `then`, and wake the threads waiting on `changed`, if any.
+    fn wake(&self, state: MutexGuard<'_, EventState>, then: impl FnOnce()) {
         let waiting = state.waiting > 0;
         drop(state);
+        then();
         if waiting {
             self.changed.notify_all();
         }
@@ -342,8 +345,38 @@ mod tests {
             !waiter.is_finished(),
             "the wait returned before its record was passed"
         );
-        event.signal(first);
+        event.signal(first, || {});
         waiter.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn a_signal_runs_what_follows_the_record_once_it_is_passed_and_before_the_wake() {
+        let event = event();
+        let first = event.next_generation();
+        let waiter = {
+            let event = event.clone();
+            std::thread::spawn(move || event.wait_for(first, "event_synchronize"))
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while event.inner.lock().waiting == 0 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the waiter never blocked"
+            );
+            std::thread::yield_now();
+        }
+        let mut seen = None;
+        event.signal(first, || {
+            let blocked = event.inner.lock().waiting;
+            seen = Some((event.query("event_query").unwrap(), blocked));
+        });
+        assert_eq!(
+            seen,
+            Some((true, 1)),
+            "(passed, blocked waits) as what follows the record runs"
+        );
+        waiter.join().unwrap().unwrap();
+        assert_eq!(event.inner.lock().waiting, 0);
     }
 
     #[test]
@@ -354,7 +387,7 @@ mod tests {
         event.fail(second, "illegal address");
         assert!(event.query("event_query").unwrap_err().is_faulted());
         assert!(event.inner.lock().settled(first).is_none(), "still pending");
-        event.signal(first);
+        event.signal(first, || {});
         assert_eq!(event.inner.lock().settled(first), Some(Ok(())));
         assert!(event.wait_for(first, "event_synchronize").is_ok());
         assert!(event

@@ -398,8 +398,7 @@ impl StreamShared {
             let fault = match op {
                 Op::Work(work) => panics::catch(work).err(),
                 Op::Signal(event, generation, sequence) => {
-                    event.signal(generation);
-                    self.progress.advance(sequence);
+                    event.signal(generation, || self.progress.advance(sequence));
                     None
                 }
                 Op::Wait(event, generation) => event
