@@ -95,10 +95,13 @@
 //!   [`WaiterStats::watcher_cpu`] reports its thread's CPU time.
 //! - Streams whose words went off (a refused write, a capture) are not
 //!   watched: the backend hands out no word for them.
-//! - **Lanes it cannot predict** (items of irregular length) cost it
-//!   little: after `n` watches of a lane in a row whose window ended before
-//!   the word passed, the lane's next `2^(n-1) - 1` watchable waits (at most
-//!   15) are left to the driver; a sighting ends the run of misses.
+//! - **Lanes it cannot win** cost it little: items of irregular length, or
+//!   a host whose cores the streams keep so busy that the driver's wake
+//!   comes first. After `n` watches of a lane in a row that missed (the
+//!   window ended before the word passed, or the driver woke the lane thread
+//!   while the wait was still on the list), the lane's next `2^(n-1) - 1`
+//!   watchable waits (at most 15) are left to the driver; a sighting ends
+//!   the run of misses.
 //!
 //! # Files
 //!

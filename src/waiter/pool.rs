@@ -212,7 +212,8 @@ impl Pool {
     /// Lane thread `owner`'s held wait, `slot`'s, ended with `result`: unless
     /// shutdown (or the watcher) resolved it meanwhile, it is delivered after
     /// the lock, and, where it `took` a known time (watchers are on), that
-    /// goes into its lane's history. Its watcher's entry, if any, goes. With
+    /// goes into its lane's history. Its watcher's entry, if any, goes (and
+    /// counts as a miss: [`LaneHistory::missed`](super::watcher::LaneHistory::missed)). With
     /// `next`, the next oldest is taken out in the same hold. The next wait,
     /// and how long the lane's history now predicts it takes.
     pub(super) fn end_held(
@@ -233,6 +234,10 @@ impl Pool {
             let history = state.history(key);
             if ours {
                 history.ended(took);
+                // The watcher had it and the driver still came first: a watch that did not pay.
+                if entry.is_some() {
+                    history.missed();
+                }
             }
             predicted = history.predicted();
         }

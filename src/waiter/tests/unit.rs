@@ -787,6 +787,35 @@ fn a_lane_whose_watches_miss_in_a_row_leaves_its_next_waits_to_the_driver() {
 }
 
 #[test]
+fn a_lane_whose_watched_waits_the_driver_wakes_first_leaves_its_next_waits_to_the_driver() {
+    // Before each wait the lane's history says its waits take an hour, so each is watchable and
+    // the watcher sleeps toward its end; the driver wakes the lane thread first, while the wait
+    // is still on the list (its word never moves). Those are watches that did not pay: after
+    // two in a row the lane's next wait is not watched at all; the one after it is again.
+    let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
+    let lane = LaneKey::for_tests(11);
+    let mut published = Vec::new();
+    for sequence in 1..=4 {
+        for _ in 0..4 {
+            pool.seed_history(lane, Duration::from_secs(3600));
+        }
+        let device = Device::with_word();
+        let slot = submit(&pool, &device, 11, sequence);
+        // A lane thread puts a wait on the list before it blocks on it.
+        eventually("blocked", || device.blocked.load(Ordering::SeqCst) == 1);
+        published.push(pool.published());
+        device.reach();
+        result_of(&slot).expect("the driver's wake ends it");
+        eventually("the lane is gone, and its entry", || {
+            pool.gauges().pending == 0 && pool.watched_entries() == 0
+        });
+    }
+    assert_eq!(published, [1, 2, 2, 3], "entries handed to the watcher");
+    assert_eq!(pool.counters().read(WaiterStats::default()).watched, 0);
+    pool.shutdown();
+}
+
+#[test]
 fn a_word_ahead_of_its_event_is_not_a_miss() {
     // Each wait's word has passed but its event says not yet (a reading the driver does not
     // rule out): the watcher leaves it to the driver, as with a miss, but that says nothing of

@@ -142,10 +142,12 @@ impl LaneHistory {
         };
     }
 
-    /// The watcher looked at a wait's word for its whole window and did not see it pass (the
-    /// lane's waits vary more than the window): after `n` such misses in a row, the lane's next
-    /// `2^(n-1) - 1` watchable waits (at most [`MAX_SKIP`]) are left to the driver, so a lane
-    /// the watcher cannot predict costs it little; a sighting ends the run of misses.
+    /// A watch of the lane missed: the watcher looked at a wait's word for its whole window and
+    /// did not see it pass (the lane's waits vary more than the window), or the driver woke the
+    /// lane thread while the wait was still on the list (the watcher could not be looking in
+    /// time). After `n` misses in a row, the lane's next `2^(n-1) - 1` watchable waits (at most
+    /// [`MAX_SKIP`]) are left to the driver, so a lane the watcher cannot win costs it little; a
+    /// sighting ends the run of misses.
     pub(crate) fn missed(&mut self) {
         self.misses = self.misses.saturating_add(1);
         self.skip = ((1u32 << (self.misses - 1).min(16)) - 1).min(MAX_SKIP);
