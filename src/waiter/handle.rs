@@ -369,8 +369,11 @@ impl WaiterBuilder {
     /// third sooner on a 2-core VM); a lone wait wakes in about half the time
     /// on an otherwise idle host (the spin keeps a CPU awake for the
     /// wake-up), a tenth to a fifth sooner where other threads keep the CPUs
-    /// awake; waits shorter than 150 µs are left to the driver, and where the
-    /// streams keep every core busy, tail latencies can be a little longer.
+    /// awake. Waits shorter than 150 µs are left to the driver, and so are
+    /// most of a stream's waits while its watches keep missing (items of
+    /// irregular length, or cores so busy that the driver's wake comes
+    /// first); where the streams keep every core busy, tail latencies can be
+    /// a little longer.
     /// Figures: `docs/performance.md` in the repository;
     /// how it works: the [`waiter`](crate::waiter#the-watcher) module's docs.
     ///
