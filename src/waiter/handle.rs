@@ -372,8 +372,10 @@ impl WaiterBuilder {
     /// awake. Waits shorter than 150 µs are left to the driver, and so are
     /// most of a stream's waits while its watches keep missing (items of
     /// irregular length, or cores so busy that the driver's wake comes
-    /// first); where the streams keep every core busy, tail latencies can be
-    /// a little longer.
+    /// first). Where the streams keep every core busy, it gains little and
+    /// tail latencies can be longer (p99 1.1x to 2.6x that of `watchers(0)`
+    /// in three runs of the benchmark's 16 streams of 100 µs items on a
+    /// 2-core VM).
     /// Figures: `docs/performance.md` in the repository;
     /// how it works: the [`waiter`](crate::waiter#the-watcher) module's docs.
     ///
