@@ -97,11 +97,13 @@
 //!   watched: the backend hands out no word for them.
 //! - **Lanes it cannot win** cost it little: items of irregular length, or
 //!   a host whose cores the streams keep so busy that the driver's wake
-//!   comes first. After `n` watches of a lane in a row that missed (the
-//!   window ended before the word passed, or the driver woke the lane thread
-//!   while the wait was still on the list), the lane's next `2^(n-1) - 1`
-//!   watchable waits (at most 15) are left to the driver; a sighting ends
-//!   the run of misses.
+//!   comes first. Each lane counts its misses (the window ended before the
+//!   word passed, or the driver woke the lane thread while the wait was still
+//!   on the list): one more for each, halved by each sighting. After a miss
+//!   with `n` counted, the lane's next `2^(n-1) - 1` watchable waits (at most
+//!   63) are left to the driver. So a lane the watcher wins one watch in
+//!   several leaves most of its waits to the driver, and one it wins again
+//!   is watched at every wait after a few sightings.
 //!
 //! # Files
 //!

@@ -38,9 +38,9 @@ pub(crate) const EARLY_HALF_LIFE: Duration = Duration::from_millis(100);
 pub(crate) const MIN_WATCHED: Duration = Duration::from_micros(150);
 /// The lanes whose history a pool keeps: those used last.
 pub(crate) const HISTORIES: usize = 1024;
-/// The most waits in a row a lane leaves to the driver after watches that missed: after `n`
-/// misses in a row, `2^(n-1) - 1` of them, up to this.
-pub(crate) const MAX_SKIP: u32 = 15;
+/// The most waits in a row a lane leaves to the driver after watches that missed: with `n`
+/// misses counted, `2^(n-1) - 1` of them, up to this.
+pub(crate) const MAX_SKIP: u32 = 63;
 
 /// The last few durations of one kind.
 #[derive(Default)]
@@ -64,7 +64,8 @@ impl Recent {
 pub(crate) struct LaneHistory {
     took: Recent,
     margin: Duration,
-    /// Watches in a row whose window ended before the word passed.
+    /// The lane's recent misses ([`LaneHistory::missed`]): one more for each, halved by each
+    /// sighting.
     misses: u32,
     /// Waits still to leave to the driver after those misses.
     skip: u32,
@@ -129,12 +130,12 @@ impl LaneHistory {
         self.took.push(took);
     }
 
-    /// The watcher saw `entry`'s word passed after `took`: at the first look after a sleep
-    /// (`late`: the work ended during the sleep), the margin doubles, up to a quarter of the
-    /// prediction; later, it shrinks by an eighth, down to the least.
+    /// The watcher saw `entry`'s word passed after `took`: the count of misses halves; at the
+    /// first look after a sleep (`late`: the work ended during the sleep), the margin doubles,
+    /// up to a quarter of the prediction; later, it shrinks by an eighth, down to the least.
     pub(crate) fn seen(&mut self, entry: &Watched, took: Duration, late: bool) {
         self.ended(took);
-        self.misses = 0;
+        self.misses /= 2;
         self.margin = if late {
             (self.margin * 2).min(entry.predicted / 4).max(MIN_MARGIN)
         } else {
@@ -145,9 +146,11 @@ impl LaneHistory {
     /// A watch of the lane missed: the watcher looked at a wait's word for its whole window and
     /// did not see it pass (the lane's waits vary more than the window), or the driver woke the
     /// lane thread while the wait was still on the list (the watcher could not be looking in
-    /// time). After `n` misses in a row, the lane's next `2^(n-1) - 1` watchable waits (at most
-    /// [`MAX_SKIP`]) are left to the driver, so a lane the watcher cannot win costs it little; a
-    /// sighting ends the run of misses.
+    /// time). With `n` misses counted, the lane's next `2^(n-1) - 1` watchable waits (at most
+    /// [`MAX_SKIP`]) are left to the driver, so a lane the watcher cannot win costs it little.
+    /// A sighting halves the count ([`LaneHistory::seen`]), rather than clearing it: a lane the
+    /// watcher wins one wait in several of still leaves most of its waits to the driver, and a
+    /// lane it wins again is watched at every wait after a few sightings.
     pub(crate) fn missed(&mut self) {
         self.misses = self.misses.saturating_add(1);
         self.skip = ((1u32 << (self.misses - 1).min(16)) - 1).min(MAX_SKIP);
@@ -568,7 +571,7 @@ mod tests {
     }
 
     #[test]
-    fn after_watches_that_miss_in_a_row_a_lane_leaves_more_waits_to_the_driver_until_one_is_seen() {
+    fn misses_leave_more_of_a_lanes_waits_to_the_driver_and_sightings_bring_them_back() {
         /// How many watchable waits in a row `history` leaves to the driver now.
         fn skipped(history: &mut LaneHistory) -> u32 {
             let mut skipped = 0;
@@ -584,18 +587,57 @@ mod tests {
         }
         assert_eq!(skipped(&mut history), 0, "no miss yet");
         let mut after = Vec::new();
-        for _ in 0..7 {
+        for _ in 0..9 {
             history.missed();
             after.push(skipped(&mut history));
         }
-        assert_eq!(after, [0, 1, 3, 7, 15, 15, 15]);
-        // A sighting ends the run of misses.
+        assert_eq!(after, [0, 1, 3, 7, 15, 31, 63, 63, 63]);
+        // A sighting halves the count (9 to 4): the next miss leaves 2^4 - 1 waits.
         let seen = entry(&mut history, Instant::now());
         history.seen(&seen, Duration::from_millis(1), false);
+        history.missed();
+        assert_eq!(skipped(&mut history), 15);
+        // Sightings in a row clear it (5, 2, 1, 0): one miss then leaves none, two leave one.
+        for _ in 0..4 {
+            history.seen(&seen, Duration::from_millis(1), false);
+        }
         history.missed();
         assert_eq!(skipped(&mut history), 0);
         history.missed();
         assert_eq!(skipped(&mut history), 1);
+    }
+
+    #[test]
+    fn a_lane_the_watcher_wins_one_watch_in_four_leaves_most_of_its_waits_to_the_driver() {
+        // Three misses, then a sighting, again and again: the count settles where most waits
+        // are left to the driver, not back at none after each sighting.
+        let mut history = LaneHistory::default();
+        for _ in 0..4 {
+            history.ended(Duration::from_millis(1));
+        }
+        let (mut watched, mut waits) = (0, 0);
+        for round in 0..40 {
+            for sighted in [false, false, false, true] {
+                // The waits up to the next watched one; those before it are left to the driver.
+                let mut left = 0;
+                let watch = loop {
+                    match try_entry(&mut history, Instant::now(), Duration::ZERO, None) {
+                        Some(watch) => break watch,
+                        None => left += 1,
+                    }
+                };
+                if round >= 20 {
+                    watched += 1;
+                    waits += left + 1;
+                }
+                if sighted {
+                    history.seen(&watch, Duration::from_millis(1), false);
+                } else {
+                    history.missed();
+                }
+            }
+        }
+        assert!(watched * 5 <= waits, "{watched} of {waits} waits watched");
     }
 
     #[test]
