@@ -368,14 +368,15 @@ impl WaiterBuilder {
     /// of items of steady length (about 1 ms and longer) gain most (about a
     /// third sooner on a 2-core VM); a lone wait wakes in about half the time
     /// on an otherwise idle host (the spin keeps a CPU awake for the
-    /// wake-up), a tenth to a fifth sooner where other threads keep the CPUs
+    /// wake-up), up to a tenth sooner where other threads keep the CPUs
     /// awake. Waits shorter than 150 µs are left to the driver, and so are
     /// most of a stream's waits while its watches keep missing (items of
     /// irregular length, or cores so busy that the driver's wake comes
     /// first). Where the streams keep every core busy, it gains little and
-    /// tail latencies can be longer (p99 1.1x to 2.6x that of `watchers(0)`
-    /// in three runs of the benchmark's 16 streams of 100 µs items on a
-    /// 2-core VM).
+    /// tail latencies can be longer (p99 0.65x to 2.6x that of `watchers(0)`
+    /// in six runs of the benchmark's 16 streams of 100 µs items on a 2-core
+    /// VM, where the same code in two rows of one run differs by up to
+    /// 1.5x).
     /// Figures: `docs/performance.md` in the repository;
     /// how it works: the [`waiter`](crate::waiter#the-watcher) module's docs.
     ///
