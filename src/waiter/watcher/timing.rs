@@ -623,7 +623,10 @@ mod tests {
                 let watch = loop {
                     match try_entry(&mut history, Instant::now(), Duration::ZERO, None) {
                         Some(watch) => break watch,
-                        None => left += 1,
+                        None => {
+                            left += 1;
+                            assert!(left <= MAX_SKIP, "left to the driver for good");
+                        }
                     }
                 };
                 if round >= 20 {
