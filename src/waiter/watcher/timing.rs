@@ -148,9 +148,9 @@ impl LaneHistory {
     /// lane thread while the wait was still on the list (the watcher could not be looking in
     /// time). With `n` misses counted, the lane's next `2^(n-1) - 1` watchable waits (at most
     /// [`MAX_SKIP`]) are left to the driver, so a lane the watcher cannot win costs it little.
-    /// A sighting halves the count ([`LaneHistory::seen`]), rather than clearing it: a lane the
-    /// watcher wins one wait in several of still leaves most of its waits to the driver, and a
-    /// lane it wins again is watched at every wait after a few sightings.
+    /// A sighting halves the count ([`LaneHistory::seen`]), rather than clearing it: a lane
+    /// whose watches the watcher wins one in several still leaves most of its waits to the
+    /// driver, and a lane it wins again is watched at every wait after a few sightings.
     pub(crate) fn missed(&mut self) {
         self.misses = self.misses.saturating_add(1);
         self.skip = ((1u32 << (self.misses - 1).min(16)) - 1).min(MAX_SKIP);
@@ -597,7 +597,7 @@ mod tests {
         history.seen(&seen, Duration::from_millis(1), false);
         history.missed();
         assert_eq!(skipped(&mut history), 15);
-        // Sightings in a row clear it (5, 2, 1, 0): one miss then leaves none, two leave one.
+        // Sightings in a row clear it (5 to 2, 1, 0): one miss then leaves none, two leave one.
         for _ in 0..4 {
             history.seen(&seen, Duration::from_millis(1), false);
         }
