@@ -418,6 +418,21 @@ mod tests {
         try_entry(history, started, Duration::ZERO, None).expect("watched")
     }
 
+    /// The next watchable wait of `history` that is watched, and how many in a row before it
+    /// were left to the driver (never for good: at most [`MAX_SKIP`]).
+    fn next_watched(history: &mut LaneHistory) -> (u32, Watched) {
+        let mut skipped = 0;
+        loop {
+            match try_entry(history, Instant::now(), Duration::ZERO, None) {
+                Some(watch) => return (skipped, watch),
+                None => {
+                    skipped += 1;
+                    assert!(skipped <= MAX_SKIP, "left to the driver for good");
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_prediction_needs_two_waits_and_takes_the_shortest_of_the_last_four() {
         let mut history = LaneHistory::default();
@@ -572,15 +587,7 @@ mod tests {
 
     #[test]
     fn misses_leave_more_of_a_lanes_waits_to_the_driver_and_sightings_bring_them_back() {
-        /// How many watchable waits in a row `history` leaves to the driver now.
-        fn skipped(history: &mut LaneHistory) -> u32 {
-            let mut skipped = 0;
-            while try_entry(history, Instant::now(), Duration::ZERO, None).is_none() {
-                skipped += 1;
-                assert!(skipped <= MAX_SKIP, "left to the driver for good");
-            }
-            skipped
-        }
+        let skipped = |history: &mut LaneHistory| next_watched(history).0;
         let mut history = LaneHistory::default();
         for _ in 0..4 {
             history.ended(Duration::from_millis(1));
@@ -619,16 +626,7 @@ mod tests {
         for round in 0..40 {
             for sighted in [false, false, false, true] {
                 // The waits up to the next watched one; those before it are left to the driver.
-                let mut left = 0;
-                let watch = loop {
-                    match try_entry(&mut history, Instant::now(), Duration::ZERO, None) {
-                        Some(watch) => break watch,
-                        None => {
-                            left += 1;
-                            assert!(left <= MAX_SKIP, "left to the driver for good");
-                        }
-                    }
-                };
+                let (left, watch) = next_watched(&mut history);
                 if round >= 20 {
                     watched += 1;
                     waits += left + 1;
