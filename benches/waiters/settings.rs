@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::strategies::{Strategy, SINGLE};
+use crate::strategies::{Strategy, NAMEABLE};
 
 pub struct Settings {
     pub quick: bool,
@@ -25,12 +25,14 @@ pub struct Settings {
     /// run just these (by [`Strategy::flag`]), e.g. to profile one, or to
     /// time this crate's waiters with no other strategy's turns between
     /// theirs; in scenario 8, any of scenario 1's, not only its usual rows.
+    /// Two floors run only when named, in scenario 1: `spin_hop` and
+    /// `spin_race` ([`Strategy::SpinHop`], [`Strategy::SpinRace`]).
     pub strategies: Option<Vec<String>>,
 }
 
 const USAGE: &str =
     "usage: cargo bench --bench waiters -- [--quick] [--large] [--only 1,2,2b,3,4,5,6,6b,7,8,8a,8b,8c,8d,8e] \
-     [--rounds N] [--reps N] [--strategies await,await_sleeping,await_watching,spawn_blocking,thread,query_yield,raw,raw_handoff,one_hop]";
+     [--rounds N] [--reps N] [--strategies await,await_sleeping,await_watching,spawn_blocking,thread,query_yield,raw,raw_handoff,one_hop,spin_hop,spin_race]";
 
 impl Settings {
     pub fn from_args() -> Self {
@@ -54,10 +56,9 @@ impl Settings {
                 "--strategies" => match args.next() {
                     Some(list) => {
                         let names: Vec<String> = list.split(',').map(str::to_owned).collect();
-                        // Scenario 1's list holds every strategy.
                         if let Some(unknown) = names
                             .iter()
-                            .find(|name| !SINGLE.iter().any(|known| known.flag() == *name))
+                            .find(|name| !NAMEABLE.iter().any(|known| known.flag() == *name))
                         {
                             usage_error(&format!("unknown strategy {unknown:?}"));
                         }

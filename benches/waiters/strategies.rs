@@ -3,7 +3,7 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
-use device_events::{EventApi, EventFence, Waiter};
+use device_events::{EventApi, EventFence, ServerError, Waiter};
 use futures::FutureExt;
 use tokio::runtime::Runtime;
 
@@ -37,6 +37,16 @@ pub enum Strategy {
     /// wakes the item's task the moment the item ends, one hop, with no
     /// waiter thread and no fence wait. The fence is recorded and dropped.
     OneHop,
+    /// The floor of any watcher: a thread of its own per wait looks at the
+    /// stream's progress word from the start of the wait, as the watcher
+    /// looks (a pause between looks, then a yield), and wakes the task the
+    /// moment the word passes: one hop from a thread already running. Where
+    /// the stream keeps no word, the thread blocks in the driver instead.
+    SpinHop,
+    /// The floor of the watcher's race: the same looking thread, and a
+    /// second one blocked in the driver on the fence, as a lane thread
+    /// blocks; whichever sees the end first wakes the task.
+    SpinRace,
 }
 
 pub const ALL: [Strategy; 5] = [
@@ -47,8 +57,8 @@ pub const ALL: [Strategy; 5] = [
     Strategy::RawThread,
 ];
 
-/// Scenario 1's rows: every strategy, and the hand-off floors. Also what
-/// `--strategies` may name, and what it picks from in scenario 8.
+/// Scenario 1's rows: every strategy, and the hand-off floors; what
+/// `--strategies` picks from in scenario 8.
 pub const SINGLE: [Strategy; 9] = [
     Strategy::AwaitWatching,
     Strategy::Await,
@@ -59,6 +69,23 @@ pub const SINGLE: [Strategy; 9] = [
     Strategy::QueryYield,
     Strategy::RawThread,
     Strategy::RawHandoff,
+];
+
+/// What `--strategies` may name: scenario 1's rows, and two floors only it
+/// adds there (each spends a thread looking at a progress word for the whole
+/// of every wait).
+pub const NAMEABLE: [Strategy; 11] = [
+    Strategy::AwaitWatching,
+    Strategy::Await,
+    Strategy::AwaitSleeping,
+    Strategy::SpawnBlocking,
+    Strategy::OneHop,
+    Strategy::ThreadPerWait,
+    Strategy::QueryYield,
+    Strategy::RawThread,
+    Strategy::RawHandoff,
+    Strategy::SpinHop,
+    Strategy::SpinRace,
 ];
 
 /// Scenario 8's rows unless `--strategies` names others (from [`SINGLE`]):
@@ -86,6 +113,8 @@ impl Strategy {
             Self::RawThread => "raw",
             Self::RawHandoff => "raw_handoff",
             Self::OneHop => "one_hop",
+            Self::SpinHop => "spin_hop",
+            Self::SpinRace => "spin_race",
         }
     }
 
@@ -100,6 +129,8 @@ impl Strategy {
             Self::RawThread => "raw blocked thread",
             Self::RawHandoff => "raw thread + hand-off",
             Self::OneHop => "one hop (stream -> task)",
+            Self::SpinHop => "looking thread -> task",
+            Self::SpinRace => "looking thread, racing",
         }
     }
 }
@@ -214,6 +245,11 @@ pub fn start<A: EventApi>(
                             .expect("spawn a waiting thread");
                         receiver.await.expect("the waiting thread answers")
                     }
+                    Strategy::SpinHop | Strategy::SpinRace => {
+                        let (sender, receiver) = futures::channel::oneshot::channel();
+                        look_for(fence, strategy == Strategy::SpinRace, sender);
+                        receiver.await.expect("a looking thread answers")
+                    }
                     Strategy::QueryYield => loop {
                         match fence.is_complete() {
                             Ok(true) => break Ok(()),
@@ -286,6 +322,72 @@ impl Countdown {
 
 /// The floor: one thread per stream, blocked in `wait_sync` on each fence of
 /// its stream in turn.
+/// For [`Strategy::SpinHop`] and [`Strategy::SpinRace`]: a thread looks at
+/// `fence`'s progress word until it passes, as the watcher looks; with
+/// `race`, a second thread blocks in the driver on the fence meanwhile.
+/// The first to see the end answers on `sender`.
+fn look_for<A: EventApi>(
+    fence: EventFence<A>,
+    race: bool,
+    sender: futures::channel::oneshot::Sender<Result<(), ServerError>>,
+) {
+    let sender = Arc::new(Mutex::new(Some(sender)));
+    let answer = |sender: &Mutex<Option<_>>, result| {
+        let first = sender.lock().expect("the answer's lock").take();
+        if let Some(sender) = first {
+            let _ = futures::channel::oneshot::Sender::send(sender, result);
+        }
+    };
+    let spawn = |work: Box<dyn FnOnce() + Send>| {
+        std::thread::Builder::new()
+            .stack_size(64 * 1024)
+            .spawn(work)
+            .expect("spawn a looking thread");
+    };
+    let Some(word) = A::stream_progress(fence.stream()) else {
+        spawn(Box::new(move || answer(&sender, fence.wait_sync())));
+        return;
+    };
+    let sequence = fence.sequence();
+    let looking = sender.clone();
+    // The fence stays with the blocked thread if there is one, else with the
+    // looking thread, which then also asks it now and then (a faulted stream's
+    // word may never pass); a looking thread that lost the race stops.
+    let (blocked, kept) = if race {
+        (Some(fence), None)
+    } else {
+        (None, Some(fence))
+    };
+    spawn(Box::new(move || {
+        let mut looks = 0u32;
+        let result = loop {
+            if word.passed(sequence) {
+                break Ok(());
+            }
+            looks = looks.wrapping_add(1);
+            if looks.is_multiple_of(1024) {
+                if looking.lock().expect("the answer's lock").is_none() {
+                    return;
+                }
+                match kept.as_ref().map(EventFence::is_complete) {
+                    Some(Ok(false)) | None => {}
+                    Some(reached) => break reached.map(drop),
+                }
+            }
+            if looks < 64 {
+                std::hint::spin_loop();
+            } else {
+                std::thread::yield_now();
+            }
+        };
+        answer(&looking, result);
+        drop(kept);
+    }));
+    if let Some(fence) = blocked {
+        spawn(Box::new(move || answer(&sender, fence.wait_sync())));
+    }
+}
+
 fn start_raw<A: EventApi>(
     fences: Vec<Pending<A>>,
     wakes: &Arc<Stamps>,

@@ -104,6 +104,17 @@ pub fn summary(tables: &[Table]) -> Vec<String> {
             ratio_of(single, Metric::P99Us, watching, sleeping),
             1.2,
         );
+        // Not targets: the floors of any watcher (`--strategies` adds them): a
+        // thread looking at the word wakes the task; the same, racing a thread
+        // blocked in the driver, as the watcher races its lane thread.
+        for floor in [Strategy::SpinHop, Strategy::SpinRace] {
+            if let Some(value) = ratio_of(single, Metric::P50Us, floor.name(), sleeping) {
+                info.push(format!(
+                    "INFO [{backend}] 1: {} wake p50 vs watchers(0): {value:.2}",
+                    floor.name()
+                ));
+            }
+        }
         check(
             format!("[{backend}] 5: idle CPU % of a core"),
             find(Scenario::IdleCpu, backend)
