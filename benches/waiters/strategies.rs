@@ -1,7 +1,7 @@
 //! The ways a caller can wait for fences, side by side.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{mpsc, Arc, Condvar, Mutex, OnceLock};
 
 use device_events::{EventApi, EventFence, ServerError, Waiter};
 use futures::FutureExt;
@@ -37,15 +37,16 @@ pub enum Strategy {
     /// wakes the item's task the moment the item ends, one hop, with no
     /// waiter thread and no fence wait. The fence is recorded and dropped.
     OneHop,
-    /// The floor of any watcher: a thread of its own per wait looks at the
-    /// stream's progress word from the start of the wait, as the watcher
+    /// The floor of any watcher: a thread kept for the run looks at the
+    /// stream's progress word from the start of each wait, as the watcher
     /// looks (a pause between looks, then a yield), and wakes the task the
     /// moment the word passes: one hop from a thread already running. Where
-    /// the stream keeps no word, the thread blocks in the driver instead.
+    /// the stream keeps no word, a thread blocks in the driver instead.
     SpinHop,
     /// The floor of the watcher's race: the same looking thread, and a
-    /// second one blocked in the driver on the fence, as a lane thread
-    /// blocks; whichever sees the end first wakes the task.
+    /// second one, also kept for the run, blocked in the driver on the
+    /// fence, as a lane thread blocks; whichever sees the end first wakes
+    /// the task.
     SpinRace,
 }
 
@@ -320,12 +321,33 @@ impl Countdown {
     }
 }
 
-/// The floor: one thread per stream, blocked in `wait_sync` on each fence of
-/// its stream in turn.
-/// For [`Strategy::SpinHop`] and [`Strategy::SpinRace`]: a thread looks at
-/// `fence`'s progress word until it passes, as the watcher looks; with
-/// `race`, a second thread blocks in the driver on the fence meanwhile.
-/// The first to see the end answers on `sender`.
+/// A job for one of the floors' threads.
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The floors' two threads, each started at its first job and kept for the
+/// run, as a waiter keeps its threads: one looks at words, one blocks in the
+/// driver. Each runs its jobs in turn.
+static LOOKING: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
+static BLOCKED: OnceLock<Mutex<mpsc::Sender<Job>>> = OnceLock::new();
+
+/// Run `job` on `thread` (named `name`), starting it if need be.
+fn run_on(thread: &OnceLock<Mutex<mpsc::Sender<Job>>>, name: &str, job: Job) {
+    let sender = thread.get_or_init(|| {
+        let (sender, jobs) = mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name(name.to_owned())
+            .spawn(move || jobs.into_iter().for_each(|job| job()))
+            .expect("start a floor's thread");
+        Mutex::new(sender)
+    });
+    let sent = sender.lock().expect("a floor's queue").send(job);
+    sent.expect("a floor's thread runs");
+}
+
+/// For [`Strategy::SpinHop`] and [`Strategy::SpinRace`]: the looking thread
+/// looks at `fence`'s progress word until it passes, as the watcher looks;
+/// with `race`, the blocked thread blocks in the driver on the fence
+/// meanwhile. The first to see the end answers on `sender`.
 fn look_for<A: EventApi>(
     fence: EventFence<A>,
     race: bool,
@@ -338,15 +360,9 @@ fn look_for<A: EventApi>(
             let _ = futures::channel::oneshot::Sender::send(sender, result);
         }
     };
-    let spawn = |work: Box<dyn FnOnce() + Send>| {
-        std::thread::Builder::new()
-            .stack_size(64 * 1024)
-            .spawn(work)
-            .expect("spawn a looking thread");
-    };
     let Some(word) = A::stream_progress(fence.stream()) else {
-        spawn(Box::new(move || answer(&sender, fence.wait_sync())));
-        return;
+        let job = move || answer(&sender, fence.wait_sync());
+        return run_on(&BLOCKED, "floor-blocked", Box::new(job));
     };
     let sequence = fence.sequence();
     let looking = sender.clone();
@@ -358,7 +374,11 @@ fn look_for<A: EventApi>(
     } else {
         (None, Some(fence))
     };
-    spawn(Box::new(move || {
+    if let Some(fence) = blocked {
+        let job = move || answer(&sender, fence.wait_sync());
+        run_on(&BLOCKED, "floor-blocked", Box::new(job));
+    }
+    let look = move || {
         let mut looks = 0u32;
         let result = loop {
             if word.passed(sequence) {
@@ -382,12 +402,12 @@ fn look_for<A: EventApi>(
         };
         answer(&looking, result);
         drop(kept);
-    }));
-    if let Some(fence) = blocked {
-        spawn(Box::new(move || answer(&sender, fence.wait_sync())));
-    }
+    };
+    run_on(&LOOKING, "floor-looking", Box::new(look));
 }
 
+/// The floor: one thread per stream, blocked in `wait_sync` on each fence of
+/// its stream in turn.
 fn start_raw<A: EventApi>(
     fences: Vec<Pending<A>>,
     wakes: &Arc<Stamps>,
