@@ -385,10 +385,10 @@ fn look_for<A: EventApi>(
                 break Ok(());
             }
             looks = looks.wrapping_add(1);
+            if looks.is_multiple_of(64) && looking.lock().expect("the answer's lock").is_none() {
+                return;
+            }
             if looks.is_multiple_of(1024) {
-                if looking.lock().expect("the answer's lock").is_none() {
-                    return;
-                }
                 match kept.as_ref().map(EventFence::is_complete) {
                     Some(Ok(false)) | None => {}
                     Some(reached) => break reached.map(drop),
