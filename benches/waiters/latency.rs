@@ -10,7 +10,7 @@ use crate::measure::{
 use crate::report::{Metric, Scenario, Table};
 use crate::rig::Rig;
 use crate::settings::{runtime, Settings};
-use crate::strategies::{self, Pending, Strategy, Waiters, NAMEABLE, SINGLE};
+use crate::strategies::{self, Pending, Strategy, Waiters, SINGLE};
 
 /// Scenario 1: one stream, work of known length, a fence; wake latency, and
 /// the watcher thread's CPU per await of this crate's waiters.
@@ -39,7 +39,7 @@ pub fn single_wait<R: Rig>(
          per await ('-': no waiter of this crate)"
             .to_owned(),
     );
-    let mut strategies = settings.pick_or(&SINGLE, &NAMEABLE);
+    let mut strategies = settings.pick_or(&SINGLE, &strategies::nameable());
     strategies.retain(|&strategy| strategy != Strategy::OneHop || rig.work_stamps_its_end());
     let runtimes: Vec<_> = strategies.iter().map(|_| runtime()).collect();
     let waiters = Waiters::new();

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::strategies::{Strategy, NAMEABLE};
+use crate::strategies::{self, Strategy};
 
 pub struct Settings {
     pub quick: bool,
@@ -56,9 +56,10 @@ impl Settings {
                 "--strategies" => match args.next() {
                     Some(list) => {
                         let names: Vec<String> = list.split(',').map(str::to_owned).collect();
+                        let known = strategies::nameable();
                         if let Some(unknown) = names
                             .iter()
-                            .find(|name| !NAMEABLE.iter().any(|known| known.flag() == *name))
+                            .find(|name| !known.iter().any(|known| known.flag() == *name))
                         {
                             usage_error(&format!("unknown strategy {unknown:?}"));
                         }

@@ -72,22 +72,14 @@ pub const SINGLE: [Strategy; 9] = [
     Strategy::RawHandoff,
 ];
 
-/// What `--strategies` may name: scenario 1's rows, and two floors only it
-/// adds there (each spends a thread looking at a progress word for the whole
-/// of every wait).
-pub const NAMEABLE: [Strategy; 11] = [
-    Strategy::AwaitWatching,
-    Strategy::Await,
-    Strategy::AwaitSleeping,
-    Strategy::SpawnBlocking,
-    Strategy::OneHop,
-    Strategy::ThreadPerWait,
-    Strategy::QueryYield,
-    Strategy::RawThread,
-    Strategy::RawHandoff,
-    Strategy::SpinHop,
-    Strategy::SpinRace,
-];
+/// Two floors only `--strategies` adds, in scenario 1 (each spends a thread
+/// looking at a progress word for the whole of every wait).
+pub const EXTRA: [Strategy; 2] = [Strategy::SpinHop, Strategy::SpinRace];
+
+/// What `--strategies` may name: scenario 1's rows, and [`EXTRA`].
+pub fn nameable() -> Vec<Strategy> {
+    SINGLE.iter().chain(&EXTRA).copied().collect()
+}
 
 /// Scenario 8's rows unless `--strategies` names others (from [`SINGLE`]):
 /// this crate's three waiters, spawn_blocking, and the floors the targets
