@@ -352,24 +352,24 @@ fn look_for<A: EventApi>(
             let _ = futures::channel::oneshot::Sender::send(sender, result);
         }
     };
-    let Some(word) = A::stream_progress(fence.stream()) else {
+    let block = |sender: Arc<Mutex<Option<_>>>, fence: EventFence<A>| {
         let job = move || answer(&sender, fence.wait_sync());
-        return run_on(&BLOCKED, "floor-blocked", Box::new(job));
+        run_on(&BLOCKED, "floor-blocked", Box::new(job));
+    };
+    let Some(word) = A::stream_progress(fence.stream()) else {
+        return block(sender, fence);
     };
     let sequence = fence.sequence();
     let looking = sender.clone();
     // The fence stays with the blocked thread if there is one, else with the
     // looking thread, which then also asks it now and then (a faulted stream's
     // word may never pass); a looking thread that lost the race stops.
-    let (blocked, kept) = if race {
-        (Some(fence), None)
+    let kept = if race {
+        block(sender, fence);
+        None
     } else {
-        (None, Some(fence))
+        Some(fence)
     };
-    if let Some(fence) = blocked {
-        let job = move || answer(&sender, fence.wait_sync());
-        run_on(&BLOCKED, "floor-blocked", Box::new(job));
-    }
     let look = move || {
         let mut looks = 0u32;
         let result = loop {
