@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use common::faulty::{inject, Faulty, Plan};
 use common::{faultable_stream, logs, Gate, Progress};
-use device_events::drop_queue::{DropQueue, Fence, Rejected};
+use device_events::drop_queue::{DropQueue, Fence, HandedBack, Rejected};
 use device_events::host::{Host, HostStream};
 use device_events::EventFence;
 use futures::FutureExt;
@@ -1169,4 +1169,124 @@ fn a_queue_dropped_while_its_thread_panics_does_not_wait_for_its_fences() {
         .expect("the detached queue thread drops the value once its fence passes");
     assert!(passed, "dropped before its fence passed");
     assert_eq!(thread.as_deref(), Some("device-events-drop-queue"));
+}
+
+/// A value that sets a flag its test owns when dropped, and may open a gate.
+struct Flagged {
+    dropped: Arc<std::sync::atomic::AtomicBool>,
+    opens: Option<Gate>,
+}
+
+impl Flagged {
+    fn new(dropped: &Arc<std::sync::atomic::AtomicBool>) -> Self {
+        Self {
+            dropped: dropped.clone(),
+            opens: None,
+        }
+    }
+}
+
+impl Drop for Flagged {
+    fn drop(&mut self) {
+        self.dropped.store(true, Ordering::SeqCst);
+        if let Some(gate) = self.opens.take() {
+            gate.open();
+        }
+    }
+}
+
+/// What `shutdown_now` hands back of `entries`, whose fences must not pass
+/// before it checks them: they wait behind a first value whose fence is held
+/// until `shutdown_now` has taken them out of the queue, so the queue's
+/// thread waits on none of them.
+fn hand_back(entries: Vec<(EventFence<Host>, Flagged)>) -> HandedBack<EventFence<Host>, Flagged> {
+    let (first, done) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    let queue = DropQueue::new(entries.len() + 2).unwrap();
+    let first_gate = Gate::hold(&first);
+    let unused = Arc::default();
+    assert!(queue.push(first.fence(), Flagged::new(&unused)).is_ok());
+    common::eventually(Duration::from_secs(20), "the thread took the first", || {
+        queue.stats().queued == 0
+    });
+    // Passed: shutdown_now drops it, which lets the first finish.
+    let passed = done.fence();
+    done.fence().wait_sync().unwrap();
+    let opener = Flagged {
+        dropped: unused,
+        opens: Some(first_gate),
+    };
+    assert!(queue.push(passed, opener).is_ok());
+    let count = entries.len();
+    for (fence, value) in entries {
+        assert!(queue.push(fence, value).is_ok());
+    }
+    let handed_back = queue.shutdown_now();
+    assert_eq!(handed_back.len(), count, "a fence passed too soon");
+    handed_back
+}
+
+/// How long a panicking thread's drop may take before the test calls it a hang.
+const UNWIND_LIMIT: Duration = Duration::from_secs(10);
+
+/// Drop `kept` on a thread of its own while that thread panics; whether it
+/// unwound within [`UNWIND_LIMIT`].
+fn dropped_by_a_panic(kept: HandedBack<EventFence<Host>, Flagged>) -> bool {
+    let (unwound, unwinds) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+            let _kept = kept;
+            panic!("a failing test holding values handed back");
+        }));
+        let _ = unwound.send(caught.is_err());
+    });
+    unwinds.recv_timeout(UNWIND_LIMIT).unwrap_or(false)
+}
+
+/// A test that fails while it holds values `shutdown_now` handed back, over
+/// work it holds back itself (a gate opened only later), must fail, not hang:
+/// their drop during the unwind does not wait for the fences, and frees
+/// nothing whose fence has not passed.
+#[test]
+fn values_handed_back_to_a_panicking_thread_do_not_wait_for_their_fences() {
+    let held = HostStream::new().unwrap();
+    // Opened once the panicking thread is done, or dropped (so opened) as a
+    // failed assertion unwinds this thread.
+    let gate = Gate::hold(&held);
+    let dropped = Arc::default();
+    let kept = hand_back(vec![(held.fence(), Flagged::new(&dropped))]);
+    assert!(
+        dropped_by_a_panic(kept),
+        "the handed-back values' drop during the unwind waited for a fence the test holds"
+    );
+    assert!(!dropped.load(Ordering::SeqCst), "freed before its fence");
+    gate.open();
+}
+
+/// During a panic, a handed-back value whose fence has passed is dropped; one
+/// whose fence has not is leaked: not dropped then, nor once its fence passes.
+#[test]
+fn a_panicking_thread_drops_the_handed_back_values_that_passed_and_leaks_the_rest() {
+    let (later, held) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+    let (later_gate, held_gate) = (Gate::hold(&later), Gate::hold(&held));
+    let (passed, leaked) = (Arc::default(), Arc::default());
+    let kept = hand_back(vec![
+        (later.fence(), Flagged::new(&passed)),
+        (held.fence(), Flagged::new(&leaked)),
+    ]);
+    later_gate.open();
+    common::eventually(Duration::from_secs(20), "the first fence passed", || {
+        kept[0].0.is_passed().unwrap()
+    });
+    assert!(
+        dropped_by_a_panic(kept),
+        "the handed-back values' drop during the unwind waited for a fence the test holds"
+    );
+    assert!(
+        passed.load(Ordering::SeqCst),
+        "a passed value was not dropped"
+    );
+    assert!(!leaked.load(Ordering::SeqCst), "freed before its fence");
+    held_gate.open();
+    held.fence().wait_sync().unwrap();
+    assert!(!leaked.load(Ordering::SeqCst), "a leaked value was dropped");
 }

@@ -91,6 +91,19 @@ pub(super) fn settle<F: Fence, T>(fence: F, value: T) -> Result<(), ServerError>
     }
 }
 
+/// Without waiting: drop `value` if `fence` has passed, else leak it (a fence that fails or
+/// panics has not passed); the fence is dropped either way. Whether the value was dropped.
+pub(super) fn drop_if_passed<F: Fence, T>(fence: F, value: T) -> bool {
+    let passed = matches!(panics::catch(|| fence.is_passed()), Ok(Ok(true)));
+    if passed {
+        drop_value(value);
+    } else {
+        std::mem::forget(value);
+    }
+    let _ = panics::drop_caught(fence);
+    passed
+}
+
 /// Drop a value whose fence passed; a panic in its `Drop` is logged, and the queue goes on.
 pub(super) fn drop_value<T>(value: T) {
     if let Err(message) = panics::drop_caught(value) {

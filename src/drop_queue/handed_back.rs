@@ -4,18 +4,16 @@ use std::fmt;
 use std::ops::Deref;
 use std::sync::Arc;
 
-use super::fence::{settle, Fence};
+use super::fence::{drop_if_passed, settle, Fence};
 use super::shared::Adopt;
-use crate::ServerError;
+use crate::{panics, ServerError};
 
 /// Why a push was refused, with the fence and value ([`Refused`]).
 ///
 /// Take both back with [`into_inner`](Self::into_inner) (then keeping the value alive until the
 /// fence passes is the caller's job), or wait here with [`wait_then_drop`](Self::wait_then_drop).
-/// Ignored (dropped, `.ok()`, `?`), it never frees the value early and never blocks: its drop
-/// queues the value all the same, past the capacity, even while the queue closes; once the queue's
-/// thread has exited, it drops the value if the fence has passed, else leaks it (counted in
-/// [`leaked`](super::DropQueueStats::leaked)).
+/// Ignored (dropped, `.ok()`, `?`), it never frees the value early and never blocks (see
+/// `# Drop`).
 ///
 /// ```
 /// use device_events::drop_queue::{DropQueue, Rejected};
@@ -37,6 +35,13 @@ use crate::ServerError;
 /// assert_eq!(queue.stats().dropped, 2);
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
+///
+/// # Drop
+///
+/// Dropping it (or the [`Refused`] inside) returns at once, panicking thread or not: the value is
+/// queued all the same, past the capacity, even while the queue closes. Once the queue's thread
+/// has exited, the value is dropped there and then if its fence has passed, else leaked (counted
+/// in [`leaked`](super::DropQueueStats::leaked)), never freed early.
 #[must_use = "dropping a Rejected queues its value past the queue's capacity; \
               into_inner() takes it back"]
 pub enum Rejected<F, T> {
@@ -46,7 +51,7 @@ pub enum Rejected<F, T> {
     Closed(Refused<F, T>),
 }
 
-/// A refused push's fence and value; see [`Rejected`].
+/// A refused push's fence and value; see [`Rejected`], whose `# Drop` says what dropping it does.
 pub struct Refused<F, T> {
     entry: Option<(F, T)>,
     queue: Arc<dyn Adopt<F, T>>,
@@ -119,8 +124,20 @@ impl<F, T> std::error::Error for Rejected<F, T> {}
 /// [`into_vec`](Self::into_vec) or by iterating (then keeping each alive until its fence passes is
 /// the caller's job), or let [`wait_then_drop`](Self::wait_then_drop), or the drop, wait for each
 /// fence here and drop its value (leaking it if the fence fails).
-#[must_use = "dropping the handed-back values blocks until each fence has passed; \
-              keep them alive, or call wait_then_drop() where blocking is fine"]
+///
+/// # Drop
+///
+/// - **Normally**, dropping it **blocks** as [`wait_then_drop`](Self::wait_then_drop) does: each
+///   value is dropped once its fence has passed, and leaked (never dropped), with an error
+///   logged, if its fence fails.
+/// - **While the dropping thread panics** ([`std::thread::panicking`]), it returns at once: each
+///   value whose fence has already passed ([`Fence::is_passed`]) is dropped, and the rest are
+///   **leaked**, with one warning that says how many. Waiting could hang the unwind for good (a
+///   failing test holding the values over work it holds back itself), and freeing a value whose
+///   fence has not passed could let the device read freed memory.
+#[must_use = "dropping the handed-back values blocks until each fence has passed \
+              (while panicking, it leaks those not passed); keep them alive, \
+              or call wait_then_drop() where blocking is fine"]
 pub struct HandedBack<F: Fence, T> {
     pub(super) entries: Vec<(F, T)>,
 }
@@ -143,6 +160,28 @@ impl<F: Fence, T> HandedBack<F, T> {
         }
         first
     }
+
+    /// The values dropped by a panicking thread (see [`HandedBack`]'s `# Drop`).
+    fn drop_passed_leak_rest(&mut self) {
+        let mut dropped = 0;
+        let mut leaked = 0;
+        for (fence, value) in self.entries.drain(..) {
+            if drop_if_passed(fence, value) {
+                dropped += 1;
+            } else {
+                leaked += 1;
+            }
+        }
+        if leaked > 0 {
+            panics::log(|| {
+                log::warn!(
+                    "a HandedBack dropped during a panic does not wait for its fences: it \
+                     dropped the {dropped} value(s) whose fence had passed, and leaks the \
+                     other {leaked} rather than free memory the device may still read"
+                );
+            });
+        }
+    }
 }
 
 impl<F: Fence, T> Deref for HandedBack<F, T> {
@@ -163,9 +202,14 @@ impl<F: Fence, T> IntoIterator for HandedBack<F, T> {
 }
 
 impl<F: Fence, T> Drop for HandedBack<F, T> {
+    /// See [`HandedBack`]'s `# Drop`: waits, unless this thread panics.
     fn drop(&mut self) {
-        for (fence, value) in self.entries.drain(..) {
-            let _ = settle(fence, value);
+        if std::thread::panicking() {
+            self.drop_passed_leak_rest();
+        } else {
+            for (fence, value) in self.entries.drain(..) {
+                let _ = settle(fence, value);
+            }
         }
     }
 }

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use std::task::Waker;
 use std::thread::ThreadId;
 
-use super::fence::{drop_value, settle, Fence};
+use super::fence::{drop_if_passed, settle, Fence};
 use super::stats::DropQueueStats;
 use crate::panics;
 use crate::sync::{Condvar, Mutex, MutexGuard};
@@ -149,10 +149,8 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
             return;
         }
         drop(state);
-        let passed = matches!(panics::catch(|| fence.is_passed()), Ok(Ok(true)));
-        if passed {
-            drop_value(value);
-        } else {
+        let passed = drop_if_passed(fence, value);
+        if !passed {
             panics::log(|| {
                 log::warn!(
                     "a value was given to a drop queue whose thread has exited, before its \
@@ -160,9 +158,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
                      still read"
                 );
             });
-            std::mem::forget(value);
         }
-        let _ = panics::drop_caught(fence);
         // Both at once: a reader never sees the value in no count.
         let mut state = self.lock();
         state.stats.pushed += 1;
