@@ -62,11 +62,16 @@ fn gpu(test: &str, ordinal: usize) -> Option<(Arc<CudaContext>, SleepKernel)> {
     }
 }
 
-/// Ask for `stream`'s progress word, as a spinning waiter does: a stream
-/// keeps one from its next fence on.
+/// Ask for `stream`'s progress word, as a spinning waiter does, and wait
+/// for the crate's word thread to take one for it: the stream writes it
+/// from its next fence on.
 fn ask(stream: &Arc<CudaStream>) {
     let word = Cuda::stream_progress(CudaStreamHandle::new(stream));
     assert!(word.is_none(), "a word before any was asked for: {word:?}");
+    assert!(
+        cuda::wait_for_progress_words(Duration::from_secs(10)),
+        "the word thread took no word for the stream in 10 s"
+    );
 }
 
 /// A new stream, asked for its word.
@@ -74,6 +79,12 @@ fn asked(ctx: &Arc<CudaContext>) -> Arc<CudaStream> {
     let stream = ctx.new_stream().unwrap();
     ask(&stream);
     stream
+}
+
+/// Every thread's page-locked allocations and frees so far (the word
+/// thread makes them).
+fn page_calls() -> c_int {
+    hook(c"fakeCudaHostMemoryCalls", 1).unwrap()
 }
 
 /// The stream's progress word; on a real device without stream memory
@@ -139,7 +150,7 @@ fn a_spinning_first_poll_resolves_through_the_word_and_its_event() {
     let waiter = Waiter::builder()
         .spin_budget(Duration::from_millis(50))
         .build();
-    let stream = ctx.new_stream().unwrap();
+    let stream = asked(&ctx);
     for work in [
         Duration::ZERO,
         Duration::from_millis(2),
@@ -211,7 +222,6 @@ fn refused_word_falls_back_to_events(refused: c_int) {
         return;
     }
     let allocations = hook(c"fakeCudaHostAllocations", 0).unwrap();
-    let page_calls = || hook(c"fakeCudaHostMemoryCalls", 0).unwrap();
     let refusing = Refusing::start(refused);
     let needs_a_page = refused == NO_ALLOCATION || refused == NO_MAPPING;
     let mut in_use = Vec::new();
@@ -337,7 +347,6 @@ fn words_are_reused_once_their_streams_are_gone_and_never_freed() {
         return;
     }
     let allocations = || hook(c"fakeCudaHostAllocations", 0).unwrap();
-    let page_calls = || hook(c"fakeCudaHostMemoryCalls", 0).unwrap();
     let before = allocations();
     // Dropped with a write pending: its word is reused only once it landed.
     let pending = asked(&ctx);
@@ -508,7 +517,7 @@ impl Drop for Synchronizing {
     }
 }
 
-/// Finding 3: page-locked allocation and free may make the context's
+/// Page-locked allocation and free may make the context's
 /// streams wait for each other ("Implicit Synchronization"). With the fake
 /// making them wait for the context's work, the first fence of a newly
 /// watched stream must not wait for a long kernel on another stream: no
@@ -555,7 +564,136 @@ fn the_first_fence_of_a_newly_watched_stream_allocates_and_frees_nothing() {
     assert!(passes_soon(&word, sequence), "{word:?}");
 }
 
-/// Finding 4, as behaviour (timings are measured by hand, not asserted): a
+/// A new stream whose first ask takes a new page: the context's free words
+/// are all taken by streams kept in `held` (asked until a page is allocated,
+/// then until the next, which tells how many words a page has, then as many
+/// as that page has left).
+fn needing_a_page(ctx: &Arc<CudaContext>, held: &mut Vec<Arc<CudaStream>>) -> Arc<CudaStream> {
+    let until_a_page = |held: &mut Vec<Arc<CudaStream>>| {
+        let before = page_calls();
+        for asked_streams in 1..=10_000 {
+            held.push(asked(ctx));
+            if page_calls() != before {
+                return asked_streams;
+            }
+        }
+        panic!("no new page for 10,000 streams");
+    };
+    until_a_page(held);
+    let per_page = until_a_page(held);
+    for _ in 1..per_page {
+        held.push(asked(ctx));
+    }
+    ctx.new_stream().unwrap()
+}
+
+/// Page-locked allocation may make the context's streams wait for each
+/// other ("Implicit Synchronization", CUDA C++ Programming Guide). With the
+/// fake making it wait for the context's work: a stream whose first ask
+/// needs a new page, prepared before a 2 s kernel starts on another stream;
+/// `measure` waits on it, then the kernel and the word thread are waited out.
+/// Whatever waited for the allocation took all of the kernel; `measure`'s
+/// timed bounds are half of it.
+fn beside_a_word_allocation<T>(
+    test: &str,
+    measure: impl FnOnce(&SleepKernel, &Arc<CudaStream>) -> T,
+) -> Option<T> {
+    let (ctx, sleep) = gpu(test, 0)?;
+    if !is_fake() {
+        eprintln!("skipping {test}: only the fake driver makes allocations wait on demand");
+        return None;
+    }
+    let mut held = Vec::new();
+    let stream = needing_a_page(&ctx, &mut held);
+    let busy = ctx.new_stream().unwrap();
+    let synchronizing = Synchronizing::start();
+    sleep.launch(&busy, LONG_KERNEL).unwrap();
+    let measured = measure(&sleep, &stream);
+    cuda::fence(&busy).wait_sync().unwrap();
+    assert!(cuda::wait_for_progress_words(Duration::from_secs(10)));
+    drop(synchronizing);
+    Some(measured)
+}
+
+/// The other stream's kernel in [`beside_a_word_allocation`].
+const LONG_KERNEL: Duration = Duration::from_secs(2);
+
+/// A spinning first poll, on the executor's thread, of a stream whose word
+/// needs a new page: it hands the stream to the crate's word thread and
+/// returns within its budget, making no page-locked call.
+#[test]
+fn a_spinning_first_poll_waits_for_no_word_allocation() {
+    let _serial = serial();
+    let budget = Duration::from_millis(1);
+    let measured = beside_a_word_allocation(
+        "a_spinning_first_poll_waits_for_no_word_allocation",
+        |sleep, stream| {
+            let waiter = Waiter::builder().spin_budget(budget).build();
+            sleep.launch(stream, Duration::from_millis(20)).unwrap();
+            let mut future = waiter.wait(cuda::fence(stream));
+            let calls = hook(c"fakeCudaHostMemoryCalls", 0).unwrap();
+            let started = Instant::now();
+            let first = futures::FutureExt::poll_unpin(
+                &mut future,
+                &mut std::task::Context::from_waker(futures::task::noop_waker_ref()),
+            );
+            let took = started.elapsed();
+            let calls = hook(c"fakeCudaHostMemoryCalls", 0).unwrap() - calls;
+            if first.is_pending() {
+                futures::executor::block_on(future).unwrap();
+            }
+            (first.is_pending(), took, calls)
+        },
+    );
+    let Some((pending, took, calls)) = measured else {
+        return;
+    };
+    eprintln!("a first poll with a {budget:?} spin budget beside a word allocation: {took:?}");
+    assert!(
+        took < LONG_KERNEL / 2,
+        "the first poll waited for a word allocation: {took:?}"
+    );
+    assert_eq!(calls, 0, "a page-locked call on the polling thread");
+    assert!(pending, "the work outlasts the budget");
+}
+
+/// A watched wait of a stream whose word needs a new page ends as soon as
+/// the same wait unwatched: its lane thread hands the stream to the word
+/// thread and blocks in the driver at once. The ratio is printed.
+#[test]
+fn a_watched_wait_waits_for_no_word_allocation() {
+    let _serial = serial();
+    let work = Duration::from_millis(20);
+    let timed = |sleep: &SleepKernel, stream: &Arc<CudaStream>, watchers: usize| {
+        let waiter = Waiter::builder().watchers(watchers).build();
+        sleep.launch(stream, work).unwrap();
+        let fence = cuda::fence(stream);
+        let started = Instant::now();
+        futures::executor::block_on(waiter.wait(fence)).unwrap();
+        started.elapsed()
+    };
+    let measured = beside_a_word_allocation(
+        "a_watched_wait_waits_for_no_word_allocation",
+        |sleep, stream| {
+            // Unwatched first: nothing asks for the word, so the page is still to take.
+            (timed(sleep, stream, 0), timed(sleep, stream, 1))
+        },
+    );
+    let Some((unwatched, watched)) = measured else {
+        return;
+    };
+    eprintln!(
+        "a fresh stream's {work:?} wait beside a word allocation: {unwatched:?} with \
+         watchers(0), {watched:?} with watchers(1) ({:.2}x)",
+        watched.as_secs_f64() / unwatched.as_secs_f64()
+    );
+    assert!(
+        watched < LONG_KERNEL / 2,
+        "a watched wait waited for a word allocation: {watched:?} ({unwatched:?} unwatched)"
+    );
+}
+
+/// As behaviour (timings are measured by hand, not asserted): a
 /// stream with many writes queued behind a long kernel lands them all, in
 /// order (the word never goes back), once the kernel ends.
 #[test]

@@ -1271,8 +1271,8 @@ int cuGraphDestroy(void *graph) { free_graph(graph); return SUCCESS; }
  *   context; fakeCudaPendingWrites() the writes queued, not landed yet.
  *   Queueing a write and landing one cost O(log n) (see push_write).
  * - Freed host memory reads all ones (0xff bytes) until malloc reuses it.
- * - fakeCudaHostMemoryCalls() counts the calling thread's cuMemHostAlloc and
- *   cuMemFreeHost calls (refused ones too); fakeCudaHostMemorySynchronizes(1)
+ * - fakeCudaHostMemoryCalls(all) counts the calling thread's cuMemHostAlloc and
+ *   cuMemFreeHost calls (refused ones too), or with all = 1 every thread's; fakeCudaHostMemorySynchronizes(1)
  *   makes both wait for the context's queued work before returning (see
  *   host_memory_synchronize for the documents that allow it) and returns
  *   the previous setting.
@@ -1324,6 +1324,7 @@ static __thread int writes_accepted, writes_captured;
 /* See fakeCudaHostMemorySynchronizes and fakeCudaHostMemoryCalls. */
 static int host_memory_synchronizes;
 static __thread int host_memory_calls;
+static _Atomic int host_memory_calls_all;
 /* See fakeCudaCaptureNextWordWrite and fakeCudaLaunchRaceGraph. */
 static __thread int capture_next_word_write;
 static __thread graph_t *race_graph;
@@ -1518,6 +1519,7 @@ static void host_memory_synchronize(ctx_t *c) {
 int cuMemHostAlloc(void **pp, size_t bytesize, unsigned flags) {
     if (deinitialized()) return DEINITIALIZED;
     host_memory_calls++;
+    atomic_fetch_add(&host_memory_calls_all, 1);
     pthread_mutex_lock(&lock);
     int status = current_usable();
     if (status == SUCCESS && (pp == NULL || bytesize == 0 || (flags & ~7u) != 0)) status = INVALID_VALUE;
@@ -1562,6 +1564,7 @@ int cuMemHostGetDevicePointer_v2(unsigned long long *pdptr, void *p, unsigned fl
 int cuMemFreeHost(void *p) {
     if (deinitialized()) return DEINITIALIZED;
     host_memory_calls++;
+    atomic_fetch_add(&host_memory_calls_all, 1);
     pthread_mutex_lock(&lock);
     host_alloc_t **link = &host_allocs;
     while (*link && (*link)->p != p) link = &(*link)->next;
@@ -1689,9 +1692,8 @@ int fakeCudaHostMemorySynchronizes(int on) {
     return previous;
 }
 
-int fakeCudaHostMemoryCalls(int unused) {
-    (void)unused;
-    return host_memory_calls;
+int fakeCudaHostMemoryCalls(int all) {
+    return all ? atomic_load(&host_memory_calls_all) : host_memory_calls;
 }
 
 int fakeCudaCaptureNextWordWrite(int arm) {

@@ -34,6 +34,7 @@ mod fence_pool;
 mod kernels;
 mod progress;
 mod stream;
+mod word_thread;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -82,6 +83,32 @@ pub fn live_events(stream: &Arc<CudaStream>) -> crate::LiveEvents {
         .resolve_per_stream("cuEventCreate")
         .map(|(_, per_stream)| per_stream.live.clone())
         .unwrap_or_default()
+}
+
+/// Wait (at most `timeout`) until every stream whose progress word was asked for before the call
+/// has one installed, or was refused one: from then on, its next fence writes its word. Words
+/// are taken on a thread of the crate's own, never where a wait waits, so a stream's first ask
+/// gets none; tests that need a word at a given fence wait here first. Whether it got there in
+/// time. Feature `test-util`.
+///
+/// ```no_run
+/// use device_events::cuda::{self, Cuda, CudaStreamHandle};
+/// use device_events::EventApi;
+/// use std::time::Duration;
+///
+/// let stream = cuda::context(0)?.new_stream()?;
+/// let handle = CudaStreamHandle::new(&stream);
+/// assert!(Cuda::stream_progress(handle).is_none(), "the first ask gets none");
+/// assert!(cuda::wait_for_progress_words(Duration::from_secs(10)));
+/// cuda::fence(&stream).wait_sync()?; // writes the word
+/// // Where the device supports stream memory operations:
+/// assert!(Cuda::stream_progress(handle).is_some());
+/// # Ok::<(), device_events::ServerError>(())
+/// ```
+#[cfg(feature = "test-util")]
+#[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
+pub fn wait_for_progress_words(timeout: Duration) -> bool {
+    word_thread::wait_idle(timeout)
 }
 
 use crate::{EventApi, EventFence, EventFlags, ServerError};

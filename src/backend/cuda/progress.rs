@@ -5,8 +5,10 @@
 //! confirms a word's "passed" with one query before resolving a wait.
 //!
 //! A stream keeps a word once a waiter asks for it (a spinning first poll, or a lane thread while
-//! the watcher is on): the write costs every fence a driver call. Only where the device reports
-//! both `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY` and
+//! the watcher is on): the write costs every fence a driver call. The first ask gets no word: it
+//! hands the stream to the word thread ([`super::word_thread`]), which takes one for it, and the
+//! stream's fences write it from the next record on; meanwhile its waits go to the driver alone.
+//! Only where the device reports both `CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY` and
 //! `CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS` ("64-bit operations are supported in
 //! cuStreamBatchMemOp and related MemOp APIs"), and never on a stream seen capturing (a captured
 //! write would be a graph node, replaying old numbers). Any refusal turns the stream's word off.
@@ -25,10 +27,12 @@
 //!   gone, no reader holds it, and its last queued write has landed. A stale write replayed into it
 //!   only shows a wrong number, which the waiter's event query catches.
 //! - A [`ProgressWord`] handed out holds its stream's context alive (a [`HeldContext`]).
-//! - Pages are allocated off the fence path, when a stream's word is first asked for
-//!   ([`PerStream::progress`](super::stream::PerStream::progress)), before the stream's lock:
-//!   page-locked allocation may make the context's streams wait for each other (the CUDA
-//!   programming guide, "Implicit Synchronization"); `cuda::fence()` allocates and frees nothing.
+//! - Pages are allocated on the word thread only, which serves no wait, and no lock is held
+//!   across the allocation (the slab's is let go; a stream's word has a lock of its own that no
+//!   driver call holds): page-locked allocation may make the context's streams wait for each
+//!   other (the CUDA programming guide, "Implicit Synchronization"), so an allocation may take as
+//!   long as the context's longest queued work. `cuda::fence()`, a poll and a lane thread before
+//!   its block allocate and free nothing, and wait for no allocation.
 //!
 //! A write that may have been captured turns the word off ([`StreamWord::captured`]): a stream
 //! seen capturing is likely to capture again.
@@ -50,12 +54,22 @@ const ATTRIBUTES: [(i32, &str); 2] = [
     (122, "CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS"),
 ];
 
-/// A stream's progress word, under the stream's sequence lock: writes queue in fence order.
+/// A stream's progress word: what its fences write and its waiters read. Its lock is never held
+/// across a driver call, so a reader (a poll, a lane thread before its block) never waits for one.
+/// Writers (fence records, which the stream's sequence lock keeps one at a time) and the word
+/// thread ([`super::word_thread`]) each change only states of their own, so a writer's state holds
+/// across its driver call.
 #[derive(Default)]
-pub(super) enum StreamWord {
+pub(super) struct StreamWord(Mutex<WordState>);
+
+/// Where a stream's progress word stands.
+#[derive(Default)]
+enum WordState {
     /// Nothing asked for the stream's progress yet: its fences write none.
     #[default]
     Unasked,
+    /// Asked for: the word thread is taking one from the context's slab.
+    Requested,
     /// Taken from the context's slab (which holds it), for the next fence to write; no reader
     /// gets it before then.
     Installed(Weak<SlabWord>),
@@ -65,61 +79,85 @@ pub(super) enum StreamWord {
     Off,
 }
 
-impl StreamWord {
-    /// Whether nothing asked for the word yet.
-    pub(super) fn is_unasked(&self) -> bool {
-        matches!(self, Self::Unasked)
-    }
+/// What a reader's ask found ([`StreamWord::ask`]).
+pub(super) enum Asked {
+    /// The first ask: the caller hands the stream to the word thread.
+    First,
+    /// The open word.
+    Open(Arc<SlabWord>),
+    /// No word to read (yet, or for good).
+    None,
+}
 
-    /// The open word, for a reader; `None` until a fence wrote to it.
-    pub(super) fn open(&self) -> Option<Arc<SlabWord>> {
-        match self {
-            Self::Open(word) => word.upgrade(),
-            Self::Unasked | Self::Installed(_) | Self::Off => None,
+impl StreamWord {
+    /// A reader asks for the word: the open one, or, at the first ask, a request for one (the
+    /// state says so from now on). Takes the lock only, never a driver call.
+    pub(super) fn ask(&self) -> Asked {
+        let mut state = self.0.lock();
+        match &*state {
+            WordState::Unasked => {
+                *state = WordState::Requested;
+                Asked::First
+            }
+            WordState::Open(word) => word.upgrade().map_or(Asked::None, Asked::Open),
+            WordState::Requested | WordState::Installed(_) | WordState::Off => Asked::None,
         }
     }
 
-    /// Install `word`, taken from the slab for this stream, if nothing was asked for yet: whether
-    /// it was (else the caller hands it back).
-    pub(super) fn install(&mut self, word: &Arc<SlabWord>) -> bool {
-        if !self.is_unasked() {
+    /// Install `word`, taken from the slab for this stream at its request: whether it was (else
+    /// the caller hands it back).
+    pub(super) fn install(&self, word: &Arc<SlabWord>) -> bool {
+        let mut state = self.0.lock();
+        if !matches!(*state, WordState::Requested) {
             return false;
         }
-        *self = Self::Installed(Arc::downgrade(word));
+        *state = WordState::Installed(Arc::downgrade(word));
         true
     }
 
     /// The stream's word was refused.
-    pub(super) fn refuse(&mut self) {
-        if self.is_unasked() {
-            *self = Self::Off;
+    pub(super) fn refuse(&self) {
+        let mut state = self.0.lock();
+        if matches!(*state, WordState::Requested) {
+            *state = WordState::Off;
+        }
+    }
+
+    /// The request was never served (the word thread could not start): the next ask asks again.
+    pub(super) fn unrequest(&self) {
+        let mut state = self.0.lock();
+        if matches!(*state, WordState::Requested) {
+            *state = WordState::Unasked;
         }
     }
 
     /// Queue the write of `value` on `stream` (its context bound, not capturing just before the
     /// fence's record) if a word is installed or open, allocating nothing: whether one was queued.
-    pub(super) fn publish(&mut self, bound: &Bound, stream: &Arc<CudaStream>, value: u64) -> bool {
+    /// The lock is let go across the driver call.
+    pub(super) fn publish(&self, bound: &Bound, stream: &Arc<CudaStream>, value: u64) -> bool {
         // The slab holds the word while the stream lives.
-        let Some(word) = (match self {
-            Self::Installed(word) | Self::Open(word) => word.upgrade(),
-            Self::Unasked | Self::Off => None,
-        }) else {
+        let target = match &*self.0.lock() {
+            WordState::Installed(word) | WordState::Open(word) => word.upgrade(),
+            WordState::Unasked | WordState::Requested | WordState::Off => None,
+        };
+        let Some(word) = target else {
             return false;
         };
-        match bound
+        let written = bound
             .driver()
-            .stream_write_value64(stream, &word.memory, value)
-        {
+            .stream_write_value64(stream, &word.memory, value);
+        let mut state = self.0.lock();
+        match written {
             Ok(()) => {
                 word.queued.store(value, Ordering::Relaxed);
-                if let Self::Installed(installed) = self {
-                    *self = Self::Open(installed.clone());
+                if let WordState::Installed(installed) = &*state {
+                    *state = WordState::Open(installed.clone());
                 }
                 true
             }
             Err(err) => {
                 log::debug!("a CUDA stream's progress word is off from now on: {err}");
-                *self = Self::Off;
+                *state = WordState::Off;
                 false
             }
         }
@@ -127,14 +165,14 @@ impl StreamWord {
 
     /// The write just queued may have been captured into a graph: the word is off for later
     /// fences (its memory is safe whatever the graph does, see the module's docs).
-    pub(super) fn captured(&mut self) {
-        *self = Self::Off;
+    pub(super) fn captured(&self) {
+        *self.0.lock() = WordState::Off;
     }
 }
 
 /// What a fence's record publishes: `value` into its stream's `word`.
 pub(super) struct Publish<'a> {
-    pub(super) word: &'a mut StreamWord,
+    pub(super) word: &'a StreamWord,
     pub(super) value: u64,
 }
 
@@ -153,7 +191,11 @@ struct WordReader {
 }
 
 impl WordMemory for WordReader {
+    /// 0 (no fence passed) in a forked child: the driver's mappings are the parent's.
     fn get(&self) -> u64 {
+        if super::driver::in_forked_child() {
+            return 0;
+        }
         self.word.memory.get()
     }
 }
@@ -233,7 +275,9 @@ impl PoolWords {
     }
 
     /// A word for `stream` (alive, of this pool's context): a free word that holds its last value,
-    /// reset to 0, or one of a new page (allocated with the context bound: off the fence path).
+    /// reset to 0, or one of a new page. Called on the word thread only (one at a time), with the
+    /// context bound; the slab's lock is let go across the allocation, which may wait for the
+    /// context's work (see the module's docs).
     pub(super) fn take(&self, stream: &Arc<CudaStream>) -> Result<Arc<SlabWord>, ServerError> {
         let bound = bind(stream.context())?;
         let driver = bound.driver();
@@ -247,23 +291,14 @@ impl PoolWords {
                 ));
             }
         }
-        let mut slab = self.0.lock();
-        slab.recycle();
-        // The stream is alive, and so is its context: its words' memory may be touched.
-        let found = slab
-            .free
-            .iter()
-            .position(|(memory, last)| memory.get() == *last);
-        let memory = match found {
-            Some(index) => {
-                let (memory, _last_write) = slab.free.swap_remove(index);
-                memory
-            }
+        let memory = match self.take_free() {
+            Some(memory) => memory,
             None => {
                 // Allocating is a "potentially unsafe" call during another thread's capture.
                 let mut page = bound.relaxed(|driver| driver.alloc_mapped_page())?;
-                slab.pages += 1;
                 let memory = page.pop().expect("a page holds words");
+                let mut slab = self.0.lock();
+                slab.pages += 1;
                 slab.free.extend(page.into_iter().map(|word| (word, 0)));
                 memory
             }
@@ -273,8 +308,22 @@ impl PoolWords {
             memory,
             queued: AtomicU64::new(0),
         });
+        let mut slab = self.0.lock();
         slab.in_use.push((Arc::downgrade(stream), word.clone()));
         Ok(word)
+    }
+
+    /// A free word that holds its last value (no write to it is still to land), if there is one.
+    /// The caller's stream keeps the context, and so its words' memory, alive.
+    fn take_free(&self) -> Option<MappedWord> {
+        let mut slab = self.0.lock();
+        slab.recycle();
+        let found = slab
+            .free
+            .iter()
+            .position(|(memory, last)| memory.get() == *last)?;
+        let (memory, _last_write) = slab.free.swap_remove(found);
+        Some(memory)
     }
 
     /// Take back `word`, taken for a stream that had one installed meanwhile (never written).

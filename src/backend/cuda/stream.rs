@@ -10,7 +10,8 @@ use super::bind::bind;
 use super::driver::{in_forked_child, not_forked, refused, Capture};
 use super::event::CudaEvent;
 use super::fence_pool::FencePool;
-use super::progress::{self, Publish, StreamWord};
+use super::progress::{self, Asked, Publish, StreamWord};
+use super::word_thread;
 use crate::backend::live_events::LiveEvents;
 use crate::backend::registry::Registry;
 use crate::sync::Mutex;
@@ -25,23 +26,20 @@ pub(super) struct PerStream {
     pub(super) pool: Arc<FencePool>,
     /// Its events in use (feature `test-util`).
     pub(super) live: LiveEvents,
-    /// The next number in the stream's order of records, and its progress word. A lock, not an
-    /// atomic: [`record_in_order`](Self::record_in_order) records, numbers and writes in one step.
-    sequenced: Mutex<Sequenced>,
-}
-
-#[derive(Default)]
-struct Sequenced {
-    next: u64,
+    /// The next number in the stream's order of records. A lock, not an atomic:
+    /// [`record_in_order`](Self::record_in_order) records, numbers and writes the word in one
+    /// step.
+    next: Mutex<u64>,
+    /// Its progress word, whose own lock readers take (never held across a driver call).
     word: StreamWord,
 }
 
 impl PerStream {
     /// The next number in the stream's order of recorded points.
     pub(super) fn next_sequence(&self) -> u64 {
-        let mut sequenced = self.sequenced.lock();
-        sequenced.next += 1;
-        sequenced.next - 1
+        let mut next = self.next.lock();
+        *next += 1;
+        *next - 1
     }
 
     /// Record `event` on `stream` (this one's), number it and publish the number in the progress
@@ -53,13 +51,12 @@ impl PerStream {
         event: &CudaEvent,
         stream: &Arc<CudaStream>,
     ) -> Result<u64, ServerError> {
-        let mut sequenced = self.sequenced.lock();
-        let Sequenced { next, word } = &mut *sequenced;
+        let mut next = self.next.lock();
         let sequence = *next;
         event.record(
             stream,
             Some(Publish {
-                word,
+                word: &self.word,
                 value: sequence + 1,
             }),
         )?;
@@ -67,24 +64,27 @@ impl PerStream {
         Ok(sequence)
     }
 
-    /// `stream`'s (this one's) progress word, once a fence wrote it; the first ask takes one from
-    /// the context's slab (which may allocate: before the stream's lock) for the next fence.
-    pub(super) fn progress(&self, stream: &Arc<CudaStream>) -> Option<ProgressWord> {
-        {
-            let sequenced = self.sequenced.lock();
-            if !sequenced.word.is_unasked() {
-                return sequenced
-                    .word
-                    .open()
-                    .map(|word| progress::reader(word, stream));
+    /// `stream`'s (this one's) progress word, once a fence wrote it. The first ask hands the
+    /// stream to the word thread, which takes a word for it (maybe allocating) for a later fence
+    /// to write; this thread makes no driver call and waits for no lock held across one.
+    pub(super) fn progress(self: &Arc<Self>, stream: &Arc<CudaStream>) -> Option<ProgressWord> {
+        match self.word.ask() {
+            Asked::Open(word) => Some(progress::reader(word, stream)),
+            Asked::First => {
+                word_thread::request(stream, self);
+                None
             }
+            Asked::None => None,
         }
+    }
+
+    /// On the word thread: take a word for `stream` (this one's) from its context's slab and
+    /// install it, or turn the stream's word off if the device or the driver refuses one.
+    pub(super) fn take_word(&self, stream: &Arc<CudaStream>) {
         let words = &self.pool.words;
         match words.take(stream) {
             Ok(word) => {
-                let installed = self.sequenced.lock().word.install(&word);
-                if !installed {
-                    // Another thread installed one meanwhile.
+                if !self.word.install(&word) {
                     words.untake(word);
                 }
             }
@@ -93,10 +93,14 @@ impl PerStream {
                     "no progress word for a CUDA stream: its fences are waited on through their \
                      events alone: {err}"
                 );
-                self.sequenced.lock().word.refuse();
+                self.word.refuse();
             }
         }
-        None
+    }
+
+    /// The word thread could not take `stream`'s request: the next ask asks again.
+    pub(super) fn unrequest_word(&self) {
+        self.word.unrequest();
     }
 }
 
@@ -157,7 +161,8 @@ impl CudaStreamHandle {
             Arc::new(PerStream {
                 pool: FencePool::of(stream.context()),
                 live: LiveEvents::default(),
-                sequenced: Mutex::default(),
+                next: Mutex::default(),
+                word: StreamWord::default(),
             })
         });
         Self {

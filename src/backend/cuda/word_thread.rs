@@ -1,0 +1,117 @@
+//! The word thread: the one thread that takes progress words for streams (see `progress.rs`),
+//! so that page-locked allocation, which may wait for the context's work (the CUDA programming
+//! guide, "Implicit Synchronization": "a page-locked host memory allocation" between two commands
+//! of different streams keeps them from running concurrently), never runs where a wait waits: not
+//! in `cuda::fence()`, a poll, or a waiter's lane thread before its block.
+//!
+//! A stream's first ask for its word queues the stream here and gets no word; the thread takes
+//! one from the context's slab and installs it, and the stream's fences write it from the next
+//! record on. The thread serves no wait. It starts at a request when none runs, and exits once
+//! its queue is empty, as the drop queue's and the waiter's threads leave when idle; a thread
+//! that cannot start leaves its requests unserved, and their streams ask again at their next
+//! wait.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, OnceLock, Weak};
+
+use cudarc::driver::CudaStream;
+
+use super::stream::PerStream;
+use crate::sync::{Condvar, Mutex};
+use crate::{panics, ServerError};
+
+/// The streams waiting for a word, and whether a thread serves them.
+#[derive(Default)]
+struct Requests {
+    queue: VecDeque<(Weak<CudaStream>, Weak<PerStream>)>,
+    running: bool,
+}
+
+fn requests() -> &'static Mutex<Requests> {
+    // In a `OnceLock`: the crate's mutex is not `const` under loom.
+    static REQUESTS: OnceLock<Mutex<Requests>> = OnceLock::new();
+    REQUESTS.get_or_init(Mutex::default)
+}
+
+/// Queue `stream` (with what the crate keeps for it) for a word, and start the thread if none
+/// runs. Makes no driver call; holds the queue's lock only to queue.
+pub(super) fn request(stream: &Arc<CudaStream>, per_stream: &Arc<PerStream>) {
+    let start = {
+        let mut requests = requests().lock();
+        requests
+            .queue
+            .push_back((Arc::downgrade(stream), Arc::downgrade(per_stream)));
+        !std::mem::replace(&mut requests.running, true)
+    };
+    if !start {
+        return;
+    }
+    let started = std::thread::Builder::new()
+        .name("device-events-words".to_owned())
+        .spawn(run);
+    if let Err(err) = started {
+        let err = ServerError::thread_spawn("the CUDA progress-word thread", err);
+        log::debug!("no progress words for now: {err}; their streams ask again at their next wait");
+        let unserved = {
+            let mut requests = requests().lock();
+            requests.running = false;
+            std::mem::take(&mut requests.queue)
+        };
+        idle().notify_all();
+        for (_, per_stream) in unserved {
+            if let Some(per_stream) = per_stream.upgrade() {
+                per_stream.unrequest_word();
+            }
+        }
+    }
+}
+
+/// Wait (at most `timeout`) until no stream is queued or being served: whether that came.
+#[cfg(feature = "test-util")]
+pub(super) fn wait_idle(timeout: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + timeout;
+    let mut requests = requests().lock();
+    while requests.running || !requests.queue.is_empty() {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        if left.is_zero() {
+            return false;
+        }
+        requests = idle().wait_timeout(requests, left).0;
+    }
+    true
+}
+
+/// Notified when the thread has nothing left to serve.
+fn idle() -> &'static Condvar {
+    static IDLE: OnceLock<Condvar> = OnceLock::new();
+    IDLE.get_or_init(Condvar::default)
+}
+
+/// The thread: take a word for each queued stream still alive, until none is queued.
+fn run() {
+    #[cfg(multi_threading)]
+    crate::os::mark_own_thread();
+    loop {
+        let next = {
+            let mut requests = requests().lock();
+            let next = requests.queue.pop_front();
+            requests.running = next.is_some();
+            next
+        };
+        let Some((stream, per_stream)) = next else {
+            idle().notify_all();
+            return;
+        };
+        let (Some(stream), Some(per_stream)) = (stream.upgrade(), per_stream.upgrade()) else {
+            continue;
+        };
+        // cudarc's or the driver's code: a panic costs this stream its word, not the thread.
+        let taken = panics::catch(|| per_stream.take_word(&stream));
+        if let Err(message) = taken {
+            log::error!("taking a CUDA stream's progress word panicked: {message}");
+        }
+        // The stream may be dropped here, its last handle gone: cudarc destroys it.
+        let _ = panics::drop_caught(stream);
+        let _ = panics::drop_caught(per_stream);
+    }
+}
