@@ -3,7 +3,8 @@
 //! guidelines), and the child has only the thread that forked, so a lock of
 //! the crate's that a parent thread held at the fork stays held there. A
 //! fence, a handle, a drop or a context in the child fails at once (or
-//! forgets what it holds), making no CUDA call; nothing hangs.
+//! forgets what it holds), making no CUDA call, and a progress word is not
+//! read (its page-locked mapping is the parent's); nothing hangs.
 //!
 //! One test in its own binary: a fork copies whatever locks other threads
 //! held at that moment, and here no other test's threads run. It holds a
@@ -15,8 +16,8 @@ mod common;
 
 use std::time::Duration;
 
-use device_events::cuda::{self, CudaStreamHandle};
-use device_events::Waiter;
+use device_events::cuda::{self, Cuda, CudaStreamHandle};
+use device_events::{EventApi, Waiter};
 
 use common::fake_driver;
 use common::fork::in_a_fork;
@@ -34,6 +35,17 @@ fn cuda_in_a_forked_child_fails_at_once_and_never_hangs() {
         return;
     }
     let stream = ctx.new_stream().unwrap();
+    // A progress word open in the parent, read in the child.
+    let handle = CudaStreamHandle::new(&stream);
+    assert!(Cuda::stream_progress(handle).is_none(), "the first ask");
+    assert!(cuda::wait_for_progress_words(LIMIT));
+    let passed = cuda::fence(&stream);
+    let passed_at = passed.sequence();
+    passed.wait_sync().unwrap();
+    let word = Cuda::stream_progress(handle).expect("the fake opens a word");
+    common::eventually(LIMIT, "the word passes its fence", || {
+        word.passed(passed_at)
+    });
     // Made in the parent, waited on and dropped in the child.
     let fence = cuda::fence(&stream);
     let waiter = Waiter::builder().build();
@@ -52,6 +64,10 @@ fn cuda_in_a_forked_child_fails_at_once_and_never_hangs() {
         let err = refused.wait_sync().expect_err("a fence in the child");
         if !(err.is_unavailable() && err.to_string().contains("fork")) {
             return Err(format!("a fence in the child failed with {err}"));
+        }
+        // The driver's mappings are the parent's: the word is not read.
+        if word.passed(passed_at) {
+            return Err("a progress word read in the child says its fence passed".to_owned());
         }
         let handle = CudaStreamHandle::new(&stream);
         if handle.stream().is_some() {
