@@ -66,14 +66,19 @@ impl<T, X: Clone> Registry<T, X> {
         if let Some(found) = shard.known(address) {
             return found;
         }
-        if shard.by_id.len() >= shard.sweep_at {
-            shard.sweep();
-        }
+        let swept = if shard.by_id.len() >= shard.sweep_at {
+            shard.sweep()
+        } else {
+            Vec::new()
+        };
         let id = (self.next.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | index as u64;
         shard
             .by_id
             .insert(id, (Arc::downgrade(value), payload.clone()));
         shard.by_address.insert(address, id);
+        drop(shard);
+        // After the lock: a payload's drop may call the driver (a context's last fence pool).
+        drop(swept);
         (id, payload)
     }
 
@@ -85,9 +90,13 @@ impl<T, X: Clone> Registry<T, X> {
 
     pub(crate) fn remove(&self, id: u64) {
         let mut shard = self.shards[shard_of_id(id)].write();
-        if let Some((weak, _)) = shard.by_id.remove(&id) {
+        let removed = shard.by_id.remove(&id);
+        if let Some((weak, _)) = &removed {
             shard.by_address.remove(&(weak.as_ptr() as usize));
         }
+        drop(shard);
+        // After the lock, as in `register`.
+        drop(removed);
     }
 }
 
@@ -105,16 +114,23 @@ impl<T, X: Clone> Shard<T, X> {
         (weak.strong_count() > 0).then(|| (id, payload.clone()))
     }
 
-    fn sweep(&mut self) {
-        let by_address = &mut self.by_address;
-        self.by_id.retain(|_, (weak, _)| {
-            let alive = weak.strong_count() > 0;
-            if !alive {
-                by_address.remove(&(weak.as_ptr() as usize));
+    /// Take out the entries whose value is gone, for the caller to drop after the lock.
+    fn sweep(&mut self) -> Vec<(Weak<T>, X)> {
+        let gone: Vec<u64> = self
+            .by_id
+            .iter()
+            .filter(|(_, (weak, _))| weak.strong_count() == 0)
+            .map(|(id, _)| *id)
+            .collect();
+        let mut swept = Vec::with_capacity(gone.len());
+        for id in gone {
+            if let Some(entry) = self.by_id.remove(&id) {
+                self.by_address.remove(&(entry.0.as_ptr() as usize));
+                swept.push(entry);
             }
-            alive
-        });
+        }
         self.sweep_at = (self.by_id.len() * 2).max(FIRST_SWEEP);
+        swept
     }
 }
 
@@ -175,5 +191,55 @@ mod tests {
             used[shard_of_id(id)] = true;
         }
         assert!(used.iter().filter(|used| **used).count() > SHARDS / 2);
+    }
+
+    /// A payload whose last drop checks, from another thread, that no shard of [`PROBED`] is
+    /// locked (a payload's drop may call the driver), counting the drops that found one locked.
+    #[derive(Clone)]
+    struct Probe(#[allow(dead_code)] Arc<LastDrop>);
+
+    struct LastDrop;
+
+    static PROBED: Registry<u32, Probe> = Registry::new();
+    static DROPPED: AtomicU64 = AtomicU64::new(0);
+    static UNDER_A_LOCK: AtomicU64 = AtomicU64::new(0);
+
+    impl Drop for LastDrop {
+        fn drop(&mut self) {
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+            if UNDER_A_LOCK.load(Ordering::Relaxed) > 0 {
+                // Found once: the test fails without waiting out each later drop.
+                return;
+            }
+            let (done, finished) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                for shard in &PROBED.shards {
+                    drop(shard.read());
+                }
+                let _ = done.send(());
+            });
+            let timeout = std::time::Duration::from_secs(5);
+            if finished.recv_timeout(timeout).is_err() {
+                UNDER_A_LOCK.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    #[test]
+    fn payloads_swept_or_removed_are_dropped_after_the_lock() {
+        let probe = || Probe(Arc::new(LastDrop));
+        for i in 0..(FIRST_SWEEP * SHARDS * 2) as u32 {
+            let value = Arc::new(i);
+            PROBED.register(&value, probe);
+        }
+        let kept = Arc::new(u32::MAX);
+        let (id, _) = PROBED.register(&kept, probe);
+        PROBED.remove(id);
+        assert!(DROPPED.load(Ordering::Relaxed) > 1, "entries were swept");
+        assert_eq!(
+            UNDER_A_LOCK.load(Ordering::Relaxed),
+            0,
+            "dropped under a lock"
+        );
     }
 }
