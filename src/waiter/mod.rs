@@ -64,8 +64,11 @@
 //!
 //! The watcher sleeps until shortly before the first end due (earlier by
 //! the most its recent sleeps overslept and the lane's margin; never more
-//! than 20 ms at a time), then looks at the words of the entries due, a
-//! memory load each, pausing and then yielding between looks. A word that
+//! than 20 ms at a time), planned from the list under the lock: it holds no
+//! entry while it sleeps, so a wait its lane thread resolves meanwhile
+//! leaves with that thread, fence and all. Awake, it takes the entries and
+//! looks at the words of those due, a memory load each, pausing and then
+//! yielding between looks. A word that
 //! passed is confirmed by one query of the wait's event (so a faulted
 //! stream still fails its waits), and the watcher resolves the wait. The
 //! lane's held wait is taken under the lock by whichever of the two comes
@@ -82,11 +85,12 @@
 //! - **Waits too short to watch** (predicted shorter than 150 µs, or than
 //!   twice how early the watcher wakes, lately) are left to the driver,
 //!   whose wake comes about as soon, without a wake-up of the watcher's
-//!   thread on a host whose cores the streams keep busy; that
-//!   figure halves every 100 ms it is not measured again, so a bad spell
-//!   cannot switch the watcher off for good. A lane thread learns its lane's
-//!   prediction as each wait ends, and skips the list (and its lock) while
-//!   it says too short.
+//!   thread on a host whose cores the streams keep busy; that figure
+//!   (measured by each sleep that runs its course, not by a round that
+//!   does not sleep) halves every 100 ms it is not measured again, so a bad
+//!   spell cannot switch the watcher off for good. A lane thread learns its
+//!   lane's prediction as each wait ends, and skips the list (and its lock)
+//!   while it says too short.
 //! - **Its CPU is bounded by design**: at most 200 µs of looking per wait,
 //!   and, over time, at most a quarter of one core for its thread (a budget
 //!   that earns a quarter of the time passing, saves up at most 10 ms and

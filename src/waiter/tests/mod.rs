@@ -5,7 +5,8 @@
 //! - `loom_models.rs`: the loom models (`--cfg device_events_loom`);
 //! - `mock_device.rs`: a device whose fences a test ends one by one;
 //! - `plants.rs`: faults a test plants in one pool;
-//! - `readers.rs`: what tests read of a pool's state.
+//! - `readers.rs`: what tests read of a pool's state;
+//! - `watcher_naps.rs`: what the watcher holds across a nap, and how early it says it wakes.
 
 #[cfg(not(device_events_loom))]
 mod guards;
@@ -16,3 +17,5 @@ pub(super) mod plants;
 mod readers;
 #[cfg(not(device_events_loom))]
 mod unit;
+#[cfg(not(device_events_loom))]
+mod watcher_naps;

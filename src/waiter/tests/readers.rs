@@ -39,6 +39,30 @@ impl Pool {
         self.lock().watcher_waits
     }
 
+    /// If the watcher naps now, keep the lock until `past` after its nap's end, so that it wakes
+    /// at least that late (as on a host whose timer slack or load delays wake-ups); the nap's end.
+    #[cfg(not(device_events_loom))]
+    pub(crate) fn hold_past_nap(&self, past: std::time::Duration) -> Option<std::time::Instant> {
+        let state = self.lock();
+        let until = state.watcher_nap_until?;
+        while let Some(left) = (until + past).checked_duration_since(std::time::Instant::now()) {
+            std::thread::sleep(left);
+        }
+        drop(state);
+        Some(until)
+    }
+
+    /// While the watcher naps with one entry on its list, how many hold that entry's fence.
+    #[cfg(not(device_events_loom))]
+    pub(crate) fn fence_holders_in_nap(&self) -> Option<usize> {
+        let state = self.lock();
+        state.watcher_nap_until?;
+        match state.watched.as_slice() {
+            [entry] => Some(std::sync::Arc::strong_count(&entry.waitable)),
+            _ => None,
+        }
+    }
+
     /// Lane threads asleep for work now, for tests that need one idle.
     #[cfg(not(device_events_loom))]
     pub(crate) fn idle_threads(&self) -> usize {

@@ -4,11 +4,19 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::timing::{Held, Watched};
+use super::timing::{Held, Timing, Watched};
 use crate::waiter::contain;
 use crate::waiter::pool::Pool;
 use crate::waiter::state::{Action, Owner};
 use crate::ServerError;
+
+/// What the watcher's round plans its nap from ([`Pool::watch_round`]).
+pub(crate) struct Plan {
+    /// Entries handed to the watcher by then.
+    pub(crate) published: usize,
+    /// When the first entry on its list is due to be looked at.
+    pub(crate) first: Instant,
+}
 
 impl Pool {
     /// Entries handed to the watcher so far.
@@ -21,8 +29,10 @@ impl Pool {
         self.shared.watcher_early.get(now)
     }
 
-    pub(crate) fn set_watcher_early(&self, early: Duration) {
-        self.shared.watcher_early.set(early, Instant::now());
+    /// The watcher wakes `early` before an end it expects, as a nap that ended at `measured`
+    /// showed.
+    pub(crate) fn set_watcher_early(&self, early: Duration, measured: Instant) {
+        self.shared.watcher_early.set(early, measured);
     }
 
     /// The watcher saw `entry`'s wait end with `result`, `took` after its
@@ -88,22 +98,28 @@ impl Pool {
         Some(state.watcher_for_work(Some(looks_from)))
     }
 
-    /// The watcher's round: the entries to watch, into `entries` (empty);
-    /// it waits for one up to its keep-alive. How many entries had been
-    /// handed over by then (see [`Pool::published`]); `None` (and uncounted)
-    /// when it should exit: idle past its keep-alive, or shut down.
-    pub(crate) fn watch_round(&self, entries: &mut Vec<Watched>) -> Option<usize> {
+    /// The watcher's round: how many entries had been handed over (see [`Pool::published`]),
+    /// and when, by `timing`, the first on its list is due to be looked at; it waits for one up
+    /// to its keep-alive. Planned from the list under the lock, copying nothing: the watcher
+    /// holds no entry while it sleeps toward the first. `None` (and uncounted) when it should
+    /// exit: idle past its keep-alive, or shut down.
+    pub(crate) fn watch_round(&self, timing: &Timing) -> Option<Plan> {
         let mut state = self.lock();
         let mut timed_out = false;
         loop {
-            entries.extend(state.watched.iter().cloned());
-            if !entries.is_empty() && !state.shutdown {
-                return Some(self.published());
+            let first = state
+                .watched
+                .iter()
+                .map(|entry| timing.look_from(entry))
+                .min();
+            if let Some(first) = first.filter(|_| !state.shutdown) {
+                let published = self.published();
+                return Some(Plan { published, first });
             }
             if state.shutdown || timed_out {
                 state.leave(Owner::Watcher);
                 // The next watcher learns its own timing.
-                self.set_watcher_early(Duration::ZERO);
+                self.set_watcher_early(Duration::ZERO, Instant::now());
                 return None;
             }
             state.watcher_waits = true;
@@ -113,6 +129,18 @@ impl Pool {
             state.watcher_waits = false;
             timed_out = timeout;
         }
+    }
+
+    /// The entries on the watcher's list, copied into `entries` (empty) to look at, unless
+    /// entries came after the `published`th (its round plans again): whether it copied them.
+    /// Those its lane threads took off meanwhile are gone for good.
+    pub(crate) fn watched_since(&self, published: usize, entries: &mut Vec<Watched>) -> bool {
+        let state = self.lock();
+        if self.published() != published {
+            return false;
+        }
+        entries.extend(state.watched.iter().cloned());
+        true
     }
 
     /// The watcher sleeps until `until`, unless an entry comes after the

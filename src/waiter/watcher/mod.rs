@@ -11,6 +11,6 @@ mod list;
 mod thread;
 mod timing;
 
-#[cfg(all(test, not(device_events_loom)))]
-pub(super) use timing::FIRST_WINDOW;
 pub(super) use timing::{too_short, Early, Held, LaneHistory, Watched, HISTORIES};
+#[cfg(all(test, not(device_events_loom)))]
+pub(super) use timing::{EARLY_HALF_LIFE, FIRST_WINDOW};

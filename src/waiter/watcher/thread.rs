@@ -3,35 +3,40 @@
 
 use std::time::{Duration, Instant};
 
+use super::list::Plan;
 use super::timing::{self, CpuBudget, Timing, Watched, MAX_NAP, MIN_NAP};
 use crate::waiter::contain;
 use crate::waiter::threads::WaiterThread;
 
 impl WaiterThread {
-    /// The watcher: sleep until the first entry is nearly due (at most [`MAX_NAP`]), look at
-    /// the words of those due until each passed (confirmed by a query, then resolved) or its
-    /// window ended, within its CPU budget, and again. Its CPU time is counted as it goes.
+    /// The watcher: sleep until the first entry is nearly due (at most [`MAX_NAP`]), holding
+    /// none, then take the entries and look at the words of those due until each passed
+    /// (confirmed by a query, then resolved) or its window ended, within its CPU budget, and
+    /// again. Its CPU time is counted as it goes.
     pub(crate) fn run_watcher(&mut self) {
         crate::os::lower_timer_slack();
         let mut timing = Timing::default();
         let mut budget = CpuBudget::new(Instant::now());
         let mut cpu = crate::os::thread_cpu_time();
         let mut entries = Vec::new();
-        while let Some(published) = self.pool.watch_round(&mut entries) {
+        while let Some(Plan { published, first }) = self.pool.watch_round(&timing) {
             self.pool.planted_escape(self.owner);
-            let first = entries.iter().map(|entry| timing.look_from(entry)).min();
-            let first = first.expect("a round has entries");
             let now = Instant::now();
             let mut napped = false;
             if first.saturating_duration_since(now) >= MIN_NAP && !cfg!(device_events_loom) {
                 let until = first.min(now + MAX_NAP);
                 if let Some(late) = self.pool.watcher_nap(until, published) {
                     timing.overslept(late);
+                    // Said as a nap measures it, and stamped with when: a round with no nap (its
+                    // entries due at once) measures nothing, and leaves the figure to age.
+                    self.pool.set_watcher_early(timing.early(), until + late);
                     napped = until == first;
                 }
             }
             let mut looked = Duration::ZERO;
-            if self.pool.published() == published {
+            // Its copies of the entries are taken only now, awake: an entry its lane thread took
+            // off during the nap is not kept from its pool (nor its context kept alive) by it.
+            if self.pool.watched_since(published, &mut entries) {
                 let started = Instant::now();
                 if budget.earn(started) {
                     self.look(&mut timing, &entries, published, napped);
@@ -39,7 +44,6 @@ impl WaiterThread {
                 } else {
                     self.leave_due(&timing, &entries, started);
                 }
-                self.pool.set_watcher_early(timing.early());
             }
             // Its copies of the entries go here, each maybe a fence's last.
             entries.drain(..).for_each(contain::drop);
