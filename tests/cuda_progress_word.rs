@@ -410,7 +410,7 @@ fn a_stream_no_waiter_asked_about_writes_no_word() {
     cuda::fence(&stream).wait_sync().unwrap();
     futures::executor::block_on(Waiter::builder().build().wait(cuda::fence(&stream))).unwrap();
     assert_eq!(writes(), before, "a fence wrote a word no one asked for");
-    assert!(Cuda::stream_progress(CudaStreamHandle::new(&stream)).is_none());
+    ask(&stream);
     let fence = cuda::fence(&stream);
     assert_eq!(
         writes().map(|count| count - before.unwrap_or(0)),
@@ -548,6 +548,7 @@ fn the_first_fence_of_a_newly_watched_stream_allocates_and_frees_nothing() {
     // streams go and their words are reused, all outside any fence.
     let second = ctx.new_stream().unwrap();
     let calls = page_calls();
+    assert!(Cuda::stream_progress(CudaStreamHandle::new(&second)).is_none());
     let second_fence = cuda::fence(&second);
     let second_during = page_calls() - calls;
     drop(synchronizing);
@@ -607,11 +608,24 @@ fn beside_a_word_allocation<T>(
     let stream = needing_a_page(&ctx, &mut held);
     let busy = ctx.new_stream().unwrap();
     let synchronizing = Synchronizing::start();
+    let calls = page_calls();
     sleep.launch(&busy, LONG_KERNEL).unwrap();
+    let started = Instant::now();
     let measured = measure(&sleep, &stream);
-    cuda::fence(&busy).wait_sync().unwrap();
     assert!(cuda::wait_for_progress_words(Duration::from_secs(10)));
+    let allocated = started.elapsed();
+    cuda::fence(&busy).wait_sync().unwrap();
     drop(synchronizing);
+    // What `measure` did not wait for: one allocation, which waited for the kernel.
+    assert_eq!(
+        page_calls() - calls,
+        1,
+        "the stream's first ask took one new page"
+    );
+    assert!(
+        allocated >= LONG_KERNEL / 2,
+        "the allocation did not wait for the kernel: {allocated:?}"
+    );
     Some(measured)
 }
 

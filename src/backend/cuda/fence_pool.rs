@@ -58,7 +58,10 @@ impl FencePool {
             });
         let mut pools = POOLS.get_or_init(Mutex::default).lock();
         pools.retain(|pool| pool.strong_count() > 0);
-        let found = pools.iter().filter_map(Weak::upgrade).find(|pool| {
+        // Every pool upgraded is dropped after the lock: one whose last stream went meanwhile
+        // is dropped here, and a pool's drop calls the driver.
+        let live: Vec<Arc<Self>> = pools.iter().filter_map(Weak::upgrade).collect();
+        let found = live.iter().find(|pool| {
             let mut objects = pool.objects.lock();
             match (id, pool.id) {
                 (Some(id), Some(pool_id)) if id == pool_id => {
@@ -77,7 +80,7 @@ impl FencePool {
                 _ => false,
             }
         });
-        found.unwrap_or_else(|| {
+        let pool = found.cloned().unwrap_or_else(|| {
             let pool = Arc::new(Self {
                 id,
                 ordinal: ctx.ordinal(),
@@ -89,7 +92,10 @@ impl FencePool {
             });
             pools.push(Arc::downgrade(&pool));
             pool
-        })
+        });
+        drop(pools);
+        drop(live);
+        pool
     }
 
     /// An idle fence event from the calling thread's shard, or a new one, counted in `live`. `ctx`

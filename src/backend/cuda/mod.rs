@@ -86,10 +86,11 @@ pub fn live_events(stream: &Arc<CudaStream>) -> crate::LiveEvents {
 }
 
 /// Wait (at most `timeout`) until every stream whose progress word was asked for before the call
-/// has one installed, or was refused one: from then on, its next fence writes its word. Words
+/// has one installed, or was refused one (or, where the word thread could not start, will ask
+/// again at its next wait): from then on, its next fence writes its word. Words
 /// are taken on a thread of the crate's own, never where a wait waits, so a stream's first ask
 /// gets none; tests that need a word at a given fence wait here first. Whether it got there in
-/// time. Feature `test-util`.
+/// time; `false` at once in a forked child. Feature `test-util`.
 ///
 /// ```no_run
 /// use device_events::cuda::{self, Cuda, CudaStreamHandle};

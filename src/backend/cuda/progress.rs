@@ -338,10 +338,18 @@ impl WordSlab {
     /// Move to the free list every word whose stream is gone and that no reader holds (the slab's
     /// is its only handle). Touches no word memory.
     fn recycle(&mut self) {
-        let gone = self.in_use.extract_if(.., |(stream, word)| {
-            stream.strong_count() == 0 && Arc::strong_count(word) == 1
-        });
-        let free = gone.map(|(_, word)| (word.memory, word.queued.load(Ordering::Relaxed)));
+        let gone: Vec<_> = self
+            .in_use
+            .extract_if(.., |(stream, word)| {
+                stream.strong_count() == 0 && Arc::strong_count(word) == 1
+            })
+            .collect();
+        // The counts are read relaxed: this pairs with the release of the last handles, so the
+        // last value a writer queued (before letting its handle go) is the one read below.
+        std::sync::atomic::fence(Ordering::Acquire);
+        let free = gone
+            .into_iter()
+            .map(|(_, word)| (word.memory, word.queued.load(Ordering::Relaxed)));
         self.free.extend(free);
     }
 }

@@ -10,6 +10,11 @@
 //! its queue is empty, as the drop queue's and the waiter's threads leave when idle; a thread
 //! that cannot start leaves its requests unserved, and their streams ask again at their next
 //! wait.
+//!
+//! One thread serves every context, in turn: a stream's word can wait behind another context's
+//! allocation, its waits going to the driver meanwhile. While it serves a stream it holds the
+//! stream alive, so a stream whose last handle went meanwhile is destroyed on this thread
+//! (cudarc binds the context to do so, keeping the error a user's next call is due).
 
 use std::collections::VecDeque;
 use std::sync::{Arc, OnceLock, Weak};
@@ -69,6 +74,10 @@ pub(super) fn request(stream: &Arc<CudaStream>, per_stream: &Arc<PerStream>) {
 /// Wait (at most `timeout`) until no stream is queued or being served: whether that came.
 #[cfg(feature = "test-util")]
 pub(super) fn wait_idle(timeout: std::time::Duration) -> bool {
+    if super::driver::in_forked_child() {
+        // The queue's lock may have stayed held in the parent.
+        return false;
+    }
     let deadline = std::time::Instant::now() + timeout;
     let mut requests = requests().lock();
     while requests.running || !requests.queue.is_empty() {
