@@ -50,6 +50,23 @@
 //!    the child and touches nothing.
 //! 8. **The watcher** (below) exits after its keep-alive idle.
 //!
+//! # Which thread calls the driver
+//!
+//! - **The caller's thread**, in `poll`: the first poll's event query (a
+//!   `cuEventQuery` on CUDA), and within a spin budget more queries and
+//!   loads of the stream's progress word. Asking for the word never
+//!   allocates and never waits for a lock held across a driver call: a
+//!   stream's first ask hands it to the backend's own thread (on CUDA, the
+//!   `device-events-words` thread, which serves no wait), and gets no word.
+//!   Making the fence (`cuda::fence()`) records its event, and a word write
+//!   on a stream that has one, on the caller's thread too, before any poll:
+//!   driver calls that another thread's kernel load can hold up (CUDA's
+//!   lazy loading may wait for the context's work).
+//! - **The waiter's threads**, for everything else: a lane thread asks for
+//!   its stream's word (as above, never an allocation) and blocks in the
+//!   driver; the poller and the watcher query events. A dropped future's
+//!   event is released by one of them, off the caller's thread.
+//!
 //! # The watcher
 //!
 //! An accelerator that races the driver and never replaces it
