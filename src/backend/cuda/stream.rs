@@ -2,7 +2,7 @@
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 
 use cudarc::driver::{sys, CudaStream};
 
@@ -71,7 +71,10 @@ impl PerStream {
         match self.word.ask() {
             Asked::Open(word) => Some(progress::reader(word, stream)),
             Asked::First => {
-                word_thread::request(stream, self);
+                word_thread::request(Box::new(WordFor {
+                    stream: Arc::downgrade(stream),
+                    per_stream: Arc::downgrade(self),
+                }));
                 None
             }
             Asked::None => None,
@@ -97,10 +100,27 @@ impl PerStream {
             }
         }
     }
+}
 
-    /// The word thread could not take `stream`'s request: the next ask asks again.
-    pub(super) fn unrequest_word(&self) {
-        self.word.unrequest();
+/// A stream's request for a word, served on the word thread.
+struct WordFor {
+    stream: Weak<CudaStream>,
+    per_stream: Weak<PerStream>,
+}
+
+impl word_thread::Request for WordFor {
+    fn serve(&self) {
+        if let (Some(stream), Some(per_stream)) = (self.stream.upgrade(), self.per_stream.upgrade())
+        {
+            per_stream.take_word(&stream);
+            // The stream may be dropped here, its last handle gone: cudarc destroys it.
+        }
+    }
+
+    fn unserved(&self) {
+        if let Some(per_stream) = self.per_stream.upgrade() {
+            per_stream.word.unrequest();
+        }
     }
 }
 

@@ -17,18 +17,23 @@
 //! (cudarc binds the context to do so, keeping the error a user's next call is due).
 
 use std::collections::VecDeque;
-use std::sync::{Arc, OnceLock, Weak};
+use std::sync::OnceLock;
 
-use cudarc::driver::CudaStream;
-
-use super::stream::PerStream;
 use crate::sync::{Condvar, Mutex};
 use crate::{panics, ServerError};
+
+/// A stream's request for a word.
+pub(super) trait Request: Send {
+    /// Take a word for the stream, if it is still alive (on the word thread).
+    fn serve(&self);
+    /// The thread could not start: the stream asks again at its next wait.
+    fn unserved(&self);
+}
 
 /// The streams waiting for a word, and whether a thread serves them.
 #[derive(Default)]
 struct Requests {
-    queue: VecDeque<(Weak<CudaStream>, Weak<PerStream>)>,
+    queue: VecDeque<Box<dyn Request>>,
     running: bool,
 }
 
@@ -38,14 +43,12 @@ fn requests() -> &'static Mutex<Requests> {
     REQUESTS.get_or_init(Mutex::default)
 }
 
-/// Queue `stream` (with what the crate keeps for it) for a word, and start the thread if none
-/// runs. Makes no driver call; holds the queue's lock only to queue.
-pub(super) fn request(stream: &Arc<CudaStream>, per_stream: &Arc<PerStream>) {
+/// Queue `request`, and start the thread if none runs. Makes no driver call; holds the queue's
+/// lock only to queue.
+pub(super) fn request(request: Box<dyn Request>) {
     let start = {
         let mut requests = requests().lock();
-        requests
-            .queue
-            .push_back((Arc::downgrade(stream), Arc::downgrade(per_stream)));
+        requests.queue.push_back(request);
         !std::mem::replace(&mut requests.running, true)
     };
     if !start {
@@ -63,10 +66,8 @@ pub(super) fn request(stream: &Arc<CudaStream>, per_stream: &Arc<PerStream>) {
             std::mem::take(&mut requests.queue)
         };
         idle().notify_all();
-        for (_, per_stream) in unserved {
-            if let Some(per_stream) = per_stream.upgrade() {
-                per_stream.unrequest_word();
-            }
+        for request in unserved {
+            request.unserved();
         }
     }
 }
@@ -96,7 +97,7 @@ fn idle() -> &'static Condvar {
     IDLE.get_or_init(Condvar::default)
 }
 
-/// The thread: take a word for each queued stream still alive, until none is queued.
+/// The thread: serve each queued request, until none is queued.
 fn run() {
     #[cfg(multi_threading)]
     crate::os::mark_own_thread();
@@ -107,20 +108,14 @@ fn run() {
             requests.running = next.is_some();
             next
         };
-        let Some((stream, per_stream)) = next else {
+        let Some(request) = next else {
             idle().notify_all();
             return;
         };
-        let (Some(stream), Some(per_stream)) = (stream.upgrade(), per_stream.upgrade()) else {
-            continue;
-        };
         // cudarc's or the driver's code: a panic costs this stream its word, not the thread.
-        let taken = panics::catch(|| per_stream.take_word(&stream));
-        if let Err(message) = taken {
+        if let Err(message) = panics::catch(|| request.serve()) {
             log::error!("taking a CUDA stream's progress word panicked: {message}");
         }
-        // The stream may be dropped here, its last handle gone: cudarc destroys it.
-        let _ = panics::drop_caught(stream);
-        let _ = panics::drop_caught(per_stream);
+        let _ = panics::drop_caught(request);
     }
 }
