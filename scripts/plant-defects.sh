@@ -62,7 +62,8 @@ plant_loom() {
 
 # The waiter's races that only a loom model reaches: each breaks a count or
 # a queue under the pool's lock (its invariants fail when the lock is let
-# go) or loses a wake-up (the model deadlocks).
+# go) or loses a wake-up (the model deadlocks, or a watcher's nap runs out
+# past an entry due before its end: the nap's own check fails).
 plant_loom woke-keeps-idle-count "a woken lane thread is still counted idle" \
     loom_an_idle_thread_timing_out_races_a_submit
 plant_loom idle-thread-leaves-without-looking "an idle thread leaves on a timeout without looking at the queues" \
@@ -77,5 +78,7 @@ plant_loom watcher-takes-the-hold-delivers-nothing "the watcher wins the race fo
     loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once
 plant_loom shutdown-leaves-the-watchers-list "shutdown leaves entries on the list of a watcher that then exits" \
     loom_shutdown_during_the_race
+plant_loom napping-watcher-never-woken "a napping watcher is not woken for an entry due before its nap ends" \
+    loom_an_entry_due_before_the_watchers_nap_ends_wakes_it
 
 echo "== every plant caught ($caught)"

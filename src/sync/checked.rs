@@ -2,9 +2,9 @@
 //! loom builds), so a broken state fails where it broke.
 
 use std::ops::{Deref, DerefMut};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use crate::sync::{Condvar, Mutex, MutexGuard};
+use crate::sync::{Clock, Condvar, Mutex, MutexGuard};
 
 /// State whose invariants one look can check.
 pub(crate) trait Invariants {
@@ -35,6 +35,21 @@ impl<'a, T: Invariants> Checked<'a, T> {
             guard.check_invariants();
         }
         let (guard, timed_out) = condvar.wait_timeout(guard, timeout);
+        (Self { guard: Some(guard) }, timed_out)
+    }
+
+    /// [`Checked::wait_timeout`] until `deadline` by `clock` ([`Condvar::wait_until`]).
+    pub(crate) fn wait_until(
+        mut self,
+        condvar: &Condvar,
+        deadline: Instant,
+        clock: &Clock,
+    ) -> (Self, bool) {
+        let guard = self.guard.take().expect("a checked guard holds its lock");
+        if CHECKING {
+            guard.check_invariants();
+        }
+        let (guard, timed_out) = condvar.wait_until(guard, deadline, clock);
         (Self { guard: Some(guard) }, timed_out)
     }
 }

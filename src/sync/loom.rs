@@ -1,13 +1,13 @@
-//! The crate's only locks and condition variable, and the waiter's thread spawns: std's, or loom's under
-//! `cfg(device_events_loom)` so the waiter's models explore every interleaving (as tokio's
-//! `src/loom/`).
+//! The crate's only locks and condition variable, the waiter's thread spawns and the clock its
+//! watcher goes by: std's, or loom's under `cfg(device_events_loom)` so the waiter's models
+//! explore every interleaving (as tokio's `src/loom/`).
 //!
 //! The locks ignore poisoning, as tokio's `loom/std/mutex.rs` does: user code and backend calls
 //! run outside locks, so a panic never leaves a lock's data half-changed.
 
 use std::fmt;
 use std::sync::PoisonError;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 #[cfg(not(device_events_loom))]
 use std::sync as imp;
@@ -162,6 +162,36 @@ impl Condvar {
         (guard, timed_out)
     }
 
+    /// Wait until `deadline` by `clock`, or a notification; also whether it timed out.
+    #[cfg(not(device_events_loom))]
+    pub(crate) fn wait_until<'a, T>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        deadline: Instant,
+        clock: &Clock,
+    ) -> (MutexGuard<'a, T>, bool) {
+        self.wait_timeout(guard, deadline.saturating_duration_since(clock.now()))
+    }
+
+    /// Wait until `deadline` by `clock`, or a notification; also whether it timed out.
+    ///
+    /// Under loom, whether the deadline comes before a notification is the schedule's choice, as
+    /// for a zero timeout ([`Condvar::wait_timeout`]); a wait that times out moves `clock` on to
+    /// its deadline, so what is due by then is due.
+    #[cfg(device_events_loom)]
+    pub(crate) fn wait_until<'a, T>(
+        &self,
+        guard: MutexGuard<'a, T>,
+        deadline: Instant,
+        clock: &Clock,
+    ) -> (MutexGuard<'a, T>, bool) {
+        let (guard, timed_out) = self.wait_timeout(guard, Duration::ZERO);
+        if timed_out {
+            clock.pass_to(deadline);
+        }
+        (guard, timed_out)
+    }
+
     pub(crate) fn notify_one(&self) {
         #[cfg(device_events_loom)]
         self.notifications
@@ -180,6 +210,58 @@ impl Condvar {
 impl fmt::Debug for Condvar {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str("Condvar { .. }")
+    }
+}
+
+/// The time that the waiter's watcher, and the lane threads that hand it their waits, go by:
+/// std's clock; under loom, one that stands still but where a timed wait runs out
+/// ([`Condvar::wait_until`]), so that a model sees the same times in each run of a schedule, and
+/// time passes only as far as a nap's end.
+#[cfg_attr(not(device_events_loom), derive(Default))]
+pub(crate) struct Clock {
+    #[cfg(device_events_loom)]
+    epoch: Instant,
+    /// Nanoseconds passed since `epoch`. Not loom's atomic: time is no memory for a model to
+    /// explore, and it moves only under the waiter's lock.
+    #[cfg(device_events_loom)]
+    passed: std::sync::atomic::AtomicU64,
+}
+
+#[cfg(device_events_loom)]
+impl Default for Clock {
+    fn default() -> Self {
+        Self {
+            epoch: Instant::now(),
+            passed: std::sync::atomic::AtomicU64::new(0),
+        }
+    }
+}
+
+impl Clock {
+    #[cfg(not(device_events_loom))]
+    pub(crate) fn now(&self) -> Instant {
+        Instant::now()
+    }
+
+    #[cfg(device_events_loom)]
+    pub(crate) fn now(&self) -> Instant {
+        let passed = self.passed.load(std::sync::atomic::Ordering::SeqCst);
+        self.epoch + Duration::from_nanos(passed)
+    }
+
+    /// Time passes to `instant`, unless it has already.
+    #[cfg(device_events_loom)]
+    fn pass_to(&self, instant: Instant) {
+        let nanos = instant.saturating_duration_since(self.epoch).as_nanos();
+        let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
+        self.passed
+            .fetch_max(nanos, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl fmt::Debug for Clock {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Clock { .. }")
     }
 }
 

@@ -1,7 +1,7 @@
 //! Locks, shared state and the rules that keep it whole:
 //!
 //! - `loom.rs`: the crate's only locks and condition variable, the atomics shared with the
-//!   waiter's models, and the waiter's thread spawns, re-exported here;
+//!   waiter's models, the waiter's thread spawns and its watcher's clock, re-exported here;
 //! - `checked.rs`: [`checked::Checked`], a lock guard that checks its state's invariants;
 //! - `shards.rs`: how state is spread over locks, by hash or by thread.
 

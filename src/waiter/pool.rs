@@ -12,7 +12,7 @@ use super::stuck::{self, StuckWait};
 use super::waitable::LaneKey;
 use super::watcher::Early;
 use crate::sync::checked::Checked;
-use crate::sync::{Arc, AtomicUsize, Condvar, Mutex};
+use crate::sync::{Arc, AtomicUsize, Clock, Condvar, Mutex};
 use crate::ServerError;
 
 /// The waiter's settings; see `WaiterBuilder`.
@@ -61,6 +61,8 @@ pub(super) struct Shared {
     pub(super) published: AtomicUsize,
     /// How early the watcher wakes before an end it expects.
     pub(super) watcher_early: Early,
+    /// The time the watcher and the lane threads that hand it their waits go by.
+    pub(super) clock: Clock,
     /// The process generation the pool was made in ([`crate::os`]).
     pub(super) fork_generation: u64,
     #[cfg(test)]
@@ -69,6 +71,7 @@ pub(super) struct Shared {
 
 impl Pool {
     pub(crate) fn new(config: Config) -> Self {
+        let clock = Clock::default();
         Self {
             shared: Arc::new(Shared {
                 unusable: config.unusable(),
@@ -79,7 +82,8 @@ impl Pool {
                 counters: Counters::default(),
                 watch_work: Condvar::new(),
                 published: AtomicUsize::new(0),
-                watcher_early: Early::default(),
+                watcher_early: Early::new(clock.now()),
+                clock,
                 fork_generation: crate::os::track_forks(),
                 #[cfg(test)]
                 plants: Default::default(),
@@ -89,6 +93,12 @@ impl Pool {
 
     pub(crate) fn config(&self) -> &Config {
         &self.shared.config
+    }
+
+    /// The time by the clock the watcher and the lane threads that hand it their waits go by
+    /// (std's; under loom, one that moves only as far as a nap's end).
+    pub(crate) fn now(&self) -> Instant {
+        self.shared.clock.now()
     }
 
     pub(crate) fn counters(&self) -> &Counters {

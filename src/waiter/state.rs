@@ -268,6 +268,10 @@ impl State {
             (looks_from, self.watcher_nap_until),
             (Some(looks_from), Some(until)) if until <= looks_from
         );
+        // Plant for loom model `loom_an_entry_due_before_the_watchers_nap_ends_wakes_it`.
+        let wakes_in_time = wakes_in_time
+            || (self.watcher_nap_until.is_some()
+                && super::plant::planted("napping-watcher-never-woken"));
         let wake_watcher = self.watcher_waits && !wakes_in_time;
         self.watcher_waits &= !wake_watcher;
         Action {

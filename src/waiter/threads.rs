@@ -1,7 +1,7 @@
 //! The waiter's threads: how they start and serve lanes, and the guard that
 //! gives back what one held if it unwinds (its `Drop` is in `recovery.rs`).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::contain;
 use super::pool::Pool;
@@ -144,7 +144,7 @@ impl WaiterThread {
         if self.pool.config().watchers == 0 {
             return (contain::backend(|| wait.waitable.block()), None);
         }
-        let started = Instant::now();
+        let started = self.pool.now();
         // Decided without the lock where the lane's last wait says so.
         if !super::watcher::too_short(predicted, self.pool.watcher_early(started)) {
             let word = contain::backend(|| Ok(wait.waitable.progress()));
@@ -163,7 +163,8 @@ impl WaiterThread {
             }
         }
         let result = contain::backend(|| wait.waitable.block());
-        (result, Some(started.elapsed()))
+        let took = self.pool.now().saturating_duration_since(started);
+        (result, Some(took))
     }
 
     /// Resolve, in order, the waits of `key` a query shows reached, up to

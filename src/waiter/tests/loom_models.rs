@@ -3,9 +3,12 @@
 //! with `RUSTFLAGS="--cfg device_events_loom" LOOM_MAX_PREEMPTIONS=3 cargo
 //! test --release --lib loom`. A zero keep-alive is a choice of the schedule
 //! (woken, or timed out); a long one never runs out, so a lost wake-up
-//! deadlocks. The pool's invariants are checked each time its lock is let
-//! go. A model that catches a planted defect (`scripts/plant-defects.sh`)
-//! names it.
+//! deadlocks. The watcher's nap is a choice of the schedule too, and the
+//! clock it goes by stands still but where a nap runs out (to the nap's
+//! end): a nap that runs out checks that no entry on the list was due to be
+//! looked at before then, unless a wake-up was sent it. The pool's
+//! invariants are checked each time its lock is let go. A model that catches
+//! a planted defect (`scripts/plant-defects.sh`) names it.
 
 use std::sync::atomic::Ordering::SeqCst;
 use std::task::{Context, Poll, Wake, Waker};
@@ -558,5 +561,70 @@ fn loom_waits_handed_to_the_watcher_in_turn_lose_no_wake_up() {
         settle_down(&pool, &device, 2, 0);
         assert_eq!(pool.watched_entries(), 0);
         pool.shutdown();
+    });
+}
+
+/// A pool with two lane threads and a watcher, whose threads wait for work until woken, and lane
+/// 0's waits said to take 1 ms; a task; and a wait of lane 0 handed to the pool, which its
+/// lane thread puts on the watcher's list (the watcher naps toward it) and blocks on in a
+/// driver that wakes it only once told: the pool, the task, the wait's device and its slot.
+fn napping_fixture() -> (Pool, Task, Arc<Device>, Arc<Slot>) {
+    let pool = pool(2, FOREVER, 1);
+    for _ in 0..2 {
+        pool.seed_history(LaneKey::for_tests(0), Duration::from_millis(1));
+    }
+    let task = Task::new();
+    let device = Device::with_slow_driver();
+    let slot = submit(&pool, &device, 0, 1, &task);
+    (pool, task, device, slot)
+}
+
+/// The end of a [`napping_fixture`] model: shutdown fails lane 0's wait, whose word never
+/// passed, and the lane threads' drivers wake them, so that they leave.
+fn end_napping(pool: &Pool, task: &Task, napped_on: (&Device, &Slot), other: &Device) {
+    let (device, slot) = napped_on;
+    pool.shutdown();
+    assert_eq!(task.wait_for(slot), Err(ServerError::WaiterGone));
+    for device in [device, other] {
+        device.finish();
+        device.wake_driver();
+    }
+}
+
+#[test]
+fn loom_an_entry_due_before_the_watchers_nap_ends_wakes_it() {
+    // Catches plant `napping-watcher-never-woken`: a watcher napping toward lane 0's wait is not
+    // woken for lane 1's, due at once, and its nap runs out past it (the nap's check fails).
+    loom::model(|| {
+        // Lane 1's wait, with no history, is due at once; its word has passed, and only the
+        // watcher can end it before its driver is told. It comes before the watcher's nap
+        // toward lane 0's wait (which it then plans for), during it (and must wake it), or after
+        // it ran out; whichever, the watcher sees it.
+        let (pool, task, napped_on, held) = napping_fixture();
+        let due_now = Device::with_slow_driver();
+        due_now.finish();
+        let seen = submit(&pool, &due_now, 1, 1, &task);
+        assert_eq!(task.wait_for(&seen), Ok(()));
+        end_napping(&pool, &task, (&napped_on, &held), &due_now);
+    });
+}
+
+#[test]
+fn loom_an_entry_due_after_the_watchers_nap_ends_leaves_it_asleep() {
+    loom::model(|| {
+        // Lane 1's waits are said to take 2 ms: its wait is due to be looked at after the end
+        // of the watcher's nap toward lane 0's (due in 1 ms), and does not wake it. Its word has
+        // passed, and only the watcher can end it before its driver is told: the watcher's nap
+        // runs out, lane 0's wait is looked at for its window and left to the driver, and the
+        // watcher naps on toward lane 1's, and sees it.
+        let (pool, task, napped_on, held) = napping_fixture();
+        for _ in 0..2 {
+            pool.seed_history(LaneKey::for_tests(1), Duration::from_millis(2));
+        }
+        let later = Device::with_slow_driver();
+        later.finish();
+        let seen = submit(&pool, &later, 1, 1, &task);
+        assert_eq!(task.wait_for(&seen), Ok(()));
+        end_napping(&pool, &task, (&napped_on, &held), &later);
     });
 }

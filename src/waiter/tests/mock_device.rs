@@ -60,7 +60,6 @@ impl Device {
     /// A device whose stream keeps a progress word, and whose driver wakes
     /// the threads blocked on its fences only once told to
     /// ([`Device::wake_driver`]), however long after the work's end.
-    #[cfg(not(device_events_loom))]
     pub(super) fn with_slow_driver() -> Arc<Self> {
         Arc::new(Self {
             word: Some(Default::default()),
@@ -71,7 +70,6 @@ impl Device {
 
     /// The slow driver wakes the threads blocked on its fences (once its
     /// work has ended).
-    #[cfg(not(device_events_loom))]
     pub(super) fn wake_driver(&self) {
         if let Some(woken) = &self.slow_driver {
             *woken.lock() = true;

@@ -15,7 +15,6 @@ impl Pool {
     }
 
     /// Give `key`'s history a wait that took `took`, for tests.
-    #[cfg(not(device_events_loom))]
     pub(crate) fn seed_history(
         &self,
         key: crate::waiter::waitable::LaneKey,

@@ -4,9 +4,11 @@
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use super::timing::{Held, Timing, Watched};
+use super::timing::{Held, Timing, Watched, MIN_NAP};
 use crate::waiter::contain;
 use crate::waiter::pool::Pool;
+#[cfg(doc)]
+use crate::waiter::state::State;
 use crate::waiter::state::{Action, Owner};
 use crate::ServerError;
 
@@ -100,10 +102,11 @@ impl Pool {
 
     /// The watcher's round: how many entries had been handed over (see [`Pool::published`]),
     /// and when, by `timing`, the first on its list is due to be looked at; it waits for one up
-    /// to its keep-alive. Planned from the list under the lock, copying nothing: the watcher
-    /// holds no entry while it sleeps toward the first. `None` (and uncounted) when it should
-    /// exit: idle past its keep-alive, or shut down.
-    pub(crate) fn watch_round(&self, timing: &Timing) -> Option<Plan> {
+    /// to its keep-alive. If that is within [`MIN_NAP`], the entries are copied into `entries`
+    /// (empty) to look at now; else none is, and the watcher naps first holding none
+    /// ([`Pool::watcher_nap`]). `None` (and uncounted) when it should exit: idle past its
+    /// keep-alive, or shut down.
+    pub(crate) fn watch_round(&self, timing: &Timing, entries: &mut Vec<Watched>) -> Option<Plan> {
         let mut state = self.lock();
         let mut timed_out = false;
         loop {
@@ -113,13 +116,16 @@ impl Pool {
                 .map(|entry| timing.look_from(entry))
                 .min();
             if let Some(first) = first.filter(|_| !state.shutdown) {
+                if first.saturating_duration_since(self.now()) < MIN_NAP {
+                    entries.extend(state.watched.iter().cloned());
+                }
                 let published = self.published();
                 return Some(Plan { published, first });
             }
             if state.shutdown || timed_out {
                 state.leave(Owner::Watcher);
                 // The next watcher learns its own timing.
-                self.set_watcher_early(Duration::ZERO, Instant::now());
+                self.set_watcher_early(Duration::ZERO, self.now());
                 return None;
             }
             state.watcher_waits = true;
@@ -131,31 +137,47 @@ impl Pool {
         }
     }
 
-    /// The entries on the watcher's list, copied into `entries` (empty) to look at, unless
-    /// entries came after the `published`th (its round plans again): whether it copied them.
-    /// Those its lane threads took off meanwhile are gone for good.
-    pub(crate) fn watched_since(&self, published: usize, entries: &mut Vec<Watched>) -> bool {
-        let state = self.lock();
-        if self.published() != published {
-            return false;
-        }
-        entries.extend(state.watched.iter().cloned());
-        true
-    }
-
-    /// The watcher sleeps until `until`, unless an entry comes after the
-    /// `published`th or the pool shuts down: how late it woke, if its time ran out.
-    pub(crate) fn watcher_nap(&self, until: Instant, published: usize) -> Option<Duration> {
+    /// The watcher sleeps until `until`, unless an entry comes after the `published`th (one due
+    /// before `until` wakes it: [`State::watcher_for_work`]) or the pool shuts down: how late it
+    /// woke, if its time ran out. Awake, unless entries came (its round plans again), it copies
+    /// the entries on its list into `entries` (empty) to look at: those taken off during the
+    /// nap are gone for good. `timing` is the watcher's, which planned the nap.
+    pub(crate) fn watcher_nap(
+        &self,
+        until: Instant,
+        published: usize,
+        timing: &Timing,
+        entries: &mut Vec<Watched>,
+    ) -> Option<Duration> {
         let mut state = self.lock();
         if state.shutdown || self.published() != published {
             return None;
         }
-        let left = until.saturating_duration_since(Instant::now());
         state.watcher_waits = true;
         state.watcher_nap_until = Some(until);
-        let (mut state, timed_out) = state.wait_timeout(&self.shared.watch_work, left);
+        let clock = &self.shared.clock;
+        let (mut state, timed_out) = state.wait_until(&self.shared.watch_work, until, clock);
+        // Cleared by whoever decided to wake it, whether or not its notification came in time.
+        let wake_sent = !state.watcher_waits;
         state.watcher_waits = false;
         state.watcher_nap_until = None;
-        timed_out.then(|| Instant::now().saturating_duration_since(until))
+        if self.published() == published {
+            entries.extend(state.watched.iter().cloned());
+        }
+        if !timed_out {
+            return None;
+        }
+        if cfg!(device_events_loom) && !wake_sent {
+            // A loom model's nap runs out as the schedule chooses, its clock moved to the nap's
+            // end: an entry due to be looked at before then should have woken the watcher.
+            for entry in &state.watched {
+                let overslept = timing.look_from(entry) < until;
+                assert!(
+                    !overslept,
+                    "the watcher napped past an entry due before its nap's end"
+                );
+            }
+        }
+        Some(self.now().saturating_duration_since(until))
     }
 }

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use super::list::Plan;
-use super::timing::{self, CpuBudget, Timing, Watched, MAX_NAP, MIN_NAP};
+use super::timing::{self, CpuBudget, Timing, Watched, MAX_NAP};
 use crate::waiter::contain;
 use crate::waiter::threads::WaiterThread;
 
@@ -16,16 +16,21 @@ impl WaiterThread {
     pub(crate) fn run_watcher(&mut self) {
         crate::os::lower_timer_slack();
         let mut timing = Timing::default();
-        let mut budget = CpuBudget::new(Instant::now());
+        let mut budget = CpuBudget::new(self.pool.now());
         let mut cpu = crate::os::thread_cpu_time();
         let mut entries = Vec::new();
-        while let Some(Plan { published, first }) = self.pool.watch_round(&timing) {
+        while let Some(Plan { published, first }) = self.pool.watch_round(&timing, &mut entries) {
             self.pool.planted_escape(self.owner);
-            let now = Instant::now();
             let mut napped = false;
-            if first.saturating_duration_since(now) >= MIN_NAP && !cfg!(device_events_loom) {
-                let until = first.min(now + MAX_NAP);
-                if let Some(late) = self.pool.watcher_nap(until, published) {
+            // None copied: the first is not due yet. It naps holding none, and copies them once
+            // awake, so that an entry its lane thread takes off meanwhile is not kept from its
+            // pool (nor its context kept alive) by the watcher.
+            if entries.is_empty() {
+                let until = first.min(self.pool.now() + MAX_NAP);
+                let nap = self
+                    .pool
+                    .watcher_nap(until, published, &timing, &mut entries);
+                if let Some(late) = nap {
                     timing.overslept(late);
                     // Said as a nap measures it, and stamped with when: a round with no nap (its
                     // entries due at once) measures nothing, and leaves the figure to age.
@@ -34,13 +39,11 @@ impl WaiterThread {
                 }
             }
             let mut looked = Duration::ZERO;
-            // Its copies of the entries are taken only now, awake: an entry its lane thread took
-            // off during the nap is not kept from its pool (nor its context kept alive) by it.
-            if self.pool.watched_since(published, &mut entries) {
-                let started = Instant::now();
+            if !entries.is_empty() {
+                let started = self.pool.now();
                 if budget.earn(started) {
                     self.look(&mut timing, &entries, published, napped);
-                    looked = started.elapsed();
+                    looked = self.pool.now().saturating_duration_since(started);
                 } else {
                     self.leave_due(&timing, &entries, started);
                 }
@@ -78,7 +81,7 @@ impl WaiterThread {
         let mut open: Vec<&Watched> = entries.iter().collect();
         let mut looks = 0u32;
         loop {
-            let now = Instant::now();
+            let now = self.pool.now();
             let mut due = false;
             open.retain(|entry| {
                 if timing.look_from(entry) > now {
@@ -108,7 +111,7 @@ impl WaiterThread {
     /// query, and resolve its wait (with a fault too), unless its lane thread did first; a word
     /// ahead of its event leaves the wait to the driver.
     fn resolve_watched(&self, entry: &Watched, late: bool) {
-        let took = entry.started.elapsed();
+        let took = self.pool.now().saturating_duration_since(entry.started);
         let result = match contain::backend(|| entry.waitable.query()) {
             Ok(false) => return self.pool.unwatch(entry, false),
             reached => reached.map(drop),

@@ -219,15 +219,20 @@ pub(crate) struct Early {
 
 impl Default for Early {
     fn default() -> Self {
-        Self {
-            epoch: Instant::now(),
-            nanos: AtomicU64::new(0),
-            said: AtomicU64::new(0),
-        }
+        Self::new(Instant::now())
     }
 }
 
 impl Early {
+    /// None said yet, as of `epoch` (no later than any time it is said or read at).
+    pub(crate) fn new(epoch: Instant) -> Self {
+        Self {
+            epoch,
+            nanos: AtomicU64::new(0),
+            said: AtomicU64::new(0),
+        }
+    }
+
     fn since_epoch(&self, now: Instant) -> u64 {
         let nanos = now.saturating_duration_since(self.epoch).as_nanos();
         u64::try_from(nanos).unwrap_or(u64::MAX)
