@@ -104,15 +104,14 @@ impl StreamWord {
         }
     }
 
-    /// Install `word`, taken from the slab for this stream at its request: whether it was (else
-    /// the caller hands it back).
-    pub(super) fn install(&self, word: &Arc<SlabWord>) -> bool {
+    /// Install `word`, taken from the slab for this stream at its request. Only the word thread
+    /// leaves the requested state, one request at a time, so the request is still there; were it
+    /// not, the word would stay with the slab, in use by the stream until the stream goes.
+    pub(super) fn install(&self, word: &Arc<SlabWord>) {
         let mut state = self.0.lock();
-        if !matches!(*state, WordState::Requested) {
-            return false;
+        if matches!(*state, WordState::Requested) {
+            *state = WordState::Installed(Arc::downgrade(word));
         }
-        *state = WordState::Installed(Arc::downgrade(word));
-        true
     }
 
     /// The stream's word was refused.
@@ -324,13 +323,6 @@ impl PoolWords {
             .position(|(memory, last)| memory.get() == *last)?;
         let (memory, _last_write) = slab.free.swap_remove(found);
         Some(memory)
-    }
-
-    /// Take back `word`, taken for a stream that had one installed meanwhile (never written).
-    pub(super) fn untake(&self, word: Arc<SlabWord>) {
-        let mut slab = self.0.lock();
-        slab.in_use.retain(|(_, used)| !Arc::ptr_eq(used, &word));
-        slab.free.push((word.memory, 0));
     }
 }
 

@@ -84,13 +84,8 @@ impl PerStream {
     /// On the word thread: take a word for `stream` (this one's) from its context's slab and
     /// install it, or turn the stream's word off if the device or the driver refuses one.
     pub(super) fn take_word(&self, stream: &Arc<CudaStream>) {
-        let words = &self.pool.words;
-        match words.take(stream) {
-            Ok(word) => {
-                if !self.word.install(&word) {
-                    words.untake(word);
-                }
-            }
+        match self.pool.words.take(stream) {
+            Ok(word) => self.word.install(&word),
             Err(err) => {
                 log::debug!(
                     "no progress word for a CUDA stream: its fences are waited on through their \
