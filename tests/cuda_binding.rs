@@ -75,7 +75,12 @@ fn contexts_threads_and_devices() {
         Ok(()) => {}
         Err(err) if required() => panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}"),
         Err(err) => {
-            eprintln!("skipping the CUDA binding checks: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            common::skipped::skip(
+                "contexts_threads_and_devices",
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             return;
         }
     }

@@ -66,7 +66,12 @@ fn contexts_opened_dropped_and_opened_again() {
         Ok(()) => {}
         Err(err) if required() => panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}"),
         Err(err) => {
-            eprintln!("skipping the CUDA context checks: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            common::skipped::skip(
+                "contexts_opened_dropped_and_opened_again",
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             return;
         }
     }

@@ -8,6 +8,8 @@
 //! once. Needs a C compiler (`cc`); skips with a message without one.
 #![cfg(all(feature = "cuda", target_os = "linux"))]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -78,7 +80,10 @@ fn a_driver_without_devices_or_too_old_is_unavailable_not_a_panic() {
     for (case, symbols) in cases {
         let dir = root.join(case);
         if build_stub(&dir, &symbols).is_none() {
-            eprintln!("skipping: no C compiler (cc) to build a stand-in driver");
+            common::skipped::skip(
+                "a_driver_without_devices_or_too_old_is_unavailable_not_a_panic",
+                "no C compiler (cc) to build a stand-in driver",
+            );
             return;
         }
         run_child(case, &dir);

@@ -44,7 +44,12 @@ fn gpu(test: &str, ordinal: usize) -> Option<(Arc<CudaContext>, SleepKernel)> {
             panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
         }
         Err(err) => {
-            eprintln!("skipping {test}: no CUDA GPU here ({err})");
+            common::skipped::skip(
+                test,
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             None
         }
     }
@@ -94,7 +99,10 @@ fn without_v2_the_legacy_entry_point_times() {
         .arg("-lpthread")
         .status();
     if !built.is_ok_and(|status| status.success()) {
-        eprintln!("skipping: no C compiler (cc) to build the fake driver without _v2");
+        common::skipped::skip(
+            "without_v2_the_legacy_entry_point_times",
+            "no C compiler (cc) to build the fake driver",
+        );
         return;
     }
     let output = Command::new(std::env::current_exe().unwrap())
@@ -133,7 +141,7 @@ fn events_of_two_contexts_are_refused_before_the_driver() {
         return;
     };
     if cuda::device_count().unwrap() < 2 {
-        eprintln!("skipping {test}: one CUDA device");
+        common::skipped::skip(test, "this check needs two CUDA devices");
         return;
     }
     let ctx1 = cuda::context(1).unwrap();
@@ -181,7 +189,7 @@ fn one_profiler_times_work_on_two_devices() {
         return;
     };
     if cuda::device_count().unwrap() < 2 {
-        eprintln!("skipping {test}: one CUDA device");
+        common::skipped::skip(test, "this check needs two CUDA devices");
         return;
     }
     let (ctx1, sleep1) = gpu(test, 1).expect("device 1");

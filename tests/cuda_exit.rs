@@ -41,7 +41,12 @@ fn gpu(test: &str) -> Option<(Arc<CudaContext>, SleepKernel)> {
             panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
         }
         Err(err) => {
-            eprintln!("skipping {test}: no CUDA GPU here ({err})");
+            common::skipped::skip(
+                test,
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             None
         }
     }
@@ -153,7 +158,7 @@ fn teardown(
 ) {
     let handle = CudaStreamHandle::new(stream);
     if !fake_driver::is_fake() {
-        eprintln!("skipping the teardown case: a real driver has no teardown hook");
+        common::skipped::skip("teardown", "only the fake driver has a teardown hook");
         eprintln!("teardown checked");
         return;
     }

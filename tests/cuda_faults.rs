@@ -6,6 +6,8 @@
 //! whole process. Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -57,7 +59,12 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
             panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
         }
         Err(err) => {
-            eprintln!("skipping the CUDA fault suite: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            common::skipped::skip(
+                "an_illegal_address_faults_every_pending_and_later_wait",
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             return;
         }
     };

@@ -23,12 +23,20 @@ fn a_pool_dropped_while_its_context_lives_on_destroys_its_idle_events() {
     match cuda::device_count() {
         Ok(count) if count > 1 => {}
         Ok(count) => {
-            eprintln!("skipping: this check needs two CUDA devices, the driver reports {count}");
+            common::skipped::skip(
+                "a_pool_dropped_while_its_context_lives_on_destroys_its_idle_events",
+                format!("this check needs two CUDA devices, the driver reports {count}"),
+            );
             return;
         }
         Err(err) if required() => panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}"),
         Err(err) => {
-            eprintln!("skipping: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            common::skipped::skip(
+                "a_pool_dropped_while_its_context_lives_on_destroys_its_idle_events",
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             return;
         }
     }

@@ -56,7 +56,12 @@ fn gpu(test: &str, ordinal: usize) -> Option<(Arc<CudaContext>, SleepKernel)> {
         Ok(found) => Some(found),
         Err(err) if required() => panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no GPU: {err}"),
         Err(err) => {
-            eprintln!("skipping {test}: no CUDA GPU here ({err})");
+            common::skipped::skip(
+                test,
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             None
         }
     }
@@ -171,7 +176,10 @@ fn a_faulted_stream_fails_its_waits_though_a_word_is_open() {
         return;
     };
     if !is_fake() {
-        eprintln!("skipping the fault on a real GPU: it would poison the device for the process");
+        common::skipped::skip(
+            "a_faulted_stream_fails_its_waits_though_a_word_is_open",
+            "on a real GPU it would poison the device for the process",
+        );
         return;
     }
     let fault = FaultKernel::new(&ctx).unwrap();
@@ -218,7 +226,10 @@ fn refused_word_falls_back_to_events(refused: c_int) {
         return;
     };
     if !is_fake() {
-        eprintln!("skipping: only the fake driver refuses on demand");
+        common::skipped::skip(
+            "refused_word_falls_back_to_events",
+            "only the fake driver refuses on demand",
+        );
         return;
     }
     let allocations = hook(c"fakeCudaHostAllocations", 0).unwrap();
@@ -284,7 +295,10 @@ fn a_write_refused_once_a_word_is_open_turns_it_off_for_later_fences() {
         return;
     };
     if !is_fake() {
-        eprintln!("skipping: only the fake driver refuses on demand");
+        common::skipped::skip(
+            "a_write_refused_once_a_word_is_open_turns_it_off_for_later_fences",
+            "only the fake driver refuses on demand",
+        );
         return;
     }
     let stream = asked(&ctx);
@@ -343,7 +357,10 @@ fn words_are_reused_once_their_streams_are_gone_and_never_freed() {
         return;
     };
     if !is_fake() {
-        eprintln!("skipping: the counts are the fake driver's");
+        common::skipped::skip(
+            "words_are_reused_once_their_streams_are_gone_and_never_freed",
+            "only the fake driver counts its calls",
+        );
         return;
     }
     let allocations = || hook(c"fakeCudaHostAllocations", 0).unwrap();
@@ -434,7 +451,10 @@ fn a_word_write_captured_unseen_never_replays_into_freed_memory() {
         return;
     };
     if !is_fake() {
-        eprintln!("skipping: only the fake driver makes the race on demand");
+        common::skipped::skip(
+            "a_word_write_captured_unseen_never_replays_into_freed_memory",
+            "only the fake driver makes the race on demand",
+        );
         return;
     }
     let stream = asked(&ctx);
@@ -529,7 +549,10 @@ fn the_first_fence_of_a_newly_watched_stream_allocates_and_frees_nothing() {
         return;
     };
     if !is_fake() {
-        eprintln!("skipping: only the fake driver counts and synchronizes page-locked calls");
+        common::skipped::skip(
+            "the_first_fence_of_a_newly_watched_stream_allocates_and_frees_nothing",
+            "only the fake driver counts and synchronizes page-locked calls",
+        );
         return;
     }
     let page_calls = || hook(c"fakeCudaHostMemoryCalls", 0).unwrap();
@@ -601,7 +624,10 @@ fn beside_a_word_allocation<T>(
 ) -> Option<T> {
     let (ctx, sleep) = gpu(test, 0)?;
     if !is_fake() {
-        eprintln!("skipping {test}: only the fake driver makes allocations wait on demand");
+        common::skipped::skip(
+            test,
+            "only the fake driver makes allocations wait on demand",
+        );
         return None;
     }
     let mut held = Vec::new();

@@ -32,7 +32,12 @@ fn two_threads_fencing_one_stream_get_sequences_in_record_order() {
             panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
         }
         Err(err) => {
-            eprintln!("skipping: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            common::skipped::skip(
+                "two_threads_fencing_one_stream_get_sequences_in_record_order",
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             return;
         }
     };

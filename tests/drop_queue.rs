@@ -467,6 +467,31 @@ fn a_rejected_value_is_dropped_only_after_its_fence() {
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }
 
+#[test]
+fn a_refused_value_taken_out_of_its_rejection_is_dropped_only_after_its_fence() {
+    let stream = HostStream::new().unwrap();
+    let queue = DropQueue::new(1).unwrap();
+    let gate = Gate::hold(&stream);
+    let progress = Progress::default();
+    let counters = Counters::default();
+    progress.step_on(&stream);
+    assert!(queue
+        .push(stream.fence(), counters.staging(1, &progress))
+        .is_ok());
+    let Err(Rejected::Full(refused)) = queue.push(stream.fence(), counters.staging(1, &progress))
+    else {
+        panic!("a full queue took the push");
+    };
+    let caller = std::thread::spawn(move || refused.wait_then_drop());
+    gate.open();
+    caller.join().unwrap().unwrap();
+    queue.flush();
+    assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
+    // Dropped by the caller, not queued past the capacity: only the first was the queue's.
+    assert_eq!(queue.stats().dropped, 1);
+    assert_eq!(counters.early.load(Ordering::SeqCst), 0);
+}
+
 /// A fence that counts the calls of `is_passed` (and is never passed).
 struct CountedQuery(EventFence<Host>, Arc<AtomicUsize>);
 

@@ -8,6 +8,8 @@
 //! `DEVICE_EVENTS_REQUIRE_PTXAS=1` (CI sets it) makes that a failure.
 #![cfg(feature = "cuda")]
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -34,7 +36,7 @@ fn every_shipped_ptx_module_assembles_with_ptxas() {
             std::env::var("DEVICE_EVENTS_REQUIRE_PTXAS").map_or(true, |v| v != "1"),
             "DEVICE_EVENTS_REQUIRE_PTXAS=1 but no ptxas was found ($PTXAS, PATH, ~/.cache/device-events/nvcc)"
         );
-        eprintln!("skipping: no ptxas here (pip install nvidia-cuda-nvcc-cu12, or set PTXAS); set DEVICE_EVENTS_REQUIRE_PTXAS=1 to fail instead");
+        common::skipped::skip("every_shipped_ptx_module_assembles_with_ptxas", "no ptxas here (pip install nvidia-cuda-nvcc-cu12, or set PTXAS); set DEVICE_EVENTS_REQUIRE_PTXAS=1 to fail instead");
         return;
     };
     let version = Command::new(&ptxas).arg("--version").output().unwrap();

@@ -81,8 +81,9 @@ impl<F: Fence, T> Rejected<F, T> {
     ///
     /// The fence failed: the value is leaked, not dropped, and the error logged.
     pub fn wait_then_drop(self) -> Result<(), ServerError> {
-        let (fence, value) = self.into_inner();
-        settle(fence, value)
+        match self {
+            Self::Full(refused) | Self::Closed(refused) => refused.wait_then_drop(),
+        }
     }
 }
 
@@ -97,6 +98,31 @@ impl<F, T> Refused<F, T> {
     /// As [`Rejected::into_inner`].
     pub fn into_inner(mut self) -> (F, T) {
         self.entry.take().expect("taken only here and by the drop")
+    }
+}
+
+impl<F: Fence, T> Refused<F, T> {
+    /// As [`Rejected::wait_then_drop`]: block until the fence has passed, then drop the value.
+    ///
+    /// ```
+    /// use device_events::drop_queue::{DropQueue, Rejected};
+    /// use device_events::host::HostStream;
+    ///
+    /// let stream = HostStream::new()?;
+    /// let queue = DropQueue::new(1)?;
+    /// queue.push(stream.fence(), vec![0u8; 64])?;
+    /// if let Err(Rejected::Full(refused)) = queue.push(stream.fence(), vec![1u8; 64]) {
+    ///     refused.wait_then_drop()?; // here, not on the queue's thread
+    /// }
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// The fence failed: the value is leaked, not dropped, and the error logged.
+    pub fn wait_then_drop(self) -> Result<(), ServerError> {
+        let (fence, value) = self.into_inner();
+        settle(fence, value)
     }
 }
 

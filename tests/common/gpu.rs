@@ -31,7 +31,12 @@ pub fn gpu(test: &str) -> Option<(Arc<CudaContext>, &'static SleepKernel)> {
             panic!("{test}: DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
         }
         Err(err) => {
-            eprintln!("skipping {test}: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            super::skipped::skip(
+                test,
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             None
         }
     }

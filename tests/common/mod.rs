@@ -11,6 +11,7 @@ pub mod fork;
 #[cfg(feature = "cuda")]
 pub mod gpu;
 pub mod logs;
+pub mod skipped;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
