@@ -24,7 +24,7 @@
 //!   `cuMemFreeHost`): <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEM.html>
 //! - stream memory operations (`cuStreamWriteValue64`):
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MEMOP.html>
-//! - modules and launches (`cuModuleLoadData`, `cuLaunchKernel`):
+//! - modules, functions and launches (`cuModuleLoadData`, `cuFuncLoad`, `cuLaunchKernel`):
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html>,
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html>
 // Every `unsafe` of the crate is here, each with a `// SAFETY:` comment (the crate root denies
@@ -85,6 +85,13 @@ const ELAPSED_SYMBOLS: [&str; 2] = ["cuEventElapsedTime_v2", "cuEventElapsedTime
 /// Optional: a driver without it only shares less ([`Driver::ctx_id`]).
 const CTX_ID_SYMBOL: &str = "cuCtxGetId";
 
+/// `cuFuncLoad` (CUDA 12.4; cudarc's bindings have it from `cuda-12040`): "Finalizes function
+/// loading" of a function lazy loading left partly loaded, which "CUDA APIs may load [...]
+/// automatically when called" (`cuModuleEnumerateFunctions`), a launch included. Optional: on older
+/// drivers `cuModuleGetFunction` is where a kernel loads ("Loading of kernels happens during
+/// cuModuleGetFunction() call", CUDA C++ Programming Guide, 12.x, "Lazy Loading").
+const FUNC_LOAD_SYMBOL: &str = "cuFuncLoad";
+
 /// The entry points of a stream's progress word (`progress.rs`), in CUDA 12.0 and later (whose
 /// headers map the plain names to these); all or none, else fences wait on events alone.
 const WORD_SYMBOLS: [&str; 4] = [
@@ -120,6 +127,8 @@ struct Api {
     )>,
     /// Optional (see [`CTX_ID_SYMBOL`]).
     ctx_get_id: Option<unsafe extern "C" fn(sys::CUcontext, *mut u64) -> Status>,
+    /// Optional (see [`FUNC_LOAD_SYMBOL`]).
+    func_load: Option<unsafe extern "C" fn(sys::CUfunction) -> Status>,
     stream_wait_event: unsafe extern "C" fn(sys::CUstream, sys::CUevent, c_uint) -> Status,
     device_attribute: unsafe extern "C" fn(*mut c_int, c_int, sys::CUdevice) -> Status,
     /// Optional (see [`WORD_SYMBOLS`]).
@@ -285,6 +294,10 @@ fn load() -> Result<Loaded, ServerError> {
     let ctx_get_id = unsafe { library.get(CTX_ID_SYMBOL.as_bytes()) }
         .ok()
         .map(|symbol| *symbol);
+    // SAFETY: as in `entry!`: cuFuncLoad's signature (a `CUfunction` in, the status out).
+    let func_load = unsafe { library.get(FUNC_LOAD_SYMBOL.as_bytes()) }
+        .ok()
+        .map(|symbol| *symbol);
     let word = (|| {
         // SAFETY: as in `entry!`: each field's type is its symbol's C signature (see `WordApi`).
         unsafe {
@@ -309,6 +322,7 @@ fn load() -> Result<Loaded, ServerError> {
         event_destroy: entry!("cuEventDestroy_v2"),
         event_elapsed: elapsed,
         ctx_get_id,
+        func_load,
         stream_wait_event: entry!("cuStreamWaitEvent"),
         device_attribute: entry!("cuDeviceGetAttribute"),
         word,
@@ -924,6 +938,20 @@ impl Driver {
             (self.api.module_get_function)(&mut function, module.0, name.as_ptr())
         })?;
         Ok(Function(function))
+    }
+
+    /// `cuFuncLoad`: finish loading `function` now, in the current context, so its first launch
+    /// does not (under lazy loading, a launch may load it, and a load "might require context
+    /// synchronization"). `false`: the driver lacks it (before CUDA 12.4), and
+    /// `cuModuleGetFunction` loaded the kernel (see [`FUNC_LOAD_SYMBOL`]).
+    pub(super) fn func_load(self, function: &Function) -> Result<bool, ServerError> {
+        let Some(load) = self.api.func_load else {
+            return Ok(false);
+        };
+        // SAFETY: the function is live (its module is never unloaded); loading a loaded function
+        // "has no effect".
+        self.call("cuFuncLoad", || unsafe { load(function.0) })?;
+        Ok(true)
     }
 
     /// `cuLaunchKernel`: `function` on one thread of one block, with one `u64` argument. Only for

@@ -67,12 +67,24 @@ struct Kernel {
 }
 
 impl Kernel {
-    /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx` and find `name`.
+    /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx`, find `name` and load it: resolved
+    /// now, not at its first launch. Under lazy loading (the default on Linux since CUDA 12.2) a
+    /// function found may be "partially loaded", and "CUDA APIs may load the function
+    /// automatically" (`cuModuleEnumerateFunctions`): a first launch that loads it may wait for
+    /// every stream of the context ("Loading kernels might require context synchronization", CUDA
+    /// C++ Programming Guide, "Lazy Loading"), and hold up other threads' driver calls meanwhile.
+    /// `cuFuncLoad` (CUDA 12.4) finishes the load here; older drivers load the kernel in
+    /// `cuModuleGetFunction` ("Loading of kernels happens during cuModuleGetFunction() call",
+    /// same guide, 12.x).
     fn load(ctx: &Arc<CudaContext>, ptx: &CStr, name: &CStr) -> Result<Self, ServerError> {
         let bound = bind(ctx)?;
         // Relaxed: a load can synchronize the context, which could invalidate a capture.
-        let module = bound.relaxed(|driver| driver.module_load_data(ptx))?;
-        let function = bound.driver().module_get_function(&module, name)?;
+        let function = bound.relaxed(|driver| {
+            let module = driver.module_load_data(ptx)?;
+            let function = driver.module_get_function(&module, name)?;
+            driver.func_load(&function)?;
+            Ok(function)
+        })?;
         Ok(Self {
             function,
             ctx: HeldContext::from(ctx.clone()),
@@ -156,6 +168,8 @@ impl SleepKernel {
     /// Load the kernel into `ctx`, for as long as the context lives: once per context, and before
     /// launching work that must overlap (the CUDA Programming Guide, "Lazy Loading": loading
     /// kernels "might require context synchronization"; on an H200 it held other threads' calls).
+    /// The kernel is loaded here, lazy loading or not (`cuFuncLoad` where the driver has it), so
+    /// no launch loads it: a first launch waits for no other stream.
     ///
     /// # Errors
     ///
@@ -241,7 +255,8 @@ pub struct FaultKernel {
 
 #[cfg(feature = "test-util")]
 impl FaultKernel {
-    /// Load the kernel into `ctx`.
+    /// Load the kernel into `ctx` (loaded here, not at its first launch: see
+    /// [`SleepKernel::new`]).
     ///
     /// # Errors
     ///
