@@ -81,6 +81,7 @@
 //! | `profiler` | [`EventProfiler`]: device time between two points of a stream | | |
 //! | `any` | [`AnyFence`], [`AnyStream`] and [`AnyProfiler`]: either backend, chosen at run time | | |
 //! | `drop_queue` | [`drop_queue::DropQueue`] and its `Fence` trait (implemented there for [`EventFence`] and [`AnyFence`]) | `profiler` | |
+//! | `metrics` | the stats published to the `metrics` crate's recorder (feature `metrics`) | | |
 //!
 //! # Backends
 //!
@@ -155,6 +156,10 @@ mod any;
 
 #[cfg(multi_threading)]
 pub mod drop_queue;
+
+#[cfg(all(multi_threading, feature = "metrics"))]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+pub mod metrics;
 
 pub use any::AnyStream;
 #[cfg(multi_threading)]
