@@ -38,14 +38,20 @@
 //!   wrapped with cudarc's `CudaContext::wrap_borrowed_stream` (unsafe: its
 //!   owner must keep it alive; in cudarc 0.19.10) and fenced like any other.
 //!
-//! `cargo run --example cuda_library_stream` needs a CUDA GPU; without one it
-//! prints why it skips and exits 0 (with `DEVICE_EVENTS_REQUIRE_CUDA=1`, it
-//! fails instead). Built only with the `cuda` feature (a default one).
+//! Each library's result is read back after its fence and checked; a wrong
+//! value fails the run (exit status 1), as does a driver error.
+//!
+//! `cargo run --example cuda_library_stream` needs a CUDA GPU, or the crate's
+//! fake driver (`scripts/fake-cuda.sh` runs it there); without one it prints
+//! why it skips and exits 0 (with `DEVICE_EVENTS_REQUIRE_CUDA=1`, it fails
+//! instead). Built only with the `cuda` feature (a default one).
 
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use device_events::cuda;
+use device_events::cuda::cudarc::driver::{CudaSlice, CudaStream};
 use device_events::ServerError;
 
 /// A stand-in for a library built on cudarc (candle, say).
@@ -53,7 +59,7 @@ mod library {
     use std::sync::Arc;
     use std::time::Duration;
 
-    use device_events::cuda::cudarc::driver::{CudaContext, CudaStream};
+    use device_events::cuda::cudarc::driver::{CudaContext, CudaSlice, CudaStream};
     use device_events::cuda::SleepKernel;
     use device_events::ServerError;
 
@@ -78,47 +84,94 @@ mod library {
         }
 
         /// The library's own work (a model's forward pass, say), queued on
-        /// its stream and not waited for, as a library's calls are.
-        pub fn forward(&self, time: Duration) -> Result<(), ServerError> {
-            self.kernel.launch(&self.stream, time)
+        /// its stream and not waited for, as a library's calls are: kernels
+        /// (a sleep kernel stands in for them) and their result, `input`
+        /// times each index (uploaded here, as the kernels would compute
+        /// it), in device memory written once the kernels end.
+        pub fn forward(&self, time: Duration, input: u32) -> Result<CudaSlice<u32>, ServerError> {
+            let mut output = self.stream.alloc_zeros::<u32>(super::LEN)?;
+            self.kernel.launch(&self.stream, time)?;
+            let result: Vec<u32> = (0..super::LEN).map(|i| super::expected(input, i)).collect();
+            self.stream.memcpy_htod(&result, &mut output)?;
+            Ok(output)
         }
     }
 }
 
 const A_WORK: Duration = Duration::from_millis(30);
 const B_WORK: Duration = Duration::from_millis(50);
+/// Values in each result.
+const LEN: usize = 1 << 16;
 
-async fn run() -> Result<(), ServerError> {
+/// Value `i` of the result of a forward pass given `input`.
+fn expected(input: u32, i: usize) -> u32 {
+    input.wrapping_mul(i as u32)
+}
+
+/// Reads a result back, once the fence behind it has passed, and checks it.
+/// The copy is queued on the library's stream, behind nothing now: it
+/// returns once the bytes are on the host (a copy to pageable memory
+/// returns only once it has completed), without waiting for other work.
+fn check(
+    stream: &Arc<CudaStream>,
+    output: &CudaSlice<u32>,
+    input: u32,
+    what: &str,
+) -> Result<(), Failure> {
+    let read = stream.clone_dtoh(output).map_err(ServerError::from)?;
+    match read
+        .iter()
+        .enumerate()
+        .find(|&(i, &value)| value != expected(input, i))
+    {
+        None if read.len() == LEN => Ok(()),
+        None => Err(Failure::Read(format!(
+            "{what}: {} values read, {LEN} written",
+            read.len()
+        ))),
+        Some((i, value)) => Err(Failure::Read(format!(
+            "{what}: value {i} read as {value}, computed as {}",
+            expected(input, i)
+        ))),
+    }
+}
+
+async fn run() -> Result<(), Failure> {
     // Two libraries, each with its context object and stream on device 0.
     let a = library::Device::new(0)?;
     let b = library::Device::new(0)?;
     let (a_stream, b_stream) = (a.cuda_stream(), b.cuda_stream());
 
-    // One library's work, awaited on its stream.
+    // One library's work, awaited on its stream, and its result read.
     let started = Instant::now();
-    a.forward(A_WORK)?;
+    let output = a.forward(A_WORK, 3)?;
     cuda::fence(&a_stream).await?;
+    check(&a_stream, &output, 3, "library A")?;
     println!(
-        "library A's stream: fence awaited after {:?} (its {A_WORK:?} of work)",
+        "library A's stream: fence awaited after {:?} (its {A_WORK:?} of work), result as computed",
         started.elapsed()
     );
 
     // Both libraries' work, side by side, awaited together.
     let started = Instant::now();
-    a.forward(A_WORK)?;
-    b.forward(B_WORK)?;
+    let a_output = a.forward(A_WORK, 5)?;
+    let b_output = b.forward(B_WORK, 7)?;
     tokio::try_join!(cuda::fence(&a_stream).wait(), cuda::fence(&b_stream).wait())?;
+    check(&a_stream, &a_output, 5, "library A, joined")?;
+    check(&b_stream, &b_output, 7, "library B, joined")?;
     println!(
-        "libraries A and B: fences joined after {:?} ({A_WORK:?} and {B_WORK:?} side by side)",
+        "libraries A and B: fences joined after {:?} ({A_WORK:?} and {B_WORK:?} side by side), \
+         results as computed",
         started.elapsed()
     );
 
     // The libraries go away with work in flight: a fence made before does
-    // not need their streams or them.
+    // not need their streams or them (the result goes too: it holds its
+    // stream).
     let started = Instant::now();
-    a.forward(A_WORK)?;
+    let output = a.forward(A_WORK, 9)?;
     let fence = cuda::fence(&a_stream);
-    drop((a_stream, b_stream, a, b));
+    drop((output, a_output, b_output, a_stream, b_stream, a, b));
     fence.await?;
     println!(
         "libraries dropped with work queued: the fence made before resolved after {:?}",
@@ -143,6 +196,28 @@ fn main() -> ExitCode {
         Err(err) => {
             eprintln!("cuda_library_stream: failed: {err}");
             ExitCode::FAILURE
+        }
+    }
+}
+
+/// Why the run failed: the driver, or a result read back that differs from
+/// the one computed.
+enum Failure {
+    Driver(ServerError),
+    Read(String),
+}
+
+impl From<ServerError> for Failure {
+    fn from(err: ServerError) -> Self {
+        Self::Driver(err)
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Driver(err) => err.fmt(f),
+            Self::Read(what) => write!(f, "wrong bytes read back: {what}"),
         }
     }
 }

@@ -1,9 +1,10 @@
 /*
  * A fake CUDA driver (libcuda.so) for machines without a GPU: enough of the
  * driver API, with the semantics the crate relies on, to run tests/cuda.rs,
- * tests/cuda_faults.rs and the examples on a CPU. Where the crate's
- * correctness depends on a driver rule, the fake keeps that rule at least as
- * strictly as the real driver; each rule cites the CUDA driver API reference
+ * tests/cuda_faults.rs, tests/cuda_memory.rs and the examples on a CPU, and
+ * a user's crate's CUDA path, device memory and copies included
+ * (docs/testing.md). Where the crate's correctness depends on a driver
+ * rule, the fake keeps that rule at least as strictly as the real driver; each rule cites the CUDA driver API reference
  * (https://docs.nvidia.com/cuda/cuda-driver-api/, "Modules"), CUDA 12 and 13.
  *
  * - Two devices, each with a primary context. Retain and release are
@@ -72,6 +73,13 @@
  * - cuEventRecord numbers the records of each stream (see "Record order").
  * - Page-locked, device-mapped host memory and cuStreamWriteValue64, each
  *   refusable on demand (see "Host-mapped memory and stream writes").
+ * - Device memory (synchronous and stream-ordered allocation and free),
+ *   copies host to device, device to host and device to device (and
+ *   between contexts), and sets, synchronous and Async, made in stream
+ *   order by the copy engine thread and waited for as the driver's "API
+ *   synchronization behavior" page says; no event or synchronize reports
+ *   work done before the bytes queued ahead of it are there (see "Device
+ *   memory and copies").
  *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
  * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device),
@@ -81,9 +89,10 @@
  * stream writes' refusals and counts (fakeCudaRefuseProgressWord,
  * fakeCudaHostAllocations, fakeCudaStreamWrites, fakeCudaWritesAfterFree,
  * fakeCudaPendingWrites, fakeCudaHostMemoryCalls), page-locked calls that
- * synchronize (fakeCudaHostMemorySynchronizes), and a word write captured
- * unseen (fakeCudaCaptureNextWordWrite, fakeCudaLaunchRaceGraph), found by
- * the tests with dlsym.
+ * synchronize (fakeCudaHostMemorySynchronizes), a word write captured
+ * unseen (fakeCudaCaptureNextWordWrite, fakeCudaLaunchRaceGraph), and the
+ * live device allocations (fakeCudaDeviceAllocations), found by the tests
+ * with dlsym.
  *
  * It validates nothing of PTX or of real hardware; scripts/fake-cuda.sh
  * builds it and runs the CUDA tests against it.
@@ -268,10 +277,15 @@ static int is_context(const void *handle) {
  * default, as the real driver measured; FAKE_CUDA_STRICT_REBIND=1 makes a
  * thread's binding to a torn-down context refused until it binds again. */
 static int strict_rebind;
+/* FAKE_CUDA_NO_MEMORY_POOLS=1: no stream-ordered allocation (see "Device
+ * memory and copies"). */
+static int no_memory_pools;
 
 __attribute__((constructor)) static void read_modes(void) {
     const char *strict = getenv("FAKE_CUDA_STRICT_REBIND");
     strict_rebind = strict != NULL && strcmp(strict, "1") == 0;
+    const char *pools = getenv("FAKE_CUDA_NO_MEMORY_POOLS");
+    no_memory_pools = pools != NULL && strcmp(pools, "1") == 0;
 }
 
 /* Whether this thread's binding of `c` is to a context torn down since: in
@@ -584,15 +598,19 @@ int cuDeviceGetAttribute(int *value, int attribute, int device) {
     if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
     /* 19: CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY; 122:
      * CU_DEVICE_ATTRIBUTE_CAN_USE_64_BIT_STREAM_MEM_OPS (its number in CUDA
-     * 12 and 13 headers). Every other attribute reads 0. */
+     * 12 and 13 headers); 115: CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED
+     * (see "Device memory and copies"). Every other attribute reads 0. */
     pthread_mutex_lock(&lock);
     int no_memops = refuse_word_mask & 1;
     pthread_mutex_unlock(&lock);
-    *value = attribute == 19 || (attribute == 122 && !no_memops);
+    *value = attribute == 19 || (attribute == 122 && !no_memops) || (attribute == 115 && !no_memory_pools);
     return SUCCESS;
 }
 
 static void free_context_memory(ctx_t *c);
+static void run_due(int64_t until);
+static void drop_copies(const void *p, size_t size);
+static void free_device_memory(ctx_t *c);
 
 int cuDevicePrimaryCtxRetain(void **context, int device) {
     if (deinitialized()) return DEINITIALIZED;
@@ -618,8 +636,10 @@ int cuDevicePrimaryCtxRelease_v2(int device) {
         return INVALID_CONTEXT;
     }
     if (--c->retains == 0) {
-        /* Torn down: its streams go, its other handles are refused from now
-         * on (the generation changes). */
+        /* Torn down: the copies due by now are made, its streams go, its
+         * other handles are refused from now on (the generation changes),
+         * and its queued copies with them. */
+        run_due(now_ns());
         for (stream_t *s = c->streams, *next; s; s = next) {
             next = s->next;
             free(s);
@@ -683,6 +703,17 @@ int cuCtxSetCurrent(void *context) {
     return status;
 }
 
+/* The end of a synchronize of `c`'s work, once device time has passed it:
+ * the copies due by now are made first (see run_due), so the caller finds
+ * their bytes. */
+static int synchronized(ctx_t *c) {
+    pthread_mutex_lock(&lock);
+    run_due(now_ns());
+    pthread_mutex_unlock(&lock);
+    if (deinitialized()) return DEINITIALIZED;
+    return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
+}
+
 int cuCtxSynchronize(void) {
     pthread_mutex_lock(&lock);
     int status = current_usable();
@@ -696,8 +727,7 @@ int cuCtxSynchronize(void) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
-    if (deinitialized()) return DEINITIALIZED;
-    return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
+    return synchronized(c);
 }
 
 int cuStreamCreate(void **stream, unsigned flags) {
@@ -762,8 +792,7 @@ int cuStreamSynchronize(void *stream) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
-    if (deinitialized()) return DEINITIALIZED;
-    return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
+    return synchronized(c);
 }
 
 int cuEventCreate(void **event, unsigned flags) {
@@ -917,7 +946,9 @@ int cuEventQuery(void *event) {
     int status = usable(e->ctx, e->generation);
     if (status == SUCCESS) status = captured_event_use(e);
     if (status == SUCCESS) status = unsafe_call();
-    int done = !e->recorded || now_ns() >= e->at;
+    int64_t now = now_ns();
+    run_due(now);
+    int done = !e->recorded || now >= e->at;
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     return done ? SUCCESS : NOT_READY;
@@ -934,8 +965,7 @@ int cuEventSynchronize(void *event) {
     pthread_mutex_unlock(&lock);
     if (status != SUCCESS) return status;
     sleep_until(min64(until, c->fault_at));
-    if (deinitialized()) return DEINITIALIZED;
-    return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
+    return synchronized(c);
 }
 
 int cuEventDestroy_v2(void *event) {
@@ -1037,6 +1067,7 @@ int cuModuleLoadData(void **module, const void *image) {
         int64_t until = current->legacy.busy_until;
         for (stream_t *o = current->streams; o; o = o->next) until = max64(until, o->busy_until);
         sleep_until(min64(until, current->fault_at));
+        run_due(now_ns());
     }
     pthread_mutex_unlock(&lock);
     if (status == SUCCESS) *module = m;
@@ -1303,12 +1334,25 @@ typedef struct host_alloc {
  * with 50,000 writes queued makes the next no dearer), and writes due at the
  * same time land in the order queued. A write dropped by a free keeps its
  * place with host = NULL until it comes out. */
+typedef struct dev_alloc dev_alloc_t;
+
 typedef struct {
-    _Atomic unsigned long long *host;
+    _Atomic unsigned long long *host; /* a word write's target; NULL for a copy or set */
     unsigned long long value;
     int64_t at;
     unsigned long long seq;
     ctx_t *ctx;
+    /* A copy or set (see "Device memory and copies"): `bytes` bytes into
+     * `dst`, from `src` or (src NULL) of the `elem`-byte pattern `value`. */
+    int generation; /* of ctx when queued: a context made again runs none */
+    unsigned char *dst;
+    const unsigned char *src;
+    size_t bytes;
+    unsigned elem;
+    dev_alloc_t *holds[2]; /* the device allocations it keeps alive */
+    void *staging; /* its own copy of a pageable source, freed with it */
+    int *made; /* set once made, for a caller waiting on it */
+    int dropped; /* its memory freed: never made */
 } pending_write_t;
 
 static host_alloc_t *host_allocs;
@@ -1390,6 +1434,7 @@ static int drop_writes(const void *p, size_t size) {
             (const char *)w->host < (const char *)p + size) {
             dropped += w->at > now && w->at < w->ctx->fault_at;
             w->host = NULL;
+            w->dropped = 1;
         }
     }
     return dropped;
@@ -1408,10 +1453,34 @@ static void free_context_memory(ctx_t *c) {
         host_alloc_t *a = *link;
         if (a->ctx == c) {
             drop_writes(a->p, a->size);
+            drop_copies(a->p, a->size);
             *link = a->next;
             free_host_alloc(a);
         } else {
             link = &a->next;
+        }
+    }
+    free_device_memory(c);
+}
+
+static void make_copy(pending_write_t *w);
+
+/* Make the queued writes, copies and sets due by `until` (device time).
+ * They land in queue order; a stream's later one is never due before its
+ * earlier one (its stream gets there later), and one queued after an event
+ * another stream waits on is due no earlier than that event. The copy
+ * engine calls this as each comes due, and every call that answers that
+ * device work is done (an event's query or synchronize, a stream's or
+ * context's synchronize, a module load, a context's teardown) calls it
+ * first, so no caller sees an event complete before the bytes queued ahead
+ * of it are there. Called with the lock held. */
+static void run_due(int64_t until) {
+    while (pending_len > 0 && pending[0].at <= until) {
+        pending_write_t w = pop_write();
+        if (w.host == NULL) {
+            make_copy(&w);
+        } else if (w.at < w.ctx->fault_at) {
+            atomic_store_explicit(w.host, w.value, memory_order_release);
         }
     }
 }
@@ -1420,14 +1489,7 @@ static void *copy_engine(void *unused) {
     (void)unused;
     pthread_mutex_lock(&lock);
     for (;;) {
-        int64_t now = now_ns();
-        /* Due writes land in queue order; a stream's later write is never
-         * due before its earlier one (its stream gets there later). */
-        while (pending_len > 0 && pending[0].at <= now) {
-            pending_write_t w = pop_write();
-            if (w.host != NULL && w.at < w.ctx->fault_at)
-                atomic_store_explicit(w.host, w.value, memory_order_release);
-        }
+        run_due(now_ns());
         engine_wake = pending_len > 0 ? pending[0].at : INT64_MAX;
         if (engine_wake == INT64_MAX) {
             pthread_cond_wait(&write_queued, &lock);
@@ -1439,11 +1501,20 @@ static void *copy_engine(void *unused) {
     return NULL;
 }
 
+static int queue_op(pending_write_t w);
+
 /* Queue `host` to be set to `value` at `at` (device time) by `c`'s device.
  * Called with the lock held. */
 static int queue_write(unsigned long long *host, unsigned long long value, int64_t at, ctx_t *c) {
-    int status = push_write((pending_write_t){.host = (_Atomic unsigned long long *)host,
-                                              .value = value, .at = at, .ctx = c});
+    return queue_op((pending_write_t){.host = (_Atomic unsigned long long *)host, .value = value,
+                                      .at = at, .ctx = c});
+}
+
+/* Queue a write, copy or set to be made at `w.at`. Called with the lock
+ * held. */
+static int queue_op(pending_write_t w) {
+    int64_t at = w.at;
+    int status = push_write(w);
     if (status != SUCCESS) return status;
     if (!engine_started) {
         pthread_condattr_t attr;
@@ -1514,6 +1585,9 @@ static void host_memory_synchronize(ctx_t *c) {
     }
     pthread_mutex_unlock(&lock);
     sleep_until(until);
+    pthread_mutex_lock(&lock);
+    run_due(now_ns());
+    pthread_mutex_unlock(&lock);
 }
 
 int cuMemHostAlloc(void **pp, size_t bytesize, unsigned flags) {
@@ -1576,6 +1650,7 @@ int cuMemFreeHost(void *p) {
     if (status == SUCCESS || (status == ILLEGAL_ADDRESS && *link != NULL)) {
         host_alloc_t *a = *link;
         writes_after_free += drop_writes(a->p, a->size);
+        drop_copies(a->p, a->size);
         *link = a->next;
         free_host_alloc(a);
     }
@@ -1718,6 +1793,493 @@ int fakeCudaLaunchRaceGraph(int unused) {
     return freed;
 }
 /* ---- end of host-mapped memory and stream writes ---- */
+
+/* ---- Device memory and copies ----
+ * Driver API "Memory Management" and the "API synchronization behavior"
+ * page (https://docs.nvidia.com/cuda/cuda-driver-api/api-sync-behavior.html),
+ * for the calls cudarc 0.19's safe API makes (CudaStream::alloc, alloc_zeros,
+ * memset_zeros, memcpy_htod/dtoh/dtod, clone_htod/dtoh/dtod, a CudaSlice's
+ * drop) and their synchronous forms:
+ * - Device memory is host memory the fake allocates, at device addresses
+ *   of its own (from DEVICE_MEMORY_BASE, never handed out twice, with a gap
+ *   after each allocation), so a host pointer, a freed or unknown address
+ *   or a range past an allocation's end is CUDA_ERROR_INVALID_VALUE, never a
+ *   crash. 4 GiB per device (cuDeviceTotalMem_v2, cuMemGetInfo_v2); more is
+ *   CUDA_ERROR_OUT_OF_MEMORY. New memory reads 0xa5 bytes: "The memory is
+ *   not cleared" (cuMemAlloc).
+ * - cuMemAlloc_v2 ("If bytesize is 0, cuMemAlloc() returns
+ *   CUDA_ERROR_INVALID_VALUE") and cuMemFree_v2 of an allocation's start; a
+ *   free of another context's memory is CUDA_ERROR_INVALID_CONTEXT (the
+ *   strict reading, as for cuMemFreeHost), and after a sticky fault it fails
+ *   with the fault but still frees.
+ * - Stream-ordered allocation: attribute 115
+ *   (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) reads 1, as on current
+ *   GPUs, so cudarc allocates with cuMemAllocAsync and frees with
+ *   cuMemFreeAsync; FAKE_CUDA_NO_MEMORY_POOLS=1 makes it read 0 (cudarc then
+ *   uses cuMemAlloc_v2, and a stream synchronize and cuMemFree_v2 on drop).
+ *   cuMemAllocAsync's memory is there at once (zero bytes is allowed: cudarc's
+ *   CudaStream::null asks for it); after cuMemFreeAsync the address is
+ *   refused by every call ("After this API returns, accessing the memory from
+ *   any subsequent work launched on the GPU ... results in undefined
+ *   behavior"), and copies queued before it still run: each queued copy or
+ *   set keeps the memory it touches until it is made.
+ * - Device addresses are checked against the context they are used in: the
+ *   stream's, or for cuMemcpyPeer(Async) the context given with each (the
+ *   strict reading: another context's memory is CUDA_ERROR_INVALID_VALUE).
+ *   Device addresses of mapped page-locked memory
+ *   (cuMemHostGetDevicePointer_v2) are device memory here too.
+ * - Copies (cuMemcpyHtoD/DtoH/DtoD_v2, their Async_v2 forms, cuMemcpyPeer
+ *   and cuMemcpyPeerAsync) and sets (cuMemsetD8/D16/D32_v2 and Async) are
+ *   queued on their stream (the synchronous forms on the context's legacy
+ *   default stream: they are the calls "that operate on a stream implicitly",
+ *   "Stream synchronization behavior") and made in stream order, by the copy
+ *   engine thread, when the stream gets there: after the work queued before
+ *   them, the sleep kernel's included, and before any event recorded after
+ *   them completes (see run_due). They take no device time; a faulted
+ *   context makes none due at or after its fault. A copy or set on a
+ *   capturing stream is CUDA_ERROR_NOT_SUPPORTED: the fake's graphs hold
+ *   sleeps and word writes only.
+ * - How long the calling thread waits, from the sync page: "For transfers
+ *   from pageable host memory to device memory, a stream sync is performed
+ *   before the copy is initiated. The function will return once the pageable
+ *   buffer has been copied to the staging memory ..., but the DMA to final
+ *   destination may not have completed" (cuMemcpyHtoD_v2: the source is
+ *   copied at the call, the call returns once the legacy stream gets there,
+ *   the bytes land after); "For transfers from pinned host memory to device
+ *   memory, the function is synchronous with respect to the host" and "For
+ *   transfers from device to either pageable or pinned host memory, the
+ *   function returns only once the copy has completed" (returns once made);
+ *   "For transfers from device memory to device memory, no host-side
+ *   synchronization is performed" (returns at once). Async forms: "For all
+ *   other transfers, the function should be fully asynchronous" (pinned host
+ *   memory: returns at once; the host bytes are read or written when the
+ *   copy is made, so a reader must wait for the stream); "For transfers
+ *   between device memory and pageable host memory, the function might be
+ *   synchronous with respect to host" and "If pageable memory must first be
+ *   staged to pinned memory, the driver may synchronize with the stream and
+ *   stage the copy": a pageable source is copied at the call (returns at
+ *   once, as cudarc's clone_htod of a temporary needs), a pageable
+ *   destination is written before the call returns (as cudarc's clone_dtoh
+ *   needs, and as the CUDA 11 page said outright: "For transfers from device
+ *   memory to pageable host memory, the function will return only once the
+ *   copy has completed"). Sets: "The synchronous memset functions are
+ *   asynchronous with respect to the host except when the target is pinned
+ *   host memory ... The Async versions are always asynchronous" (a
+ *   synchronous set of mapped page-locked memory returns once made).
+ *   "Pinned" is memory from cuMemHostAlloc; a host range that runs past the
+ *   end of such an allocation is CUDA_ERROR_INVALID_VALUE.
+ * - Freeing page-locked memory drops the copies queued to or from it (never
+ *   made, as its word writes); a context torn down makes those due by then
+ *   and drops the rest, and frees its device memory.
+ */
+#define DEVICE_MEMORY_BASE 0x200000000000ULL
+#define DEVICE_MEMORY_TOTAL ((size_t)4 << 30)
+
+struct dev_alloc {
+    unsigned long long dptr;
+    size_t size;
+    unsigned char *bytes;
+    ctx_t *ctx;
+    int refs; /* the table's while live, and each queued copy's or set's */
+    struct dev_alloc *next;
+};
+
+static dev_alloc_t *dev_allocs; /* the live allocations */
+static unsigned long long next_dptr = DEVICE_MEMORY_BASE;
+static size_t dev_bytes[DEVICES]; /* live bytes of each device */
+
+static void unref(dev_alloc_t *a) {
+    if (a != NULL && --a->refs == 0) {
+        free(a->bytes);
+        free(a);
+    }
+}
+
+/* Make a queued copy or set (popped by run_due), unless dropped, due at or
+ * after its context's fault, or of a context torn down since. Called with
+ * the lock held. */
+static void make_copy(pending_write_t *w) {
+    if (!w->dropped && w->at < w->ctx->fault_at && w->ctx->generation == w->generation) {
+        if (w->src != NULL) {
+            memmove(w->dst, w->src, w->bytes);
+        } else if (w->elem == 1) {
+            memset(w->dst, (int)(w->value & 0xff), w->bytes);
+        } else {
+            uint16_t v16 = (uint16_t)w->value;
+            uint32_t v32 = (uint32_t)w->value;
+            const void *pattern = w->elem == 2 ? (const void *)&v16 : (const void *)&v32;
+            for (size_t i = 0; i + w->elem <= w->bytes; i += w->elem) memcpy(w->dst + i, pattern, w->elem);
+        }
+        if (w->made != NULL) *w->made = 1;
+    }
+    free(w->staging);
+    unref(w->holds[0]);
+    unref(w->holds[1]);
+}
+
+static int overlaps(const void *a, size_t an, const void *b, size_t bn) {
+    const char *x = a, *y = b;
+    return x < y + bn && y < x + an;
+}
+
+/* Drop the queued copies and sets that touch [p, p + size). Called with the
+ * lock held. */
+static void drop_copies(const void *p, size_t size) {
+    for (size_t i = 0; i < pending_len; i++) {
+        pending_write_t *w = &pending[i];
+        if (w->host == NULL && !w->dropped &&
+            (overlaps(w->dst, w->bytes, p, size) || (w->src != NULL && overlaps(w->src, w->bytes, p, size))))
+            w->dropped = 1;
+    }
+}
+
+/* Drop the queued copy numbered `seq`, if still queued: its caller stops
+ * waiting for it. Called with the lock held. */
+static void drop_op(unsigned long long seq) {
+    for (size_t i = 0; i < pending_len; i++) {
+        if (pending[i].seq == seq) {
+            pending[i].dropped = 1;
+            pending[i].made = NULL;
+        }
+    }
+}
+
+/* Unlink and release an allocation. Called with the lock held. */
+static void free_device(dev_alloc_t **link) {
+    dev_alloc_t *a = *link;
+    *link = a->next;
+    dev_bytes[a->ctx->device] -= a->size;
+    unref(a);
+}
+
+static void free_device_memory(ctx_t *c) {
+    for (dev_alloc_t **link = &dev_allocs; *link;) {
+        if ((*link)->ctx == c) free_device(link);
+        else link = &(*link)->next;
+    }
+}
+
+/* The link to the live allocation starting at `dptr`, or to NULL. */
+static dev_alloc_t **alloc_at(unsigned long long dptr) {
+    dev_alloc_t **link = &dev_allocs;
+    while (*link && (*link)->dptr != dptr) link = &(*link)->next;
+    return link;
+}
+
+static int alloc_device(unsigned long long *dptr, size_t bytesize, ctx_t *c) {
+    if (bytesize > DEVICE_MEMORY_TOTAL - dev_bytes[c->device]) return OUT_OF_MEMORY;
+    dev_alloc_t *a = calloc(1, sizeof *a);
+    unsigned char *bytes = malloc(bytesize > 0 ? bytesize : 1);
+    if (a == NULL || bytes == NULL) {
+        free(a);
+        free(bytes);
+        return OUT_OF_MEMORY;
+    }
+    memset(bytes, 0xa5, bytesize);
+    *a = (dev_alloc_t){.dptr = next_dptr, .size = bytesize, .bytes = bytes, .ctx = c, .refs = 1, .next = dev_allocs};
+    next_dptr += ((bytesize + 4095) & ~(unsigned long long)4095) + 4096;
+    dev_allocs = a;
+    dev_bytes[c->device] += bytesize;
+    *dptr = a->dptr;
+    return SUCCESS;
+}
+
+int cuMemAlloc_v2(unsigned long long *dptr, size_t bytesize) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    if (status == SUCCESS && (dptr == NULL || bytesize == 0)) status = INVALID_VALUE;
+    if (status == SUCCESS) status = alloc_device(dptr, bytesize, current);
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuMemAllocAsync(unsigned long long *dptr, size_t bytesize, void *stream) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    if (status == SUCCESS) status = implicit_dependency(s);
+    if (status == SUCCESS && ongoing(s->capture)) status = NOT_SUPPORTED;
+    if (status == SUCCESS && dptr == NULL) status = INVALID_VALUE;
+    if (status == SUCCESS) status = alloc_device(dptr, bytesize, current);
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuMemFree_v2(unsigned long long dptr) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    dev_alloc_t **link = alloc_at(dptr);
+    int status = *link == NULL ? INVALID_VALUE : (*link)->ctx != current ? INVALID_CONTEXT : current_usable();
+    if (*link != NULL && (status == SUCCESS || status == ILLEGAL_ADDRESS)) free_device(link);
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuMemFreeAsync(unsigned long long dptr, void *stream) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    /* After a sticky fault the call fails with it but still frees. */
+    int fault = status == ILLEGAL_ADDRESS;
+    if (fault) status = SUCCESS;
+    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    dev_alloc_t **link = alloc_at(dptr);
+    if (status == SUCCESS && (*link == NULL || (*link)->ctx != s->ctx)) status = INVALID_VALUE;
+    if (status == SUCCESS && !fault) status = implicit_dependency(s);
+    if (status == SUCCESS && !fault && ongoing(s->capture)) status = NOT_SUPPORTED;
+    if (status == SUCCESS) free_device(link);
+    if (status == SUCCESS && fault) status = ILLEGAL_ADDRESS;
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    if (status == SUCCESS && (free_bytes == NULL || total == NULL)) status = INVALID_VALUE;
+    if (status == SUCCESS) {
+        *total = DEVICE_MEMORY_TOTAL;
+        *free_bytes = DEVICE_MEMORY_TOTAL - dev_bytes[current->device];
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuDeviceTotalMem_v2(size_t *bytes, int device) {
+    if (deinitialized()) return DEINITIALIZED;
+    if (bytes == NULL) return INVALID_VALUE;
+    if (device < 0 || device >= DEVICES) return INVALID_DEVICE;
+    *bytes = DEVICE_MEMORY_TOTAL;
+    return SUCCESS;
+}
+
+/* One end of a copy: a device address (of `ctx`, or NULL: of the stream's
+ * context) or host memory. */
+typedef struct {
+    int device;
+    unsigned long long address;
+    void *ctx;
+    const void *host;
+} end_t;
+
+#define ON_DEVICE(address, ctx) ((end_t){1, (address), (ctx), NULL})
+#define ON_HOST(pointer) ((end_t){0, 0, NULL, (pointer)})
+
+/* Where an end's bytes are. */
+enum { PAGEABLE, PINNED, DEVICE_MEMORY, MAPPED };
+
+/* Resolve `e` for `bytes` bytes in context `c`: its bytes, the device
+ * allocation holding them (or NULL) and its kind; or a status. Called with
+ * the lock held. */
+static int resolve(end_t e, const ctx_t *c, size_t bytes, unsigned char **p, dev_alloc_t **hold, int *kind) {
+    *hold = NULL;
+    if (!e.device) {
+        if (e.host == NULL) return INVALID_VALUE;
+        *p = (unsigned char *)(uintptr_t)e.host;
+        *kind = PAGEABLE;
+        for (host_alloc_t *a = host_allocs; a; a = a->next) {
+            if (!overlaps(e.host, bytes, a->p, a->size)) continue;
+            /* Page-locked only if wholly inside one allocation. */
+            if ((const char *)e.host < (char *)a->p || bytes > a->size - (size_t)((const char *)e.host - (char *)a->p))
+                return INVALID_VALUE;
+            *kind = PINNED;
+        }
+        return SUCCESS;
+    }
+    if (e.ctx != NULL) {
+        if (!is_context(e.ctx) || ((ctx_t *)e.ctx)->retains == 0) return INVALID_CONTEXT;
+        c = e.ctx;
+    }
+    unsigned long long d = e.address;
+    for (dev_alloc_t *a = dev_allocs; a; a = a->next) {
+        if (d < a->dptr || d - a->dptr > a->size || bytes > a->size - (d - a->dptr)) continue;
+        if (a->ctx != c) return INVALID_VALUE;
+        *p = a->bytes + (d - a->dptr);
+        *hold = a;
+        *kind = DEVICE_MEMORY;
+        return SUCCESS;
+    }
+    if (d >= DEVICE_ALIAS) {
+        host_alloc_t *a = host_alloc_of((void *)(uintptr_t)(d - DEVICE_ALIAS), bytes);
+        if (a != NULL && (a->flags & MEMHOSTALLOC_DEVICEMAP) && (a->ctx == c || (a->flags & MEMHOSTALLOC_PORTABLE))) {
+            *p = (unsigned char *)(uintptr_t)(d - DEVICE_ALIAS);
+            *kind = MAPPED;
+            return SUCCESS;
+        }
+    }
+    return INVALID_VALUE;
+}
+
+/* How long a call waits for what it queued (see the header of this part). */
+enum { NO_WAIT, STREAM_WAIT, MADE_WAIT };
+
+/* Queue a copy (`src` non-NULL) or a set of `bytes` bytes of the
+ * `elem`-byte pattern `value` on `stream` (the legacy stream for a
+ * synchronous form, `sync_api`), and wait as its form and memory say. */
+static int transfer(void *stream, int sync_api, end_t dst, const end_t *src, unsigned value, unsigned elem,
+                    size_t bytes) {
+    if (deinitialized()) return DEINITIALIZED;
+    pthread_mutex_lock(&lock);
+    int status = current_usable();
+    stream_t *s = status != SUCCESS ? NULL : sync_api ? &current->legacy : stream_of(stream);
+    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    if (status == SUCCESS) status = implicit_dependency(s);
+    if (status == SUCCESS && ongoing(s->capture)) status = NOT_SUPPORTED;
+    /* Larger than any allocation: refused before any arithmetic on it. */
+    if (status == SUCCESS && bytes > ((size_t)1 << 46)) status = INVALID_VALUE;
+    if (status != SUCCESS || bytes == 0) {
+        pthread_mutex_unlock(&lock);
+        return status;
+    }
+    pending_write_t w = {.ctx = s->ctx, .generation = s->ctx->generation, .bytes = bytes, .elem = elem, .value = value};
+    int dst_kind = PAGEABLE, src_kind = DEVICE_MEMORY;
+    status = resolve(dst, s->ctx, bytes, &w.dst, &w.holds[0], &dst_kind);
+    unsigned char *from = NULL;
+    if (status == SUCCESS && src != NULL) status = resolve(*src, s->ctx, bytes, &from, &w.holds[1], &src_kind);
+    int wait = NO_WAIT;
+    if (status == SUCCESS) {
+        if (src == NULL) {
+            wait = sync_api && dst_kind == MAPPED ? MADE_WAIT : NO_WAIT;
+        } else if (dst_kind == PAGEABLE) {
+            wait = MADE_WAIT;
+        } else if (dst_kind == PINNED || src_kind == PINNED) {
+            wait = sync_api ? MADE_WAIT : NO_WAIT;
+        } else if (src_kind == PAGEABLE) {
+            w.staging = malloc(bytes);
+            if (w.staging == NULL) status = OUT_OF_MEMORY;
+            else memcpy(w.staging, from, bytes);
+            from = w.staging;
+            wait = sync_api ? STREAM_WAIT : NO_WAIT;
+        }
+        w.src = from;
+    }
+    int made = 0;
+    int64_t at = 0, fault_at = 0;
+    unsigned long long seq = pending_seq;
+    ctx_t *c = s->ctx;
+    if (status == SUCCESS) {
+        at = ready_at(s);
+        fault_at = c->fault_at;
+        w.at = at;
+        if (wait == MADE_WAIT) w.made = &made;
+        if (w.holds[0] != NULL) w.holds[0]->refs++;
+        if (w.holds[1] != NULL) w.holds[1]->refs++;
+        status = queue_op(w);
+        if (status == SUCCESS) {
+            s->busy_until = at;
+        } else {
+            unref(w.holds[0]);
+            unref(w.holds[1]);
+        }
+    }
+    if (status != SUCCESS) free(w.staging);
+    pthread_mutex_unlock(&lock);
+    if (status != SUCCESS || wait == NO_WAIT) return status;
+    sleep_until(min64(at, fault_at));
+    if (wait == STREAM_WAIT) {
+        if (deinitialized()) return DEINITIALIZED;
+        return faulted(c) ? ILLEGAL_ADDRESS : SUCCESS;
+    }
+    pthread_mutex_lock(&lock);
+    run_due(now_ns());
+    if (!made) {
+        /* Not made, and never to be: the caller's memory is its own again. */
+        drop_op(seq);
+        status = atomic_load(&torn_down) ? DEINITIALIZED
+                 : faulted(c)            ? ILLEGAL_ADDRESS
+                 : c->generation != w.generation ? CONTEXT_IS_DESTROYED
+                                                 : INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
+}
+
+int cuMemcpyHtoD_v2(unsigned long long dst, const void *src, size_t bytes) {
+    end_t from = ON_HOST(src);
+    return transfer(NULL, 1, ON_DEVICE(dst, NULL), &from, 0, 0, bytes);
+}
+
+int cuMemcpyDtoH_v2(void *dst, unsigned long long src, size_t bytes) {
+    end_t from = ON_DEVICE(src, NULL);
+    return transfer(NULL, 1, ON_HOST(dst), &from, 0, 0, bytes);
+}
+
+int cuMemcpyDtoD_v2(unsigned long long dst, unsigned long long src, size_t bytes) {
+    end_t from = ON_DEVICE(src, NULL);
+    return transfer(NULL, 1, ON_DEVICE(dst, NULL), &from, 0, 0, bytes);
+}
+
+int cuMemcpyHtoDAsync_v2(unsigned long long dst, const void *src, size_t bytes, void *stream) {
+    end_t from = ON_HOST(src);
+    return transfer(stream, 0, ON_DEVICE(dst, NULL), &from, 0, 0, bytes);
+}
+
+int cuMemcpyDtoHAsync_v2(void *dst, unsigned long long src, size_t bytes, void *stream) {
+    end_t from = ON_DEVICE(src, NULL);
+    return transfer(stream, 0, ON_HOST(dst), &from, 0, 0, bytes);
+}
+
+int cuMemcpyDtoDAsync_v2(unsigned long long dst, unsigned long long src, size_t bytes, void *stream) {
+    end_t from = ON_DEVICE(src, NULL);
+    return transfer(stream, 0, ON_DEVICE(dst, NULL), &from, 0, 0, bytes);
+}
+
+int cuMemcpyPeer(unsigned long long dst, void *dst_ctx, unsigned long long src, void *src_ctx, size_t bytes) {
+    if (dst_ctx == NULL || src_ctx == NULL) return INVALID_CONTEXT;
+    end_t from = ON_DEVICE(src, src_ctx);
+    return transfer(NULL, 1, ON_DEVICE(dst, dst_ctx), &from, 0, 0, bytes);
+}
+
+int cuMemcpyPeerAsync(unsigned long long dst, void *dst_ctx, unsigned long long src, void *src_ctx, size_t bytes,
+                      void *stream) {
+    if (dst_ctx == NULL || src_ctx == NULL) return INVALID_CONTEXT;
+    end_t from = ON_DEVICE(src, src_ctx);
+    return transfer(stream, 0, ON_DEVICE(dst, dst_ctx), &from, 0, 0, bytes);
+}
+
+/* A set of `count` `elem`-byte values; the address must be aligned to one. */
+static int set(unsigned long long dst, unsigned value, unsigned elem, size_t count, void *stream, int sync_api) {
+    if (count > ((size_t)1 << 46) || dst % elem != 0) {
+        if (deinitialized()) return DEINITIALIZED;
+        return INVALID_VALUE;
+    }
+    return transfer(stream, sync_api, ON_DEVICE(dst, NULL), NULL, value, elem, count * elem);
+}
+
+int cuMemsetD8_v2(unsigned long long dst, unsigned char value, size_t count) {
+    return set(dst, value, 1, count, NULL, 1);
+}
+int cuMemsetD16_v2(unsigned long long dst, unsigned short value, size_t count) {
+    return set(dst, value, 2, count, NULL, 1);
+}
+int cuMemsetD32_v2(unsigned long long dst, unsigned value, size_t count) {
+    return set(dst, value, 4, count, NULL, 1);
+}
+int cuMemsetD8Async(unsigned long long dst, unsigned char value, size_t count, void *stream) {
+    return set(dst, value, 1, count, stream, 0);
+}
+int cuMemsetD16Async(unsigned long long dst, unsigned short value, size_t count, void *stream) {
+    return set(dst, value, 2, count, stream, 0);
+}
+int cuMemsetD32Async(unsigned long long dst, unsigned value, size_t count, void *stream) {
+    return set(dst, value, 4, count, stream, 0);
+}
+
+/* Test hook: the live device allocations of device's context. */
+int fakeCudaDeviceAllocations(int device) {
+    if (device < 0 || device >= DEVICES) return -1;
+    pthread_mutex_lock(&lock);
+    int live = 0;
+    for (dev_alloc_t *a = dev_allocs; a; a = a->next) live += a->ctx == &contexts[device];
+    pthread_mutex_unlock(&lock);
+    return live;
+}
+/* ---- end of device memory and copies ---- */
 
 /* Test hooks: not part of the driver API. */
 int fakeCudaLiveEvents(int device) {
