@@ -236,13 +236,12 @@ fn shutdown_lets_a_request_in_flight_finish_then_stops_the_waiter() {
         .unwrap();
         let gone = service.state.waiter.wait(late.fence()).await;
         assert_eq!(gone, Err(device_events::ServerError::WaiterGone));
-        // So was the staging queue, shared by every handler: closed, it
-        // hands a buffer back rather than keep it.
-        let refused = service
-            .state
-            .staging
-            .push(late.fence().into(), Default::default());
-        assert!(matches!(refused, Err(Rejected::Closed(..))), "{refused:?}");
+        // So was each stream's staging queue: closed, it hands a buffer
+        // back rather than keep it.
+        for on in &service.state.streams {
+            let refused = on.staging.push(late.fence().into(), Default::default());
+            assert!(matches!(refused, Err(Rejected::Closed(..))), "{refused:?}");
+        }
         drop(open);
         // The listener is gone: nothing answers any more.
         let refused = TcpStream::connect(address).await;
@@ -298,14 +297,23 @@ fn the_same_service_runs_on_cuda_streams() {
     });
 }
 
-/// One metric's value from `/metrics` text.
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|line| {
-            let (key, value) = line.split_once(' ')?;
-            (key == name).then(|| value.parse().expect("a number"))
+/// The sum of the samples of `name` in `/metrics` text whose labels include
+/// `labels` (all the streams' drop queues, say); panics if there are none.
+fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    let values: Vec<f64> = text
+        .lines()
+        .filter_map(|line| {
+            let (series, value) = line.rsplit_once(' ')?;
+            let (series_name, series_labels) = series.split_once('{').unwrap_or((series, ""));
+            let has = |&(key, value): &(&str, &str)| {
+                series_labels.contains(&format!("{key}=\"{value}\""))
+            };
+            (series_name == name && labels.iter().all(has))
+                .then(|| value.parse().expect("a number"))
         })
-        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+        .collect();
+    assert!(!values.is_empty(), "no {name}{labels:?} in:\n{text}");
+    values.iter().sum()
 }
 
 /// `GET /metrics`: the text and its status.
@@ -325,18 +333,47 @@ async fn metrics_text(address: std::net::SocketAddr) -> String {
     response.split("\r\n\r\n").nth(1).unwrap().to_owned()
 }
 
+/// Every series the service publishes, each with its type: what today's
+/// `/metrics` tells (see the CHANGELOG for the names they replace).
+const SERIES: [(&str, &str); 16] = [
+    ("device_events_waiter_threads", "gauge"),
+    ("device_events_waiter_peak_threads", "gauge"),
+    ("device_events_waiter_pending", "gauge"),
+    ("device_events_waiter_cancelled_held", "gauge"),
+    ("device_events_waiter_stuck_streams", "gauge"),
+    ("device_events_waiter_handed_off_total", "counter"),
+    ("device_events_waiter_awaits_total", "counter"),
+    ("device_events_waiter_watched_total", "counter"),
+    ("device_events_waiter_watcher_cpu_seconds", "gauge"),
+    ("device_events_waiter_wake_latency_seconds", "histogram"),
+    ("device_events_drop_queue_pushed_total", "counter"),
+    ("device_events_drop_queue_settled_total", "counter"),
+    ("device_events_drop_queue_pending", "gauge"),
+    ("device_events_drop_queue_queued", "gauge"),
+    ("device_events_profiler_events_created_total", "counter"),
+    ("device_events_profiler_events_pooled", "gauge"),
+];
+
 #[test]
 fn metrics_move_as_requests_are_served_and_cancelled() {
     runtime().block_on(async {
         let service = start(WaitBy::Await).await;
         let before = metrics_text(service.address).await;
+        for (name, kind) in SERIES {
+            assert!(
+                before.contains(&format!("# TYPE {name} {kind}\n")),
+                "no {kind} {name} in:\n{before}"
+            );
+        }
+        let awaits = "device_events_waiter_awaits_total";
+        let outcome = |outcome| [("waiter", "http-waiter"), ("outcome", outcome)];
+        assert_eq!(metric(&before, awaits, &outcome("resolved")), 0.0);
+        assert_eq!(metric(&before, awaits, &outcome("cancelled")), 0.0);
         for name in [
-            "device_events_waiter_resolved_total",
-            "device_events_waiter_cancelled_total",
             "device_events_waiter_handed_off_total",
             "device_events_drop_queue_pushed_total",
         ] {
-            assert_eq!(metric(&before, name), 0.0, "{name}");
+            assert_eq!(metric(&before, name, &[]), 0.0, "{name}");
         }
         // Three jobs, each answered; 20 ms of work, so mostly handed off (one
         // whose handler stalled as long finds its fence ready instead).
@@ -360,36 +397,42 @@ fn metrics_move_as_requests_are_served_and_cancelled() {
         .await;
         assert_eq!(status, 504, "{body}");
         let after = metrics_text(service.address).await;
-        let moved = |name: &str| metric(&after, name) - metric(&before, name);
-        // The staging buffer's fence is another wait, on the drop queue's
-        // own thread, not the service's waiter.
-        assert_eq!(moved("device_events_drop_queue_pushed_total"), 4.0);
-        assert_eq!(
-            moved("device_events_waiter_cancelled_total"),
-            1.0,
-            "{after}"
-        );
-        let resolved = moved("device_events_waiter_resolved_total");
-        let handed_off = moved("device_events_waiter_handed_off_total");
-        let ready = moved("device_events_waiter_ready_at_first_poll_total");
+        let moved =
+            |name: &str, labels: &[_]| metric(&after, name, labels) - metric(&before, name, labels);
+        // The staging buffer's fence is another wait, on its stream's drop
+        // queue's own thread, not the service's waiter.
+        let pushed = "device_events_drop_queue_pushed_total";
+        assert_eq!(moved(pushed, &[]), 4.0);
+        assert_eq!(moved(pushed, &[("stream", "0")]), 3.0);
+        assert_eq!(moved(pushed, &[("stream", "1")]), 1.0);
+        assert_eq!(moved(awaits, &outcome("cancelled")), 1.0, "{after}");
+        let resolved = moved(awaits, &outcome("resolved"));
+        let handed_off = moved("device_events_waiter_handed_off_total", &[]);
+        let ready = moved(awaits, &outcome("ready_at_first_poll"));
         // Each served job awaited its fence and then its profile (each ready
         // at its first poll, or handed off and resolved).
         assert!(resolved >= 1.0, "{after}");
         assert_eq!(handed_off, resolved + 1.0, "the cancelled one: {after}");
         assert_eq!(ready + handed_off, 3.0 * 2.0 + 1.0, "{after}");
+        let latency = "device_events_waiter_wake_latency_seconds";
+        assert_eq!(metric(&after, &format!("{latency}_count"), &[]), resolved);
+        let all = [("le", "+Inf")];
+        assert_eq!(metric(&after, &format!("{latency}_bucket"), &all), resolved);
+        assert_eq!(metric(&after, awaits, &outcome("failed")), 0.0);
         assert_eq!(
-            metric(&after, "device_events_waiter_wake_latency_seconds_count"),
-            resolved,
-            "{after}"
+            metric(&after, "device_events_waiter_stuck_streams", &[]),
+            0.0
         );
+        // Every stream's queue and every context's profiler, by label.
+        for stream in ["0", "1"] {
+            let labels = [("backend", "Host"), ("stream", stream)];
+            metric(&after, "device_events_drop_queue_pending", &labels);
+            let labels = [("backend", "Host"), ("device", stream)];
+            metric(&after, "device_events_profiler_events_pooled", &labels);
+        }
         assert_eq!(
-            metric(
-                &after,
-                "device_events_waiter_wake_latency_seconds_bucket{le=\"+Inf\"}"
-            ),
-            resolved
+            metric(&after, "device_events_profiler_events_created_total", &[]),
+            4.0 // two contexts used, a start and a stop event each
         );
-        assert_eq!(metric(&after, "device_events_waiter_failed_total"), 0.0);
-        assert_eq!(metric(&after, "device_events_waiter_stuck_streams"), 0.0);
     });
 }
