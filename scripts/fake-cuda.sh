@@ -29,6 +29,10 @@ done
 FAKE_CUDA_NO_MEMORY_POOLS=1 cargo test --test cuda_memory
 FAKE_CUDA_NO_MEMORY_POOLS=1 cargo run --example cuda_copy_to_host
 cargo test --test cuda_exit --test cuda_elapsed --test cuda_record_order --test cuda_fork
+# Functions load lazily on the fake, as on Linux drivers since CUDA 12.2: the
+# crate's kernels are loaded when made, not at their first launch. And the
+# threads a four-stream service takes, on CUDA streams too.
+cargo test --test cuda_kernels_eager --test threads
 cargo run --example fences
 cargo run --example join_streams
 cargo run --example tokio_service

@@ -32,6 +32,28 @@ fn process_threads() -> usize {
         .count()
 }
 
+/// The process's threads whose name starts with `prefix` (the kernel keeps
+/// 15 bytes of a name): counted by name, so a thread of an earlier part that
+/// is still leaving, or a driver's own, is not miscounted.
+fn named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .filter(|name| name.starts_with(prefix))
+        .count()
+}
+
+/// Until `count` threads are named `prefix`, failing after `LIMIT`: a new
+/// thread names itself once it runs.
+fn expect_named(prefix: &str, count: usize, what: &str) {
+    eventually(LIMIT, what, || named(prefix) == count);
+}
+
+const HOST_STREAM: &str = "host-stream-";
+const DROP_QUEUE: &str = "device-events-d";
+const WAITER: &str = "svc-waiter";
+
 /// A waiter as a service builds it: `stuck_after` on (so its poller runs
 /// while a wait is pending), the watcher as asked.
 fn service_waiter(watchers: usize) -> Waiter {
@@ -61,11 +83,9 @@ fn a_four_stream_service_takes_the_threads_the_formula_says() {
         (0..STREAMS).map(|_| DropQueue::new(16).unwrap()).collect();
     let profiler = EventProfiler::<Host>::new();
     let idle = process_threads() - start;
-    assert_eq!(
-        idle,
-        2 * STREAMS,
-        "a worker and a drop queue per stream; no waiter thread yet"
-    );
+    expect_named(HOST_STREAM, STREAMS, "a worker per stream");
+    expect_named(DROP_QUEUE, STREAMS, "a drop queue per stream");
+    expect_named(WAITER, 0, "no waiter thread yet");
 
     let gates: Vec<Gate> = streams.iter().map(Gate::hold).collect();
     let mut waits = Vec::new();
@@ -94,7 +114,8 @@ fn a_four_stream_service_takes_the_threads_the_formula_says() {
         waiter.threads(),
         process_threads()
     );
-    assert_eq!(busy, 2 * STREAMS + waiter_threads, "and the waiter's");
+    expect_named(WAITER, waiter_threads, "the waiter's threads");
+    assert_eq!(busy, 2 * STREAMS + waiter_threads, "and no other thread");
 
     gates.into_iter().for_each(Gate::open);
     for wait in waits {
@@ -104,6 +125,7 @@ fn a_four_stream_service_takes_the_threads_the_formula_says() {
         runtime.block_on(queue.shutdown_async());
     }
     waiter.shutdown();
+    drop((streams, profiler));
 
     #[cfg(feature = "cuda")]
     cuda_streams(&runtime);
@@ -121,6 +143,9 @@ fn cuda_streams(runtime: &tokio::runtime::Runtime) {
         eprintln!("no CUDA driver here: the CUDA streams are not counted");
         return;
     }
+    eventually(LIMIT, "the host streams' threads have left", || {
+        named(HOST_STREAM) + named(DROP_QUEUE) + named(WAITER) == 0
+    });
     let start = process_threads();
     let Some((ctx, sleep)) = common::gpu::gpu("threads: CUDA streams") else {
         return;
@@ -134,10 +159,8 @@ fn cuda_streams(runtime: &tokio::runtime::Runtime) {
         (0..STREAMS).map(|_| DropQueue::new(16).unwrap()).collect();
     let profiler = EventProfiler::<Cuda>::new();
     let idle = process_threads() - start;
-    assert_eq!(
-        idle, STREAMS,
-        "a drop queue per stream; no waiter thread yet"
-    );
+    expect_named(DROP_QUEUE, STREAMS, "a drop queue per stream");
+    expect_named(WAITER, 0, "no waiter thread yet");
 
     let mut waits = Vec::new();
     for (stream, queue) in streams.iter().zip(&queues) {
@@ -165,7 +188,8 @@ fn cuda_streams(runtime: &tokio::runtime::Runtime) {
         waiter.threads(),
         process_threads()
     );
-    assert_eq!(busy, STREAMS + waiter_threads, "and the waiter's");
+    expect_named(DROP_QUEUE, STREAMS, "a drop queue per stream");
+    expect_named(WAITER, waiter_threads, "the waiter's threads");
 
     for wait in waits {
         runtime.block_on(wait).unwrap().unwrap();

@@ -65,6 +65,10 @@
  * - cuCtxSynchronize waits for every stream of the current context, and so
  *   does cuModuleLoadData, with every other call held until it returns (see
  *   there).
+ * - Lazy loading (the default on Linux since CUDA 12.2; CUDA C++ Programming
+ *   Guide, "Lazy Loading"): a function from cuModuleGetFunction is loaded at
+ *   its first launch, with the same wait as a module load, unless cuFuncLoad
+ *   loaded it first or CUDA_MODULE_LOADING=EAGER (see cuLaunchKernel).
  *
  * - Process exit (see "Driver teardown" below): cuInit registers an exit
  *   handler after which every call returns CUDA_ERROR_DEINITIALIZED.
@@ -173,7 +177,7 @@ typedef struct {
 } event_t;
 
 typedef struct { ctx_t *ctx; int generation; } module_t;
-typedef struct { module_t *module; int kind; } function_t;
+typedef struct { module_t *module; int kind; int loaded; } function_t;
 enum { SLEEP_NS = 1, WRITE_U32 = 2 };
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -1044,6 +1048,15 @@ int cuStreamWaitEvent(void *stream, void *event, unsigned flags) {
     return status;
 }
 
+/* Load code into the current context: wait for every stream of it, with
+ * the lock (and so every other call) held (see cuModuleLoadData). */
+static void load_code(void) {
+    int64_t until = current->legacy.busy_until;
+    for (stream_t *o = current->streams; o; o = o->next) until = max64(until, o->busy_until);
+    sleep_until(min64(until, current->fault_at));
+    run_due(now_ns());
+}
+
 int cuModuleLoadData(void **module, const void *image) {
     pthread_mutex_lock(&lock);
     int status = current_usable();
@@ -1064,10 +1077,7 @@ int cuModuleLoadData(void **module, const void *image) {
          * kernels, queued before it, had ended. The lock is held for the
          * wait, so every call of every thread waits (stricter than a
          * per-context wait, which affects timing only). */
-        int64_t until = current->legacy.busy_until;
-        for (stream_t *o = current->streams; o; o = o->next) until = max64(until, o->busy_until);
-        sleep_until(min64(until, current->fault_at));
-        run_due(now_ns());
+        load_code();
     }
     pthread_mutex_unlock(&lock);
     if (status == SUCCESS) *module = m;
@@ -1084,9 +1094,28 @@ int cuModuleGetFunction(void **function, void *module, const char *name) {
     if (kind == 0) return NOT_FOUND;
     function_t *f = calloc(1, sizeof *f);
     if (f == NULL) return INVALID_VALUE;
-    *f = (function_t){m, kind};
+    /* Lazy unless CUDA_MODULE_LOADING=EAGER: "When function loading mode is
+     * set to LAZY the function retrieved may be partially loaded"
+     * (cuModuleEnumerateFunctions); the fake always takes that case. */
+    const char *mode = getenv("CUDA_MODULE_LOADING");
+    *f = (function_t){m, kind, mode != NULL && strcmp(mode, "EAGER") == 0};
     *function = f;
     return SUCCESS;
+}
+
+/* cuFuncLoad (CUDA 12.4): "Finalizes function loading for function. Calling
+ * this API with a fully loaded function has no effect." */
+int cuFuncLoad(void *function) {
+    function_t *f = function;
+    if (f == NULL) return INVALID_HANDLE;
+    pthread_mutex_lock(&lock);
+    int status = usable(f->module->ctx, f->module->generation);
+    if (status == SUCCESS && !f->loaded) {
+        load_code();
+        f->loaded = 1;
+    }
+    pthread_mutex_unlock(&lock);
+    return status;
 }
 
 int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -1101,6 +1130,15 @@ int cuLaunchKernel(void *function, unsigned gx, unsigned gy, unsigned gz, unsign
     stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
     if (status == SUCCESS && (s == NULL || s->ctx != f->module->ctx)) status = INVALID_HANDLE;
     if (status == SUCCESS) status = implicit_dependency(s);
+    /* A function left partly loaded is loaded by its launch: "CUDA APIs may
+     * load the function automatically when called with partially loaded
+     * function handle" (cuModuleEnumerateFunctions), and "Loading kernels
+     * might require context synchronization" (Programming Guide, "Lazy
+     * Loading"): the launch waits as a module load does. */
+    if (status == SUCCESS && !f->loaded) {
+        load_code();
+        f->loaded = 1;
+    }
     int captured = status == SUCCESS ? captured_work(s, f->kind == SLEEP_NS ? (int64_t)argument : 0) : 0;
     if (captured < 0) status = -captured;
     if (status == SUCCESS && !captured) {
