@@ -10,7 +10,8 @@ pub const LATENCY_BUCKETS: usize = 32;
 /// everything from `2^(LATENCY_BUCKETS - 2)` µs (about 18 minutes) on.
 ///
 /// [`buckets`](LatencyHistogram::buckets) are not cumulative: a Prometheus
-/// histogram sums them in order, as `examples/http_service.rs` does. With the
+/// histogram sums them in order (the `metrics` feature publishes them so,
+/// `device_events::metrics`). With the
 /// `serde` feature it serializes as `{"buckets": [32 counts, bucket 0
 /// first], "sum_nanos": <the durations added up, in nanoseconds>}`.
 ///
