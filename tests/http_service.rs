@@ -7,6 +7,8 @@
 #[allow(dead_code, unreachable_pub)]
 mod http_service;
 
+mod common;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -260,7 +262,12 @@ fn the_same_service_runs_on_cuda_streams() {
             panic!("DEVICE_EVENTS_REQUIRE_CUDA=1 but no usable GPU: {err}")
         }
         Err(err) => {
-            eprintln!("skipping the_same_service_runs_on_cuda_streams: no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead");
+            common::skipped::skip(
+                "the_same_service_runs_on_cuda_streams",
+                format!(
+                    "no CUDA GPU here ({err}); set DEVICE_EVENTS_REQUIRE_CUDA=1 to fail instead"
+                ),
+            );
             return;
         }
     };
