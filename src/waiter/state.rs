@@ -88,8 +88,9 @@ impl Lane {
         self.waits.is_empty() && self.held.is_none() && self.out == 0
     }
 
-    /// Its held wait, if it is still `slot`'s (not resolved by shutdown),
-    /// ended: it is held no more, and the lane progressed. Whether it was.
+    /// End the lane's hold of `slot`'s wait and mark the lane as progressed.
+    /// Returns whether the lane still held that wait: false once a lost
+    /// thread's recovery took the hold to fail it.
     pub(super) fn end_hold(&mut self, slot: &Arc<Slot>, reports_stuck: bool) -> bool {
         let ours = self.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
         self.progressed(reports_stuck && ours);
@@ -236,7 +237,7 @@ impl State {
         self.next_thread
     }
 
-    /// Count in the poller (there is none).
+    /// Count the poller's thread as started (at most one runs at a time).
     pub(super) fn add_poller(&mut self) {
         debug_assert!(!self.poller, "a second poller");
         self.poller = true;

@@ -27,8 +27,9 @@
 //! - modules, functions and launches (`cuModuleLoadData`, `cuFuncLoad`, `cuLaunchKernel`):
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__MODULE.html>,
 //!   <https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__EXEC.html>
-// Every `unsafe` of the crate is here, each with a `// SAFETY:` comment (the crate root denies
-// `unsafe_code` elsewhere).
+// The CUDA backend's every `unsafe` is here, each with a `// SAFETY:` comment; the crate's only
+// other `unsafe` is the operating-system calls of `src/os.rs`. `Cargo.toml`'s `[lints]` deny
+// `unsafe_code` everywhere else (`tests/layers.rs` checks which files allow it).
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
