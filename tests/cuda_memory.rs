@@ -14,10 +14,14 @@
 
 mod common;
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use device_events::cuda;
-use device_events::cuda::cudarc::driver::{result, sys, CudaSlice, DevicePtr, DriverError};
+use device_events::cuda::cudarc::driver::{
+    result, sys, CudaContext, CudaSlice, DevicePtr, DriverError,
+};
+use device_events::Waiter;
 
 use common::fake_driver::is_fake;
 use common::gpu::gpu;
@@ -269,25 +273,140 @@ fn misuse_is_an_error() {
         result::free_sync(dptr).unwrap();
         assert_eq!(status(result::free_sync(dptr)), invalid, "freed twice");
         assert_eq!(to_host(dptr, 16, &mut host), invalid, "a freed pointer");
-        // Another context's memory: the fake has two devices.
+        // Another context's memory (the fake has two devices) is found by its
+        // address, as with unified addressing: read and freed with this
+        // context current.
         let other = cuda::context(1).unwrap();
         let theirs = {
             other.bind_to_thread().unwrap();
             result::malloc_sync(64).unwrap()
         };
         ctx.bind_to_thread().unwrap();
-        assert_eq!(to_host(theirs, 16, &mut host), invalid, "another context's");
         assert_eq!(
-            status(result::free_sync(theirs)),
-            sys::CUresult::CUDA_ERROR_INVALID_CONTEXT,
-            "freed from another context"
+            to_host(theirs, 16, &mut host),
+            sys::CUresult::CUDA_SUCCESS,
+            "another context's"
         );
-        other.bind_to_thread().unwrap();
         result::free_sync(theirs).unwrap();
+        // No context to allocate in: none is current on a new thread.
+        let unbound = std::thread::spawn(|| {
+            let mut dptr = 0;
+            sys::cuMemAlloc_v2(&mut dptr, 64)
+        });
+        assert_eq!(
+            unbound.join().unwrap(),
+            sys::CUresult::CUDA_ERROR_INVALID_CONTEXT,
+            "allocated with no context current"
+        );
         ctx.bind_to_thread().unwrap();
     }
     // The context still works.
     let stream = ctx.new_stream().unwrap();
     let on_device = stream.clone_htod(&values(8)).unwrap();
     assert_eq!(stream.clone_dtoh(&on_device).unwrap(), values(8));
+}
+
+/// A service's requests on a multi-thread tokio runtime, each in a task of
+/// its own: upload, a short kernel, a copy back into page-locked memory, an
+/// await of the fence behind it on the service's own waiter, then the
+/// bytes checked and the device memory dropped wherever the task resumed.
+/// One more slice is dropped on a thread that never bound any context.
+/// cudarc frees a slice on drop without binding its context (when it
+/// tracks no events for it): every free must still succeed, and be
+/// recorded by cudarc as no error. With `tracking` the context tracks
+/// events (cudarc's default); without, it does not (cudarc's advice for
+/// one stream per slice), so the drop makes no call that binds.
+fn service_drops_device_memory_on_any_thread(test: &str, tracking: bool, streams: usize) {
+    let Some((shared, sleep)) = gpu(test) else {
+        return;
+    };
+    // A context of the test's own (the same device's primary context), so
+    // the errors cudarc records on it are this test's alone.
+    let ctx = CudaContext::new(shared.ordinal()).unwrap();
+    if !tracking {
+        // SAFETY: each slice is used on the one stream it was made on.
+        unsafe { ctx.disable_event_tracking() };
+    }
+    let streams: Vec<_> = (0..streams).map(|_| ctx.new_stream().unwrap()).collect();
+    let waiter = Arc::new(Waiter::builder().build());
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(3)
+        .enable_all()
+        .build()
+        .unwrap();
+    let freed: Vec<sys::CUdeviceptr> = runtime.block_on(async {
+        let tasks: Vec<_> = (0..32u32)
+            .map(|task| {
+                let stream = streams[task as usize % streams.len()].clone();
+                let waiter = waiter.clone();
+                tokio::spawn(async move {
+                    let sent = values(100 + task);
+                    let on_device = stream.clone_htod(&sent).unwrap();
+                    sleep.launch(&stream, Duration::from_millis(5)).unwrap();
+                    // SAFETY: `u32` is valid for any bits; the host reads it
+                    // only after the fence behind the copy that writes all
+                    // of it.
+                    let mut host =
+                        unsafe { stream.context().alloc_pinned_with_flags::<u32>(LEN, 0) }.unwrap();
+                    stream.memcpy_dtoh(&on_device, &mut host).unwrap();
+                    waiter.wait(cuda::fence(&stream)).await.unwrap();
+                    assert_eq!(host.as_slice().unwrap(), sent.as_slice(), "task {task}");
+                    let ptr = on_device.device_ptr(&stream).0;
+                    drop(on_device);
+                    ptr
+                })
+            })
+            .collect();
+        let mut freed = Vec::new();
+        for task in tasks {
+            freed.push(task.await.unwrap());
+        }
+        freed
+    });
+    drop(runtime);
+    let last = streams[0].clone_htod(&values(99)).unwrap();
+    let last_ptr = last.device_ptr(&streams[0]).0;
+    std::thread::spawn(move || drop(last)).join().unwrap();
+    for stream in &streams {
+        stream.synchronize().unwrap();
+    }
+    assert_eq!(
+        ctx.check_err(),
+        Ok(()),
+        "an error cudarc recorded in a drop"
+    );
+    if is_fake() {
+        // Each slice was freed: the fake never hands an address out twice,
+        // so a freed one is refused.
+        ctx.bind_to_thread().unwrap();
+        for ptr in freed.into_iter().chain([last_ptr]) {
+            let mut byte = 0u8;
+            // SAFETY: `byte` outlives the synchronous copy of one byte.
+            let copied = unsafe { sys::cuMemcpyDtoH_v2((&mut byte as *mut u8).cast(), ptr, 1) };
+            assert_eq!(
+                copied,
+                sys::CUresult::CUDA_ERROR_INVALID_VALUE,
+                "{ptr:#x} still allocated"
+            );
+        }
+    }
+    waiter.shutdown();
+}
+
+#[test]
+fn tasks_drop_device_memory_on_any_worker_thread() {
+    service_drops_device_memory_on_any_thread(
+        "tasks_drop_device_memory_on_any_worker_thread",
+        true,
+        4,
+    );
+}
+
+#[test]
+fn tasks_drop_untracked_device_memory_on_any_worker_thread() {
+    service_drops_device_memory_on_any_thread(
+        "tasks_drop_untracked_device_memory_on_any_worker_thread",
+        false,
+        1,
+    );
 }

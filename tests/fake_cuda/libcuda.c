@@ -31,7 +31,9 @@
  *   stricter than the driver, which checks this for some calls only, so a
  *   crate that forgets to bind (on a waiter thread, say) fails here.
  *   cuStreamWaitEvent is the exception the docs make: "hEvent may be from a
- *   different context or device than hStream".
+ *   different context or device than hStream". Device memory calls are the
+ *   other (see "Device memory and copies"): they take the context their
+ *   stream or device address names.
  * - Handles of two contexts in one call: cuEventRecord with an event and a
  *   stream of different contexts, and cuEventElapsedTime (either name) with
  *   events of different contexts, are CUDA_ERROR_INVALID_HANDLE whichever
@@ -1845,11 +1847,29 @@ int fakeCudaLaunchRaceGraph(int unused) {
  *   crash. 4 GiB per device (cuDeviceTotalMem_v2, cuMemGetInfo_v2); more is
  *   CUDA_ERROR_OUT_OF_MEMORY. New memory reads 0xa5 bytes: "The memory is
  *   not cleared" (cuMemAlloc).
+ * - The context of a call: the docs are silent on whether the memory
+ *   calls need their context current, and these calls are the user's, not
+ *   the crate's (cudarc 0.19 frees a CudaSlice on drop with cuMemFreeAsync,
+ *   or a stream synchronize and cuMemFree_v2, without binding its context
+ *   when it tracks no events for the slice; a tokio task drops it on
+ *   whichever worker thread it resumed on). So the fake reads them the
+ *   lenient way, never stricter than the driver: a call with a created
+ *   stream takes the stream's context, and cuMemFree_v2 and the synchronous
+ *   copies and sets the context of the allocation their device address is
+ *   in (with unified addressing a device pointer names its context;
+ *   cuMemcpyPeer: the contexts given), whatever is current. Only a call
+ *   whose handles name no context needs one current: cuMemAlloc_v2
+ *   ("Allocates bytesize bytes of linear memory on the device"; cuMemAlloc
+ *   allocates in the current context), cuMemGetInfo_v2, and the default
+ *   streams (NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD, the current
+ *   context's), else CUDA_ERROR_INVALID_CONTEXT. The named context is
+ *   checked as a current one is: torn down (CUDA_ERROR_CONTEXT_IS_DESTROYED,
+ *   and the calling thread's stale binding of it where it is current) or
+ *   faulted (the sticky fault).
  * - cuMemAlloc_v2 ("If bytesize is 0, cuMemAlloc() returns
- *   CUDA_ERROR_INVALID_VALUE") and cuMemFree_v2 of an allocation's start; a
- *   free of another context's memory is CUDA_ERROR_INVALID_CONTEXT (the
- *   strict reading, as for cuMemFreeHost), and after a sticky fault it fails
- *   with the fault but still frees.
+ *   CUDA_ERROR_INVALID_VALUE") and cuMemFree_v2 of an allocation's start,
+ *   whichever context is current; after a sticky fault it fails with the
+ *   fault but still frees.
  * - Stream-ordered allocation: attribute 115
  *   (CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED) reads 1, as on current
  *   GPUs, so cudarc allocates with cuMemAllocAsync and frees with
@@ -1862,8 +1882,9 @@ int fakeCudaLaunchRaceGraph(int unused) {
  *   behavior"), and copies queued before it still run: each queued copy or
  *   set keeps the memory it touches until it is made.
  * - Device addresses are checked against the context they are used in: the
- *   stream's, or for cuMemcpyPeer(Async) the context given with each (the
- *   strict reading: another context's memory is CUDA_ERROR_INVALID_VALUE).
+ *   stream's (for a synchronous copy, the first device address's), or for
+ *   cuMemcpyPeer(Async) the context given with each (the strict reading:
+ *   another context's memory is CUDA_ERROR_INVALID_VALUE).
  *   Device addresses of mapped page-locked memory
  *   (cuMemHostGetDevicePointer_v2) are device memory here too.
  * - Copies (cuMemcpyHtoD/DtoH/DtoD_v2, their Async_v2 forms, cuMemcpyPeer
@@ -2022,6 +2043,33 @@ static int alloc_device(unsigned long long *dptr, size_t bytesize, ctx_t *c) {
     return SUCCESS;
 }
 
+/* Context `c`, named by a handle of a memory call, may be used now,
+ * current or not, and whatever the calling thread's binding (see "The
+ * context of a call" above). Called with the lock held. */
+static int named_usable(const ctx_t *c) {
+    if (deinitialized()) return DEINITIALIZED;
+    if (c->retains == 0) return CONTEXT_IS_DESTROYED;
+    if (faulted(c)) return ILLEGAL_ADDRESS;
+    return SUCCESS;
+}
+
+/* The stream a memory call's handle names: a created stream in its own
+ * context, a default stream in the current one. Found also after a sticky
+ * fault (the status then), for a free. Called with the lock held. */
+static int memory_stream(void *handle, stream_t **s) {
+    *s = NULL;
+    int status;
+    if (handle == NULL || handle == STREAM_LEGACY || handle == STREAM_PER_THREAD) {
+        status = current_usable();
+        if (status == SUCCESS || status == ILLEGAL_ADDRESS) *s = stream_of(handle);
+    } else {
+        stream_t *named = handle;
+        status = named_usable(named->ctx);
+        if (status == SUCCESS || status == ILLEGAL_ADDRESS) *s = named;
+    }
+    return status == SUCCESS && *s == NULL ? INVALID_CONTEXT : status;
+}
+
 int cuMemAlloc_v2(unsigned long long *dptr, size_t bytesize) {
     if (deinitialized()) return DEINITIALIZED;
     pthread_mutex_lock(&lock);
@@ -2035,13 +2083,12 @@ int cuMemAlloc_v2(unsigned long long *dptr, size_t bytesize) {
 int cuMemAllocAsync(unsigned long long *dptr, size_t bytesize, void *stream) {
     if (deinitialized()) return DEINITIALIZED;
     pthread_mutex_lock(&lock);
-    int status = current_usable();
-    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
-    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    stream_t *s;
+    int status = memory_stream(stream, &s);
     if (status == SUCCESS) status = implicit_dependency(s);
     if (status == SUCCESS && ongoing(s->capture)) status = NOT_SUPPORTED;
     if (status == SUCCESS && dptr == NULL) status = INVALID_VALUE;
-    if (status == SUCCESS) status = alloc_device(dptr, bytesize, current);
+    if (status == SUCCESS) status = alloc_device(dptr, bytesize, s->ctx);
     pthread_mutex_unlock(&lock);
     return status;
 }
@@ -2050,7 +2097,7 @@ int cuMemFree_v2(unsigned long long dptr) {
     if (deinitialized()) return DEINITIALIZED;
     pthread_mutex_lock(&lock);
     dev_alloc_t **link = alloc_at(dptr);
-    int status = *link == NULL ? INVALID_VALUE : (*link)->ctx != current ? INVALID_CONTEXT : current_usable();
+    int status = *link != NULL ? named_usable((*link)->ctx) : current == NULL ? INVALID_CONTEXT : INVALID_VALUE;
     if (*link != NULL && (status == SUCCESS || status == ILLEGAL_ADDRESS)) free_device(link);
     pthread_mutex_unlock(&lock);
     return status;
@@ -2059,12 +2106,11 @@ int cuMemFree_v2(unsigned long long dptr) {
 int cuMemFreeAsync(unsigned long long dptr, void *stream) {
     if (deinitialized()) return DEINITIALIZED;
     pthread_mutex_lock(&lock);
-    int status = current_usable();
+    stream_t *s;
+    int status = memory_stream(stream, &s);
     /* After a sticky fault the call fails with it but still frees. */
     int fault = status == ILLEGAL_ADDRESS;
-    if (fault) status = SUCCESS;
-    stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
-    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    if (fault) status = s == NULL ? INVALID_CONTEXT : SUCCESS;
     dev_alloc_t **link = alloc_at(dptr);
     if (status == SUCCESS && (*link == NULL || (*link)->ctx != s->ctx)) status = INVALID_VALUE;
     if (status == SUCCESS && !fault) status = implicit_dependency(s);
@@ -2153,6 +2199,22 @@ static int resolve(end_t e, const ctx_t *c, size_t bytes, unsigned char **p, dev
     return INVALID_VALUE;
 }
 
+/* The context a device end names: the one given with it (cuMemcpyPeer), or
+ * the one whose allocation (or mapped page-locked memory) holds its address;
+ * NULL for a host end or an unknown address. Called with the lock held. */
+static ctx_t *named_context(const end_t *e) {
+    if (e == NULL || !e->device) return NULL;
+    if (e->ctx != NULL) return is_context(e->ctx) && ((ctx_t *)e->ctx)->retains > 0 ? e->ctx : NULL;
+    unsigned long long d = e->address;
+    for (dev_alloc_t *a = dev_allocs; a; a = a->next)
+        if (d >= a->dptr && d - a->dptr < (a->size > 0 ? a->size : 1)) return a->ctx;
+    if (d >= DEVICE_ALIAS) {
+        host_alloc_t *a = host_alloc_of((void *)(uintptr_t)(d - DEVICE_ALIAS), 1);
+        if (a != NULL && (a->flags & MEMHOSTALLOC_DEVICEMAP)) return a->ctx;
+    }
+    return NULL;
+}
+
 /* How long a call waits for what it queued (see the header of this part). */
 enum { NO_WAIT, STREAM_WAIT, MADE_WAIT };
 
@@ -2163,9 +2225,17 @@ static int transfer(void *stream, int sync_api, end_t dst, const end_t *src, uns
                     size_t bytes) {
     if (deinitialized()) return DEINITIALIZED;
     pthread_mutex_lock(&lock);
-    int status = current_usable();
-    stream_t *s = status != SUCCESS ? NULL : sync_api ? &current->legacy : stream_of(stream);
-    if (status == SUCCESS && s == NULL) status = INVALID_CONTEXT;
+    stream_t *s = NULL;
+    int status;
+    if (sync_api) {
+        /* On the legacy stream of the context its device addresses name. */
+        ctx_t *c = named_context(&dst);
+        if (c == NULL) c = named_context(src);
+        status = c != NULL ? named_usable(c) : current_usable();
+        if (status == SUCCESS) s = c != NULL ? &c->legacy : &current->legacy;
+    } else {
+        status = memory_stream(stream, &s);
+    }
     if (status == SUCCESS) status = implicit_dependency(s);
     if (status == SUCCESS && ongoing(s->capture)) status = NOT_SUPPORTED;
     /* Larger than any allocation: refused before any arithmetic on it. */
