@@ -200,9 +200,7 @@ impl Waiter {
         self.pool.config().spin_budget
     }
 
-    /// The watchers setting ([`WaiterBuilder::watchers`]): from 1, a watcher
-    /// thread races the driver's wake-ups; 0: every wait ends in the driver
-    /// alone.
+    /// The watchers setting ([`WaiterBuilder::watchers`]); 0: the watcher is off.
     pub fn watchers(&self) -> usize {
         self.pool.config().watchers
     }
@@ -357,28 +355,18 @@ impl WaiterBuilder {
     /// [`default_watchers`]: on with at least [`WATCHER_MIN_CORES`] cores.
     ///
     /// The watcher never holds a wait back: its lane thread blocks in the
-    /// driver all the same, and whichever sees the end first resolves it.
-    /// Where it wins, the task wakes within microseconds of the work's end
-    /// rather than after the driver's wake-up (tens of microseconds on CUDA's
-    /// blocking-sync events, more on a loaded host). It costs one thread
-    /// (`max_threads + 2` in all), at most 200 µs of looking per wait and, by
-    /// design, at most a quarter of one core over time
-    /// ([`WaiterStats::watcher_cpu`] reports it). Ask for `watchers(1)` on a
-    /// small machine when wake latency matters more than that CPU: streams
-    /// of items of steady length (about 1 ms and longer) gain most (about a
-    /// third sooner on a 2-core VM); a lone wait wakes in about half the time
-    /// on an otherwise idle host (the spin keeps a CPU awake for the
-    /// wake-up), up to a tenth sooner where other threads keep the CPUs
-    /// awake. Waits shorter than 150 µs are left to the driver, and so are
-    /// most of a stream's waits while its watches keep missing (items of
-    /// irregular length, or cores so busy that the driver's wake comes
-    /// first). Where the streams keep every core busy, it gains little and
-    /// tail latencies can be longer (p99 0.65x to 2.6x that of `watchers(0)`
-    /// in six runs of the benchmark's 16 streams of 100 µs items on a 2-core
-    /// VM, where the same code in two rows of one run differs by up to
-    /// 1.5x).
-    /// Figures: `docs/performance.md` in the repository;
-    /// how it works: the [`waiter`](crate::waiter#the-watcher) module's docs.
+    /// driver all the same, and whichever sees the end first resolves it;
+    /// where the watcher wins, the task wakes within microseconds of the
+    /// work's end. It costs one thread (`max_threads + 2` in all), at most
+    /// 200 µs of looking per wait and at most a quarter of one core over time
+    /// ([`WaiterStats::watcher_cpu`] reports it). Waits shorter than 150 µs
+    /// are left to the driver, and so are most of a stream's waits while its
+    /// watches keep missing. Streams of items of steady length (about 1 ms
+    /// and longer) gain most; where the streams keep every core busy it gains
+    /// little and tail latencies can be longer. Ask for `watchers(1)` on a
+    /// small machine when wake latency matters more than that CPU.
+    /// Figures: `docs/performance.md` in the repository; how it works: the
+    /// [module docs](crate::waiter#the-watcher).
     ///
     /// ```
     /// use device_events::Waiter;

@@ -31,14 +31,15 @@
 //!    in one hold of the lock, resolve it (unless the watcher did) and take
 //!    the next, and ask that once.
 //!    Not reached (work ending item after item): block on it. Reached (a
-//!    burst): ask the later waits in batches, doubling from 2 to 256 while
-//!    all are reached. An idle lane is removed; its thread takes a queued
-//!    lane, or one back from the poller, or exits after its keep-alive.
-//! 4. **The poller** (`poller.rs`) asks its lanes in batches (from 1), backing off from
-//!    50 µs to 1 ms while nothing moves, and wakes an idle lane thread to take
-//!    a lane back. It exits after six idle rounds, unless `stuck_after` is on
-//!    and a lane is left: then it looks every quarter of `stuck_after` and
-//!    warns once per stall.
+//!    burst): ask the later waits in batches, doubling from 2 to `BATCH`
+//!    while all are reached. An idle lane is removed; its thread takes a
+//!    queued lane, or one back from the poller, or exits after its keep-alive.
+//! 4. **The poller** (`poller.rs`) asks its lanes in batches (from 1), backing
+//!    off from `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` while nothing moves,
+//!    and wakes an idle lane thread to take a lane back. It exits after
+//!    `POLLER_LINGER_ROUNDS` idle rounds, unless `stuck_after` is on and a
+//!    lane is left: then it looks every quarter of `stuck_after` and warns
+//!    once per stall.
 //! 5. **Withdraw**: the wait goes to the withdrawn list, for the poller or an
 //!    idle lane thread to drop; one held or in a batch stays with its thread
 //!    (and on the watcher's list, if there, until one of them is done).
@@ -69,62 +70,72 @@
 //!
 //! # The watcher
 //!
-//! An accelerator that races the driver and never replaces it
-//! (`watcher/`). Where a stream publishes its progress in host memory (a
+//! An accelerator that races the driver and never replaces it (`watcher/`;
+//! the constants named here are in `watcher/timing.rs`). Where a stream
+//! publishes its progress in host memory (a
 //! [`ProgressWord`](crate::ProgressWord): an atomic the host stream's worker
 //! sets; on CUDA, a page-locked word the stream writes with
 //! `cuStreamWriteValue64` after each fence), a lane thread about to block on
-//! its held wait first puts it on the watcher's list, with when it should
-//! end: the least of the lane's last four waits (from the start of their
-//! hold; a lane with fewer than two is looked at for 50 µs from the
+//! its held wait first puts it on the watcher's list, due when the lane's
+//! **prediction** says: the least of its last `HISTORY` waits, each from the
+//! start of its hold (a lane with fewer than two, whose first wait often
+//! waited out more than one item, is looked at for `FIRST_WINDOW` from the
 //! hand-over). Then it blocks in the driver exactly as with the watcher off.
 //!
-//! The watcher sleeps until shortly before the first end due (earlier by
-//! the most its recent sleeps overslept and the lane's margin; never more
-//! than 20 ms at a time), planned from the list under the lock: it holds no
-//! entry while it sleeps, so a wait its lane thread resolves meanwhile
-//! leaves with that thread, fence and all. Awake, it takes the entries and
-//! looks at the words of those due, a memory load each, pausing and then
-//! yielding between looks. A word that
-//! passed is confirmed by one query of the wait's event (so a faulted
+//! The watcher sleeps until its **lead** before the first entry due, never
+//! more than `MAX_NAP` at a time (a nap shorter than `MIN_NAP` is spent
+//! looking), planned from the list under the lock: it holds no entry while
+//! it sleeps, so a wait its lane thread resolves meanwhile leaves with that
+//! thread, fence and all. The lead is the most its recent sleeps overslept
+//! plus the lane's margin, at most half the prediction (so a watcher that
+//! overslept badly once still sleeps, and learns how late it wakes now) and
+//! half `MAX_LOOK`. Awake, it takes the entries and looks at the words of
+//! those due, a memory load each, pausing between looks and yielding after
+//! `SPIN_LOOKS` (so the threads it wakes can run on a busy machine). A word
+//! that passed is confirmed by one query of the wait's event (so a faulted
 //! stream still fails its waits), and the watcher resolves the wait. The
 //! lane's held wait is taken under the lock by whichever of the two comes
 //! first: each wait resolves exactly once, and none later than the driver's
-//! wake. An entry not seen to end within its window (at most 200 µs of
-//! looking), or whose word ran ahead of its event, leaves the list: its lane
-//! thread is in the driver already.
+//! wake. An entry not seen to end within its window (twice the lead past its
+//! due, at least `FIRST_WINDOW`, at most `MAX_LOOK` of looking), or whose
+//! word ran ahead of its event, leaves the list: its lane thread is in the
+//! driver already.
 //!
 //! - **History per lane**, kept by the pool under the lane's key (for the
-//!   1,024 lanes used last), not by a thread: a lane that goes idle between
-//!   requests, or is served by another thread, keeps it. A sighting late
-//!   after a sleep doubles that lane's margin (up to a quarter of its
-//!   prediction); one in time shrinks it by an eighth.
-//! - **Waits too short to watch** (predicted shorter than 150 µs, or than
-//!   twice how early the watcher wakes, lately) are left to the driver,
+//!   `HISTORIES` lanes used last), not by a thread: a lane that goes idle
+//!   between requests, or is served by another thread, keeps it. A sighting
+//!   at the first look after a sleep (late) doubles that lane's margin (up to
+//!   a quarter of its prediction); one in time shrinks it by an eighth, down
+//!   to `MIN_MARGIN`.
+//! - **Waits too short to watch** (predicted shorter than `MIN_WATCHED`, or
+//!   than twice how early the watcher wakes, lately) are left to the driver,
 //!   whose wake comes about as soon, without a wake-up of the watcher's
-//!   thread on a host whose cores the streams keep busy; that figure
-//!   (measured by each sleep that runs its course, not by a round that
-//!   does not sleep) halves every 100 ms it is not measured again, so a bad
+//!   thread on a host whose cores the streams keep busy. How early it wakes
+//!   (the least its recent sleeps overslept, plus `MIN_MARGIN`) is measured
+//!   by each sleep that runs its course, not by a round that does not sleep,
+//!   and halves every `EARLY_HALF_LIFE` it is not measured again, so a bad
 //!   spell cannot switch the watcher off for good. A lane thread learns its
 //!   lane's prediction as each wait ends, and skips the list (and its lock)
 //!   while it says too short.
-//! - **Its CPU is bounded by design**: at most 200 µs of looking per wait,
-//!   and, over time, at most a quarter of one core for its thread (a budget
-//!   that earns a quarter of the time passing, saves up at most 10 ms and
-//!   spends each round's CPU time, from the thread's CPU clock; while it is
-//!   spent, entries are left to the driver).
-//!   [`WaiterStats::watcher_cpu`] reports its thread's CPU time.
+//! - **Its CPU is bounded by design**: at most `MAX_LOOK` of looking per
+//!   wait, and, over time, at most a `CPU_SHARE`th of one core for its
+//!   thread: a budget that earns that share of the time passing, saves up at
+//!   most `BURST` and spends each round's CPU time (looks, wake-ups, naps),
+//!   from the thread's CPU clock (where there is none, the time it looked),
+//!   going into debt when a round runs over; while it is spent, entries that
+//!   come due are left to the driver. [`WaiterStats::watcher_cpu`] reports
+//!   its thread's CPU time.
 //! - Streams whose words went off (a refused write, a capture) are not
 //!   watched: the backend hands out no word for them.
 //! - **Lanes it cannot win** cost it little: items of irregular length, or
 //!   a host whose cores the streams keep so busy that the driver's wake
 //!   comes first. Each lane counts its misses (the window ended before the
 //!   word passed, or the driver woke the lane thread while the wait was still
-//!   on the list): one more for each, halved by each sighting. After a miss
-//!   with `n` counted, the lane's next `2^(n-1) - 1` watchable waits (at most
-//!   63) are left to the driver. So a lane the watcher wins one watch in
-//!   several leaves most of its waits to the driver, and one it wins again
-//!   is watched at every wait after a few sightings.
+//!   on the list): one more for each, halved by each sighting (not cleared).
+//!   After a miss with `n` counted, the lane's next `2^(n-1) - 1` watchable
+//!   waits (at most `MAX_SKIP`) are left to the driver. So a lane the watcher
+//!   wins one watch in several leaves most of its waits to the driver, and
+//!   one it wins again is watched at every wait after a few sightings.
 //!
 //! # Files
 //!

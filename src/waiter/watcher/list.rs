@@ -37,12 +37,10 @@ impl Pool {
         self.shared.watcher_early.set(early, measured);
     }
 
-    /// The watcher saw `entry`'s wait end with `result`, `took` after its
-    /// hold began (`late`: at its first look after a sleep): unless its lane
-    /// thread or shutdown resolved it meanwhile, it is held no more (its lane
-    /// thread, still in the driver, takes the next once it wakes), its lane's
-    /// history learns `took`, and it is delivered after the lock. Its entry
-    /// leaves the list. Whether this delivered it.
+    /// The watcher saw `entry`'s wait end with `result`, `took` after its hold began (`late`: at
+    /// its first look after a sleep): unless its lane thread or shutdown resolved it meanwhile,
+    /// end the hold, teach the lane's history and deliver it after the lock; the entry leaves
+    /// the list. Whether this delivered it.
     pub(crate) fn end_watched(
         &self,
         entry: &Watched,
@@ -68,11 +66,9 @@ impl Pool {
         delivered
     }
 
-    /// The watcher leaves `entry` to its lane thread, which blocks on it in
-    /// the driver: its word ran ahead of its event, or (`missed`) its window
-    /// ended before the word passed, which its lane's history learns
-    /// ([`LaneHistory::missed`](super::LaneHistory::missed)) unless the lane
-    /// thread had taken the entry off first.
+    /// The watcher leaves `entry` to its lane thread, blocked on it in the driver; a `missed`
+    /// watch counts ([`LaneHistory::missed`](super::LaneHistory::missed)) unless the lane
+    /// thread took the entry off first.
     pub(crate) fn unwatch(&self, entry: &Watched, missed: bool) {
         let mut state = self.lock();
         let removed = state.unwatch(&entry.slot);
@@ -83,10 +79,8 @@ impl Pool {
         contain::drop(removed);
     }
 
-    /// A lane thread, about to block in the driver on its held wait, puts it
-    /// on the watcher's list too (to race the driver), unless the lane's
-    /// waits are too short to watch or the pool is shut down. What to do
-    /// then, if it did.
+    /// A lane thread about to block on `held` puts it on the watcher's list, unless its lane's
+    /// history says not to or the pool is shut down. What to do then, if it did.
     pub(crate) fn watch(&self, held: Held<'_>) -> Option<Action> {
         let early = self.watcher_early(held.started);
         let mut state = self.lock();

@@ -1,6 +1,5 @@
 //! The watcher: an accelerator that races the lane threads' blocks in the driver by watching
-//! streams' progress words. How it works is described once, in [`crate::waiter`]'s "The
-//! watcher".
+//! streams' progress words. How it works: the [module docs](crate::waiter#the-watcher).
 //!
 //! - `timing.rs`: each lane's history and margin, the list's entries, how early the watcher
 //!   wakes, its CPU budget;

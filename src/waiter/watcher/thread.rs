@@ -9,10 +9,8 @@ use crate::waiter::contain;
 use crate::waiter::threads::WaiterThread;
 
 impl WaiterThread {
-    /// The watcher: sleep until the first entry is nearly due (at most [`MAX_NAP`]), holding
-    /// none, then take the entries and look at the words of those due until each passed
-    /// (confirmed by a query, then resolved) or its window ended, within its CPU budget, and
-    /// again. Its CPU time is counted as it goes.
+    /// The watcher's loop, until idle past its keep-alive or shut down: nap, look, spend its
+    /// CPU budget. See the [module docs](crate::waiter#the-watcher).
     pub(crate) fn run_watcher(&mut self) {
         crate::os::lower_timer_slack();
         let mut timing = Timing::default();
@@ -22,9 +20,8 @@ impl WaiterThread {
         while let Some(Plan { published, first }) = self.pool.watch_round(&timing, &mut entries) {
             self.pool.planted_escape(self.owner);
             let mut napped = false;
-            // None copied: the first is not due yet. It naps holding none, and copies them once
-            // awake, so that an entry its lane thread takes off meanwhile is not kept from its
-            // pool (nor its context kept alive) by the watcher.
+            // None copied: the first is not due yet. It naps holding none (an entry its lane
+            // thread takes off meanwhile is not kept from its pool, nor its context alive).
             if entries.is_empty() {
                 let until = first.min(self.pool.now() + MAX_NAP);
                 let nap = self
@@ -50,8 +47,7 @@ impl WaiterThread {
             }
             // Its copies of the entries go here, each maybe a fence's last.
             entries.drain(..).for_each(contain::drop);
-            // The round's CPU, all of it (its looks, wake-ups, naps), is spent from the budget:
-            // the watcher's own CPU clock, where there is one; else the time it looked.
+            // The round's CPU, all of it, is spent from the budget.
             let now = crate::os::thread_cpu_time();
             match (cpu, now) {
                 (Some(before), Some(now)) => {

@@ -1,7 +1,7 @@
 //! The watcher's parts: a lane's history and the entries it makes ([`LaneHistory`],
 //! [`Watched`]), how early the watcher wakes and looks ([`Early`], [`Timing`]), and its CPU
-//! budget ([`CpuBudget`]). How the watcher races the driver is described once, in the waiter's
-//! module docs (`# The watcher`); the figures it uses are the constants below.
+//! budget ([`CpuBudget`]); the figures are the constants below. Why: the
+//! [module docs](crate::waiter#the-watcher).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
@@ -22,7 +22,7 @@ pub(crate) const MIN_NAP: Duration = Duration::from_micros(20);
 pub(crate) const MAX_NAP: Duration = Duration::from_millis(20);
 /// The most the watcher looks at one wait's word.
 pub(crate) const MAX_LOOK: Duration = Duration::from_micros(200);
-/// The watcher's thread takes, over time, at most this fraction (its inverse) of one core.
+/// The watcher's thread takes, over time, at most one `CPU_SHARE`th of one core.
 pub(crate) const CPU_SHARE: u32 = 4;
 /// The most CPU time the watcher may save up while it uses less than its share.
 const BURST: Duration = Duration::from_millis(10);
@@ -32,14 +32,11 @@ const SPIN_LOOKS: u32 = 64;
 const HISTORY: usize = 4;
 /// How early the watcher wakes, as last measured, halves each time this passes.
 pub(crate) const EARLY_HALF_LIFE: Duration = Duration::from_millis(100);
-/// Waits predicted shorter than this are left to the driver: its wake-up comes within tens of
-/// microseconds, and racing it costs the watcher's thread a wake-up per wait on a host whose
-/// cores the streams' own work keeps busy.
+/// Waits predicted shorter than this are left to the driver.
 pub(crate) const MIN_WATCHED: Duration = Duration::from_micros(150);
 /// The lanes whose history a pool keeps: those used last.
 pub(crate) const HISTORIES: usize = 1024;
-/// The most waits in a row a lane leaves to the driver after watches that missed: with `n`
-/// misses counted, `2^(n-1) - 1` of them, up to this.
+/// The most waits in a row a lane leaves to the driver after watches that missed.
 pub(crate) const MAX_SKIP: u32 = 63;
 
 /// The last few durations of one kind.
@@ -64,8 +61,7 @@ impl Recent {
 pub(crate) struct LaneHistory {
     took: Recent,
     margin: Duration,
-    /// The lane's recent misses ([`LaneHistory::missed`]): one more for each, halved by each
-    /// sighting.
+    /// The lane's recent misses ([`LaneHistory::missed`]).
     misses: u32,
     /// Waits still to leave to the driver after those misses.
     skip: u32,
@@ -97,10 +93,8 @@ pub(crate) struct Held<'a> {
 }
 
 impl LaneHistory {
-    /// The watcher's entry for `held`; none if the lane's waits are too short to watch
-    /// ([`too_short`], with the watcher waking `early` before an end it expects: [`Timing::early`]),
-    /// or if the wait is one its last misses leave to the driver ([`LaneHistory::missed`]).
-    /// The lane thread asks first, without the lock, with the prediction it last learnt.
+    /// The watcher's entry for `held`; none if the lane's waits are [`too_short`] (the watcher
+    /// waking `early`) or its last misses leave this one to the driver.
     pub(crate) fn entry(&mut self, held: Held<'_>, early: Duration) -> Option<Watched> {
         let predicted = self.predicted();
         if too_short(predicted, early) {
@@ -124,15 +118,13 @@ impl LaneHistory {
         })
     }
 
-    /// A wait of the lane took at most `took` from the start of its hold (the driver's wake, or
-    /// the watcher's sighting, each no sooner than the end).
+    /// A wait of the lane took at most `took` from the start of its hold.
     pub(crate) fn ended(&mut self, took: Duration) {
         self.took.push(took);
     }
 
-    /// The watcher saw `entry`'s word passed after `took`: the count of misses halves; at the
-    /// first look after a sleep (`late`: the work ended during the sleep), the margin doubles,
-    /// up to a quarter of the prediction; later, it shrinks by an eighth, down to the least.
+    /// The watcher saw `entry`'s word passed after `took` (`late`: at its first look after a
+    /// sleep): learn it, halve the misses, and widen or shrink the margin.
     pub(crate) fn seen(&mut self, entry: &Watched, took: Duration, late: bool) {
         self.ended(took);
         self.misses /= 2;
@@ -143,14 +135,8 @@ impl LaneHistory {
         };
     }
 
-    /// A watch of the lane missed: the watcher looked at a wait's word for its whole window and
-    /// did not see it pass (the lane's waits vary more than the window), or the driver woke the
-    /// lane thread while the wait was still on the list (the watcher could not be looking in
-    /// time). With `n` misses counted, the lane's next `2^(n-1) - 1` watchable waits (at most
-    /// [`MAX_SKIP`]) are left to the driver, so a lane the watcher cannot win costs it little.
-    /// A sighting halves the count ([`LaneHistory::seen`]), rather than clearing it: a lane
-    /// whose watches the watcher wins one in several still leaves most of its waits to the
-    /// driver, and a lane it wins again is watched at every wait after a few sightings.
+    /// A watch of the lane missed (its window ended before the word passed, or the driver woke
+    /// the lane thread first): count it, and leave the lane's next waits to the driver.
     pub(crate) fn missed(&mut self) {
         self.misses = self.misses.saturating_add(1);
         self.skip = ((1u32 << (self.misses - 1).min(16)) - 1).min(MAX_SKIP);
@@ -162,17 +148,15 @@ impl LaneHistory {
         self.took.seen
     }
 
-    /// How long a wait should take from the start of its hold: the least of the recent waits,
-    /// once there are two (a lane's first wait often waited for more than one item).
+    /// How long a wait should take from the start of its hold, once the lane has two.
     pub(crate) fn predicted(&self) -> Option<Duration> {
         let took = self.took.values();
         (took.len() >= 2).then(|| took.iter().copied().min().unwrap_or_default())
     }
 }
 
-/// Whether waits `predicted` to take so long are too short to watch: shorter than
-/// [`MIN_WATCHED`], or than twice `early`, how early the watcher wakes before an end it expects
-/// (its wake-up would come no sooner than the driver's). A lane with no prediction is watched.
+/// Whether waits `predicted` to take so long are too short to watch, the watcher waking `early`
+/// before an end it expects; a lane with no prediction is watched.
 pub(crate) fn too_short(predicted: Option<Duration>, early: Duration) -> bool {
     predicted.is_some_and(|predicted| predicted < (early * 2).max(MIN_WATCHED))
 }
@@ -208,8 +192,7 @@ impl Watched {
 }
 
 /// How early the watcher wakes before an end it expects ([`Timing::early`]), as it last said,
-/// halved each [`EARLY_HALF_LIFE`] since: a figure that lane threads read, and that cannot stay
-/// high once the watcher stops sleeping.
+/// halved each [`EARLY_HALF_LIFE`] since; lane threads read it.
 pub(crate) struct Early {
     epoch: Instant,
     nanos: AtomicU64,
@@ -263,17 +246,13 @@ pub(crate) struct Timing {
 }
 
 impl Timing {
-    /// How early before an end it expects the watcher wakes, at the least: the least its
-    /// recent sleeps overslept, and the least margin ([`too_short`] weighs waits against it).
+    /// How early before an end it expects the watcher wakes, at the least.
     pub(crate) fn early(&self) -> Duration {
         let overslept = self.overslept.values().iter().min().copied();
         overslept.unwrap_or_default() + MIN_MARGIN
     }
 
-    /// How long before its predicted end to look at `entry`'s word: the most the watcher's
-    /// sleeps overslept lately, and the lane's margin; at most half the prediction (so that a
-    /// watcher that overslept badly once still sleeps, and learns how late it wakes now), and
-    /// at most half of [`MAX_LOOK`].
+    /// How long before its predicted end to look at `entry`'s word (the lead).
     fn lead(&self, entry: &Watched) -> Duration {
         let overslept = self.overslept.values().iter().max().copied();
         let lead = overslept.unwrap_or_default() + entry.margin;
@@ -285,9 +264,7 @@ impl Timing {
         entry.due - self.lead(entry)
     }
 
-    /// Until when to look at `entry`'s word before leaving it to the driver: twice the lead
-    /// past its predicted end (at least [`FIRST_WINDOW`]), and no more than [`MAX_LOOK`] after
-    /// the first look.
+    /// Until when to look at `entry`'s word before leaving it to the driver.
     pub(crate) fn look_until(&self, entry: &Watched) -> Instant {
         let lead = self.lead(entry);
         let until = entry.due + (lead * 2).max(FIRST_WINDOW);
@@ -300,11 +277,8 @@ impl Timing {
     }
 }
 
-/// The watcher's CPU budget: it earns a [`CPU_SHARE`]th of the time that passes, saves up at
-/// most [`BURST`], and spends the CPU time of each of its rounds (looks, wake-ups, naps: its
-/// thread's CPU clock; where there is none, the time it looked), going into debt if a round ran
-/// over. While nothing is left, entries that come due are left to the driver: over time, the
-/// watcher takes at most its share of one core, beyond one burst and one round.
+/// The watcher's CPU budget: over time, at most its share of one core, beyond one burst and one
+/// round. See the [module docs](crate::waiter#the-watcher).
 pub(crate) struct CpuBudget {
     /// Nanoseconds left; below zero, owed.
     left: i64,
@@ -348,8 +322,7 @@ pub(crate) fn past(until: Instant, looks: u32) -> bool {
     looks.is_multiple_of(32) && Instant::now() >= until
 }
 
-/// Between two looks at the words: a pause, then, once it has looked a while, a yield, so that a
-/// watcher on a busy machine lets the threads it wakes (an executor's) run meanwhile.
+/// Between two looks at the words: a pause, then, after [`SPIN_LOOKS`], a yield.
 pub(crate) fn pause(looks: u32) {
     #[cfg(device_events_loom)]
     crate::sync::thread::yield_now();
