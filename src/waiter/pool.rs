@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use super::contain;
 use super::slot::Slot;
-use super::state::{Action, Owner, Place, State, Wait};
+use super::state::{take, Action, Owner, Place, State, Wait};
 use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::waitable::LaneKey;
@@ -300,14 +300,16 @@ impl Pool {
             drop(state);
             return self.fail(rest, &ServerError::WaiterGone);
         };
-        // Exact: the batch was counted out whole (overflow-checked in debug builds).
-        lane.out -= resolved + rest.len();
+        let out = resolved + rest.len();
         lane.progressed(reports_stuck && resolved > 0);
         let (cancelled, back): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
         for wait in back {
             lane.waits.insert(wait.place, wait);
         }
+        // Exact: the batch was counted out whole. Checked once the waits are back, so a failed
+        // check loses none (the thread's recovery fails those it resolved).
+        take(&mut lane.out, out, "lane's batched waits");
         drop(state);
         cancelled.into_iter().for_each(contain::drop);
     }

@@ -3,7 +3,7 @@
 
 use super::contain;
 use super::pool::Pool;
-use super::state::{Action, Owner, Wait};
+use super::state::{take, Action, Owner, Wait};
 use super::threads::{act, WaiterThread};
 use super::waitable::LaneKey;
 use crate::ServerError;
@@ -69,7 +69,7 @@ impl Pool {
         let mut state = self.lock();
         if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
             // Exact: a batch is out of its lane until it is settled, and then no more its lane's.
-            lane.out -= batch.len();
+            take(&mut lane.out, batch.len(), "lane's batched waits");
         }
         state.leave(owner);
         // Placed again: one of them may have counted on this thread.

@@ -222,7 +222,7 @@ impl State {
     pub(super) fn woke(&mut self) {
         // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
         if !super::plant::planted("woke-keeps-idle-count") {
-            self.idle -= 1;
+            take(&mut self.idle, 1, "idle lane threads");
         }
         // It takes a wake-up sent for an idle thread, if one is pending: a thread that timed out
         // or woke spuriously may find none (the one sent then wakes another idle thread).
@@ -239,7 +239,9 @@ impl State {
 
     /// Count the poller's thread as started (at most one runs at a time).
     pub(super) fn add_poller(&mut self) {
-        debug_assert!(!self.poller, "a second poller");
+        if self.poller {
+            broken(format_args!("second poller counted in"));
+        }
         self.poller = true;
         self.peak_threads = self.peak_threads.max(self.threads());
     }
@@ -252,7 +254,7 @@ impl State {
         match owner {
             Owner::Poller => self.poller = false,
             Owner::Watcher => self.watcher = false,
-            Owner::Thread(_) | Owner::Queued => self.lane_threads -= 1,
+            Owner::Thread(_) | Owner::Queued => take(&mut self.lane_threads, 1, "lane threads"),
         }
     }
 
@@ -376,6 +378,31 @@ impl State {
     }
 }
 
+/// `*count -= n`, for a count the waiter keeps exact: checked in every build, as one that
+/// wrapped would hang waits or keep threads, silently.
+#[track_caller]
+pub(super) fn take(count: &mut usize, n: usize, what: &'static str) {
+    match count.checked_sub(n) {
+        Some(left) => *count = left,
+        None => {
+            broken(format_args!("{what} count below zero ({count} - {n})"));
+            *count = 0;
+        }
+    }
+}
+
+/// A broken invariant of the waiter's counts: a panic, which the thread's
+/// recovery contains as any other; logged instead on a thread already
+/// unwinding (recovery itself), where a second panic would abort.
+#[cold]
+#[track_caller]
+fn broken(what: std::fmt::Arguments<'_>) {
+    if !std::thread::panicking() {
+        panic!("a bug in the waiter: {what}");
+    }
+    crate::panics::log(|| log::error!("a bug in the waiter, found in a thread's recovery: {what}"));
+}
+
 impl Invariants for State {
     fn check_invariants(&self) {
         let queued = self
@@ -401,5 +428,33 @@ impl Invariants for State {
             assert!(lane.held.is_none() || matches!(lane.owner, Owner::Thread(_)));
             assert!(lane.out == 0 || lane.owner != Owner::Queued);
         }
+    }
+}
+
+#[cfg(all(test, not(device_events_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    #[should_panic(expected = "a bug in the waiter: lane threads count below zero (0 - 1)")]
+    fn a_count_below_zero_panics_with_its_name() {
+        State::default().leave(Owner::Thread(1));
+    }
+
+    /// A thread's recovery runs as it unwinds: a second panic there would abort the process.
+    #[test]
+    fn a_count_below_zero_in_recovery_is_logged_not_a_second_panic() {
+        struct Recovery(State);
+        impl Drop for Recovery {
+            fn drop(&mut self) {
+                self.0.leave(Owner::Thread(1));
+                assert_eq!(self.0.lane_threads, 0);
+            }
+        }
+        let unwound = std::panic::catch_unwind(|| {
+            let _recovery = Recovery(State::default());
+            panic!("a lane thread's bug");
+        });
+        assert!(unwound.is_err());
     }
 }
