@@ -382,19 +382,26 @@ impl State {
 /// wrapped would hang waits or keep threads, silently.
 #[track_caller]
 pub(super) fn take(count: &mut usize, n: usize, what: &'static str) {
-    match count.checked_sub(n) {
-        Some(left) => *count = left,
-        None => {
-            broken(format_args!("{what} count below zero ({count} - {n})"));
-            *count = 0;
-        }
-    }
+    *count = match count.checked_sub(n) {
+        Some(left) => left,
+        None => below_zero(*count, n, what),
+    };
+}
+
+/// Out of line, with its arguments by value: the hot path is one compare and branch.
+#[cold]
+#[inline(never)]
+#[track_caller]
+fn below_zero(count: usize, n: usize, what: &'static str) -> usize {
+    broken(format_args!("{what} count below zero ({count} - {n})"));
+    0
 }
 
 /// A broken invariant of the waiter's counts: a panic, which the thread's
 /// recovery contains as any other; logged instead on a thread already
 /// unwinding (recovery itself), where a second panic would abort.
 #[cold]
+#[inline(never)]
 #[track_caller]
 fn broken(what: std::fmt::Arguments<'_>) {
     if !std::thread::panicking() {
