@@ -169,6 +169,7 @@ mod stuck;
 #[cfg(test)]
 mod tests;
 mod threads;
+mod wait;
 mod waitable;
 mod watcher;
 

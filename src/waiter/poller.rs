@@ -5,8 +5,9 @@ use std::time::{Duration, Instant};
 
 use super::contain;
 use super::pool::Pool;
-use super::state::{Owner, Wait};
+use super::state::{Role, Server};
 use super::threads::{Resolved, WaiterThread};
+use super::wait::Wait;
 use super::waitable::LaneKey;
 
 /// The poller's first pause after a round without progress.
@@ -30,7 +31,7 @@ impl Pool {
         let withdrawn = std::mem::take(&mut state.withdrawn);
         let adopted = !state.for_poller.is_empty();
         while let Some(key) = state.for_poller.pop_front() {
-            state.lanes.get_mut(&key).expect("a queued lane").owner = Owner::Poller;
+            state.lanes.get_mut(&key).expect("a queued lane").server = Server::Poller;
             if !lanes.contains(&key) {
                 lanes.push(key);
             }
@@ -38,7 +39,7 @@ impl Pool {
         let idle = lanes.is_empty() && !adopted && withdrawn.is_empty();
         let reports_stuck = self.reports_stuck() && !state.lanes.is_empty();
         if idle && !reports_stuck && (*idle_rounds >= linger || state.shutdown) {
-            state.leave(Owner::Poller);
+            state.leave(Role::Poller);
             return None;
         }
         *idle_rounds = if idle { *idle_rounds + 1 } else { 0 };
@@ -82,7 +83,7 @@ impl WaiterThread {
             withdrawn.into_iter().for_each(contain::drop);
             let mut index = 0;
             while let Some(&key) = self.lanes.get(index) {
-                let Resolved { resolved, more } = self.resolve_reached(key);
+                let Resolved { resolved, more } = self.resolve_reached(key, Server::Poller);
                 progressed |= resolved > 0;
                 if more {
                     index += 1;

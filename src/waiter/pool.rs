@@ -6,11 +6,11 @@ use std::time::{Duration, Instant};
 
 use super::contain;
 use super::slot::Slot;
-use super::state::{take, Action, Owner, Place, State, Wait};
+use super::state::{take, Action, Role, Server, State};
 use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
+use super::wait::{Place, Wait};
 use super::waitable::LaneKey;
-use super::watcher::Early;
 use crate::sync::checked::Checked;
 use crate::sync::{Arc, AtomicUsize, Clock, Condvar, Mutex};
 use crate::ServerError;
@@ -59,8 +59,6 @@ pub(super) struct Shared {
     pub(super) watch_work: Condvar,
     /// Entries handed to the watcher so far: one that looks at others re-plans when it moves.
     pub(super) published: AtomicUsize,
-    /// How early the watcher wakes before an end it expects.
-    pub(super) watcher_early: Early,
     /// The time the watcher and the lane threads that hand it their waits go by.
     pub(super) clock: Clock,
     /// The process generation the pool was made in ([`crate::os`]).
@@ -71,7 +69,6 @@ pub(super) struct Shared {
 
 impl Pool {
     pub(crate) fn new(config: Config) -> Self {
-        let clock = Clock::default();
         Self {
             shared: Arc::new(Shared {
                 unusable: config.unusable(),
@@ -82,8 +79,7 @@ impl Pool {
                 counters: Counters::default(),
                 watch_work: Condvar::new(),
                 published: AtomicUsize::new(0),
-                watcher_early: Early::new(clock.now()),
-                clock,
+                clock: Clock::default(),
                 fork_generation: crate::os::track_forks(),
                 #[cfg(test)]
                 plants: Default::default(),
@@ -190,7 +186,7 @@ impl Pool {
             if super::plant::planted("shutdown-leaves-the-watchers-list") {
                 (lanes, withdrawn, Vec::new())
             } else {
-                (lanes, withdrawn, state.unwatch_all())
+                (lanes, withdrawn, std::mem::take(&mut state.watcher.list))
             }
         };
         watched.into_iter().for_each(contain::drop);
@@ -214,68 +210,90 @@ impl Pool {
         }
     }
 
-    /// Lane thread `owner` takes `key`'s oldest wait out to block on.
-    pub(super) fn take_oldest(&self, key: LaneKey, owner: Owner) -> Option<Wait> {
-        self.lock().take_oldest(key, owner)
+    /// Lane thread `server` takes `key`'s oldest wait out to block on.
+    pub(super) fn take_oldest(&self, key: LaneKey, server: Server) -> Option<Wait> {
+        self.lock().take_oldest(key, server)
     }
 
-    /// Lane thread `owner`'s held wait, `slot`'s, ended with `result`: unless
-    /// shutdown (or the watcher) resolved it meanwhile, it is delivered after
-    /// the lock, and, where it `took` a known time (watchers are on), that
-    /// goes into its lane's history. Its watcher's entry, if any, goes (and
-    /// counts as a miss: [`LaneHistory::missed`](super::watcher::LaneHistory::missed)). With
-    /// `next`, the next oldest is taken out in the same hold. The next wait,
-    /// and how long the lane's history now predicts it takes.
-    pub(super) fn end_held(
-        &self,
-        (key, owner): (LaneKey, Owner),
-        slot: &Arc<Slot>,
-        result: Result<(), ServerError>,
-        took: Option<Duration>,
-        next: bool,
-    ) -> (Option<Wait>, Option<Duration>) {
+    /// The one way a held wait of lane `key`, `slot`'s, ends (or leaves the watcher's list):
+    /// under the lock, whichever of its lane thread and the watcher comes first ends the hold
+    /// (none once shutdown or a lost thread's recovery took it), teaches the lane's history and
+    /// takes the entry off the list; the result is delivered after the lock, and the entry
+    /// dropped there (its fence may be the last copy left).
+    pub(super) fn end_hold(&self, key: LaneKey, slot: &Arc<Slot>, ended: Ended) -> AfterHold {
         let reports_stuck = self.reports_stuck();
+        let mut after = AfterHold::default();
+        // Read before the lock, where the next wait's watch is decided.
+        let now = matches!(ended, Ended::Driver { took: Some(_), .. }).then(|| self.now());
         let mut state = self.lock();
-        let lane = state.lane_of(key, owner);
-        let ours = lane.is_some_and(|lane| lane.end_hold(slot, reports_stuck));
-        let (mut entry, mut predicted) = (None, None);
-        if let Some(took) = took {
-            entry = state.unwatch(slot);
-            let history = state.history(key);
-            if ours {
-                history.ended(took);
-                // The watcher had it and the driver still came first: a watch that did not pay.
-                if entry.is_some() {
-                    history.missed();
+        let entry = state.watcher.unwatch(slot);
+        let ends = |state: &mut State| {
+            let lane = state.lanes.get_mut(&key);
+            lane.is_some_and(|lane| lane.end_hold(slot, reports_stuck))
+        };
+        let result = match ended {
+            Ended::Driver {
+                by,
+                result,
+                took,
+                take_next,
+            } => {
+                let ours = ends(&mut state);
+                if let (Some(took), Some(now)) = (took, now) {
+                    let history = state.watcher.history(key);
+                    if ours {
+                        history.ended(took);
+                        // The watcher had it and the driver still came first: a watch that did
+                        // not pay.
+                        if entry.is_some() {
+                            history.missed();
+                        }
+                    }
+                    after.watch_next = state.watcher.worth_watching(key, now);
                 }
+                if take_next {
+                    after.next = state.take_oldest(key, by);
+                }
+                ours.then_some(result)
             }
-            predicted = history.predicted();
-        }
-        let next = next.then(|| state.take_oldest(key, owner)).flatten();
+            Ended::Seen { result, took, late } => {
+                let ours = ends(&mut state);
+                if let (true, Some(entry)) = (ours, &entry) {
+                    state.watcher.history(key).seen(entry, took, late);
+                }
+                // Plant for loom model `loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once`.
+                let ours =
+                    ours && !super::plant::planted("watcher-takes-the-hold-delivers-nothing");
+                ours.then_some(result)
+            }
+            Ended::Unwatched { missed } => {
+                if missed && entry.is_some() {
+                    state.watcher.history(key).missed();
+                }
+                None
+            }
+        };
         drop(state);
-        if ours {
-            self.deliver(slot, result);
-        }
-        // Its fence may be the last copy left (a cancelled wait's).
+        after.delivered = result.is_some_and(|result| self.deliver(slot, result));
         contain::drop(entry);
-        (next, predicted)
+        after
     }
 
-    /// Move up to `limit` of `key`'s oldest waits into `batch`, if `owner`
+    /// Move up to `limit` of `key`'s oldest waits into `batch`, if `server`
     /// serves it; false if none (an idle lane of the poller's is removed).
     pub(super) fn take_batch(
         &self,
         key: LaneKey,
-        owner: Owner,
+        server: Server,
         limit: usize,
         batch: &mut Vec<Wait>,
     ) -> bool {
         let mut state = self.lock();
-        let Some(lane) = state.lane_of(key, owner) else {
+        let Some(lane) = state.lane_of(key, server) else {
             return false;
         };
         if lane.waits.is_empty() {
-            if owner == Owner::Poller && lane.is_idle() {
+            if server == Server::Poller && lane.is_idle() {
                 state.lanes.remove(&key);
             }
             return false;
@@ -293,7 +311,7 @@ impl Pool {
     /// A batch of `key`'s is back: `resolved` reached (the caller delivers
     /// them), `rest` not, put back (or dropped, if their futures were;
     /// failed, after shutdown).
-    pub(super) fn settle(&self, key: LaneKey, rest: Vec<Wait>, resolved: usize) {
+    pub(super) fn settle(&self, key: LaneKey, resolved: usize, rest: Vec<Wait>) {
         let reports_stuck = self.reports_stuck();
         let mut state = self.lock();
         let Some(lane) = state.lanes.get_mut(&key) else {
@@ -314,13 +332,14 @@ impl Pool {
         cancelled.into_iter().for_each(contain::drop);
     }
 
-    /// The next lane for lane thread `owner`, which `finished` one (or
-    /// none): that one again if it has waits, else [`State::claim`], else it
-    /// sleeps for work, dropping withdrawn waits. `None` (and uncounted) when
-    /// it should exit: idle past its keep-alive, or shut down.
-    pub(super) fn next_lane(&self, owner: Owner, finished: Option<LaneKey>) -> Option<LaneKey> {
+    /// The next lane for lane thread `n`, which `finished` one (or none):
+    /// that one again if it has waits, else [`State::claim`], else it sleeps
+    /// for work, dropping withdrawn waits. `None` (and uncounted) when it
+    /// should exit: idle past its keep-alive, or shut down.
+    pub(super) fn next_lane(&self, n: usize, finished: Option<LaneKey>) -> Option<LaneKey> {
+        let server = Server::Thread(n);
         let mut state = self.lock();
-        if finished.is_some_and(|key| state.release(key, owner)) {
+        if finished.is_some_and(|key| state.release(key, server)) {
             return finished;
         }
         let mut timed_out = false;
@@ -330,10 +349,10 @@ impl Pool {
                 drop(state);
                 withdrawn.into_iter().for_each(contain::drop);
                 state = self.lock();
-            } else if let Some(key) = state.claim(owner) {
+            } else if let Some(key) = state.claim(server) {
                 return Some(key);
             } else if state.shutdown || timed_out {
-                state.leave(owner);
+                state.leave(Role::Lane(n));
                 return None;
             } else {
                 state.idle += 1;
@@ -344,7 +363,7 @@ impl Pool {
                 timed_out = timeout;
                 // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
                 if timeout && super::plant::planted("idle-thread-leaves-without-looking") {
-                    state.leave(owner);
+                    state.leave(Role::Lane(n));
                     return None;
                 }
             }
@@ -434,15 +453,49 @@ impl Pool {
         None
     }
 
-    /// Panic if a test planted one for `owner`, outside any contained call.
-    pub(super) fn planted_escape(&self, owner: Owner) {
+    /// Panic if a test planted one for `role`, outside any contained call.
+    pub(super) fn planted_escape(&self, role: Role) {
         #[cfg(test)]
-        if super::tests::plants::Plants::take(match owner {
-            Owner::Watcher => &self.shared.plants.watcher_escapes,
+        if super::tests::plants::Plants::take(match role {
+            Role::Watcher => &self.shared.plants.watcher_escapes,
             _ => &self.shared.plants.escapes,
         }) {
             panic!("a panic planted by a test, outside any contained call");
         }
-        let _ = owner;
+        let _ = role;
     }
+}
+
+/// How a held wait's hold ends ([`Pool::end_hold`]).
+pub(super) enum Ended {
+    /// Lane thread `by` blocked on it or asked it: `result`, `took` after its hold began (known
+    /// where watchers are on); with `take_next`, it takes its lane's next wait out.
+    Driver {
+        by: Server,
+        result: Result<(), ServerError>,
+        took: Option<Duration>,
+        take_next: bool,
+    },
+    /// The watcher saw its word pass and a query said `result`, `took` after its hold began
+    /// (`late`: at its first look after a nap).
+    Seen {
+        result: Result<(), ServerError>,
+        took: Duration,
+        late: bool,
+    },
+    /// The watcher leaves it to its lane thread's block (the hold goes on); a `missed` watch
+    /// counts (`LaneHistory::missed`).
+    Unwatched { missed: bool },
+}
+
+/// What comes after [`Pool::end_hold`].
+#[derive(Default)]
+#[must_use]
+pub(super) struct AfterHold {
+    /// This call delivered the wait's result: no other path had.
+    pub(super) delivered: bool,
+    /// The lane's next wait, taken out for its lane thread.
+    pub(super) next: Option<Wait>,
+    /// The lane's history says its next wait is worth offering to the watcher.
+    pub(super) watch_next: bool,
 }

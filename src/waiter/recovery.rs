@@ -1,109 +1,99 @@
-//! Recovery: a thread that could not be started, or that unwound, gives back what it held, so
-//! no count outlives the thread it counts and no future is left pending.
+//! Recovery: a waiter thread lost (one the OS would not start, or one that unwound) gives back
+//! what it held, so no count outlives the thread it counts and no future is left pending.
+
+use std::collections::VecDeque;
 
 use super::contain;
 use super::pool::Pool;
-use super::state::{take, Action, Owner, Wait};
-use super::threads::{act, WaiterThread};
-use super::waitable::LaneKey;
+use super::state::{take, Action, Role, Server};
+use super::threads::{act, Lost, WaiterThread};
 use crate::ServerError;
 
 impl Pool {
-    /// Thread `owner` could not be started: uncount it. A lane thread's lanes
-    /// go to the poller; a poller's fail (no lane thread may ever be free).
-    pub(super) fn spawn_failed(&self, owner: Owner, err: std::io::Error) -> Action {
-        crate::panics::log(|| log::error!("a waiter thread could not be started: {err}"));
-        let mut state = self.lock();
-        state.leave(owner);
-        if owner == Owner::Watcher {
-            // Its entries' lane threads block in the driver: they end there.
-            let entries = state.unwatch_all();
-            drop(state);
-            entries.into_iter().for_each(contain::drop);
-            return Action::default();
-        }
-        if owner != Owner::Poller {
-            let lanes = std::mem::take(&mut state.for_threads);
-            // Plant for loom model `loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller`.
-            if super::plant::planted("refused-lane-left-for-threads") {
-                state.for_threads.extend(lanes);
-            } else {
-                state.for_poller.extend(lanes);
-            }
-            if !state.poller && !state.shutdown {
-                return state.poller_for_work();
-            }
-        }
-        if state.poller {
-            // It may be asleep for a while (between stall checks): the lanes are its now.
-            return state.poller_for_work();
-        }
-        let mut failed = Vec::new();
-        while let Some(key) = state.for_poller.pop_front() {
-            let lane = state.lanes.remove(&key);
-            failed.extend(lane.into_iter().flat_map(|lane| lane.waits.into_values()));
-        }
-        let withdrawn = std::mem::take(&mut state.withdrawn);
-        drop(state);
-        withdrawn.into_iter().for_each(contain::drop);
-        let failure = ServerError::ThreadSpawn {
-            component: "Waiter",
-            reason: format!("no waiter thread could be started to serve it: {err}"),
-            source: Some(crate::ErrorSource::new(err)),
-        };
-        self.fail(failed, &failure);
-        Action::default()
-    }
-
-    /// Give back what a thread that unwound held: fail its `batch` (out of
-    /// `batch_lane`) and held wait, uncount it, queue its `lanes` again.
-    pub(super) fn recover(
-        &self,
-        owner: Owner,
-        lanes: &[LaneKey],
-        batch_lane: Option<LaneKey>,
-        batch: &mut Vec<Wait>,
-    ) -> Vec<Action> {
+    /// Give back what thread `role` held: uncount it, fail its batch and held wait, and queue its
+    /// lanes, with those queued for lane threads (one may have counted on it), for a lane thread
+    /// again, or for the poller where a lane thread would not start. The poller runs while it
+    /// has lanes or stalls to watch; where it would not start, what was left to it fails. A lost
+    /// watcher's entries go: their lane threads block in the driver. What to do next.
+    pub(super) fn recover(&self, role: Role, lost: Lost<'_>) -> Vec<Action> {
         let (max_threads, reports_stuck) = (self.shared.config.max_threads, self.reports_stuck());
-        let mut held = Vec::new();
+        let (mut held, mut batch, mut queued) = (Vec::new(), Vec::new(), VecDeque::new());
         let mut state = self.lock();
-        if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
-            // Exact: a batch is out of its lane until it is settled, and then no more its lane's.
-            take(&mut lane.out, batch.len(), "lane's batched waits");
-        }
-        state.leave(owner);
-        // Placed again: one of them may have counted on this thread.
-        let mut placed = std::mem::take(&mut state.for_threads);
-        for &key in lanes {
-            let Some(lane) = state.lane_of(key, owner) else {
-                continue;
-            };
-            held.extend(lane.held.take());
-            lane.owner = Owner::Queued;
-            if lane.is_idle() {
-                state.lanes.remove(&key);
-            } else {
-                placed.push_back(key);
+        state.leave(role);
+        let refused = match lost {
+            Lost::NotStarted(err) => Some(err),
+            Lost::Unwound {
+                lanes,
+                batch_lane,
+                batch: out,
+            } => {
+                if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
+                    // Exact: a batch is out of its lane until it is settled, and then no more
+                    // its lane's.
+                    take(&mut lane.out, out.len(), "lane's batched waits");
+                }
+                batch.append(out);
+                for &key in lanes {
+                    let server = role.server();
+                    let Some(lane) = server.and_then(|server| state.lane_of(key, server)) else {
+                        continue;
+                    };
+                    held.extend(lane.held.take());
+                    lane.server = Server::Queued;
+                    if lane.is_idle() {
+                        state.lanes.remove(&key);
+                    } else {
+                        queued.push_back(key);
+                    }
+                }
+                None
             }
+        };
+        let entries = match role {
+            Role::Watcher => std::mem::take(&mut state.watcher.list),
+            Role::Lane(_) => {
+                queued.extend(state.for_threads.drain(..));
+                Vec::new()
+            }
+            Role::Poller => Vec::new(),
+        };
+        let mut actions = Vec::new();
+        // Plant for loom model `loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller`.
+        if super::plant::planted("refused-lane-left-for-threads") && refused.is_some() {
+            state.for_threads.extend(queued);
+        } else if refused.is_some() && matches!(role, Role::Lane(_)) {
+            state.for_poller.extend(queued);
+        } else {
+            let place = |key| state.place(key, max_threads, reports_stuck);
+            actions.extend(queued.into_iter().map(place));
         }
-        let mut actions: Vec<Action> = placed
-            .into_iter()
-            .map(|key| state.place(key, max_threads, reports_stuck))
-            .collect();
-        // A watcher lost with entries left is started again.
-        if owner == Owner::Watcher && !state.watched.is_empty() && !state.shutdown {
-            actions.push(state.watcher_for_work(None));
-        }
-        // The poller watches while a lane is left, even if it was the one lost.
-        if reports_stuck && !state.poller && !state.shutdown && !state.lanes.is_empty() {
+        let poller_refused = refused.is_some() && role == Role::Poller;
+        let for_poller = !state.for_poller.is_empty() || reports_stuck && !state.lanes.is_empty();
+        if for_poller && !poller_refused && !state.shutdown {
             actions.push(state.poller_for_work());
         }
+        let mut left = Vec::new();
+        if poller_refused {
+            while let Some(key) = state.for_poller.pop_front() {
+                let lane = state.lanes.remove(&key);
+                left.extend(lane.into_iter().flat_map(|lane| lane.waits.into_values()));
+            }
+            left.extend(std::mem::take(&mut state.withdrawn));
+        }
         drop(state);
-        let failure = ServerError::WaiterPanicked {
-            message: "a waiter thread unwound while it held this wait".to_owned(),
+        entries.into_iter().for_each(contain::drop);
+        let failure = match refused {
+            Some(err) => ServerError::ThreadSpawn {
+                component: "Waiter",
+                reason: format!("no waiter thread could be started to serve it: {err}"),
+                source: Some(crate::ErrorSource::new(err)),
+            },
+            None => ServerError::WaiterPanicked {
+                message: "a waiter thread unwound while it held this wait".to_owned(),
+            },
         };
-        // A no-op for those of the batch it had already resolved.
-        self.fail(batch.drain(..), &failure);
+        // Withdrawn waits are cancelled: failing them delivers nothing.
+        self.fail(left.into_iter().chain(batch), &failure);
         for slot in held {
             self.deliver(&slot, Err(failure.clone()));
         }
@@ -121,14 +111,15 @@ impl Drop for WaiterThread {
                 "waiter thread {:?} ({:?}) unwound (a bug in the waiter); its lanes and waits go \
                  back to the pool",
                 std::thread::current().name().unwrap_or("?"),
-                self.owner
+                self.role
             );
         });
-        let batch_lane = self.batch_lane.take();
-        let actions = self
-            .pool
-            .recover(self.owner, &self.lanes, batch_lane, &mut self.batch);
-        for action in actions {
+        let lost = Lost::Unwound {
+            lanes: &self.lanes,
+            batch_lane: self.batch_lane.take(),
+            batch: &mut self.batch,
+        };
+        for action in self.pool.recover(self.role, lost) {
             act(&self.pool, action);
         }
     }

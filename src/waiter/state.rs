@@ -5,63 +5,38 @@ use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
 
 use super::slot::Slot;
-use super::waitable::{LaneKey, Waitable};
-use super::watcher::{LaneHistory, Watched, HISTORIES};
+use super::wait::{Place, Wait};
+use super::waitable::LaneKey;
+use super::watcher::WatcherState;
 use crate::sync::checked::Invariants;
 use crate::sync::Arc;
 
-/// A wait's place in its lane: ordered by its sequence in its stream, then by its hand-off's
-/// ticket (so a backend whose numbers repeat loses no wait).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub(crate) struct Place {
-    pub(super) sequence: u64,
-    pub(super) ticket: u64,
-}
-
 /// Who serves a lane.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Owner {
+pub(super) enum Server {
     /// Its key is in a queue, for a lane thread or the poller.
     Queued,
+    /// Lane thread number `n`.
     Thread(usize),
+    Poller,
+}
+
+/// What a waiter thread is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Role {
+    /// Lane thread number `n`.
+    Lane(usize),
     Poller,
     Watcher,
 }
 
-/// One pending wait: what to wait on and where its result goes.
-pub(crate) struct Wait {
-    /// Shared with the watcher while it watches the wait.
-    pub(crate) waitable: std::sync::Arc<dyn Waitable>,
-    pub(crate) slot: Arc<Slot>,
-    pub(super) lane: LaneKey,
-    pub(super) place: Place,
-    /// Its stream's name while stuck streams are reported (made before the
-    /// hand-off: the backend's `Debug`).
-    pub(super) name: Option<std::sync::Arc<str>>,
-}
-
-impl Wait {
-    /// Its number in its stream.
-    pub(super) fn sequence(&self) -> u64 {
-        self.place.sequence
-    }
-
-    pub(crate) fn new(
-        waitable: std::sync::Arc<dyn Waitable>,
-        slot: Arc<Slot>,
-        lane: LaneKey,
-        name: Option<std::sync::Arc<str>>,
-    ) -> Self {
-        let place = Place {
-            sequence: waitable.sequence(),
-            ticket: 0,
-        };
-        Self {
-            waitable,
-            slot,
-            lane,
-            place,
-            name,
+impl Role {
+    /// Who it is to the lanes it serves; the watcher serves none.
+    pub(super) fn server(self) -> Option<Server> {
+        match self {
+            Role::Lane(n) => Some(Server::Thread(n)),
+            Role::Poller => Some(Server::Poller),
+            Role::Watcher => None,
         }
     }
 }
@@ -69,7 +44,7 @@ impl Wait {
 /// A stream's lane.
 pub(super) struct Lane {
     pub(super) waits: BTreeMap<Place, Wait>,
-    pub(super) owner: Owner,
+    pub(super) server: Server,
     /// The wait its lane thread has out, for shutdown to resolve.
     pub(super) held: Option<Arc<Slot>>,
     /// Its waits out in a batch.
@@ -83,7 +58,7 @@ pub(super) struct Lane {
 }
 
 impl Lane {
-    /// Nothing queued, held or out: its owner removes it.
+    /// Nothing queued, held or out: who serves it removes it.
     pub(super) fn is_idle(&self) -> bool {
         self.waits.is_empty() && self.held.is_none() && self.out == 0
     }
@@ -106,10 +81,10 @@ impl Lane {
 }
 
 /// Everything under the lock. Invariants: a lane is `Queued` exactly while
-/// its key is in a queue; `lane_threads`, `poller` and `watcher` count the
-/// threads started or about to be, until they leave; `notified <= idle <=
-/// lane_threads`; entries in `watched` have a watcher; after `shutdown` no
-/// lane is left.
+/// its key is in a queue; `lane_threads`, `poller` and `watcher.running`
+/// count the threads started or about to be, until they leave; `notified <=
+/// idle <= lane_threads`; entries on the watcher's list have a watcher;
+/// after `shutdown` no lane is left.
 #[derive(Default)]
 pub(super) struct State {
     pub(super) lanes: BTreeMap<LaneKey, Lane>,
@@ -127,19 +102,7 @@ pub(super) struct State {
     pub(super) next_ticket: u64,
     /// Waits whose futures were dropped, for a waiter thread to drop.
     pub(super) withdrawn: Vec<Wait>,
-    /// Held waits on the watcher's list; their lane threads block on them
-    /// in the driver meanwhile.
-    pub(super) watched: Vec<Watched>,
-    /// The lanes' histories, for the watcher's predictions: the
-    /// [`HISTORIES`] used last, kept while their lanes come and go.
-    pub(super) histories: BTreeMap<LaneKey, LaneHistory>,
-    /// Counts uses of `histories`.
-    pub(super) history_uses: u64,
-    pub(super) watcher: bool,
-    /// The watcher waits on `watch_work`: a new entry notifies it.
-    pub(super) watcher_waits: bool,
-    /// While it waits, when its nap ends (none: it waits for entries).
-    pub(super) watcher_nap_until: Option<Instant>,
+    pub(super) watcher: WatcherState,
     pub(super) shutdown: bool,
 }
 
@@ -247,14 +210,15 @@ impl State {
     }
 
     pub(super) fn threads(&self) -> usize {
-        self.lane_threads + usize::from(self.poller) + usize::from(self.watcher)
+        self.lane_threads + usize::from(self.poller) + usize::from(self.watcher.running)
     }
 
-    pub(super) fn leave(&mut self, owner: Owner) {
-        match owner {
-            Owner::Poller => self.poller = false,
-            Owner::Watcher => self.watcher = false,
-            Owner::Thread(_) | Owner::Queued => take(&mut self.lane_threads, 1, "lane threads"),
+    /// Uncount a thread that leaves.
+    pub(super) fn leave(&mut self, role: Role) {
+        match role {
+            Role::Lane(_) => take(&mut self.lane_threads, 1, "lane threads"),
+            Role::Poller => self.poller = false,
+            Role::Watcher => self.watcher.running = false,
         }
     }
 
@@ -262,21 +226,20 @@ impl State {
     /// at the earliest (none: at once): wake it if it waits and would not
     /// wake by then anyway, or start it.
     pub(super) fn watcher_for_work(&mut self, looks_from: Option<Instant>) -> Action {
-        let spawn_watcher = !self.watcher;
-        if spawn_watcher {
-            self.watcher = true;
-            self.peak_threads = self.peak_threads.max(self.threads());
-        }
+        let watcher = &mut self.watcher;
+        let spawn_watcher = !watcher.running;
+        watcher.running = true;
         let wakes_in_time = matches!(
-            (looks_from, self.watcher_nap_until),
+            (looks_from, watcher.nap_until),
             (Some(looks_from), Some(until)) if until <= looks_from
         );
         // Plant for loom model `loom_an_entry_due_before_the_watchers_nap_ends_wakes_it`.
         let wakes_in_time = wakes_in_time
-            || (self.watcher_nap_until.is_some()
+            || (watcher.nap_until.is_some()
                 && super::plant::planted("napping-watcher-never-woken"));
-        let wake_watcher = self.watcher_waits && !wakes_in_time;
-        self.watcher_waits &= !wake_watcher;
+        let wake_watcher = watcher.waits && !wakes_in_time;
+        watcher.waits &= !wake_watcher;
+        self.peak_threads = self.peak_threads.max(self.threads());
         Action {
             wake_watcher,
             spawn_watcher,
@@ -284,40 +247,10 @@ impl State {
         }
     }
 
-    /// Take every entry from the watcher (their lane threads block in the
-    /// driver already), to drop after the lock.
-    pub(super) fn unwatch_all(&mut self) -> Vec<Watched> {
-        std::mem::take(&mut self.watched)
-    }
-
-    /// Take `slot`'s entry off the watcher's list, if it is there.
-    pub(super) fn unwatch(&mut self, slot: &Arc<Slot>) -> Option<Watched> {
-        let index = self
-            .watched
-            .iter()
-            .position(|entry| Arc::ptr_eq(&entry.slot, slot))?;
-        Some(self.watched.swap_remove(index))
-    }
-
-    /// `key`'s history, made if new (the one used longest ago makes room).
-    pub(super) fn history(&mut self, key: LaneKey) -> &mut LaneHistory {
-        self.history_uses += 1;
-        if self.histories.len() >= HISTORIES && !self.histories.contains_key(&key) {
-            let oldest = self
-                .histories
-                .iter()
-                .min_by_key(|(_, history)| history.used);
-            if let Some((&oldest, _)) = oldest {
-                self.histories.remove(&oldest);
-            }
-        }
-        let history = self.histories.entry(key).or_default();
-        history.used = self.history_uses;
-        history
-    }
-
-    pub(super) fn lane_of(&mut self, key: LaneKey, owner: Owner) -> Option<&mut Lane> {
-        self.lanes.get_mut(&key).filter(|lane| lane.owner == owner)
+    pub(super) fn lane_of(&mut self, key: LaneKey, server: Server) -> Option<&mut Lane> {
+        self.lanes
+            .get_mut(&key)
+            .filter(|lane| lane.server == server)
     }
 
     /// Put `wait` in its lane; whether that made the lane.
@@ -325,7 +258,7 @@ impl State {
         let made = !self.lanes.contains_key(&wait.lane);
         let lane = self.lanes.entry(wait.lane).or_insert_with(|| Lane {
             waits: BTreeMap::new(),
-            owner: Owner::Queued,
+            server: Server::Queued,
             held: None,
             out: 0,
             since: wait.slot.handed_at(),
@@ -339,9 +272,9 @@ impl State {
         made
     }
 
-    /// Lane thread `owner` is done with `key`: whether it has waits again.
-    pub(super) fn release(&mut self, key: LaneKey, owner: Owner) -> bool {
-        let Some(lane) = self.lane_of(key, owner) else {
+    /// Lane thread `server` is done with `key`: whether it has waits again.
+    pub(super) fn release(&mut self, key: LaneKey, server: Server) -> bool {
+        let Some(lane) = self.lane_of(key, server) else {
             return false;
         };
         if lane.is_idle() {
@@ -351,29 +284,29 @@ impl State {
         !lane.waits.is_empty()
     }
 
-    /// Lane thread `owner` takes `key`'s oldest wait out to block on or ask.
-    pub(super) fn take_oldest(&mut self, key: LaneKey, owner: Owner) -> Option<Wait> {
-        let lane = self.lane_of(key, owner)?;
+    /// Lane thread `server` takes `key`'s oldest wait out to block on or ask.
+    pub(super) fn take_oldest(&mut self, key: LaneKey, server: Server) -> Option<Wait> {
+        let lane = self.lane_of(key, server)?;
         let (_, wait) = lane.waits.pop_first()?;
         lane.held = Some(wait.slot.clone());
         Some(wait)
     }
 
-    /// For `owner`: a lane queued for threads, else for the poller, else one
-    /// of the poller's with nothing out.
-    pub(super) fn claim(&mut self, owner: Owner) -> Option<LaneKey> {
+    /// For lane thread `server`: a lane queued for threads, else for the
+    /// poller, else one of the poller's with nothing out.
+    pub(super) fn claim(&mut self, server: Server) -> Option<LaneKey> {
         let queued = self.for_threads.pop_front();
         let key = match queued.or_else(|| self.for_poller.pop_front()) {
             Some(key) => key,
             None if self.poller => {
                 let mut lanes = self.lanes.iter();
                 let (&key, _) =
-                    lanes.find(|(_, lane)| lane.owner == Owner::Poller && lane.out == 0)?;
+                    lanes.find(|(_, lane)| lane.server == Server::Poller && lane.out == 0)?;
                 key
             }
             None => return None,
         };
-        self.lanes.get_mut(&key).expect("a queued lane").owner = owner;
+        self.lanes.get_mut(&key).expect("a queued lane").server = server;
         Some(key)
     }
 }
@@ -415,7 +348,7 @@ impl Invariants for State {
         let queued = self
             .lanes
             .values()
-            .filter(|lane| lane.owner == Owner::Queued);
+            .filter(|lane| lane.server == Server::Queued);
         let queues = self.for_threads.len() + self.for_poller.len();
         assert_eq!(queued.count(), queues, "queued lanes and queues differ");
         assert!(self.notified <= self.idle && self.idle <= self.lane_threads);
@@ -426,14 +359,15 @@ impl Invariants for State {
             !self.shutdown || self.lanes.is_empty(),
             "lanes after shutdown"
         );
+        let watcher = &self.watcher;
         assert!(
-            self.watched.is_empty() || self.watcher,
+            watcher.list.is_empty() || watcher.running,
             "entries for no watcher"
         );
-        assert!(!self.watcher_waits || self.watcher);
+        assert!(!watcher.waits || watcher.running);
         for lane in self.lanes.values() {
-            assert!(lane.held.is_none() || matches!(lane.owner, Owner::Thread(_)));
-            assert!(lane.out == 0 || lane.owner != Owner::Queued);
+            assert!(lane.held.is_none() || matches!(lane.server, Server::Thread(_)));
+            assert!(lane.out == 0 || lane.server != Server::Queued);
         }
     }
 }
@@ -445,7 +379,7 @@ mod tests {
     #[test]
     #[should_panic(expected = "a bug in the waiter: lane threads count below zero (0 - 1)")]
     fn a_count_below_zero_panics_with_its_name() {
-        State::default().leave(Owner::Thread(1));
+        State::default().leave(Role::Lane(1));
     }
 
     /// A thread's recovery runs as it unwinds: a second panic there would abort the process.
@@ -454,7 +388,7 @@ mod tests {
         struct Recovery(State);
         impl Drop for Recovery {
             fn drop(&mut self) {
-                self.0.leave(Owner::Thread(1));
+                self.0.leave(Role::Lane(1));
                 assert_eq!(self.0.lane_threads, 0);
             }
         }

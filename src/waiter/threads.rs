@@ -4,10 +4,10 @@
 use std::time::Duration;
 
 use super::contain;
-use super::pool::Pool;
-use super::state::{Action, Owner, Wait};
+use super::pool::{AfterHold, Ended, Pool};
+use super::state::{Action, Role, Server};
+use super::wait::Wait;
 use super::waitable::LaneKey;
-use super::watcher::Held;
 use crate::sync::thread;
 use crate::ServerError;
 
@@ -21,33 +21,46 @@ pub(super) fn act(pool: &Pool, action: Action) {
     let name = &pool.config().thread_name;
     let threads = action
         .spawn_thread
-        .map(|n| (format!("{name}-{n}"), Owner::Thread(n)));
+        .map(|n| (format!("{name}-{n}"), Role::Lane(n)));
     let poller = action
         .spawn_poller
-        .then(|| (format!("{name}-poller"), Owner::Poller));
+        .then(|| (format!("{name}-poller"), Role::Poller));
     let watcher = action
         .spawn_watcher
-        .then(|| (format!("{name}-watcher"), Owner::Watcher));
-    for (name, owner) in threads.into_iter().chain(poller).chain(watcher) {
+        .then(|| (format!("{name}-watcher"), Role::Watcher));
+    for (name, role) in threads.into_iter().chain(poller).chain(watcher) {
         let worker = pool.clone();
         let spawned = match pool.refused_spawn() {
             Some(refused) => Err(refused),
             None => thread::Builder::new()
                 .name(name)
-                .spawn(move || WaiterThread::run(worker, owner)),
+                .spawn(move || WaiterThread::run(worker, role)),
         };
         if let Err(err) = spawned {
-            let next = pool.spawn_failed(owner, err);
-            act(pool, next);
+            for next in pool.recover(role, Lost::NotStarted(err)) {
+                act(pool, next);
+            }
         }
     }
+}
+
+/// How a waiter thread was lost; recovery (`recovery.rs`) gives back what it held.
+pub(super) enum Lost<'a> {
+    /// The OS would not start it.
+    NotStarted(std::io::Error),
+    /// It unwound (a bug in the waiter) serving `lanes`, with `batch` out of `batch_lane`.
+    Unwound {
+        lanes: &'a [LaneKey],
+        batch_lane: Option<LaneKey>,
+        batch: &'a mut Vec<Wait>,
+    },
 }
 
 /// A waiter thread's lanes and batch. One that unwinds (a bug in the
 /// waiter) has this guard give them back ([`Pool::recover`]).
 pub(super) struct WaiterThread {
     pub(super) pool: Pool,
-    pub(super) owner: Owner,
+    pub(super) role: Role,
     /// At most one for a lane thread; the poller's list.
     pub(super) lanes: Vec<LaneKey>,
     pub(super) batch: Vec<Wait>,
@@ -58,11 +71,11 @@ pub(super) struct WaiterThread {
 }
 
 impl WaiterThread {
-    fn run(pool: Pool, owner: Owner) {
+    fn run(pool: Pool, role: Role) {
         crate::os::mark_own_thread();
         let mut this = WaiterThread {
             pool,
-            owner,
+            role,
             lanes: Vec::new(),
             // Sized now, not mid-burst: a large allocation then made the
             // allocator consolidate, which measurably slowed a first batch.
@@ -70,44 +83,48 @@ impl WaiterThread {
             batch_lane: None,
             counted: true,
         };
-        match owner {
-            Owner::Poller => this.run_poller(),
-            Owner::Watcher => this.run_watcher(),
-            Owner::Thread(_) | Owner::Queued => this.run_lane_thread(),
+        match role {
+            Role::Lane(n) => this.run_lane_thread(n),
+            Role::Poller => this.run_poller(),
+            Role::Watcher => this.run_watcher(),
         }
         this.counted = false;
     }
 
-    /// Take a lane, serve it until it is idle, take the next.
-    fn run_lane_thread(&mut self) {
+    /// Lane thread `n`: take a lane, serve it until it is idle, take the next.
+    fn run_lane_thread(&mut self, n: usize) {
         let mut finished = None;
-        while let Some(key) = self.pool.next_lane(self.owner, finished.take()) {
+        while let Some(key) = self.pool.next_lane(n, finished.take()) {
             self.lanes.clear();
             self.lanes.push(key);
-            self.serve_lane(key);
+            self.serve_lane(key, Server::Thread(n));
             finished = Some(key);
         }
     }
 
-    /// Serve lane `key` until it is empty or no longer this thread's (the
+    /// Serve lane `key` as `by` until it is empty or no longer this thread's (the
     /// steps: [`crate::waiter`]'s docs).
-    fn serve_lane(&mut self, key: LaneKey) {
-        let owner = self.owner;
-        let Some(mut wait) = self.pool.take_oldest(key, owner) else {
+    fn serve_lane(&mut self, key: LaneKey, by: Server) {
+        let Some(mut wait) = self.pool.take_oldest(key, by) else {
             return;
         };
-        // The lane's prediction, as its history said at the last wait's end.
-        let mut predicted = None;
+        // Whether the lane's history, as of its last wait's end, says to offer the next to the
+        // watcher (a lane with no history is offered).
+        let mut watch = true;
         loop {
-            self.pool.planted_escape(self.owner);
-            let (result, took) = self.wait_out(key, &wait, predicted);
-            let next;
-            (next, predicted) = self
-                .pool
-                .end_held((key, owner), &wait.slot, result, took, true);
+            self.pool.planted_escape(self.role);
+            let (result, took) = self.wait_out(&wait, watch);
+            let ended = Ended::Driver {
+                by,
+                result,
+                took,
+                take_next: true,
+            };
+            let after: AfterHold = self.pool.end_hold(key, &wait.slot, ended);
+            watch = after.watch_next;
             // Its future is woken first; then its fence (its event) goes.
             contain::drop(wait);
-            let Some(next) = next else {
+            let Some(next) = after.next else {
                 return;
             };
             wait = next;
@@ -115,49 +132,39 @@ impl WaiterThread {
                 Ok(false) => continue,
                 reached => {
                     let result = reached.map(drop);
-                    let _ = self
-                        .pool
-                        .end_held((key, owner), &wait.slot, result, None, false);
+                    let ended = Ended::Driver {
+                        by,
+                        result,
+                        took: None,
+                        take_next: false,
+                    };
+                    let _ = self.pool.end_hold(key, &wait.slot, ended);
                     contain::drop(wait);
                 }
             }
-            if !self.resolve_reached(key).more {
+            if !self.resolve_reached(key, by).more {
                 return;
             }
-            let Some(next) = self.pool.take_oldest(key, owner) else {
+            let Some(next) = self.pool.take_oldest(key, by) else {
                 return;
             };
             wait = next;
         }
     }
 
-    /// Block in the driver until `wait`'s fence is reached; where watchers are on and its
-    /// stream keeps a word, first put it on the watcher's list, to race the block, unless the
-    /// lane's waits, `predicted` to take so long, are too short to watch. Its result, and, where
-    /// watchers are on, how long it took (for its lane's history).
-    fn wait_out(
-        &self,
-        lane: LaneKey,
-        wait: &Wait,
-        predicted: Option<Duration>,
-    ) -> (Result<(), ServerError>, Option<Duration>) {
+    /// Block in the driver until `wait`'s fence is reached; where watchers are on, its stream
+    /// keeps a word and its lane's history says to `watch` it, first put it on the watcher's
+    /// list, to race the block. Its result, and, where watchers are on, how long it took (for
+    /// its lane's history).
+    fn wait_out(&self, wait: &Wait, watch: bool) -> (Result<(), ServerError>, Option<Duration>) {
         if self.pool.config().watchers == 0 {
             return (contain::backend(|| wait.waitable.block()), None);
         }
         let started = self.pool.now();
-        // Decided without the lock where the lane's last wait says so.
-        if !super::watcher::too_short(predicted, self.pool.watcher_early(started)) {
+        if watch {
             let word = contain::backend(|| Ok(wait.waitable.progress()));
             if let Some(word) = word.ok().flatten() {
-                let held = Held {
-                    lane,
-                    sequence: wait.sequence(),
-                    slot: &wait.slot,
-                    waitable: &wait.waitable,
-                    word,
-                    started,
-                };
-                if let Some(action) = self.pool.watch(held) {
+                if let Some(action) = self.pool.watch(wait, word, started) {
                     act(&self.pool, action);
                 }
             }
@@ -172,28 +179,24 @@ impl WaiterThread {
     /// asked outside it, the rest put back in one more. Each batch all
     /// reached doubles the next, from 2 (1 for the poller, which mostly hears
     /// "not yet") up to [`BATCH`].
-    pub(super) fn resolve_reached(&mut self, key: LaneKey) -> Resolved {
-        let poller = self.owner == Owner::Poller;
-        let mut limit = if poller { 1 } else { 2 };
+    pub(super) fn resolve_reached(&mut self, key: LaneKey, by: Server) -> Resolved {
+        let mut limit = if by == Server::Poller { 1 } else { 2 };
         let mut resolved = 0;
         loop {
-            if !self
-                .pool
-                .take_batch(key, self.owner, limit, &mut self.batch)
-            {
+            if !self.pool.take_batch(key, by, limit, &mut self.batch) {
                 return Resolved {
                     resolved,
                     more: false,
                 };
             }
             self.batch_lane = Some(key);
-            self.pool.planted_escape(self.owner);
-            let (reached, failed) = reached_prefix(&self.batch);
+            self.pool.planted_escape(self.role);
+            let Asked { reached, failed } = ask(&self.batch);
             let rest = self.batch.split_off(reached);
             let more = !rest.is_empty();
             resolved += reached;
             limit = (limit * 2).min(BATCH);
-            self.pool.settle(key, rest, reached);
+            self.pool.settle(key, reached, rest);
             // Settled: the batch is its lane's no more, whatever happens next.
             self.batch_lane = None;
             let mut failed = failed.into_iter().peekable();
@@ -223,16 +226,31 @@ pub(super) struct Resolved {
     pub(super) more: bool,
 }
 
-/// How many of `batch`'s waits a query shows reached (or failed) before the
-/// first not reached, and the failures by index.
-fn reached_prefix(batch: &[Wait]) -> (usize, Vec<(usize, ServerError)>) {
+/// What a query of each wait of a batch showed ([`ask`]).
+struct Asked {
+    /// How many waits, from the first, were reached (or failed) before the first not reached.
+    reached: usize,
+    /// Those that failed, by index, in order.
+    failed: Vec<(usize, ServerError)>,
+}
+
+/// Query `batch`'s waits in order, up to the first not reached.
+fn ask(batch: &[Wait]) -> Asked {
     let mut failed = Vec::new();
     for (index, wait) in batch.iter().enumerate() {
         match contain::backend(|| wait.waitable.query()) {
             Ok(true) => {}
-            Ok(false) => return (index, failed),
+            Ok(false) => {
+                return Asked {
+                    reached: index,
+                    failed,
+                }
+            }
             Err(err) => failed.push((index, err)),
         }
     }
-    (batch.len(), failed)
+    Asked {
+        reached: batch.len(),
+        failed,
+    }
 }

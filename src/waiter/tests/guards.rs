@@ -2,9 +2,9 @@
 //! is contained (a thread holding waits out of their lane) unwinds the
 //! thread, and its guard must fail what it held, uncount it, and queue its
 //! lanes for another thread. Also a refused spawn, planted the same way.
-//! A watcher that unwinds holds no wait, but lane threads sleep until it
-//! gives them back theirs: it is started again. Each test fails (hangs
-//! until its limit) without the guard.
+//! A watcher that unwinds holds no wait: its entries go (their lane threads
+//! block in the driver) and it is uncounted. Each test fails (hangs until
+//! its limit) without the guard.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -139,23 +139,18 @@ fn a_poller_that_unwinds_while_reporting_stalls_is_started_again_and_reports_on(
 }
 
 #[test]
-fn a_watcher_that_unwinds_is_started_again_and_watches_its_entries() {
+fn a_watcher_that_unwinds_leaves_its_entries_to_the_driver_and_is_uncounted() {
     let pool = super::mock_device::support::pool_watching(1, KEEP_ALIVE);
     pool.plants().watcher_escapes.store(1, Ordering::SeqCst);
     let device = Device::with_word();
     // The lane thread puts the wait on the watcher's list and blocks in the
-    // driver; the watcher unwinds as its round starts; the watcher started
-    // again watches it for its window (the word never moves) and leaves it
-    // to the driver.
+    // driver; the watcher unwinds as its round starts, and its entry goes.
     let slot = submit(&pool, &device, 0, 1);
-    eventually(
-        "the watcher unwound, and the one started again is done",
-        || {
-            pool.plants().watcher_escapes.load(Ordering::SeqCst) == 0
-                && pool.watched_entries() == 0
-                && device.blocked.load(Ordering::SeqCst) == 1
-        },
-    );
+    eventually("the watcher unwound and its entry is gone", || {
+        pool.plants().watcher_escapes.load(Ordering::SeqCst) == 0
+            && pool.watched_entries() == 0
+            && device.blocked.load(Ordering::SeqCst) == 1
+    });
     device.finish();
     assert_eq!(result_of(&slot), Ok(()));
     eventually("no thread counted and no wait pending", || {

@@ -185,8 +185,8 @@ pub(super) mod support {
     use super::{Device, MockFence};
     use crate::waiter::pool::{Config, Pool};
     use crate::waiter::slot::Slot;
-    use crate::waiter::state::{Place, Wait};
     use crate::waiter::threads;
+    use crate::waiter::wait::{Place, Wait};
     use crate::waiter::waitable::Waitable;
     use crate::ServerError;
 

@@ -11,7 +11,7 @@ impl Pool {
 
     /// The watcher's entries, for tests.
     pub(crate) fn watched_entries(&self) -> usize {
-        self.lock().watched.len()
+        self.lock().watcher.list.len()
     }
 
     /// Give `key`'s history a wait that took `took`, for tests.
@@ -20,13 +20,14 @@ impl Pool {
         key: crate::waiter::waitable::LaneKey,
         took: std::time::Duration,
     ) {
-        self.lock().history(key).ended(took);
+        self.lock().watcher.history(key).ended(took);
     }
 
     /// How many waits `key`'s history has learnt, for tests.
     #[cfg(not(device_events_loom))]
     pub(crate) fn history_len(&self, key: crate::waiter::waitable::LaneKey) -> usize {
         self.lock()
+            .watcher
             .histories
             .get(&key)
             .map_or(0, crate::waiter::watcher::LaneHistory::len)
@@ -35,7 +36,7 @@ impl Pool {
     /// Whether the watcher sleeps on its condvar now, for tests.
     #[cfg(not(device_events_loom))]
     pub(crate) fn watcher_waits(&self) -> bool {
-        self.lock().watcher_waits
+        self.lock().watcher.waits
     }
 
     /// If the watcher naps now, keep the lock until `past` after its nap's end, so that it wakes
@@ -43,7 +44,7 @@ impl Pool {
     #[cfg(not(device_events_loom))]
     pub(crate) fn hold_past_nap(&self, past: std::time::Duration) -> Option<std::time::Instant> {
         let state = self.lock();
-        let until = state.watcher_nap_until?;
+        let until = state.watcher.nap_until?;
         while let Some(left) = (until + past).checked_duration_since(std::time::Instant::now()) {
             std::thread::sleep(left);
         }
@@ -55,8 +56,8 @@ impl Pool {
     #[cfg(not(device_events_loom))]
     pub(crate) fn fence_holders_in_nap(&self) -> Option<usize> {
         let state = self.lock();
-        state.watcher_nap_until?;
-        match state.watched.as_slice() {
+        state.watcher.nap_until?;
+        match state.watcher.list.as_slice() {
             [entry] => Some(std::sync::Arc::strong_count(&entry.waitable)),
             _ => None,
         }
@@ -66,5 +67,11 @@ impl Pool {
     #[cfg(not(device_events_loom))]
     pub(crate) fn idle_threads(&self) -> usize {
         self.lock().idle
+    }
+
+    /// How early the watcher wakes before an end it expects, as of `now`, for tests.
+    #[cfg(not(device_events_loom))]
+    pub(crate) fn watcher_early(&self, now: std::time::Instant) -> std::time::Duration {
+        self.lock().watcher.early(now)
     }
 }

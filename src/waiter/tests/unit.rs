@@ -12,8 +12,9 @@ use std::time::{Duration, Instant};
 use super::mock_device::support::{eventually, result_of, submit, submit_fence, submit_placed};
 use super::mock_device::Device;
 use crate::waiter::slot::Slot;
-use crate::waiter::state::{Action, State, Wait};
+use crate::waiter::state::{Action, State};
 use crate::waiter::stats::{Counters, WaiterStats};
+use crate::waiter::wait::Wait;
 use crate::waiter::waitable::LaneKey;
 use crate::ServerError;
 

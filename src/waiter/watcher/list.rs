@@ -1,16 +1,18 @@
-//! The watcher's list: the pool's operations that put held waits on it, take them off, and
-//! resolve them when the watcher sees their words pass.
+//! The pool's operations on the watcher's list ([`WatcherState`]): put held waits on it, plan
+//! the watcher's rounds and naps. A wait leaves it as its hold ends ([`Pool::end_hold`]).
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::timing::{Held, Timing, Watched, MIN_NAP};
-use crate::waiter::contain;
+use super::timing::{Early, Timing, Watched, MIN_NAP};
+#[cfg(doc)]
+use super::WatcherState;
 use crate::waiter::pool::Pool;
 #[cfg(doc)]
 use crate::waiter::state::State;
-use crate::waiter::state::{Action, Owner};
-use crate::ServerError;
+use crate::waiter::state::{Action, Role};
+use crate::waiter::wait::Wait;
+use crate::ProgressWord;
 
 /// What the watcher's round plans its nap from ([`Pool::watch_round`]).
 pub(crate) struct Plan {
@@ -26,70 +28,26 @@ impl Pool {
         self.shared.published.load(Ordering::Acquire)
     }
 
-    /// How early the watcher wakes before an end it expects, as of `now`.
-    pub(crate) fn watcher_early(&self, now: Instant) -> Duration {
-        self.shared.watcher_early.get(now)
-    }
-
-    /// The watcher wakes `early` before an end it expects, as a nap that ended at `measured`
-    /// showed.
-    pub(crate) fn set_watcher_early(&self, early: Duration, measured: Instant) {
-        self.shared.watcher_early.set(early, measured);
-    }
-
-    /// The watcher saw `entry`'s wait end with `result`, `took` after its hold began (`late`: at
-    /// its first look after a sleep): unless its lane thread or shutdown resolved it meanwhile,
-    /// end the hold, teach the lane's history and deliver it after the lock; the entry leaves
-    /// the list. Whether this delivered it.
-    pub(crate) fn end_watched(
+    /// A lane thread about to block on `wait`, held from `started`, its stream's progress in
+    /// `word`, puts it on the watcher's list, unless its lane's history says not to or the
+    /// pool is shut down. What to do then, if it did.
+    pub(crate) fn watch(
         &self,
-        entry: &Watched,
-        result: Result<(), ServerError>,
-        took: Duration,
-        late: bool,
-    ) -> bool {
-        let reports_stuck = self.reports_stuck();
-        let mut state = self.lock();
-        let lane = state.lanes.get_mut(&entry.lane);
-        let ours = lane.is_some_and(|lane| lane.end_hold(&entry.slot, reports_stuck));
-        if ours {
-            state.history(entry.lane).seen(entry, took, late);
-        }
-        let removed = state.unwatch(&entry.slot);
-        drop(state);
-        // Plant for loom model `loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once`.
-        let ours =
-            ours && !crate::waiter::plant::planted("watcher-takes-the-hold-delivers-nothing");
-        let delivered = ours && self.deliver(&entry.slot, result);
-        // Its fence may be the last copy left (its lane thread done with it).
-        contain::drop(removed);
-        delivered
-    }
-
-    /// The watcher leaves `entry` to its lane thread, blocked on it in the driver; a `missed`
-    /// watch counts ([`LaneHistory::missed`](super::LaneHistory::missed)) unless the lane
-    /// thread took the entry off first.
-    pub(crate) fn unwatch(&self, entry: &Watched, missed: bool) {
-        let mut state = self.lock();
-        let removed = state.unwatch(&entry.slot);
-        if missed && removed.is_some() {
-            state.history(entry.lane).missed();
-        }
-        drop(state);
-        contain::drop(removed);
-    }
-
-    /// A lane thread about to block on `held` puts it on the watcher's list, unless its lane's
-    /// history says not to or the pool is shut down. What to do then, if it did.
-    pub(crate) fn watch(&self, held: Held<'_>) -> Option<Action> {
-        let early = self.watcher_early(held.started);
+        wait: &Wait,
+        word: ProgressWord,
+        started: Instant,
+    ) -> Option<Action> {
         let mut state = self.lock();
         if state.shutdown {
             return None;
         }
-        let entry = state.history(held.lane).entry(held, early)?;
+        let watcher = &mut state.watcher;
+        let early = watcher.early(started);
+        let entry = watcher
+            .history(wait.lane)
+            .entry(wait, word, started, early)?;
         let looks_from = entry.looks_from_at_the_earliest();
-        state.watched.push(entry);
+        watcher.list.push(entry);
         self.shared.published.fetch_add(1, Ordering::Release);
         Some(state.watcher_for_work(Some(looks_from)))
     }
@@ -105,66 +63,69 @@ impl Pool {
         let mut timed_out = false;
         loop {
             let first = state
-                .watched
+                .watcher
+                .list
                 .iter()
                 .map(|entry| timing.look_from(entry))
                 .min();
             if let Some(first) = first.filter(|_| !state.shutdown) {
                 if first.saturating_duration_since(self.now()) < MIN_NAP {
-                    entries.extend(state.watched.iter().cloned());
+                    entries.extend(state.watcher.list.iter().cloned());
                 }
                 let published = self.published();
                 return Some(Plan { published, first });
             }
             if state.shutdown || timed_out {
-                state.leave(Owner::Watcher);
+                state.leave(Role::Watcher);
                 // The next watcher learns its own timing.
-                self.set_watcher_early(Duration::ZERO, self.now());
+                state.watcher.early = None;
                 return None;
             }
-            state.watcher_waits = true;
+            state.watcher.waits = true;
             let keep_alive = self.shared.config.keep_alive;
             let (woken, timeout) = state.wait_timeout(&self.shared.watch_work, keep_alive);
             state = woken;
-            state.watcher_waits = false;
+            state.watcher.waits = false;
             timed_out = timeout;
         }
     }
 
     /// The watcher sleeps until `until`, unless an entry comes after the `published`th (one due
-    /// before `until` wakes it: [`State::watcher_for_work`]) or the pool shuts down: how late it
-    /// woke, if its time ran out. Awake, unless entries came (its round plans again), it copies
-    /// the entries on its list into `entries` (empty) to look at: those taken off during the
-    /// nap are gone for good. `timing` is the watcher's, which planned the nap.
+    /// before `until` wakes it: [`State::watcher_for_work`]) or the pool shuts down. Awake,
+    /// unless entries came (its round plans again), it copies the entries on its list into
+    /// `entries` (empty) to look at: those taken off during the nap are gone for good. A nap
+    /// that ran its course teaches `timing` (the watcher's, which planned it) how late it woke,
+    /// and so how early the watcher wakes; whether it did.
     pub(crate) fn watcher_nap(
         &self,
         until: Instant,
         published: usize,
-        timing: &Timing,
+        timing: &mut Timing,
         entries: &mut Vec<Watched>,
-    ) -> Option<Duration> {
+    ) -> bool {
         let mut state = self.lock();
         if state.shutdown || self.published() != published {
-            return None;
+            return false;
         }
-        state.watcher_waits = true;
-        state.watcher_nap_until = Some(until);
+        state.watcher.waits = true;
+        state.watcher.nap_until = Some(until);
         let clock = &self.shared.clock;
         let (mut state, timed_out) = state.wait_until(&self.shared.watch_work, until, clock);
+        let watcher = &mut state.watcher;
         // Cleared by whoever decided to wake it, whether or not its notification came in time.
-        let wake_sent = !state.watcher_waits;
-        state.watcher_waits = false;
-        state.watcher_nap_until = None;
+        let wake_sent = !watcher.waits;
+        watcher.waits = false;
+        watcher.nap_until = None;
         if self.published() == published {
-            entries.extend(state.watched.iter().cloned());
+            entries.extend(watcher.list.iter().cloned());
         }
         if !timed_out {
-            return None;
+            return false;
         }
         if cfg!(device_events_loom) && !wake_sent {
             // A loom model's nap runs out as the schedule chooses, its clock moved to the nap's
             // end: an entry due to be looked at before then should have woken the watcher.
-            for entry in &state.watched {
+            for entry in &watcher.list {
                 let overslept = timing.look_from(entry) < until;
                 assert!(
                     !overslept,
@@ -172,6 +133,14 @@ impl Pool {
                 );
             }
         }
-        Some(self.now().saturating_duration_since(until))
+        // Said as a nap measures it, and stamped with when: a round with no nap (its entries due
+        // at once) measures nothing, and leaves the figure to age.
+        let now = self.now();
+        timing.overslept(now.saturating_duration_since(until));
+        watcher.early = Some(Early {
+            early: timing.early(),
+            said: now,
+        });
+        true
     }
 }

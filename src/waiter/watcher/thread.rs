@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 use super::list::Plan;
 use super::timing::{self, CpuBudget, Timing, Watched, MAX_NAP};
 use crate::waiter::contain;
+use crate::waiter::pool::Ended;
 use crate::waiter::threads::WaiterThread;
 
 impl WaiterThread {
@@ -18,22 +19,14 @@ impl WaiterThread {
         let mut cpu = crate::os::thread_cpu_time();
         let mut entries = Vec::new();
         while let Some(Plan { published, first }) = self.pool.watch_round(&timing, &mut entries) {
-            self.pool.planted_escape(self.owner);
+            self.pool.planted_escape(self.role);
             let mut napped = false;
             // None copied: the first is not due yet. It naps holding none (an entry its lane
             // thread takes off meanwhile is not kept from its pool, nor its context alive).
             if entries.is_empty() {
                 let until = first.min(self.pool.now() + MAX_NAP);
-                let nap = self
-                    .pool
-                    .watcher_nap(until, published, &timing, &mut entries);
-                if let Some(late) = nap {
-                    timing.overslept(late);
-                    // Said as a nap measures it, and stamped with when: a round with no nap (its
-                    // entries due at once) measures nothing, and leaves the figure to age.
-                    self.pool.set_watcher_early(timing.early(), until + late);
-                    napped = until == first;
-                }
+                let slept = (self.pool).watcher_nap(until, published, &mut timing, &mut entries);
+                napped = slept && until == first;
             }
             let mut looked = Duration::ZERO;
             if !entries.is_empty() {
@@ -65,7 +58,7 @@ impl WaiterThread {
     fn leave_due(&self, timing: &Timing, entries: &[Watched], now: Instant) {
         for entry in entries {
             if timing.look_from(entry) <= now {
-                self.pool.unwatch(entry, false);
+                self.unwatch(entry, false);
             }
         }
     }
@@ -87,7 +80,7 @@ impl WaiterThread {
                 if entry.passed() {
                     self.resolve_watched(entry, napped && looks == 0);
                 } else if timing::past(timing.look_until(entry), looks) {
-                    self.pool.unwatch(entry, true);
+                    self.unwatch(entry, true);
                 } else {
                     return true;
                 }
@@ -109,12 +102,18 @@ impl WaiterThread {
     fn resolve_watched(&self, entry: &Watched, late: bool) {
         let took = self.pool.now().saturating_duration_since(entry.started);
         let result = match contain::backend(|| entry.waitable.query()) {
-            Ok(false) => return self.pool.unwatch(entry, false),
+            Ok(false) => return self.unwatch(entry, false),
             reached => reached.map(drop),
         };
         let ok = result.is_ok();
-        if self.pool.end_watched(entry, result, took, late) && ok {
+        let seen = Ended::Seen { result, took, late };
+        if self.pool.end_hold(entry.lane, &entry.slot, seen).delivered && ok {
             self.pool.counters().watched();
         }
+    }
+
+    /// Leave `entry` to its lane thread, blocked on it in the driver (a `missed` watch counts).
+    fn unwatch(&self, entry: &Watched, missed: bool) {
+        let _ = (self.pool).end_hold(entry.lane, &entry.slot, Ended::Unwatched { missed });
     }
 }

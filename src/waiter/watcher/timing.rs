@@ -3,11 +3,11 @@
 //! budget ([`CpuBudget`]); the figures are the constants below. Why: the
 //! [module docs](crate::waiter#the-watcher).
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::sync::Arc;
 use crate::waiter::slot::Slot;
+use crate::waiter::wait::Wait;
 use crate::waiter::waitable::{LaneKey, Waitable};
 use crate::ProgressWord;
 
@@ -81,21 +81,17 @@ impl Default for LaneHistory {
     }
 }
 
-/// What the watcher is given of a held wait.
-pub(crate) struct Held<'a> {
-    pub(crate) lane: LaneKey,
-    pub(crate) sequence: u64,
-    pub(crate) slot: &'a Arc<Slot>,
-    pub(crate) waitable: &'a std::sync::Arc<dyn Waitable>,
-    pub(crate) word: ProgressWord,
-    /// When its lane thread began to hold it.
-    pub(crate) started: Instant,
-}
-
 impl LaneHistory {
-    /// The watcher's entry for `held`; none if the lane's waits are [`too_short`] (the watcher
-    /// waking `early`) or its last misses leave this one to the driver.
-    pub(crate) fn entry(&mut self, held: Held<'_>, early: Duration) -> Option<Watched> {
+    /// The watcher's entry for `wait`, held from `started`, its stream's progress in `word`;
+    /// none if the lane's waits are [`too_short`] (the watcher waking `early`) or its last
+    /// misses leave this one to the driver.
+    pub(crate) fn entry(
+        &mut self,
+        wait: &Wait,
+        word: ProgressWord,
+        started: Instant,
+        early: Duration,
+    ) -> Option<Watched> {
         let predicted = self.predicted();
         if too_short(predicted, early) {
             return None;
@@ -106,13 +102,13 @@ impl LaneHistory {
         }
         let predicted = predicted.unwrap_or_default();
         Some(Watched {
-            lane: held.lane,
-            slot: held.slot.clone(),
-            waitable: held.waitable.clone(),
-            word: held.word,
-            sequence: held.sequence,
-            started: held.started,
-            due: held.started + predicted,
+            lane: wait.lane,
+            slot: wait.slot.clone(),
+            waitable: wait.waitable.clone(),
+            word,
+            sequence: wait.sequence(),
+            started,
+            due: started + predicted,
             predicted,
             margin: self.margin,
         })
@@ -191,51 +187,21 @@ impl Watched {
     }
 }
 
-/// How early the watcher wakes before an end it expects ([`Timing::early`]), as it last said,
-/// halved each [`EARLY_HALF_LIFE`] since; lane threads read it.
+/// How early the watcher wakes before an end it expects ([`Timing::early`]), as it said at
+/// `said`, halved each [`EARLY_HALF_LIFE`] since.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct Early {
-    epoch: Instant,
-    nanos: AtomicU64,
-    /// When it was said, in nanoseconds from `epoch`.
-    said: AtomicU64,
-}
-
-impl Default for Early {
-    fn default() -> Self {
-        Self::new(Instant::now())
-    }
+    pub(crate) early: Duration,
+    pub(crate) said: Instant,
 }
 
 impl Early {
-    /// None said yet, as of `epoch` (no later than any time it is said or read at).
-    pub(crate) fn new(epoch: Instant) -> Self {
-        Self {
-            epoch,
-            nanos: AtomicU64::new(0),
-            said: AtomicU64::new(0),
-        }
-    }
-
-    fn since_epoch(&self, now: Instant) -> u64 {
-        let nanos = now.saturating_duration_since(self.epoch).as_nanos();
-        u64::try_from(nanos).unwrap_or(u64::MAX)
-    }
-
-    /// The watcher wakes `early` before an end it expects, as of `now`.
-    pub(crate) fn set(&self, early: Duration, now: Instant) {
-        let nanos = u64::try_from(early.as_nanos()).unwrap_or(u64::MAX);
-        self.nanos.store(nanos, Ordering::Relaxed);
-        self.said.store(self.since_epoch(now), Ordering::Relaxed);
-    }
-
     /// How early it wakes, as of `now`.
-    pub(crate) fn get(&self, now: Instant) -> Duration {
-        let age = self
-            .since_epoch(now)
-            .saturating_sub(self.said.load(Ordering::Relaxed));
-        let halvings = age / EARLY_HALF_LIFE.as_nanos() as u64;
-        let nanos = self.nanos.load(Ordering::Relaxed);
-        Duration::from_nanos(nanos.checked_shr(halvings.min(64) as u32).unwrap_or(0))
+    pub(crate) fn at(&self, now: Instant) -> Duration {
+        let age = now.saturating_duration_since(self.said).as_nanos();
+        let halvings = (age / EARLY_HALF_LIFE.as_nanos()).min(64) as u32;
+        let nanos = u64::try_from(self.early.as_nanos()).unwrap_or(u64::MAX);
+        Duration::from_nanos(nanos.checked_shr(halvings).unwrap_or(0))
     }
 }
 
@@ -340,7 +306,7 @@ mod tests {
     use std::time::{Duration, Instant};
 
     use super::{
-        past, CpuBudget, Early, Held, LaneHistory, LaneKey, Slot, Timing, Waitable, Watched, BURST,
+        past, CpuBudget, Early, LaneHistory, LaneKey, Slot, Timing, Wait, Waitable, Watched, BURST,
         CPU_SHARE, EARLY_HALF_LIFE, FIRST_WINDOW, MAX_LOOK, MAX_SKIP, MIN_MARGIN, MIN_WATCHED,
     };
     use crate::api::HostWord;
@@ -379,17 +345,9 @@ mod tests {
         word: Option<&Arc<HostWord>>,
     ) -> Option<Watched> {
         let slot = Arc::new(Slot::new(futures::task::noop_waker()));
-        let fence: Arc<dyn Waitable> = Arc::new(Unused);
+        let wait = Wait::new(Arc::new(Unused), slot, LaneKey::for_tests(0), None);
         let memory = word.cloned().unwrap_or_default();
-        let held = Held {
-            lane: LaneKey::for_tests(0),
-            sequence: 3,
-            slot: &slot,
-            waitable: &fence,
-            word: ProgressWord::new(memory),
-            started,
-        };
-        history.entry(held, early)
+        history.entry(&wait, ProgressWord::new(memory), started, early)
     }
 
     fn entry(history: &mut LaneHistory, started: Instant) -> Watched {
@@ -652,21 +610,19 @@ mod tests {
     #[test]
     fn how_early_the_watcher_wakes_halves_each_half_life_it_is_not_said_again() {
         // Four late naps in a row must not keep every lane from the watcher for good.
-        let early = Early::default();
         let now = Instant::now();
-        early.set(Duration::from_millis(8), now);
-        assert_eq!(early.get(now), Duration::from_millis(8));
-        assert_eq!(early.get(now + EARLY_HALF_LIFE), Duration::from_millis(4));
+        let early = Early {
+            early: Duration::from_millis(8),
+            said: now,
+        };
+        assert_eq!(early.at(now), Duration::from_millis(8));
+        assert_eq!(early.at(now + EARLY_HALF_LIFE), Duration::from_millis(4));
         assert_eq!(
-            early.get(now + EARLY_HALF_LIFE * 3),
+            early.at(now + EARLY_HALF_LIFE * 3),
             Duration::from_millis(1)
         );
-        assert_eq!(early.get(now + EARLY_HALF_LIFE * 100), Duration::ZERO);
-        early.set(Duration::from_micros(30), now + EARLY_HALF_LIFE * 100);
-        assert_eq!(
-            early.get(now + EARLY_HALF_LIFE * 100),
-            Duration::from_micros(30)
-        );
+        assert_eq!(early.at(now + EARLY_HALF_LIFE * 100), Duration::ZERO);
+        assert_eq!(early.at(now - EARLY_HALF_LIFE), Duration::from_millis(8));
     }
 
     #[test]
