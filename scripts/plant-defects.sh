@@ -1,44 +1,100 @@
 #!/usr/bin/env bash
-# Switches on, one at a time, each defect planted in the waiter's races that
-# only a loom model reaches, and checks that its model fails. A plant the
-# models do not catch fails this script: they have gone soft. CI runs it.
-# That the rest of the suite can fail is shown by scripts/mutants.sh.
+# Plants, one at a time, each defect in the waiter's races that only a loom
+# model reaches, and checks that its model fails. A plant the models do not
+# catch fails this script: they have gone soft. CI runs it. That the rest of
+# the suite can fail is shown by scripts/mutants.sh.
 #
-#   bash scripts/plant-defects.sh
+#   bash scripts/plant-defects.sh              # every patch in scripts/plants
+#   bash scripts/plant-defects.sh PATCH...     # only these
 #
-# Each defect is a hook beside the code it breaks (`plant::planted`,
-# src/waiter/plant.rs), compiled only with `--cfg device_events_plant` and chosen
-# at run time by `DEVICE_EVENTS_PLANT=<name>`: the models are built once,
-# and a refactor moves a plant with its code.
+# Each defect is a patch, scripts/plants/<name>.patch, that turns the clean
+# code into the defective code; its header names the defect (`What:`) and the
+# loom model that must catch it (`Model:`). The list of plants is that folder.
+# Each patch is applied to a scratch copy of this tree (target/plant/tree,
+# copied afresh each run and reset before each plant), never to the tree
+# itself, and one that no longer applies fails the script.
 set -euo pipefail
+patches=()
+for patch in "$@"; do
+    patches+=("$(realpath "$patch")")
+done
 cd "$(dirname "$0")/.."
 export CARGO_TERM_COLOR=never
-work=$PWD/target/plant
-mkdir -p "$work"
+repo=$PWD
+work=$repo/target/plant
+tree=$work/tree
+clean=$work/clean
 
-loom_flags="--cfg device_events_plant --cfg device_events_loom"
-echo "== building the loom models with the plant hooks (once)"
-RUSTFLAGS=$loom_flags CARGO_TARGET_DIR=$work/loom-target cargo test --release --lib --no-run \
-    >"$work/build-loom.log" 2>&1 || { tail -20 "$work/build-loom.log"; exit 1; }
-
-# Every hook in the source is planted below, and every plant below has a
-# hook: a renamed hook must not quietly stop being checked.
-declared=$(grep -rhoE 'planted\("[a-z0-9-]+"\)' src | sed -E 's/planted\("(.*)"\)/\1/' | sort -u)
-listed=$(grep -oE '^plant_loom [a-z0-9-]+' "$0" | awk '{print $2}' | sort -u)
-if [[ $declared != "$listed" ]]; then
-    echo "the hooks in src/ and the plants in this script differ:"
-    diff <(echo "$declared") <(echo "$listed") || true
+if ((${#patches[@]} == 0)); then
+    shopt -s nullglob
+    patches=("$repo"/scripts/plants/*.patch)
+    shopt -u nullglob
+fi
+if ((${#patches[@]} == 0)); then
+    echo "no plants: scripts/plants holds no *.patch"
     exit 1
 fi
 
+# The scratch copy: what `cargo test --lib` needs, copied afresh from this
+# tree each run into `clean`, which stays as copied; `tree` is reset from it
+# before each plant.
+copied=(Cargo.toml Cargo.lock build.rs README.md src tests benches examples)
+rm -rf "$tree" "$clean"
+mkdir -p "$clean"
+for path in "${copied[@]}"; do
+    if [[ -e $path ]]; then
+        cp -R "$path" "$clean/"
+    fi
+done
+if ! diff -r -q src "$clean/src"; then
+    echo "the scratch copy's src/ differs from this tree's"
+    exit 1
+fi
+cp -R "$clean" "$tree"
+
+# One target folder and one scratch path for every plant, so only the crate
+# itself is rebuilt for each; the copy's files are new each time, so no build
+# of an earlier plant is reused.
+run_loom() {
+    (cd "$tree" && RUSTFLAGS="--cfg device_events_loom" CARGO_TARGET_DIR=$work/loom-target \
+        LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib "$@")
+}
+
+echo "== building the loom models (the clean copy, once; each plant rebuilds only the crate)"
+run_loom --no-run >"$work/build-loom.log" 2>&1 || { tail -20 "$work/build-loom.log"; exit 1; }
+
 caught=0
 
-# plant_loom NAME WHAT MODEL: run one loom model of the waiter with the
-# defect NAME switched on, and require it to fail.
-plant_loom() {
-    local name=$1 what=$2 model=$3
-    if RUSTFLAGS=$loom_flags CARGO_TARGET_DIR=$work/loom-target DEVICE_EVENTS_PLANT=$name \
-        LOOM_MAX_PREEMPTIONS=2 cargo test --release --lib "$model" >"$work/$name.log" 2>&1; then
+# plant PATCH: apply PATCH to a clean copy of src/, run the loom model its
+# header names, and require it to fail.
+plant() {
+    local patch=$1 name what model
+    if [[ ! -f $patch ]]; then
+        echo "NO SUCH PATCH: $patch"
+        return 1
+    fi
+    name=$(basename "$patch" .patch)
+    what=$(sed -n -E 's/^What: //p' "$patch" | head -1)
+    model=$(sed -n -E 's/^Model: //p' "$patch" | head -1)
+    if [[ -z $what || ! $model =~ ^loom_[a-z0-9_]+$ ]]; then
+        echo "BAD PLANT: $patch: its header needs a 'What: ...' line and a 'Model: loom_...' line"
+        return 1
+    fi
+
+    rm -rf "$tree"
+    cp -R "$clean" "$tree"
+    if ! grep -rqE "fn $model\(" "$tree/src"; then
+        echo "NO SUCH MODEL: $name: $model is not a test in src/ (patch $patch)"
+        return 1
+    fi
+    if ! patch -p1 --forward --batch --fuzz=0 -d "$tree" -i "$patch" >"$work/$name.patch.log" 2>&1; then
+        echo "DOES NOT APPLY: $patch no longer applies to the clean code:"
+        cat "$work/$name.patch.log"
+        echo "Regenerate it: see docs/testing.md, 'Planted defects'."
+        return 1
+    fi
+
+    if run_loom "$model" >"$work/$name.log" 2>&1; then
         echo "NOT CAUGHT: $name: $what (the model passed with it planted; log $work/$name.log)"
         return 1
     fi
@@ -64,21 +120,8 @@ plant_loom() {
 # a queue under the pool's lock (its invariants fail when the lock is let
 # go) or loses a wake-up (the model deadlocks, or a watcher's nap runs out
 # past an entry due before its end: the nap's own check fails).
-plant_loom woke-keeps-idle-count "a woken lane thread is still counted idle" \
-    loom_an_idle_thread_timing_out_races_a_submit
-plant_loom idle-thread-leaves-without-looking "an idle thread leaves on a timeout without looking at the queues" \
-    loom_an_idle_thread_timing_out_races_a_submit
-plant_loom submit-after-shutdown-queued "a submit after shutdown queues its wait in a lane nobody serves" \
-    loom_shutdown_races_a_submit
-plant_loom refused-lane-left-for-threads "a refused lane thread leaves its lanes queued for threads" \
-    loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller
-plant_loom idle-thread-wake-never-sent "an idle thread's wake-up is decided but never sent" \
-    loom_two_idle_lane_threads_are_woken_for_new_lanes
-plant_loom watcher-takes-the-hold-delivers-nothing "the watcher wins the race for a wait but never delivers it" \
-    loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once
-plant_loom shutdown-leaves-the-watchers-list "shutdown leaves entries on the list of a watcher that then exits" \
-    loom_shutdown_during_the_race
-plant_loom napping-watcher-never-woken "a napping watcher is not woken for an entry due before its nap ends" \
-    loom_an_entry_due_before_the_watchers_nap_ends_wakes_it
+for patch in "${patches[@]}"; do
+    plant "$patch"
+done
 
 echo "== every plant caught ($caught)"

@@ -148,7 +148,7 @@
 //! - `threads.rs`: starting threads, lane threads; `poller.rs`: the poller; `watcher/`: the
 //!   watcher; `recovery.rs`: a thread that could not start, or unwound, gives back what it held;
 //! - `contain.rs`: calls into code the waiter does not own; `stuck.rs`: stall reports;
-//!   `stats.rs`, `latency_histogram.rs`: [`WaiterStats`]; `plant.rs`: planted-defect hooks;
+//!   `stats.rs`, `latency_histogram.rs`: [`WaiterStats`];
 //! - `tests/`: unit tests, guards and loom models, with their mock device and the faults
 //!   they plant in a pool (`plants.rs`); the watcher's own unit tests are in
 //!   `watcher/timing.rs`.
@@ -158,7 +158,6 @@ mod future;
 mod handle;
 mod handoff;
 pub(crate) mod latency_histogram;
-mod plant;
 mod poller;
 mod pool;
 mod recovery;

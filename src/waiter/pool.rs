@@ -137,8 +137,7 @@ impl Pool {
         }
         let key = wait.lane;
         let mut state = self.lock();
-        // Plant for loom model `loom_shutdown_races_a_submit`.
-        if state.shutdown && !super::plant::planted("submit-after-shutdown-queued") {
+        if state.shutdown {
             drop(state);
             contain::drop(wait);
             return Err(ServerError::WaiterGone);
@@ -182,12 +181,7 @@ impl Pool {
             state.for_poller.clear();
             let lanes = std::mem::take(&mut state.lanes);
             let withdrawn = std::mem::take(&mut state.withdrawn);
-            // Plant for loom model `loom_shutdown_during_the_race`.
-            if super::plant::planted("shutdown-leaves-the-watchers-list") {
-                (lanes, withdrawn, Vec::new())
-            } else {
-                (lanes, withdrawn, std::mem::take(&mut state.watcher.list))
-            }
+            (lanes, withdrawn, std::mem::take(&mut state.watcher.list))
         };
         watched.into_iter().for_each(contain::drop);
         self.shared.work.notify_all();
@@ -261,9 +255,6 @@ impl Pool {
                 if let (true, Some(entry)) = (ours, &entry) {
                     state.watcher.history(key).seen(entry, took, late);
                 }
-                // Plant for loom model `loom_the_watcher_and_the_driver_race_to_resolve_a_wait_once`.
-                let ours =
-                    ours && !super::plant::planted("watcher-takes-the-hold-delivers-nothing");
                 ours.then_some(result)
             }
             Ended::Unwatched { missed } => {
@@ -361,11 +352,6 @@ impl Pool {
                 state = woken;
                 state.woke();
                 timed_out = timeout;
-                // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
-                if timeout && super::plant::planted("idle-thread-leaves-without-looking") {
-                    state.leave(Role::Lane(n));
-                    return None;
-                }
             }
         }
     }
@@ -416,8 +402,7 @@ impl Pool {
 
     /// Wake what `action` says to wake; the caller starts the rest.
     pub(super) fn notify(&self, action: &Action) {
-        // Plant for loom model `loom_two_idle_lane_threads_are_woken_for_new_lanes`.
-        if action.wake_thread && !super::plant::planted("idle-thread-wake-never-sent") {
+        if action.wake_thread {
             self.shared.work.notify_one();
         }
         if action.wake_poller {

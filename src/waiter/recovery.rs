@@ -58,10 +58,7 @@ impl Pool {
             Role::Poller => Vec::new(),
         };
         let mut actions = Vec::new();
-        // Plant for loom model `loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller`.
-        if super::plant::planted("refused-lane-left-for-threads") && refused.is_some() {
-            state.for_threads.extend(queued);
-        } else if refused.is_some() && matches!(role, Role::Lane(_)) {
+        if refused.is_some() && matches!(role, Role::Lane(_)) {
             state.for_poller.extend(queued);
         } else {
             let place = |key| state.place(key, max_threads, reports_stuck);

@@ -183,10 +183,7 @@ impl State {
 
     /// A lane thread woke (notified, spuriously, or timed out).
     pub(super) fn woke(&mut self) {
-        // Plant for loom model `loom_an_idle_thread_timing_out_races_a_submit`.
-        if !super::plant::planted("woke-keeps-idle-count") {
-            take(&mut self.idle, 1, "idle lane threads");
-        }
+        take(&mut self.idle, 1, "idle lane threads");
         // It takes a wake-up sent for an idle thread, if one is pending: a thread that timed out
         // or woke spuriously may find none (the one sent then wakes another idle thread).
         self.notified -= usize::from(self.notified > 0);
@@ -233,10 +230,6 @@ impl State {
             (looks_from, watcher.nap_until),
             (Some(looks_from), Some(until)) if until <= looks_from
         );
-        // Plant for loom model `loom_an_entry_due_before_the_watchers_nap_ends_wakes_it`.
-        let wakes_in_time = wakes_in_time
-            || (watcher.nap_until.is_some()
-                && super::plant::planted("napping-watcher-never-woken"));
         let wake_watcher = watcher.waits && !wakes_in_time;
         watcher.waits &= !wake_watcher;
         self.peak_threads = self.peak_threads.max(self.threads());
