@@ -19,7 +19,7 @@ use crate::sync::{thread, Arc, AtomicUsize, Condvar, Mutex};
 use crate::waiter::handoff::{Handoff, PoolRef};
 use crate::waiter::pool::{Config, Pool};
 use crate::waiter::slot::Slot;
-use crate::waiter::state::Wait;
+use crate::waiter::wait::Wait;
 use crate::waiter::threads;
 use crate::waiter::waitable::LaneKey;
 use crate::ServerError;
