@@ -28,8 +28,9 @@
 //! 3. **Serving a lane** (`threads.rs`): block on the oldest wait in the
 //!    driver, always (where its stream keeps a progress word and watchers
 //!    are on, it is put on the watcher's list first, to race the block); then,
-//!    in one hold of the lock, resolve it (unless the watcher did) and take
-//!    the next, and ask that once.
+//!    in one hold of the lock (`Pool::end_hold`, the one way a hold ends,
+//!    whether its lane thread or the watcher ends it), resolve it (unless the
+//!    watcher did) and take the next, and ask that once.
 //!    Not reached (work ending item after item): block on it. Reached (a
 //!    burst): ask the later waits in batches, doubling from 2 to `BATCH`
 //!    while all are reached. An idle lane is removed; its thread takes a
@@ -45,7 +46,11 @@
 //!    (and on the watcher's list, if there, until one of them is done).
 //! 6. **Faults** (`contain.rs`): code the waiter does not own is called with
 //!    no lock held, under `catch_unwind`: a panic costs only its wait. A
-//!    thread that unwinds anyway gives back what it held (`recovery.rs`).
+//!    thread lost anyway (the OS would not start it, or it unwound) gives back
+//!    what it held, in one recovery path (`recovery.rs`): its batch and held
+//!    wait fail, its lanes go to another lane thread (to the poller, where a
+//!    lane thread would not start; they fail where the poller would not), and
+//!    a lost watcher's entries are left to their lane threads' blocks.
 //! 7. **Shutdown** fails every wait, held ones too, and empties the
 //!    watcher's list. A pool made before a **fork** refuses everything in
 //!    the child and touches nothing.
@@ -114,9 +119,9 @@
 //!   (the least its recent sleeps overslept, plus `MIN_MARGIN`) is measured
 //!   by each sleep that runs its course, not by a round that does not sleep,
 //!   and halves every `EARLY_HALF_LIFE` it is not measured again, so a bad
-//!   spell cannot switch the watcher off for good. A lane thread learns its
-//!   lane's prediction as each wait ends, and skips the list (and its lock)
-//!   while it says too short.
+//!   spell cannot switch the watcher off for good. A lane thread is told, as
+//!   each wait ends, whether its lane's next wait is worth offering, and skips
+//!   the list (and its lock) while it is not.
 //! - **Its CPU is bounded by design**: at most `MAX_LOOK` of looking per
 //!   wait, and, over time, at most a `CPU_SHARE`th of one core for its
 //!   thread: a budget that earns that share of the time passing, saves up at

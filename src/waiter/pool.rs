@@ -220,7 +220,9 @@ impl Pool {
         // Read before the lock, where the next wait's watch is decided.
         let now = matches!(ended, Ended::Driver { took: Some(_), .. }).then(|| self.now());
         let mut state = self.lock();
-        let entry = state.watcher.unwatch(slot);
+        // A wait its lane thread did not time was never offered to the watcher.
+        let offered = !matches!(ended, Ended::Driver { took: None, .. });
+        let entry = offered.then(|| state.watcher.unwatch(slot)).flatten();
         let ends = |state: &mut State| {
             let lane = state.lanes.get_mut(&key);
             lane.is_some_and(|lane| lane.end_hold(slot, reports_stuck))
