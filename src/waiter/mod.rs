@@ -142,14 +142,42 @@
 //!   wins one watch in several leaves most of its waits to the driver, and
 //!   one it wins again is watched at every wait after a few sightings.
 //!
+//! # One `.await`'s path
+//!
+//! The waiter's functions one `.await` crosses, each named once, in order, for a wait not
+//! reached at its first poll, on a stream whose lane an idle lane thread takes:
+//!
+//! 1. The task's thread: `FenceFuture::poll`, `Handoff::poll`, `PoolRef::get`,
+//!    `Handoff::first_poll`, `contain::backend` (around `Waitable::query`, `Waitable::lane`),
+//!    `Slot::new`, `Wait::new`, `Pool::submit`, `Pool::is_forked`, `Pool::lock`,
+//!    `Counters::handed_off`, `State::insert`, `State::place`, `State::wake_idle`,
+//!    `threads::act`, `Pool::notify`.
+//! 2. The lane thread, asleep in `Pool::next_lane`: `State::woke`, `State::claim`,
+//!    `WaiterThread::serve_lane`, `Pool::take_oldest`, `State::take_oldest`, `State::lane_of`,
+//!    `WaiterThread::wait_out` (`Waitable::block`), `Pool::end_hold`, `Lane::end_hold`,
+//!    `Lane::progressed`, `Pool::deliver`, `Slot::complete`, `Counters::delivered`,
+//!    `contain::wake`, `contain::drop`.
+//! 3. The task's thread again: `FenceFuture::poll`, `Handoff::poll`, `Slot::poll`.
+//!
+//! Watched (watchers on, a stream with a word, the watcher first), `wait_out` also calls
+//! `Waitable::progress` and `Pool::watch` (`WatcherState::early`, `Early::at`,
+//! `WatcherState::history`, `LaneHistory::entry`, `LaneHistory::predicted`, `too_short`,
+//! `State::watcher_for_work`), and `Pool::end_hold` `WatcherState::unwatch` and
+//! `WatcherState::worth_watching`; the watcher, woken in `Pool::watcher_nap`, crosses
+//! `Pool::watch_round`, `Timing::look_from`, `Timing::overslept`, `Timing::early`,
+//! `CpuBudget::earn`, `WaiterThread::look`, `Watched::passed`, `WaiterThread::resolve_watched`
+//! (`Waitable::query`), `Pool::end_hold` (`LaneHistory::seen`), `Pool::deliver` and on; the
+//! lane thread's own `Pool::end_hold` then finds the hold ended.
+//!
 //! # Files
 //!
 //! - `handle.rs`: [`Waiter`], [`WaiterBuilder`], [`Awaitable`] and `fence.await`;
 //! - `handoff.rs`, `future.rs`, `slot.rs`: the first poll and hand-off, [`FenceFuture`], and
-//!   the slot a result goes to; `waitable.rs`: how the waiter sees a fence;
+//!   the slot a result goes to; `waitable.rs`: how the waiter sees a fence; `wait.rs`: a
+//!   handed-off wait;
 //! - `state.rs`: everything under the one lock, its invariants (checked as the lock is let go,
 //!   in debug and loom builds, by `sync::checked`) and the decisions made under it;
-//! - `pool.rs`: the settings, the lock, and the operations on lanes;
+//! - `pool.rs`: the settings, the lock, the operations on lanes, and the one way a hold ends;
 //! - `threads.rs`: starting threads, lane threads; `poller.rs`: the poller; `watcher/`: the
 //!   watcher; `recovery.rs`: a thread that could not start, or unwound, gives back what it held;
 //! - `contain.rs`: calls into code the waiter does not own; `stuck.rs`: stall reports;
