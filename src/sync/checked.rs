@@ -22,6 +22,8 @@ pub(crate) struct Checked<'a, T: Invariants> {
 
 impl<'a, T: Invariants> Checked<'a, T> {
     pub(crate) fn lock(mutex: &'a Mutex<T>) -> Self {
+        #[cfg(test)]
+        crate::sync::test_faults::panic_if_planted();
         Self {
             guard: Some(mutex.lock()),
         }

@@ -18,11 +18,15 @@ use loom::sync as imp;
 pub(crate) use imp::atomic::AtomicUsize;
 pub(crate) use imp::Arc;
 
-#[cfg(not(device_events_loom))]
+#[cfg(not(any(device_events_loom, test)))]
 pub(crate) use std::thread;
 
-#[cfg(device_events_loom)]
+#[cfg(all(device_events_loom, not(test)))]
 pub(crate) use loom::thread;
+
+// In test builds, one whose spawns a test can refuse.
+#[cfg(test)]
+pub(crate) use super::test_faults::thread;
 
 /// A mutex whose `lock` ignores poisoning.
 pub(crate) struct Mutex<T>(imp::Mutex<T>);

@@ -182,9 +182,9 @@
 //!   watcher; `recovery.rs`: a thread that could not start, or unwound, gives back what it held;
 //! - `contain.rs`: calls into code the waiter does not own; `stuck.rs`: stall reports;
 //!   `stats.rs`, `latency_histogram.rs`: [`WaiterStats`];
-//! - `tests/`: unit tests, guards and loom models, with their mock device and the faults
-//!   they plant in a pool (`plants.rs`); the watcher's own unit tests are in
-//!   `watcher/timing.rs`.
+//! - `tests/`: unit tests, guards and loom models, with their mock device, which plants
+//!   faults in the threads that call it (`sync::test_faults`); the watcher's own unit tests
+//!   are in `watcher/timing.rs`.
 
 mod contain;
 mod future;

@@ -63,8 +63,6 @@ pub(super) struct Shared {
     pub(super) clock: Clock,
     /// The process generation the pool was made in ([`crate::os`]).
     pub(super) fork_generation: u64,
-    #[cfg(test)]
-    pub(super) plants: super::tests::plants::Plants,
 }
 
 impl Pool {
@@ -81,8 +79,6 @@ impl Pool {
                 published: AtomicUsize::new(0),
                 clock: Clock::default(),
                 fork_generation: crate::os::track_forks(),
-                #[cfg(test)]
-                plants: Default::default(),
             }),
         }
     }
@@ -429,27 +425,6 @@ impl Pool {
             gauges.cancelled_held += usize::from(held.is_some_and(|slot| slot.is_cancelled()));
         }
         gauges
-    }
-
-    /// A spawn a test refused, if it planted one.
-    pub(super) fn refused_spawn(&self) -> Option<std::io::Error> {
-        #[cfg(test)]
-        if super::tests::plants::Plants::take(&self.shared.plants.refused_spawns) {
-            return Some(std::io::Error::other("a spawn refused by a test"));
-        }
-        None
-    }
-
-    /// Panic if a test planted one for `role`, outside any contained call.
-    pub(super) fn planted_escape(&self, role: Role) {
-        #[cfg(test)]
-        if super::tests::plants::Plants::take(match role {
-            Role::Watcher => &self.shared.plants.watcher_escapes,
-            _ => &self.shared.plants.escapes,
-        }) {
-            panic!("a panic planted by a test, outside any contained call");
-        }
-        let _ = role;
     }
 }
 

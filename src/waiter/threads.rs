@@ -30,12 +30,9 @@ pub(super) fn act(pool: &Pool, action: Action) {
         .then(|| (format!("{name}-watcher"), Role::Watcher));
     for (name, role) in threads.into_iter().chain(poller).chain(watcher) {
         let worker = pool.clone();
-        let spawned = match pool.refused_spawn() {
-            Some(refused) => Err(refused),
-            None => thread::Builder::new()
-                .name(name)
-                .spawn(move || WaiterThread::run(worker, role)),
-        };
+        let spawned = thread::Builder::new()
+            .name(name)
+            .spawn(move || WaiterThread::run(worker, role));
         if let Err(err) = spawned {
             for next in pool.recover(role, Lost::NotStarted(err)) {
                 act(pool, next);
@@ -112,7 +109,6 @@ impl WaiterThread {
         // watcher (a lane with no history is offered).
         let mut watch = true;
         loop {
-            self.pool.planted_escape(self.role);
             let (result, took) = self.wait_out(&wait, watch);
             let ended = Ended::Driver {
                 by,
@@ -190,7 +186,6 @@ impl WaiterThread {
                 };
             }
             self.batch_lane = Some(key);
-            self.pool.planted_escape(self.role);
             let Asked { reached, failed } = ask(&self.batch);
             let rest = self.batch.split_off(reached);
             let more = !rest.is_empty();

@@ -1,10 +1,12 @@
-//! The waiter threads' guards, seen working: a panic planted where no call
-//! is contained (a thread holding waits out of their lane) unwinds the
-//! thread, and its guard must fail what it held, uncount it, and queue its
-//! lanes for another thread. Also a refused spawn, planted the same way.
-//! A watcher that unwinds holds no wait: its entries go (their lane threads
-//! block in the driver) and it is uncounted. Each test fails (hangs until
-//! its limit) without the guard.
+//! The waiter threads' guards, seen working: a panic where no call is
+//! contained (the mock device's code, which the waiter contains, plants one
+//! at its thread's next lock, taken while the thread holds waits out of
+//! their lane) unwinds the thread, and its guard must fail what it held,
+//! uncount it, and queue its lanes for another thread. Also refused spawns:
+//! the next spawns made from the test's thread, whose submits start the
+//! threads they need. A watcher that unwinds holds no wait: its entries go
+//! (their lane threads block in the driver) and it is uncounted. Each test
+//! fails (hangs until its limit) without the guard.
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
@@ -12,6 +14,7 @@ use std::time::Duration;
 
 use super::mock_device::support::{eventually, one_lane_thread_blocked, result_of, submit};
 use super::mock_device::Device;
+use crate::sync::test_faults;
 use crate::waiter::pool::Pool;
 use crate::ServerError;
 
@@ -37,14 +40,15 @@ fn outcomes(pool: &Pool) -> (u64, u64, u64) {
 fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
     let pool = pool(4);
     let device = Arc::new(Device::default());
-    pool.plants().escapes.store(1, Ordering::SeqCst);
-    // The lane thread takes the first out to block on, and unwinds there.
+    // The lane thread takes the first out to block on; the block returns at
+    // once, and the thread unwinds at its next lock, holding the wait.
+    device.escape_after_block();
     let first = submit(&pool, &device, 0, 1);
     let second = submit(&pool, &device, 0, 2);
     assert!(is_panicked(&result_of(&first)), "the held wait fails");
     // Its lane went back to the pool: another thread blocks on the second.
     eventually("another thread blocks on the lane", || {
-        device.blocked.load(Ordering::SeqCst) == 1
+        device.blocked.load(Ordering::SeqCst) == 2
     });
     device.finish();
     assert_eq!(result_of(&second), Ok(()));
@@ -64,9 +68,10 @@ fn a_lane_thread_that_unwinds_fails_its_wait_and_gives_back_its_lane() {
 fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
     // One lane thread, blocked on lane 0: lane 1 goes to the poller.
     let (pool, held, blocked) = one_lane_thread_blocked(KEEP_ALIVE, None);
-    pool.plants().escapes.store(1, Ordering::SeqCst);
     let reached = Device::reached();
-    // The poller takes it out to query it, and unwinds there.
+    // The poller takes it out and queries it, and unwinds at its next lock,
+    // with the batch out.
+    reached.escape_after_query();
     assert!(is_panicked(&result_of(&submit(&pool, &reached, 1, 1))));
     // A poller is started again for the next: not left for dead.
     assert_eq!(result_of(&submit(&pool, &reached, 1, 2)), Ok(()));
@@ -81,11 +86,14 @@ fn a_poller_that_unwinds_fails_its_batch_and_is_started_again() {
 #[test]
 fn a_refused_lane_thread_leaves_its_lane_to_the_poller() {
     let pool = pool(4);
-    pool.plants().refused_spawns.store(1, Ordering::SeqCst);
+    // The lane thread's spawn, made here by the submit, is refused; the
+    // poller's, made here too as its lane is left to the poller, is not.
+    test_faults::refuse_spawns(1);
     let device = Arc::new(Device::default());
     let slot = submit(&pool, &device, 0, 1);
     device.finish();
     assert_eq!(result_of(&slot), Ok(()));
+    assert_eq!(device.blocked.load(Ordering::SeqCst), 0, "no lane thread");
     eventually("no thread counted and no wait pending", || {
         pool.gauges().threads == 0 && pool.gauges().pending == 0
     });
@@ -95,7 +103,9 @@ fn a_refused_lane_thread_leaves_its_lane_to_the_poller() {
 #[test]
 fn with_no_thread_at_all_the_waits_fail_instead_of_hanging() {
     let pool = pool(4);
-    pool.plants().refused_spawns.store(2, Ordering::SeqCst);
+    // The lane thread's spawn, made here by the submit, and the poller's,
+    // made here as its lane is left to the poller, are refused.
+    test_faults::refuse_spawns(2);
     let device = Arc::new(Device::default());
     let slot = submit(&pool, &device, 0, 1);
     assert!(matches!(
@@ -121,8 +131,13 @@ fn a_poller_that_unwinds_while_reporting_stalls_is_started_again_and_reports_on(
         2,
         "a lane thread and the poller reporting stalls"
     );
-    pool.plants().escapes.store(1, Ordering::SeqCst);
-    let polled = Arc::new(Device::default());
+    // Reached, so the poller's guard still holds the batch when its lock
+    // panics in `settle` (waits a query says are not reached are handed to
+    // `settle` first, out of the guard's sight).
+    let polled = Device::reached();
+    // The poller takes its wait out and queries it, and unwinds at its next
+    // lock, with the batch out.
+    polled.escape_after_query();
     assert!(is_panicked(&result_of(&submit(&pool, &polled, 1, 1))));
     // Lane 1 is gone with its wait; lane 0 is still held, so the poller is
     // started again to watch it, and lists it.
@@ -141,16 +156,23 @@ fn a_poller_that_unwinds_while_reporting_stalls_is_started_again_and_reports_on(
 #[test]
 fn a_watcher_that_unwinds_leaves_its_entries_to_the_driver_and_is_uncounted() {
     let pool = super::mock_device::support::pool_watching(1, KEEP_ALIVE);
-    pool.plants().watcher_escapes.store(1, Ordering::SeqCst);
     let device = Device::with_word();
+    // Its word passes before its work ends (a reading the driver does not
+    // rule out), so the watcher queries the wait; it unwinds at its next lock.
+    device.move_word();
+    device.escape_after_query();
     // The lane thread puts the wait on the watcher's list and blocks in the
-    // driver; the watcher unwinds as its round starts, and its entry goes.
+    // driver; the watcher queries it and unwinds, and its entry goes.
     let slot = submit(&pool, &device, 0, 1);
-    eventually("the watcher unwound and its entry is gone", || {
-        pool.plants().watcher_escapes.load(Ordering::SeqCst) == 0
-            && pool.watched_entries() == 0
-            && device.blocked.load(Ordering::SeqCst) == 1
-    });
+    eventually(
+        "the watcher unwound, uncounted, and its entry is gone",
+        || {
+            device.queried.load(Ordering::SeqCst) == 1
+                && pool.watched_entries() == 0
+                && pool.gauges().threads == 1
+                && device.blocked.load(Ordering::SeqCst) == 1
+        },
+    );
     device.finish();
     assert_eq!(result_of(&slot), Ok(()));
     eventually("no thread counted and no wait pending", || {

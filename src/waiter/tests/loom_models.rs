@@ -19,8 +19,8 @@ use crate::sync::{thread, Arc, AtomicUsize, Condvar, Mutex};
 use crate::waiter::handoff::{Handoff, PoolRef};
 use crate::waiter::pool::{Config, Pool};
 use crate::waiter::slot::Slot;
-use crate::waiter::wait::Wait;
 use crate::waiter::threads;
+use crate::waiter::wait::Wait;
 use crate::waiter::waitable::LaneKey;
 use crate::ServerError;
 
@@ -413,12 +413,15 @@ fn loom_a_refused_thread_spawn_leaves_the_lane_to_the_poller() {
         // The lane thread a wait needs cannot be started: its count is
         // undone, and the poller serves the lane.
         let (pool, device, task) = fixture(1, Duration::ZERO);
-        pool.plants().refused_spawns.store(1, SeqCst);
+        // Set in each iteration: the model's threads share one OS thread, and
+        // so its count of refusals. The first spawn is the submit's.
+        crate::sync::test_faults::refuse_spawns(1);
         let slot = submit(&pool, &device, 0, 1, &task);
         let finisher = finish_on_a_thread(&device);
         assert_eq!(task.wait_for(&slot), Ok(()));
         finisher.join().unwrap();
         settle_down(&pool, &device, 1, 0);
+        assert_eq!(device.blocked.load(SeqCst), 0, "no lane thread blocked");
         pool.shutdown();
     });
 }

@@ -1,6 +1,7 @@
 //! A stand-in device for the waiter's unit tests and loom models: work that
 //! ends when the test says, and fences on it that count the threads
-//! blocked on them and their drops (their events destroyed). Built on the
+//! blocked on them and their drops (their events destroyed), and plant the
+//! faults a test arms in the waiter thread that calls them. Built on the
 //! crate's loom shim, so it serves both.
 
 use std::sync::atomic::Ordering;
@@ -28,6 +29,29 @@ pub(super) struct Device {
     /// A driver slow to wake: blocks end only once the work has ended and
     /// this is set ([`Device::with_slow_driver`]).
     slow_driver: Option<Mutex<bool>>,
+    /// Faults it plants in the next waiter thread that calls it (std's
+    /// atomics: no model sees them).
+    faults: Faults,
+}
+
+/// Faults a [`Device`] plants, through the sync shim's test faults
+/// ([`crate::sync::test_faults`]), in the thread that makes one of its calls:
+/// each is armed for the next such call, and used up by it.
+#[derive(Default)]
+struct Faults {
+    /// At its next query, its thread's next lock panics.
+    escape_at_query: std::sync::atomic::AtomicBool,
+    /// Its next block returns at once, and its thread's next lock panics.
+    escape_at_block: std::sync::atomic::AtomicBool,
+    /// At the next read of its word, its thread's next spawn is refused.
+    refuse_at_progress: std::sync::atomic::AtomicBool,
+}
+
+impl Faults {
+    /// Whether `fault` was armed; it is used up.
+    fn take(fault: &std::sync::atomic::AtomicBool) -> bool {
+        fault.swap(false, Ordering::SeqCst)
+    }
 }
 
 /// A progress word the device moves past every fence as its work ends.
@@ -100,6 +124,29 @@ impl Device {
         }
     }
 
+    /// The waiter thread that next queries a fence on it panics at its next
+    /// lock, outside any contained call (the query itself, contained,
+    /// returns as usual).
+    #[cfg_attr(device_events_loom, allow(dead_code))]
+    pub(super) fn escape_after_query(&self) {
+        self.faults.escape_at_query.store(true, Ordering::SeqCst);
+    }
+
+    /// The waiter thread that next blocks on a fence on it returns from
+    /// the block at once, holding its wait, and panics at its next lock,
+    /// outside any contained call.
+    #[cfg_attr(device_events_loom, allow(dead_code))]
+    pub(super) fn escape_after_block(&self) {
+        self.faults.escape_at_block.store(true, Ordering::SeqCst);
+    }
+
+    /// The waiter thread that next reads its word (a lane thread about to
+    /// hand its wait to the watcher) has its next thread spawn refused.
+    #[cfg_attr(device_events_loom, allow(dead_code))]
+    pub(super) fn refuse_spawn_after_progress(&self) {
+        self.faults.refuse_at_progress.store(true, Ordering::SeqCst);
+    }
+
     /// Whether its work has ended.
     #[cfg_attr(not(device_events_loom), allow(dead_code))]
     pub(super) fn is_reached(&self) -> bool {
@@ -146,11 +193,18 @@ impl Waitable for MockFence {
 
     fn query(&self) -> Result<bool, ServerError> {
         self.device.queried.fetch_add(1, Ordering::SeqCst);
+        if Faults::take(&self.device.faults.escape_at_query) {
+            crate::sync::test_faults::panic_at_next_lock();
+        }
         Ok(*self.device.reached.lock())
     }
 
     fn block(&self) -> Result<(), ServerError> {
         self.device.blocked.fetch_add(1, Ordering::SeqCst);
+        if Faults::take(&self.device.faults.escape_at_block) {
+            crate::sync::test_faults::panic_at_next_lock();
+            return Ok(());
+        }
         self.device.wait_woken();
         Ok(())
     }
@@ -160,6 +214,9 @@ impl Waitable for MockFence {
     }
 
     fn progress(&self) -> Option<crate::ProgressWord> {
+        if Faults::take(&self.device.faults.refuse_at_progress) {
+            crate::sync::test_faults::refuse_spawns(1);
+        }
         let word = self.device.word.clone()?;
         Some(crate::ProgressWord::new(word))
     }

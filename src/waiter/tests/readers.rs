@@ -1,14 +1,9 @@
-//! What tests read of a pool's state, and the faults planted in it.
+//! What tests read of a pool's state.
 
 use crate::waiter::pool::Pool;
 
-/// What tests read of a pool's state, and its plants.
+/// What tests read of a pool's state.
 impl Pool {
-    /// The faults planted in this pool.
-    pub(crate) fn plants(&self) -> &super::plants::Plants {
-        &self.shared.plants
-    }
-
     /// The watcher's entries, for tests.
     pub(crate) fn watched_entries(&self) -> usize {
         self.lock().watcher.list.len()

@@ -874,9 +874,10 @@ fn a_watcher_that_cannot_be_started_hands_its_wait_back_to_the_driver() {
     plain.finish();
     result_of(&first).expect("reached");
     eventually("the lane thread is idle", || pool.idle_threads() == 1);
-    // The next stream has a word: the watcher's spawn is refused.
-    pool.plants().refused_spawns.store(1, Ordering::SeqCst);
+    // The next stream has a word: the watcher's spawn, made by the lane
+    // thread that reads it, is refused.
     let worded = Device::with_word();
+    worded.refuse_spawn_after_progress();
     let second = submit(&pool, &worded, 1, 1);
     eventually("it blocks in the driver", || {
         worded.blocked.load(Ordering::SeqCst) == 1

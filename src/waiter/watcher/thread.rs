@@ -19,7 +19,6 @@ impl WaiterThread {
         let mut cpu = crate::os::thread_cpu_time();
         let mut entries = Vec::new();
         while let Some(Plan { published, first }) = self.pool.watch_round(&timing, &mut entries) {
-            self.pool.planted_escape(self.role);
             let mut napped = false;
             // None copied: the first is not due yet. It naps holding none (an entry its lane
             // thread takes off meanwhile is not kept from its pool, nor its context alive).
