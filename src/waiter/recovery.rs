@@ -21,7 +21,10 @@ impl Pool {
         let mut state = self.lock();
         state.leave(role);
         let refused = match lost {
-            Lost::NotStarted(err) => Some(err),
+            Lost::NotStarted(err) => {
+                crate::panics::log(|| log::error!("a waiter thread could not be started: {err}"));
+                Some(err)
+            }
             Lost::Unwound {
                 lanes,
                 batch_lane,
@@ -50,7 +53,11 @@ impl Pool {
             }
         };
         let entries = match role {
-            Role::Watcher => std::mem::take(&mut state.watcher.list),
+            Role::Watcher => {
+                // The next watcher learns its own timing.
+                state.watcher.early = None;
+                std::mem::take(&mut state.watcher.list)
+            }
             Role::Lane(_) => {
                 queued.extend(state.for_threads.drain(..));
                 Vec::new()

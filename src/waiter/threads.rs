@@ -160,7 +160,7 @@ impl WaiterThread {
         if watch {
             let word = contain::backend(|| Ok(wait.waitable.progress()));
             if let Some(word) = word.ok().flatten() {
-                if let Some(action) = self.pool.watch(wait, word, started) {
+                if let Some(action) = self.pool.watch(wait, &word, started) {
                     act(&self.pool, action);
                 }
             }

@@ -29,12 +29,13 @@ impl Pool {
     }
 
     /// A lane thread about to block on `wait`, held from `started`, its stream's progress in
-    /// `word`, puts it on the watcher's list, unless its lane's history says not to or the
+    /// `word` (its copy, if watched, is made under the lock; the word itself is dropped after it),
+    /// puts it on the watcher's list, unless its lane's history says not to or the
     /// pool is shut down. What to do then, if it did.
     pub(crate) fn watch(
         &self,
         wait: &Wait,
-        word: ProgressWord,
+        word: &ProgressWord,
         started: Instant,
     ) -> Option<Action> {
         let mut state = self.lock();

@@ -88,7 +88,7 @@ impl LaneHistory {
     pub(crate) fn entry(
         &mut self,
         wait: &Wait,
-        word: ProgressWord,
+        word: &ProgressWord,
         started: Instant,
         early: Duration,
     ) -> Option<Watched> {
@@ -105,7 +105,7 @@ impl LaneHistory {
             lane: wait.lane,
             slot: wait.slot.clone(),
             waitable: wait.waitable.clone(),
-            word,
+            word: word.clone(),
             sequence: wait.sequence(),
             started,
             due: started + predicted,
@@ -347,7 +347,7 @@ mod tests {
         let slot = Arc::new(Slot::new(futures::task::noop_waker()));
         let wait = Wait::new(Arc::new(Unused), slot, LaneKey::for_tests(0), None);
         let memory = word.cloned().unwrap_or_default();
-        history.entry(&wait, ProgressWord::new(memory), started, early)
+        history.entry(&wait, &ProgressWord::new(memory), started, early)
     }
 
     fn entry(history: &mut LaneHistory, started: Instant) -> Watched {
