@@ -9,21 +9,18 @@ use std::fmt;
 use std::sync::PoisonError;
 use std::time::{Duration, Instant};
 
-#[cfg(not(device_events_loom))]
-use std::sync as imp;
-
 #[cfg(device_events_loom)]
 use loom::sync as imp;
+#[cfg(not(device_events_loom))]
+use std::sync as imp;
 
 pub(crate) use imp::atomic::AtomicUsize;
 pub(crate) use imp::Arc;
 
-#[cfg(not(any(device_events_loom, test)))]
-pub(crate) use std::thread;
-
 #[cfg(all(device_events_loom, not(test)))]
 pub(crate) use loom::thread;
-
+#[cfg(not(any(device_events_loom, test)))]
+pub(crate) use std::thread;
 // In test builds, one whose spawns a test can refuse.
 #[cfg(test)]
 pub(crate) use super::test_faults::thread;
@@ -211,12 +208,6 @@ impl Condvar {
     }
 }
 
-impl fmt::Debug for Condvar {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Condvar { .. }")
-    }
-}
-
 /// The time that the waiter's watcher, and the lane threads that hand it their waits, go by:
 /// std's clock; under loom, one that stands still but where a timed wait runs out
 /// ([`Condvar::wait_until`]), so that a model sees the same times in each run of a schedule, and
@@ -260,12 +251,6 @@ impl Clock {
         let nanos = u64::try_from(nanos).unwrap_or(u64::MAX);
         self.passed
             .fetch_max(nanos, std::sync::atomic::Ordering::SeqCst);
-    }
-}
-
-impl fmt::Debug for Clock {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("Clock { .. }")
     }
 }
 
