@@ -163,7 +163,7 @@
 //! `Waitable::progress` and `Pool::watch` (`WatcherState::early`, `Early::at`,
 //! `WatcherState::history`, `LaneHistory::entry`, `LaneHistory::predicted`, `too_short`,
 //! `State::watcher_for_work`), and `Pool::end_hold` `WatcherState::unwatch` and
-//! `WatcherState::worth_watching`; the watcher, woken in `Pool::watcher_nap`, crosses
+//! `LaneHistory::worth_watching`; the watcher, woken in `Pool::watcher_nap`, crosses
 //! `Pool::watch_round`, `Timing::look_from`, `Timing::overslept`, `Timing::early`,
 //! `CpuBudget::earn`, `WaiterThread::look`, `Watched::passed`, `WaiterThread::resolve_watched`
 //! (`Waitable::query`), `Pool::end_hold` (`LaneHistory::seen`), `Pool::deliver` and on; the

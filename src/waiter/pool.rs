@@ -232,6 +232,7 @@ impl Pool {
             } => {
                 let ours = ends(&mut state);
                 if let (Some(took), Some(now)) = (took, now) {
+                    let early = state.watcher.early(now);
                     let history = state.watcher.history(key);
                     if ours {
                         history.ended(took);
@@ -241,7 +242,7 @@ impl Pool {
                             history.missed();
                         }
                     }
-                    after.watch_next = state.watcher.worth_watching(key, now);
+                    after.watch_next = history.worth_watching(early);
                 }
                 if take_next {
                     after.next = state.take_oldest(key, by);

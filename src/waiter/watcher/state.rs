@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use super::timing::{too_short, Early, LaneHistory, Watched, HISTORIES};
+use super::timing::{Early, LaneHistory, Watched, HISTORIES};
 use crate::sync::Arc;
 use crate::waiter::slot::Slot;
 use crate::waiter::waitable::LaneKey;
@@ -33,13 +33,6 @@ impl WatcherState {
     /// How early the watcher wakes before an end it expects, as of `now`.
     pub(crate) fn early(&self, now: Instant) -> Duration {
         self.early.map_or(Duration::ZERO, |early| early.at(now))
-    }
-
-    /// Whether a lane thread about to hold a wait of `key`'s at `now` should offer it to the
-    /// watcher: not if the lane's waits are [`too_short`].
-    pub(crate) fn worth_watching(&mut self, key: LaneKey, now: Instant) -> bool {
-        let early = self.early(now);
-        !too_short(self.history(key).predicted(), early)
     }
 
     /// `key`'s history, made if new (the one used longest ago makes room).

@@ -144,6 +144,12 @@ impl LaneHistory {
         self.took.seen
     }
 
+    /// Whether the lane's next wait is worth offering to the watcher, waking `early` before an
+    /// end it expects: not if its waits are [`too_short`].
+    pub(crate) fn worth_watching(&self, early: Duration) -> bool {
+        !too_short(self.predicted(), early)
+    }
+
     /// How long a wait should take from the start of its hold, once the lane has two.
     pub(crate) fn predicted(&self) -> Option<Duration> {
         let took = self.took.values();
