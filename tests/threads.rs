@@ -106,6 +106,10 @@ fn a_four_stream_service_takes_the_threads_the_formula_says() {
     eventually(LIMIT, "a wait pending on every stream", || {
         waiter.pending() == STREAMS && waiter.threads() == waiter_threads
     });
+    // `threads()` counts a thread from just before the OS starts it: count
+    // the process's threads once the waiter's have started and named
+    // themselves.
+    expect_named(WAITER, waiter_threads, "the waiter's threads");
     let busy = process_threads() - start;
     eprintln!(
         "host: {} threads before; the runtime {runtime_threads}; streams and drop queues {idle}; \
@@ -114,7 +118,6 @@ fn a_four_stream_service_takes_the_threads_the_formula_says() {
         waiter.threads(),
         process_threads()
     );
-    expect_named(WAITER, waiter_threads, "the waiter's threads");
     assert_eq!(busy, 2 * STREAMS + waiter_threads, "and no other thread");
 
     gates.into_iter().for_each(Gate::open);
@@ -181,6 +184,8 @@ fn cuda_streams(runtime: &tokio::runtime::Runtime) {
     eventually(LIMIT, "a wait pending on every stream", || {
         waiter.pending() == STREAMS && waiter.threads() == waiter_threads
     });
+    expect_named(DROP_QUEUE, STREAMS, "a drop queue per stream");
+    expect_named(WAITER, waiter_threads, "the waiter's threads");
     let busy = process_threads() - start;
     eprintln!(
         "CUDA: the driver's threads {driver}; drop queues {idle}; with a wait pending on every \
@@ -188,8 +193,6 @@ fn cuda_streams(runtime: &tokio::runtime::Runtime) {
         waiter.threads(),
         process_threads()
     );
-    expect_named(DROP_QUEUE, STREAMS, "a drop queue per stream");
-    expect_named(WAITER, waiter_threads, "the waiter's threads");
 
     for wait in waits {
         runtime.block_on(wait).unwrap().unwrap();
