@@ -1,15 +1,14 @@
-//! Calls into code the waiter does not own, each under `catch_unwind`: a
-//! backend's query or block, a task's [`Waker`], a wait's drop (its event).
-//! A panic there costs only its wait; the thread goes on, its lane and
-//! counts intact.
+//! Calls into code the waiter does not own, each under `catch_unwind`: a backend's query or block,
+//! a task's [`Waker`], a wait's drop (its event). A panic there costs only its wait; the thread
+//! goes on, its lane and counts intact.
 
 use std::task::Waker;
 
 use crate::panics;
 use crate::ServerError;
 
-/// Run a backend call; a panic becomes [`ServerError::WaiterPanicked`],
-/// which resolves the wait it was for.
+/// Run a backend call; a panic becomes [`ServerError::WaiterPanicked`], which resolves the wait it
+/// was for.
 pub(super) fn backend<T>(call: impl FnOnce() -> Result<T, ServerError>) -> Result<T, ServerError> {
     panics::catch(call).unwrap_or_else(|message| Err(ServerError::WaiterPanicked { message }))
 }

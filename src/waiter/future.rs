@@ -12,31 +12,27 @@ use futures::future::FusedFuture;
 use super::handoff::Handoff;
 use crate::{EventApi, EventFence, ServerError};
 
-/// The future of [`EventFence::wait`] and `fence.await`: resolves once the
-/// device has reached the fence, without blocking the polling thread (see
-/// [`Waiter`](super::Waiter)).
+/// The future of [`EventFence::wait`] and `fence.await`: resolves once the device has reached the
+/// fence, without blocking the polling thread (see [`Waiter`](super::Waiter)).
 ///
 /// # Errors
 ///
 /// The fence's error (see [`EventFence::wait_sync`]), a fault of the stream,
-/// [`ServerError::WaiterPanicked`] if a backend call panicked,
-/// [`ServerError::WaiterGone`] after the waiter's shutdown,
-/// [`ServerError::WaiterForked`] if the waiter (or the wait) is from before
-/// this process forked, or [`ServerError::InvalidArgument`] if polled again
-/// once complete, rather than hang ([`FusedFuture::is_terminated`]).
+/// [`ServerError::WaiterPanicked`] if a backend call panicked, [`ServerError::WaiterGone`] after
+/// the waiter's shutdown, [`ServerError::WaiterForked`] if the waiter (or the wait) is from before
+/// this process forked, or [`ServerError::InvalidArgument`] if polled again once complete, rather
+/// than hang ([`FusedFuture::is_terminated`]).
 ///
 /// # Cancel safety
 ///
-/// Dropping it cancels the wait and never blocks: its event is destroyed at
-/// once, or soon after by a waiter thread (one it is blocked on, when the
-/// block ends; destroying an event with pending work is legal and does not
-/// block), so timeouts retried on a stuck stream pile nothing up. The stream's
-/// work is not affected, and the stream and the waiter go on serving.
+/// Dropping it cancels the wait and never blocks: its event is destroyed at once, or soon after by
+/// a waiter thread (one it is blocked on, when the block ends; destroying an event with pending
+/// work is legal and does not block), so timeouts retried on a stuck stream pile nothing up. The
+/// stream's work is not affected, and the stream and the waiter go on serving.
 ///
-/// No future is left pending forever: a faulted stream resolves all its
-/// pending waits with the fault; a dropped stream's waits resolve once its
-/// queued work is done (dropping a stream does not wait for that work, as
-/// `cuStreamDestroy` does not); a panic in a waker or an event's release is
+/// No future is left pending forever: a faulted stream resolves all its pending waits with the
+/// fault; a dropped stream's waits resolve once its queued work is done (dropping a stream does not
+/// wait for that work, as `cuStreamDestroy` does not); a panic in a waker or an event's release is
 /// logged once and costs only that wait.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct FenceFuture<A: EventApi> {
@@ -48,9 +44,9 @@ impl<A: EventApi> FenceFuture<A> {
         Self { handoff }
     }
 
-    /// Block the calling thread, asleep, until the fence is reached or
-    /// `timeout` passes (a watchdog on a kernel that may hang). `None` when
-    /// the time ran out: the future is left to wait on again, or to drop.
+    /// Block the calling thread, asleep, until the fence is reached or `timeout` passes (a watchdog
+    /// on a kernel that may hang). `None` when the time ran out: the future is left to wait on
+    /// again, or to drop.
     ///
     /// ```
     /// use device_events::host::HostStream;

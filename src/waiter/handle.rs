@@ -1,5 +1,5 @@
-//! [`Waiter`], the handle users hold (cheap to clone: it owns the pool's `Arc`), its builder,
-//! and `fence.await` ([`Awaitable`], `IntoFuture` for [`EventFence`]).
+//! [`Waiter`], the handle users hold (cheap to clone: it owns the pool's `Arc`), its builder, and
+//! `fence.await` ([`Awaitable`], `IntoFuture` for [`EventFence`]).
 
 use std::fmt;
 use std::future::IntoFuture;
@@ -24,8 +24,8 @@ pub const MAX_THREADS_LIMIT: usize = 4096;
 /// The longest [`WaiterBuilder::spin_budget`] (it spins an executor thread).
 pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 
-/// A pool of waiter threads, which serve `fence.await` without blocking an
-/// executor thread; cheap to clone.
+/// A pool of waiter threads, which serve `fence.await` without blocking an executor thread; cheap
+/// to clone.
 ///
 /// ```
 /// use device_events::host::{Host, HostStream};
@@ -46,28 +46,22 @@ pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 ///
 /// # What you can rely on
 ///
-/// - **A reached fence costs one query**, at the future's first poll, with
-///   no thread involved ([`spin_budget`](WaiterBuilder::spin_budget) lets
-///   it ask again for a while).
-/// - **Otherwise a waiter thread waits, asleep** in the driver (on CUDA,
-///   `cuEventSynchronize` on a blocking-sync event), and wakes the task.
-///   One thread serves a stream's waits in order: 10,000 awaits on 16
-///   streams need 16 threads. Where the stream publishes its progress in
-///   host memory and [watchers](WaiterBuilder::watchers) are on, one
-///   watcher thread races that sleep, and wakes the task within
-///   microseconds of the work's end when it sees it first.
-/// - **Bounded threads**, started on demand: at most
-///   [`max_threads`](WaiterBuilder::max_threads) that block, plus one that
-///   polls the streams past that (a fast stream never waits behind a slow
-///   one), plus the watcher where watchers are on: `max_threads + 2` at
-///   most (`max_threads + 1` with `watchers(0)`). They leave after
-///   [`keep_alive`](WaiterBuilder::keep_alive) idle.
-/// - **Cancel is drop.** The wait leaves at once; a waiter thread destroys
-///   its event soon after (one it is blocked on, when the block ends).
-/// - **Faults stay with their wait.** A panicking backend call resolves its
-///   wait with [`ServerError::WaiterPanicked`]; a panicking waker, fence
-///   drop or logger costs only that call. [`Waiter::shutdown`] resolves
-///   every pending wait with [`ServerError::WaiterGone`].
+/// - **A reached fence costs one query**, at the future's first poll, with no thread involved
+///   ([`spin_budget`](WaiterBuilder::spin_budget) lets it ask again for a while).
+/// - **Otherwise a waiter thread waits, asleep** in the driver (on CUDA, `cuEventSynchronize` on a
+///   blocking-sync event), and wakes the task. One thread serves a stream's waits in order: 10,000
+///   awaits on 16 streams need 16 threads. Where the stream publishes its progress in host memory
+///   and [watchers](WaiterBuilder::watchers) are on, one watcher thread races that sleep, and wakes
+///   the task within microseconds of the work's end when it sees it first.
+/// - **Bounded threads**, started on demand: at most [`max_threads`](WaiterBuilder::max_threads)
+///   that block, plus one that polls the streams past that (a fast stream never waits behind a slow
+///   one), plus the watcher where watchers are on: `max_threads + 2` at most (`max_threads + 1`
+///   with `watchers(0)`). They leave after [`keep_alive`](WaiterBuilder::keep_alive) idle.
+/// - **Cancel is drop.** The wait leaves at once; a waiter thread destroys its event soon after
+///   (one it is blocked on, when the block ends).
+/// - **Faults stay with their wait.** A panicking backend call resolves its wait with
+///   [`ServerError::WaiterPanicked`]; a panicking waker, fence drop or logger costs only that call.
+///   [`Waiter::shutdown`] resolves every pending wait with [`ServerError::WaiterGone`].
 /// - **Fork.** A waiter made before a fork refuses waits in the child
 ///   ([`ServerError::WaiterForked`]); [`Waiter::global()`] is made afresh.
 /// - **Any executor**: it uses std [`Waker`](std::task::Waker)s only.
@@ -79,8 +73,8 @@ pub struct Waiter {
 }
 
 impl Waiter {
-    /// The process-wide waiter of `fence.await` and [`EventFence::wait`],
-    /// with the default settings; never shut down. A forked child has its own.
+    /// The process-wide waiter of `fence.await` and [`EventFence::wait`], with the default
+    /// settings; never shut down. A forked child has its own.
     pub fn global() -> &'static Waiter {
         static GLOBAL: OnceLock<Waiter> = OnceLock::new();
         let global = GLOBAL.get_or_init(Waiter::new_global);
@@ -94,10 +88,8 @@ impl Waiter {
     #[cold]
     fn forked_global() -> &'static Waiter {
         static FORKED: RwLock<Option<&'static Waiter>> = RwLock::new(None);
-        if let Some(waiter) = *FORKED.read() {
-            if !waiter.pool.is_forked() {
-                return waiter;
-            }
+        if let Some(waiter) = (*FORKED.read()).filter(|waiter| !waiter.pool.is_forked()) {
+            return waiter;
         }
         let mut forked = FORKED.write();
         match *forked {
@@ -118,9 +110,9 @@ impl Waiter {
         WaiterBuilder::default()
     }
 
-    /// A future that resolves once the device has reached `target` (an
-    /// [`EventFence`], [`Profile`](crate::Profile), [`AnyFence`](crate::AnyFence)
-    /// or [`AnyProfile`](crate::AnyProfile)), served by this waiter.
+    /// A future that resolves once the device has reached `target` (an [`EventFence`],
+    /// [`Profile`](crate::Profile), [`AnyFence`](crate::AnyFence) or
+    /// [`AnyProfile`](crate::AnyProfile)), served by this waiter.
     pub fn wait<T: Awaitable>(&self, target: T) -> T::Future {
         target.wait_on(self)
     }
@@ -135,8 +127,7 @@ impl Waiter {
         Handoff::new(waitable, pool)
     }
 
-    /// Threads alive now: lane threads, plus the poller and the watcher if
-    /// they run.
+    /// Threads alive now: lane threads, plus the poller and the watcher if they run.
     pub fn threads(&self) -> usize {
         self.pool.gauges().threads
     }
@@ -146,8 +137,8 @@ impl Waiter {
         self.pool.gauges().peak_threads
     }
 
-    /// Waits handed to the threads and not finished; a dropped one leaves at
-    /// once, unless a thread holds it right then.
+    /// Waits handed to the threads and not finished; a dropped one leaves at once, unless a thread
+    /// holds it right then.
     pub fn pending(&self) -> usize {
         self.pool.gauges().pending
     }
@@ -167,23 +158,21 @@ impl Waiter {
     /// ```
     pub fn stats(&self) -> WaiterStats {
         let stuck = self.pool.stuck().len();
-        self.pool.counters().read(WaiterStats {
-            stuck,
-            ..self.pool.gauges()
-        })
+        let mut gauges = self.pool.gauges();
+        gauges.stuck = stuck;
+        self.pool.counters().read(gauges)
     }
 
     /// The streams that have ended no pending wait for longer than
-    /// [`stuck_after`](WaiterBuilder::stuck_after), one [`StuckWait`] each,
-    /// for a health endpoint; empty while it is off. Changes and logs nothing.
+    /// [`stuck_after`](WaiterBuilder::stuck_after), one [`StuckWait`] each, for a health endpoint;
+    /// empty while it is off. Changes and logs nothing.
     pub fn stuck(&self) -> Vec<StuckWait> {
         self.pool.stuck()
     }
 
-    /// Resolve every pending wait with [`ServerError::WaiterGone`] (those a
-    /// thread is blocked on too), refuse new ones so, and let the threads
-    /// exit; never blocks, and safe to call twice. On [`Waiter::global()`] it only logs a
-    /// warning.
+    /// Resolve every pending wait with [`ServerError::WaiterGone`] (those a thread is blocked on
+    /// too), refuse new ones so, and let the threads exit; never blocks, and safe to call twice. On
+    /// [`Waiter::global()`] it only logs a warning.
     pub fn shutdown(&self) {
         if self.global {
             log::warn!(
@@ -209,11 +198,10 @@ impl Waiter {
 /// The fewest cores on which [`default_watchers`] turns the watcher on.
 pub const WATCHER_MIN_CORES: usize = 8;
 
-/// [`WaiterBuilder::watchers`]' default: one on machines with at least
-/// [`WATCHER_MIN_CORES`] cores, none below. On fewer cores the watcher
-/// thread competes with the very threads it wakes (the executor's, and on
-/// the host backend the streams' workers), and a quarter of a core is a
-/// large share of the machine.
+/// [`WaiterBuilder::watchers`]' default: one on machines with at least [`WATCHER_MIN_CORES`] cores,
+/// none below. On fewer cores the watcher thread competes with the very threads it wakes (the
+/// executor's, and on the host backend the streams' workers), and a quarter of a core is a large
+/// share of the machine.
 pub fn default_watchers() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     usize::from(cores >= WATCHER_MIN_CORES)
@@ -264,8 +252,8 @@ impl<A: EventApi> Awaitable for EventFence<A> {
 }
 
 impl<A: EventApi> EventFence<A> {
-    /// `fence.await` as a [`Future`](std::future::Future), for combinators
-    /// (`futures::join!`, `select`, timeouts); served by [`Waiter::global()`].
+    /// `fence.await` as a [`Future`](std::future::Future), for combinators (`futures::join!`,
+    /// `select`, timeouts); served by [`Waiter::global()`].
     ///
     /// ```
     /// use device_events::host::HostStream;
@@ -312,61 +300,54 @@ impl Default for WaiterBuilder {
 }
 
 impl WaiterBuilder {
-    /// How many threads may sleep in the driver at once, one per busy stream
-    /// (1 to [`MAX_THREADS_LIMIT`], clamped; default [`DEFAULT_MAX_THREADS`]).
-    /// One more thread polls the streams beyond that (a query each, backing off from 50 µs to
-    /// 1 ms while nothing moves), so a busy stream is never left waiting behind another's work;
-    /// those streams' waits may end up to 1 ms later. [`WaiterStats::threads`] near
-    /// `max_threads` for long says raise it.
+    /// How many threads may sleep in the driver at once, one per busy stream (1 to
+    /// [`MAX_THREADS_LIMIT`], clamped; default [`DEFAULT_MAX_THREADS`]). One more thread polls the
+    /// streams beyond that (a query each, backing off from 50 µs to 1 ms while nothing moves), so a
+    /// busy stream is never left waiting behind another's work; those streams' waits may end up to
+    /// 1 ms later. [`WaiterStats::threads`] near `max_threads` for long says raise it.
     pub fn max_threads(mut self, max_threads: usize) -> Self {
         self.config.max_threads = max_threads.clamp(1, MAX_THREADS_LIMIT);
         self
     }
 
-    /// How long an idle thread stays for more work; default
-    /// [`DEFAULT_KEEP_ALIVE`]. Zero: threads leave as soon as idle.
+    /// How long an idle thread stays for more work; default [`DEFAULT_KEEP_ALIVE`]. Zero: threads
+    /// leave as soon as idle.
     pub fn keep_alive(mut self, keep_alive: Duration) -> Self {
         self.config.keep_alive = keep_alive;
         self
     }
 
     /// The prefix of the threads' names (`{prefix}-{n}`, `{prefix}-poller`, `{prefix}-watcher`);
-    /// default `device-events-waiter`. No thread can be named with a NUL
-    /// byte: [`try_build`](Self::try_build) rejects such a prefix.
+    /// default `device-events-waiter`. No thread can be named with a NUL byte:
+    /// [`try_build`](Self::try_build) rejects such a prefix.
     pub fn thread_name(mut self, prefix: impl Into<String>) -> Self {
         self.config.thread_name = prefix.into();
         self
     }
 
-    /// How long a first poll may spin before handing the wait to a thread,
-    /// on the executor's thread: default zero, at most [`MAX_SPIN_BUDGET`]
-    /// (clamped). Where the backend publishes the stream's progress in host
-    /// memory (the host backend does), it spins reading that, with no driver
-    /// call, and asks the event once the stream is there; elsewhere it spins
-    /// on queries.
+    /// How long a first poll may spin before handing the wait to a thread, on the executor's
+    /// thread: default zero, at most [`MAX_SPIN_BUDGET`] (clamped). Where the backend publishes the
+    /// stream's progress in host memory (the host backend does), it spins reading that, with no
+    /// driver call, and asks the event once the stream is there; elsewhere it spins on queries.
     pub fn spin_budget(mut self, spin_budget: Duration) -> Self {
         self.config.spin_budget = spin_budget.min(MAX_SPIN_BUDGET);
         self
     }
 
-    /// Whether a watcher thread races the driver's wake-ups by watching
-    /// streams' progress words (any value from 1: one thread watches every
-    /// stream); 0: every wait ends in the driver alone. Default
-    /// [`default_watchers`]: on with at least [`WATCHER_MIN_CORES`] cores.
+    /// Whether a watcher thread races the driver's wake-ups by watching streams' progress words
+    /// (any value from 1: one thread watches every stream); 0: every wait ends in the driver alone.
+    /// Default [`default_watchers`]: on with at least [`WATCHER_MIN_CORES`] cores.
     ///
-    /// The watcher never holds a wait back: its lane thread blocks in the
-    /// driver all the same, and whichever sees the end first resolves it;
-    /// where the watcher wins, the task wakes within microseconds of the
-    /// work's end. It costs one thread (`max_threads + 2` in all), at most
-    /// 200 µs of looking per wait and at most a quarter of one core over time
-    /// ([`WaiterStats::watcher_cpu`] reports it). Waits shorter than 150 µs
-    /// are left to the driver, and so are most of a stream's waits while its
-    /// watches keep missing. Streams of items of steady length (about 1 ms
-    /// and longer) gain most; where the streams keep every core busy it gains
-    /// little and tail latencies can be longer. Ask for `watchers(1)` on a
-    /// small machine when wake latency matters more than that CPU.
-    /// Figures: `docs/performance.md` in the repository; how it works: the
-    /// [module docs](crate::waiter#the-watcher).
+    /// The watcher never holds a wait back: its lane thread blocks in the driver all the same, and
+    /// whichever sees the end first resolves it; where the watcher wins, the task wakes within
+    /// microseconds of the work's end. It costs one thread (`max_threads + 2` in all), at most 200
+    /// µs of looking per wait and at most a quarter of one core over time
+    /// ([`WaiterStats::watcher_cpu`] reports it). Waits shorter than 150 µs are left to the driver,
+    /// and so are most of a stream's waits while its watches keep missing. Streams of items of
+    /// steady length (about 1 ms and longer) gain most; where the streams keep every core busy it
+    /// gains little and tail latencies can be longer. Ask for `watchers(1)` on a small machine when
+    /// wake latency matters more than that CPU. Figures: `docs/performance.md` in the repository;
+    /// how it works: the [module docs](crate::waiter#the-watcher).
     ///
     /// ```
     /// use device_events::Waiter;
@@ -379,19 +360,17 @@ impl WaiterBuilder {
         self
     }
 
-    /// Report streams stuck for longer than `after` ([`Waiter::stuck`]) and
-    /// warn once per stall. Off by default (a kernel may rightly run for
-    /// minutes); zero turns it off. While it is on and a wait is pending, the
-    /// poller runs (the one thread beyond [`max_threads`](Self::max_threads)
-    /// besides the watcher) and looks every quarter of `after`, at most once
-    /// a millisecond.
+    /// Report streams stuck for longer than `after` ([`Waiter::stuck`]) and warn once per stall.
+    /// Off by default (a kernel may rightly run for minutes); zero turns it off. While it is on and
+    /// a wait is pending, the poller runs (the one thread beyond [`max_threads`](Self::max_threads)
+    /// besides the watcher) and looks every quarter of `after`, at most once a millisecond.
     ///
-    /// Each stall is warned about once, within a quarter of `after` past it, by the poller,
-    /// with no lock of the waiter's held (a slow logger holds up no wait): the warning names
-    /// the stream, how long its oldest wait has waited, how many wait behind it, and whether
-    /// that wait's own future gave up on it (a timeout does not end the stall: the stream is
-    /// still held). A long queue that keeps moving is not stuck, and a stream whose every wait
-    /// was given up while queued (not blocked on) is listed no more.
+    /// Each stall is warned about once, within a quarter of `after` past it, by the poller, with no
+    /// lock of the waiter's held (a slow logger holds up no wait): the warning names the stream,
+    /// how long its oldest wait has waited, how many wait behind it, and whether that wait's own
+    /// future gave up on it (a timeout does not end the stall: the stream is still held). A long
+    /// queue that keeps moving is not stuck, and a stream whose every wait was given up while
+    /// queued (not blocked on) is listed no more.
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self
@@ -401,8 +380,8 @@ impl WaiterBuilder {
     ///
     /// # Errors
     ///
-    /// [`ServerError::InvalidArgument`] for a setting no thread could be
-    /// started with (a [`thread_name`](Self::thread_name) with a NUL byte).
+    /// [`ServerError::InvalidArgument`] for a setting no thread could be started with (a
+    /// [`thread_name`](Self::thread_name) with a NUL byte).
     pub fn try_build(self) -> Result<Waiter, ServerError> {
         if let Some(unusable) = self.config.unusable() {
             return Err(unusable);
@@ -410,9 +389,9 @@ impl WaiterBuilder {
         Ok(self.build())
     }
 
-    /// Build the waiter; no thread starts until a wait needs one. A setting
-    /// no thread could start with is logged, and fails each wait that needs a
-    /// thread ([`try_build`](Self::try_build) returns it instead).
+    /// Build the waiter; no thread starts until a wait needs one. A setting no thread could start
+    /// with is logged, and fails each wait that needs a thread ([`try_build`](Self::try_build)
+    /// returns it instead).
     pub fn build(self) -> Waiter {
         if let Some(unusable) = self.config.unusable() {
             log::error!("{unusable}");

@@ -17,8 +17,8 @@ pub(crate) struct Handoff<W: Waitable> {
     pool: PoolRef,
 }
 
-/// The global waiter's pool is looked up when needed (a forked child has its
-/// own), so a `fence.await` touches no shared reference count.
+/// The global waiter's pool is looked up when needed (a forked child has its own), so a
+/// `fence.await` touches no shared reference count.
 pub(crate) enum PoolRef {
     Global(fn() -> &'static Pool),
     Owned(Pool),
@@ -124,8 +124,8 @@ impl<W: Waitable> Handoff<W> {
             if std::mem::take(&mut first) {
                 word = contain::backend(|| Ok(waitable.progress())).ok().flatten();
             }
-            // With a progress word, spin on it (a load, not a driver call) and ask once it
-            // says passed, or once the budget is spent.
+            // With a progress word, spin on it (a load, not a driver call) and ask once it says
+            // passed, or once the budget is spent.
             while word.as_ref().is_some_and(|word| !word.passed(sequence)) && in_budget() {
                 std::hint::spin_loop();
             }

@@ -5,15 +5,14 @@ use std::time::Duration;
 /// How many buckets a [`LatencyHistogram`] has.
 pub const LATENCY_BUCKETS: usize = 32;
 
-/// Counts of durations in log2 buckets of microseconds: bucket 0 holds those
-/// under 1 µs, bucket `i` those from `2^(i-1)` µs up to `2^i` µs, and the last
-/// everything from `2^(LATENCY_BUCKETS - 2)` µs (about 18 minutes) on.
+/// Counts of durations in log2 buckets of microseconds: bucket 0 holds those under 1 µs, bucket `i`
+/// those from `2^(i-1)` µs up to `2^i` µs, and the last everything from `2^(LATENCY_BUCKETS - 2)`
+/// µs (about 18 minutes) on.
 ///
-/// [`buckets`](LatencyHistogram::buckets) are not cumulative: a Prometheus
-/// histogram sums them in order (the `metrics` feature publishes them so,
-/// `device_events::metrics`). With the
-/// `serde` feature it serializes as `{"buckets": [32 counts, bucket 0
-/// first], "sum_nanos": <the durations added up, in nanoseconds>}`.
+/// [`buckets`](LatencyHistogram::buckets) are not cumulative: a Prometheus histogram sums them in
+/// order (the `metrics` feature publishes them so, `device_events::metrics`). With the `serde`
+/// feature it serializes as `{"buckets": [32 counts, bucket 0 first], "sum_nanos": <the durations
+/// added up, in nanoseconds>}`.
 ///
 /// ```
 /// use device_events::LatencyHistogram;
@@ -34,19 +33,16 @@ pub struct LatencyHistogram {
 impl LatencyHistogram {
     /// How many durations it holds.
     pub fn count(&self) -> u64 {
-        self.buckets
-            .iter()
-            .fold(0u64, |count, &bucket| count.saturating_add(bucket))
+        self.buckets.iter().fold(0, |n, &b| n.saturating_add(b))
     }
 
-    /// The durations it holds, added up (for a mean, or a Prometheus
-    /// histogram's `_sum`).
+    /// The durations it holds, added up (for a mean, or a Prometheus histogram's `_sum`).
     pub fn sum(&self) -> Duration {
         Duration::from_nanos(self.sum_nanos)
     }
 
-    /// The count in each bucket, with the bucket's upper bound (exclusive;
-    /// `None` for the last, which has none).
+    /// The count in each bucket, with the bucket's upper bound (exclusive; `None` for the last,
+    /// which has none).
     pub fn buckets(&self) -> impl Iterator<Item = (Option<Duration>, u64)> + '_ {
         self.buckets
             .iter()
@@ -54,10 +50,9 @@ impl LatencyHistogram {
             .map(|(index, &count)| (Self::upper_bound(index), count))
     }
 
-    /// The upper bound of the bucket that holds the `percentile`-th
-    /// duration (0 to 100): at least `percentile` percent of the durations
-    /// were under it. `None` when it holds none, or `percentile` is out of
-    /// range (or NaN); [`Duration::MAX`] when that bucket is the last.
+    /// The upper bound of the bucket that holds the `percentile`-th duration (0 to 100): at least
+    /// `percentile` percent of the durations were under it. `None` when it holds none, or
+    /// `percentile` is out of range (or NaN); [`Duration::MAX`] when that bucket is the last.
     pub fn percentile(&self, percentile: f64) -> Option<Duration> {
         let count = self.count();
         if count == 0 || !(0.0..=100.0).contains(&percentile) {

@@ -1,5 +1,5 @@
-//! The poller: serves the lanes past `max_threads` by asking them in rounds, drops withdrawn
-//! waits, and warns of stalls. See [`crate::waiter`], step 4.
+//! The poller: serves the lanes past `max_threads` by asking them in rounds, drops withdrawn waits,
+//! and warns of stalls. See [`crate::waiter`], step 4.
 
 use std::time::{Duration, Instant};
 
@@ -18,9 +18,9 @@ const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
 const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
 
 impl Pool {
-    /// A poller's round: adopt the lanes queued for it into `lanes`, take
-    /// the withdrawn waits, wake an idle lane thread if it has lanes. `None`
-    /// (and uncounted) when it should exit: idle `linger` rounds, or shut down.
+    /// A poller's round: adopt the lanes queued for it into `lanes`, take the withdrawn waits, wake
+    /// an idle lane thread if it has lanes. `None` (and uncounted) when it should exit: idle `linger`
+    /// rounds, or shut down.
     pub(super) fn poller_round(
         &self,
         lanes: &mut Vec<LaneKey>,
@@ -63,8 +63,8 @@ impl Pool {
 }
 
 impl WaiterThread {
-    /// The poller: each round, adopt lanes, drop withdrawn waits, ask its
-    /// lanes, warn of stalls, and pause (backing off while nothing moves).
+    /// The poller: each round, adopt lanes, drop withdrawn waits, ask its lanes, warn of stalls,
+    /// and pause (backing off while nothing moves).
     pub(super) fn run_poller(&mut self) {
         // Four looks per `stuck_after`, at most one a millisecond.
         let check_every =

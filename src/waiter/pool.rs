@@ -1,13 +1,13 @@
-//! [`Pool`]: a waiter's settings and shared state, the one lock over [`State`], and the
-//! operations on lanes that hand-offs and lane threads call. The poller's, the watcher's and
-//! recovery's operations are in their own files. See [`crate::waiter`].
+//! [`Pool`]: a waiter's settings and shared state, the one lock over [`State`], and the operations
+//! on lanes that hand-offs and lane threads call. The poller's, the watcher's and recovery's
+//! operations are in their own files. See [`crate::waiter`].
 
 use std::time::{Duration, Instant};
 
 use super::contain;
 use super::slot::Slot;
 use super::state::{take, Action, Role, Server, State};
-use super::stats::{Counters, WaiterStats};
+use super::stats::{self, Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::wait::{Place, Wait};
 use super::waitable::LaneKey;
@@ -59,7 +59,6 @@ pub(super) struct Shared {
     pub(super) watch_work: Condvar,
     /// Entries handed to the watcher so far: one that looks at others re-plans when it moves.
     pub(super) published: AtomicUsize,
-    /// The time the watcher and the lane threads that hand it their waits go by.
     pub(super) clock: Clock,
     /// The process generation the pool was made in ([`crate::os`]).
     pub(super) fork_generation: u64,
@@ -101,7 +100,6 @@ impl Pool {
         Checked::lock(&self.shared.state)
     }
 
-    /// Whether stalled streams are reported (`stuck_after` is set).
     pub(super) fn reports_stuck(&self) -> bool {
         self.shared.config.stuck_after.is_some()
     }
@@ -115,15 +113,14 @@ impl Pool {
         self.shared.fork_generation != crate::os::fork_generation()
     }
 
-    /// Leave `result` for `slot`'s future and wake it, counting it first;
-    /// whether it was the first result left there.
+    /// [`Slot::complete`], counted in the waiter's stats.
     pub(super) fn deliver(&self, slot: &Slot, result: Result<(), ServerError>) -> bool {
         let counters = &self.shared.counters;
         slot.complete(result, |ok, since| counters.delivered(ok, since))
     }
 
-    /// Hand `wait` to the pool: its place and what to do next. Refused in a
-    /// forked child, with unusable settings, or after shutdown.
+    /// Hand `wait` to the pool: its place and what to do next. Refused in a forked child, with
+    /// unusable settings, or after shutdown.
     pub(super) fn submit(&self, mut wait: Wait) -> Result<(Place, Action), ServerError> {
         if self.is_forked() {
             return Err(ServerError::WaiterForked);
@@ -150,8 +147,8 @@ impl Pool {
         Ok((place, state.place(key, max_threads, self.reports_stuck())))
     }
 
-    /// The future of the wait at `place` in `key` was dropped: take it out
-    /// (unless a thread holds it) for a waiter thread to drop.
+    /// The future of the wait at `place` in `key` was dropped: take it out (unless a thread holds
+    /// it) for a waiter thread to drop.
     pub(super) fn withdraw(&self, key: LaneKey, place: Place) -> Action {
         if self.is_forked() {
             return Action::default();
@@ -200,16 +197,9 @@ impl Pool {
         }
     }
 
-    /// Lane thread `server` takes `key`'s oldest wait out to block on.
-    pub(super) fn take_oldest(&self, key: LaneKey, server: Server) -> Option<Wait> {
-        self.lock().take_oldest(key, server)
-    }
-
-    /// The one way a held wait of lane `key`, `slot`'s, ends (or leaves the watcher's list):
-    /// under the lock, whichever of its lane thread and the watcher comes first ends the hold
-    /// (none once shutdown or a lost thread's recovery took it), teaches the lane's history and
-    /// takes the entry off the list; the result is delivered after the lock, and the entry
-    /// dropped there (its fence may be the last copy left).
+    /// The one way `slot`'s hold in lane `key` ends, or its entry leaves the watcher's list (step 3
+    /// of [`crate::waiter`]); none once shutdown or recovery took it. Teaches the lane's history;
+    /// delivers after the lock, and drops the entry there (its fence may be the last copy left).
     pub(super) fn end_hold(&self, key: LaneKey, slot: &Arc<Slot>, ended: Ended) -> AfterHold {
         let reports_stuck = self.reports_stuck();
         let mut after = AfterHold::default();
@@ -236,8 +226,8 @@ impl Pool {
                     let history = state.watcher.history(key);
                     if ours {
                         history.ended(took);
-                        // The watcher had it and the driver still came first: a watch that did
-                        // not pay.
+                        // The watcher had it and the driver still came first: a watch that did not
+                        // pay.
                         if entry.is_some() {
                             history.missed();
                         }
@@ -269,8 +259,8 @@ impl Pool {
         after
     }
 
-    /// Move up to `limit` of `key`'s oldest waits into `batch`, if `server`
-    /// serves it; false if none (an idle lane of the poller's is removed).
+    /// Move up to `limit` of `key`'s oldest waits into `batch`, if `server` serves it; false if
+    /// none (an idle lane of the poller's is removed).
     pub(super) fn take_batch(
         &self,
         key: LaneKey,
@@ -288,19 +278,14 @@ impl Pool {
             }
             return false;
         }
-        while batch.len() < limit {
-            let Some((_, wait)) = lane.waits.pop_first() else {
-                break;
-            };
-            batch.push(wait);
-        }
+        let oldest = std::iter::from_fn(|| lane.waits.pop_first().map(|(_, wait)| wait));
+        batch.extend(oldest.take(limit.saturating_sub(batch.len())));
         lane.out += batch.len();
         true
     }
 
-    /// A batch of `key`'s is back: `resolved` reached (the caller delivers
-    /// them), `rest` not, put back (or dropped, if their futures were;
-    /// failed, after shutdown).
+    /// A batch of `key`'s is back: `resolved` reached (the caller delivers them), `rest` not, put
+    /// back (or dropped, if their futures were; failed, after shutdown).
     pub(super) fn settle(&self, key: LaneKey, resolved: usize, rest: Vec<Wait>) {
         let reports_stuck = self.reports_stuck();
         let mut state = self.lock();
@@ -312,9 +297,8 @@ impl Pool {
         lane.progressed(reports_stuck && resolved > 0);
         let (cancelled, back): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
-        for wait in back {
-            lane.waits.insert(wait.place, wait);
-        }
+        lane.waits
+            .extend(back.into_iter().map(|wait| (wait.place, wait)));
         // Exact: the batch was counted out whole. Checked once the waits are back, so a failed
         // check loses none (the thread's recovery fails those it resolved).
         take(&mut lane.out, out, "lane's batched waits");
@@ -322,10 +306,9 @@ impl Pool {
         cancelled.into_iter().for_each(contain::drop);
     }
 
-    /// The next lane for lane thread `n`, which `finished` one (or none):
-    /// that one again if it has waits, else [`State::claim`], else it sleeps
-    /// for work, dropping withdrawn waits. `None` (and uncounted) when it
-    /// should exit: idle past its keep-alive, or shut down.
+    /// The next lane for lane thread `n`, which `finished` one (or none): that one again if it has
+    /// waits, else [`State::claim`], else it sleeps for work, dropping withdrawn waits. `None` (and
+    /// uncounted) when it should exit: idle past its keep-alive, or shut down.
     pub(super) fn next_lane(&self, n: usize, finished: Option<LaneKey>) -> Option<LaneKey> {
         let server = Server::Thread(n);
         let mut state = self.lock();
@@ -369,34 +352,15 @@ impl Pool {
         }
     }
 
-    /// The stalled streams; with `mark`, those not reported yet, now marked.
+    /// [`stuck::stalled`], under the lock.
     fn collect_stuck(&self, mark: bool) -> Vec<StuckWait> {
-        let Some(after) = self.shared.config.stuck_after else {
-            return Vec::new();
-        };
-        if self.is_forked() {
-            return Vec::new();
-        }
-        let now = Instant::now();
-        let mut state = self.lock();
-        let mut found = Vec::new();
-        for (key, lane) in &mut state.lanes {
-            let held = lane.held.as_ref();
-            let stall = stuck::Stall {
-                since: lane.since,
-                queued: lane.waits.len() + lane.out,
-                held: held.is_some(),
-                given_up: held.is_some_and(|slot| slot.is_cancelled()),
-            };
-            let name = lane.name.as_deref();
-            let Some(wait) = stall.stuck(now, after, name, key.stream_id()) else {
-                continue;
-            };
-            if !(mark && std::mem::replace(&mut lane.reported, true)) {
-                found.push(wait);
+        match self.shared.config.stuck_after {
+            Some(after) if !self.is_forked() => {
+                let now = Instant::now();
+                stuck::stalled(&mut self.lock().lanes, now, after, mark)
             }
+            _ => Vec::new(),
         }
-        found
     }
 
     /// Wake what `action` says to wake; the caller starts the rest.
@@ -412,20 +376,12 @@ impl Pool {
         }
     }
 
-    /// [`WaiterStats`]' threads and pending waits (none in a forked child).
+    /// [`stats::gauges`] under the lock (none in a forked child).
     pub(crate) fn gauges(&self) -> WaiterStats {
-        let mut gauges = WaiterStats::default();
         if self.is_forked() {
-            return gauges;
+            return WaiterStats::default();
         }
-        let state = self.lock();
-        (gauges.threads, gauges.peak_threads) = (state.threads(), state.peak_threads);
-        for lane in state.lanes.values() {
-            let held = lane.held.as_ref();
-            gauges.pending += lane.waits.len() + lane.out + usize::from(held.is_some());
-            gauges.cancelled_held += usize::from(held.is_some_and(|slot| slot.is_cancelled()));
-        }
-        gauges
+        stats::gauges(&self.lock())
     }
 }
 
@@ -446,8 +402,8 @@ pub(super) enum Ended {
         took: Duration,
         late: bool,
     },
-    /// The watcher leaves it to its lane thread's block (the hold goes on); a `missed` watch
-    /// counts (`LaneHistory::missed`).
+    /// The watcher leaves it to its lane thread's block (the hold goes on); a `missed` watch counts
+    /// (`LaneHistory::missed`).
     Unwatched { missed: bool },
 }
 

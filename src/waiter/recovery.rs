@@ -1,5 +1,5 @@
-//! Recovery: a waiter thread lost (one the OS would not start, or one that unwound) gives back
-//! what it held, so no count outlives the thread it counts and no future is left pending.
+//! Recovery: a waiter thread lost (one the OS would not start, or one that unwound) gives back what
+//! it held, so no count outlives the thread it counts and no future is left pending.
 
 use std::collections::VecDeque;
 
@@ -10,11 +10,9 @@ use super::threads::{act, Lost, WaiterThread};
 use crate::ServerError;
 
 impl Pool {
-    /// Give back what thread `role` held: uncount it, fail its batch and held wait, and queue its
-    /// lanes, with those queued for lane threads (one may have counted on it), for a lane thread
-    /// again, or for the poller where a lane thread would not start. The poller runs while it
-    /// has lanes or stalls to watch; where it would not start, what was left to it fails. A lost
-    /// watcher's entries go: their lane threads block in the driver. What to do next.
+    /// Give back what thread `role` held (step 6 of [`crate::waiter`]), and the lanes queued for
+    /// lane threads too (one may have counted on it); the poller runs while it has lanes or stalls
+    /// to watch. What to do next.
     pub(super) fn recover(&self, role: Role, lost: Lost<'_>) -> Vec<Action> {
         let (max_threads, reports_stuck) = (self.shared.config.max_threads, self.reports_stuck());
         let (mut held, mut batch, mut queued) = (Vec::new(), Vec::new(), VecDeque::new());
@@ -31,8 +29,8 @@ impl Pool {
                 batch: out,
             } => {
                 if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
-                    // Exact: a batch is out of its lane until it is settled, and then no more
-                    // its lane's.
+                    // Exact: a batch is out of its lane until it is settled, and then no more its
+                    // lane's.
                     take(&mut lane.out, out.len(), "lane's batched waits");
                 }
                 batch.append(out);
@@ -53,11 +51,7 @@ impl Pool {
             }
         };
         let entries = match role {
-            Role::Watcher => {
-                // The next watcher learns its own timing.
-                state.watcher.early = None;
-                std::mem::take(&mut state.watcher.list)
-            }
+            Role::Watcher => std::mem::take(&mut state.watcher.list),
             Role::Lane(_) => {
                 queued.extend(state.for_threads.drain(..));
                 Vec::new()

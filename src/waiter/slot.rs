@@ -1,5 +1,5 @@
-//! [`Slot`]: where a waiter thread leaves a wait's result for its future (a
-//! mutex, touched twice per wait, that loom checks whole).
+//! [`Slot`]: where a waiter thread leaves a wait's result for its future (a mutex, touched twice
+//! per wait, that loom checks whole).
 
 use std::task::{Context, Poll, Waker};
 use std::time::Instant;
@@ -35,9 +35,8 @@ impl Slot {
         }
     }
 
-    /// Leave `result` for the future and wake it, once, unless cancelled:
-    /// whether it did. `delivered` (is it `Ok`; the hand-off's time) counts it
-    /// first.
+    /// Leave `result` for the future and wake it, once, unless cancelled: whether it did.
+    /// `delivered` (is it `Ok`; the hand-off's time) counts it first.
     pub(crate) fn complete(
         &self,
         result: Result<(), ServerError>,

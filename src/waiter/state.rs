@@ -1,5 +1,6 @@
-//! [`State`]: everything under the waiter's one lock, its invariants, and the decisions made
-//! under it; what is left to do after is an [`Action`]. See [`crate::waiter`].
+//! [`State`]: everything under the waiter's one lock, its invariants (checked as the lock is let
+//! go, in debug and loom builds, by `sync::checked`), and the decisions made under it; what is left
+//! to do after is an [`Action`]. See [`crate::waiter`].
 
 use std::collections::{BTreeMap, VecDeque};
 use std::time::Instant;
@@ -49,8 +50,8 @@ pub(super) struct Lane {
     pub(super) held: Option<Arc<Slot>>,
     /// Its waits out in a batch.
     pub(super) out: usize,
-    /// Since when it has ended no wait: the hand-off that found it idle, or
-    /// its last wait's end (kept while `stuck_after` is on).
+    /// Since when it has ended no wait: the hand-off that found it idle, or its last wait's end
+    /// (kept while `stuck_after` is on).
     pub(super) since: Instant,
     /// The stall since `since` was warned about.
     pub(super) reported: bool,
@@ -63,9 +64,8 @@ impl Lane {
         self.waits.is_empty() && self.held.is_none() && self.out == 0
     }
 
-    /// End the lane's hold of `slot`'s wait and mark the lane as progressed.
-    /// Returns whether the lane still held that wait: false once a lost
-    /// thread's recovery took the hold to fail it.
+    /// End the lane's hold of `slot`'s wait and mark the lane as progressed. Returns whether the
+    /// lane still held that wait: false once a lost thread's recovery took the hold to fail it.
     pub(super) fn end_hold(&mut self, slot: &Arc<Slot>, reports_stuck: bool) -> bool {
         let ours = self.held.take_if(|held| Arc::ptr_eq(held, slot)).is_some();
         self.progressed(reports_stuck && ours);
@@ -80,10 +80,9 @@ impl Lane {
     }
 }
 
-/// Everything under the lock. Invariants: a lane is `Queued` exactly while
-/// its key is in a queue; `lane_threads`, `poller` and `watcher.running`
-/// count the threads started or about to be, until they leave; `notified <=
-/// idle <= lane_threads`; entries on the watcher's list have a watcher;
+/// Everything under the lock. Invariants: a lane is `Queued` exactly while its key is in a queue;
+/// `lane_threads`, `poller` and `watcher.running` count the threads started or about to be, until
+/// they leave; `notified <= idle <= lane_threads`; entries on the watcher's list have a watcher;
 /// after `shutdown` no lane is left.
 #[derive(Default)]
 pub(super) struct State {
@@ -106,8 +105,7 @@ pub(super) struct State {
     pub(super) shutdown: bool,
 }
 
-/// What is left to do once the lock is let go; threads to start are
-/// counted in already.
+/// What is left to do once the lock is let go; threads to start are counted in already.
 #[derive(Debug, Default, PartialEq, Eq)]
 #[must_use]
 pub(crate) struct Action {
@@ -120,15 +118,9 @@ pub(crate) struct Action {
 }
 
 impl State {
-    /// Queue new lane `key` and decide who serves it: an idle lane thread,
-    /// else one between lanes (as many lane threads as lanes), else a new
-    /// one, else the poller. While stalls are reported the poller runs too.
-    pub(super) fn place(
-        &mut self,
-        key: LaneKey,
-        max_threads: usize,
-        reports_stuck: bool,
-    ) -> Action {
+    /// Queue new lane `key` and decide who serves it (step 2 of [`crate::waiter`]); while stalls
+    /// are reported (`stuck`) the poller runs too.
+    pub(super) fn place(&mut self, key: LaneKey, max_threads: usize, stuck: bool) -> Action {
         let mut action = Action::default();
         if self.shutdown {
             return action;
@@ -142,7 +134,7 @@ impl State {
             return self.poller_for_work();
         }
         self.for_threads.push_back(key);
-        if reports_stuck && !self.poller {
+        if stuck && !self.poller {
             self.add_poller();
             action.spawn_poller = true;
         }
@@ -162,8 +154,8 @@ impl State {
         }
     }
 
-    /// Withdrawn waits to drop: by the poller if it runs, else an idle
-    /// thread, else the poller started; never a new lane thread.
+    /// Withdrawn waits to drop: by the poller if it runs, else an idle thread, else the poller
+    /// started; never a new lane thread.
     pub(super) fn dispose(&mut self) -> Action {
         if !self.poller && self.wake_idle() {
             return Action {
@@ -184,8 +176,8 @@ impl State {
     /// A lane thread woke (notified, spuriously, or timed out).
     pub(super) fn woke(&mut self) {
         take(&mut self.idle, 1, "idle lane threads");
-        // It takes a wake-up sent for an idle thread, if one is pending: a thread that timed out
-        // or woke spuriously may find none (the one sent then wakes another idle thread).
+        // It takes a wake-up sent for an idle thread, if one is pending: a thread that timed out or
+        // woke spuriously may find none (the one sent then wakes another idle thread).
         self.notified -= usize::from(self.notified > 0);
     }
 
@@ -215,13 +207,13 @@ impl State {
         match role {
             Role::Lane(_) => take(&mut self.lane_threads, 1, "lane threads"),
             Role::Poller => self.poller = false,
-            Role::Watcher => self.watcher.running = false,
+            // The next watcher learns its own timing.
+            Role::Watcher => (self.watcher.running, self.watcher.early) = (false, None),
         }
     }
 
-    /// The watcher has entries, the new one to be looked at from `looks_from`
-    /// at the earliest (none: at once): wake it if it waits and would not
-    /// wake by then anyway, or start it.
+    /// The watcher has entries, the new one to be looked at from `looks_from` at the earliest
+    /// (none: at once): wake it if it waits and would not wake by then anyway, or start it.
     pub(super) fn watcher_for_work(&mut self, looks_from: Option<Instant>) -> Action {
         let watcher = &mut self.watcher;
         let spawn_watcher = !watcher.running;
@@ -285,8 +277,8 @@ impl State {
         Some(wait)
     }
 
-    /// For lane thread `server`: a lane queued for threads, else for the
-    /// poller, else one of the poller's with nothing out.
+    /// For lane thread `server`: a lane queued for threads, else for the poller, else one of the
+    /// poller's with nothing out.
     pub(super) fn claim(&mut self, server: Server) -> Option<LaneKey> {
         let queued = self.for_threads.pop_front();
         let key = match queued.or_else(|| self.for_poller.pop_front()) {
@@ -304,8 +296,8 @@ impl State {
     }
 }
 
-/// `*count -= n`, for a count the waiter keeps exact: checked in every build, as one that
-/// wrapped would hang waits or keep threads, silently.
+/// `*count -= n`, for a count the waiter keeps exact: checked in every build, as one that wrapped
+/// would hang waits or keep threads, silently.
 #[track_caller]
 pub(super) fn take(count: &mut usize, n: usize, what: &'static str) {
     *count = match count.checked_sub(n) {
@@ -323,9 +315,9 @@ fn below_zero(count: usize, n: usize, what: &'static str) -> usize {
     0
 }
 
-/// A broken invariant of the waiter's counts: a panic, which the thread's
-/// recovery contains as any other; logged instead on a thread already
-/// unwinding (recovery itself), where a second panic would abort.
+/// A broken invariant of the waiter's counts: a panic, which the thread's recovery contains as any
+/// other; logged instead on a thread already unwinding (recovery itself), where a second panic
+/// would abort.
 #[cold]
 #[inline(never)]
 #[track_caller]
@@ -338,25 +330,16 @@ fn broken(what: std::fmt::Arguments<'_>) {
 
 impl Invariants for State {
     fn check_invariants(&self) {
-        let queued = self
-            .lanes
-            .values()
-            .filter(|lane| lane.server == Server::Queued);
+        let queued = self.lanes.values().filter(|l| l.server == Server::Queued);
         let queues = self.for_threads.len() + self.for_poller.len();
         assert_eq!(queued.count(), queues, "queued lanes and queues differ");
         assert!(self.notified <= self.idle && self.idle <= self.lane_threads);
         assert!(self.peak_threads >= self.threads());
         assert!(self.for_threads.is_empty() || self.lane_threads > 0);
         assert!(self.for_poller.is_empty() || self.poller || self.lane_threads > 0);
-        assert!(
-            !self.shutdown || self.lanes.is_empty(),
-            "lanes after shutdown"
-        );
+        assert!(!self.shutdown || self.lanes.is_empty(), "lanes left");
         let watcher = &self.watcher;
-        assert!(
-            watcher.list.is_empty() || watcher.running,
-            "entries for no watcher"
-        );
+        assert!(watcher.list.is_empty() || watcher.running, "no watcher");
         assert!(!watcher.waits || watcher.running);
         for lane in self.lanes.values() {
             assert!(lane.held.is_none() || matches!(lane.server, Server::Thread(_)));

@@ -1,8 +1,10 @@
-//! Stuck streams. A leaf: it reads the [`Stall`] it is given, and says
-//! whether it is stuck and how the warning reads.
+//! Stuck streams: which lanes are stalled, what is reported of one, and how the warning reads.
 
+use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
+use super::state::Lane;
+use super::waitable::LaneKey;
 use crate::panics;
 
 /// A stream that has ended no pending wait for longer than its waiter's
@@ -11,55 +13,20 @@ use crate::panics;
 #[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct StuckWait {
-    /// The backend's name and the `Debug` of the stream's handle, as in
-    /// `Host stream HostStreamHandle(3)`.
+    /// The backend's name and the `Debug` of the stream's handle, as in `Host stream
+    /// HostStreamHandle(3)`.
     pub stream: String,
-    /// The backend's number for the stream, unique among that backend's live
-    /// streams (`HostStreamHandle(3)`: 3).
+    /// The backend's number for the stream, unique among that backend's live streams
+    /// (`HostStreamHandle(3)`: 3).
     pub stream_id: u64,
-    /// Since its oldest wait was handed off to an idle stream, or the wait
-    /// before it ended. Serialized as `{"secs": u64, "nanos": u32}`.
+    /// Since its oldest wait was handed off to an idle stream, or the wait before it ended.
+    /// Serialized as `{"secs": u64, "nanos": u32}`.
     pub waited: Duration,
     /// Waits queued behind the oldest, on the same stream.
     pub behind: usize,
-    /// The oldest wait's future was dropped (a timeout gave up on it) while
-    /// a thread still holds it.
+    /// The oldest wait's future was dropped (a timeout gave up on it) while a thread still holds
+    /// it.
     pub given_up: bool,
-}
-
-/// What a lane shows of its stream's progress.
-pub(super) struct Stall {
-    /// Since when the stream has ended no wait while one was pending.
-    pub(super) since: Instant,
-    /// Waits queued or out in a batch.
-    pub(super) queued: usize,
-    /// A lane thread holds its oldest wait (blocked on it, or asking it).
-    pub(super) held: bool,
-    /// That wait's future was dropped.
-    pub(super) given_up: bool,
-}
-
-impl Stall {
-    /// This stall at `now`, if it has lasted `after` with a wait pending.
-    pub(super) fn stuck(
-        &self,
-        now: Instant,
-        after: Duration,
-        name: Option<&str>,
-        stream_id: u64,
-    ) -> Option<StuckWait> {
-        let waited = now.saturating_duration_since(self.since);
-        if waited < after || (self.queued == 0 && !self.held) {
-            return None;
-        }
-        Some(StuckWait {
-            stream: name.map_or_else(|| format!("a stream ({stream_id})"), str::to_owned),
-            stream_id,
-            waited,
-            behind: self.queued - usize::from(!self.held),
-            given_up: self.given_up,
-        })
-    }
 }
 
 /// Log the one warning about `wait`'s stall.
@@ -78,4 +45,35 @@ pub(super) fn warn(waiter: &str, after: Duration, wait: &StuckWait) {
             wait.behind
         );
     });
+}
+
+/// The lanes stalled for `after` at `now` with a wait pending; with `mark`, those not reported
+/// yet, now marked.
+pub(super) fn stalled(
+    lanes: &mut BTreeMap<LaneKey, Lane>,
+    now: Instant,
+    after: Duration,
+    mark: bool,
+) -> Vec<StuckWait> {
+    let mut found = Vec::new();
+    for (key, lane) in lanes {
+        // Waits queued or out in a batch, and the one a lane thread holds (blocked on it, or
+        // asking it), if any.
+        let (queued, held) = (lane.waits.len() + lane.out, lane.held.as_ref());
+        let waited = now.saturating_duration_since(lane.since);
+        let pending = queued > 0 || held.is_some();
+        if waited < after || !pending || mark && std::mem::replace(&mut lane.reported, true) {
+            continue;
+        }
+        let stream_id = key.stream_id();
+        let name = lane.name.as_deref();
+        found.push(StuckWait {
+            stream: name.map_or_else(|| format!("a stream ({stream_id})"), str::to_owned),
+            stream_id,
+            waited,
+            behind: queued - usize::from(held.is_none()),
+            given_up: held.is_some_and(|slot| slot.is_cancelled()),
+        });
+    }
+    found
 }

@@ -1,5 +1,5 @@
-//! The waiter's threads: how they start and serve lanes, and the guard that
-//! gives back what one held if it unwinds (its `Drop` is in `recovery.rs`).
+//! The waiter's threads: how they start and serve lanes, and the guard that gives back what one
+//! held if it unwinds (its `Drop` is in `recovery.rs`).
 
 use std::time::Duration;
 
@@ -14,8 +14,8 @@ use crate::ServerError;
 /// The most waits a thread takes out of a lane to query in one round.
 const BATCH: usize = 256;
 
-/// Wake and start what `action` says, with no lock held (a thread name std
-/// would panic on never gets here: the pool refuses it).
+/// Wake and start what `action` says, with no lock held (a thread name std would panic on never
+/// gets here: the pool refuses it).
 pub(super) fn act(pool: &Pool, action: Action) {
     pool.notify(&action);
     let name = &pool.config().thread_name;
@@ -53,8 +53,7 @@ pub(super) enum Lost<'a> {
     },
 }
 
-/// A waiter thread's lanes and batch. One that unwinds (a bug in the
-/// waiter) has this guard give them back ([`Pool::recover`]).
+/// A waiter thread's lanes and batch, which [`Pool::recover`] gives back if it unwinds.
 pub(super) struct WaiterThread {
     pub(super) pool: Pool,
     pub(super) role: Role,
@@ -74,8 +73,8 @@ impl WaiterThread {
             pool,
             role,
             lanes: Vec::new(),
-            // Sized now, not mid-burst: a large allocation then made the
-            // allocator consolidate, which measurably slowed a first batch.
+            // Sized now, not mid-burst: a large allocation then made the allocator consolidate,
+            // which measurably slowed a first batch.
             batch: Vec::with_capacity(BATCH),
             batch_lane: None,
             counted: true,
@@ -99,10 +98,10 @@ impl WaiterThread {
         }
     }
 
-    /// Serve lane `key` as `by` until it is empty or no longer this thread's (the
-    /// steps: [`crate::waiter`]'s docs).
+    /// Serve lane `key` as `by` until it is empty or no longer this thread's (the steps:
+    /// [`crate::waiter`]'s docs).
     fn serve_lane(&mut self, key: LaneKey, by: Server) {
-        let Some(mut wait) = self.pool.take_oldest(key, by) else {
+        let Some(mut wait) = self.pool.lock().take_oldest(key, by) else {
             return;
         };
         // Whether the lane's history, as of its last wait's end, says to offer the next to the
@@ -141,17 +140,15 @@ impl WaiterThread {
             if !self.resolve_reached(key, by).more {
                 return;
             }
-            let Some(next) = self.pool.take_oldest(key, by) else {
+            let Some(next) = self.pool.lock().take_oldest(key, by) else {
                 return;
             };
             wait = next;
         }
     }
 
-    /// Block in the driver until `wait`'s fence is reached; where watchers are on, its stream
-    /// keeps a word and its lane's history says to `watch` it, first put it on the watcher's
-    /// list, to race the block. Its result, and, where watchers are on, how long it took (for
-    /// its lane's history).
+    /// Block in the driver on `wait`, first offered to the watcher if `watch` (step 3 of
+    /// [`crate::waiter`]): its result, and, where watchers are on, how long it took.
     fn wait_out(&self, wait: &Wait, watch: bool) -> (Result<(), ServerError>, Option<Duration>) {
         if self.pool.config().watchers == 0 {
             return (contain::backend(|| wait.waitable.block()), None);
@@ -170,11 +167,9 @@ impl WaiterThread {
         (result, Some(took))
     }
 
-    /// Resolve, in order, the waits of `key` a query shows reached, up to
-    /// the first that is not, in batches: taken out in one hold of the lock,
-    /// asked outside it, the rest put back in one more. Each batch all
-    /// reached doubles the next, from 2 (1 for the poller, which mostly hears
-    /// "not yet") up to [`BATCH`].
+    /// Resolve, in order, the waits of `key` a query shows reached, up to the first that is not, in
+    /// batches taken out and put back under the lock and asked outside it (steps 3 and 4 of
+    /// [`crate::waiter`]).
     pub(super) fn resolve_reached(&mut self, key: LaneKey, by: Server) -> Resolved {
         let mut limit = if by == Server::Poller { 1 } else { 2 };
         let mut resolved = 0;
@@ -196,11 +191,9 @@ impl WaiterThread {
             self.batch_lane = None;
             let mut failed = failed.into_iter().peekable();
             for (index, wait) in self.batch.iter().enumerate() {
-                let result = match failed.next_if(|(at, _)| *at == index) {
-                    Some((_, err)) => Err(err),
-                    None => Ok(()),
-                };
-                self.pool.deliver(&wait.slot, result);
+                let failure = failed.next_if(|(at, _)| *at == index);
+                self.pool
+                    .deliver(&wait.slot, failure.map_or(Ok(()), |(_, err)| Err(err)));
             }
             self.batch.drain(..).for_each(contain::drop);
             if more {

@@ -4,8 +4,8 @@ use super::slot::Slot;
 use super::waitable::{LaneKey, Waitable};
 use crate::sync::Arc;
 
-/// A wait's place in its lane: ordered by its sequence in its stream, then by its hand-off's
-/// ticket (so a backend whose numbers repeat loses no wait).
+/// A wait's place in its lane: ordered by its sequence in its stream, then by its hand-off's ticket
+/// (so a backend whose numbers repeat loses no wait).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Place {
     pub(crate) sequence: u64,
@@ -19,17 +19,12 @@ pub(crate) struct Wait {
     pub(crate) slot: Arc<Slot>,
     pub(crate) lane: LaneKey,
     pub(crate) place: Place,
-    /// Its stream's name while stuck streams are reported (made before the
-    /// hand-off: the backend's `Debug`).
+    /// Its stream's name while stuck streams are reported (made before the hand-off: the backend's
+    /// `Debug`).
     pub(crate) name: Option<std::sync::Arc<str>>,
 }
 
 impl Wait {
-    /// Its number in its stream.
-    pub(crate) fn sequence(&self) -> u64 {
-        self.place.sequence
-    }
-
     pub(crate) fn new(
         waitable: std::sync::Arc<dyn Waitable>,
         slot: Arc<Slot>,

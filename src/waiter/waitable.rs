@@ -4,8 +4,8 @@ use std::any::TypeId;
 
 use crate::{EventApi, EventFence, ProgressWord, ServerError};
 
-/// A stream's lane: its backend's type and the backend's number for it
-/// (`EventApi::stream_id`), which tells live streams apart.
+/// A stream's lane: its backend's type and the backend's number for it (`EventApi::stream_id`),
+/// which tells live streams apart.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub(crate) struct LaneKey {
     backend: TypeId,
@@ -24,14 +24,6 @@ impl LaneKey {
     /// The backend's number for the stream.
     pub(crate) fn stream_id(self) -> u64 {
         self.stream
-    }
-
-    #[cfg(test)]
-    pub(crate) fn for_tests(stream: u64) -> Self {
-        Self {
-            backend: TypeId::of::<()>(),
-            stream,
-        }
     }
 }
 
@@ -74,5 +66,15 @@ impl<A: EventApi> Waitable for EventFence<A> {
 
     fn progress(&self) -> Option<ProgressWord> {
         A::stream_progress(self.stream())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    impl super::LaneKey {
+        pub(crate) fn for_tests(stream: u64) -> Self {
+            let backend = std::any::TypeId::of::<()>();
+            Self { backend, stream }
+        }
     }
 }

@@ -25,7 +25,7 @@ impl Pool {
             .watcher
             .histories
             .get(&key)
-            .map_or(0, crate::waiter::watcher::LaneHistory::len)
+            .map_or(0, crate::waiter::watcher::timing::LaneHistory::len)
     }
 
     /// Whether the watcher sleeps on its condvar now, for tests.

@@ -751,7 +751,7 @@ fn a_word_that_never_moves_is_watched_for_a_window_then_left_to_the_driver() {
         blocks.load(Ordering::SeqCst) == 1 && pool.watched_entries() == 0
     });
     assert!(
-        started.elapsed() >= crate::waiter::watcher::FIRST_WINDOW,
+        started.elapsed() >= crate::waiter::watcher::timing::FIRST_WINDOW,
         "watched for its window first"
     );
     assert_eq!(queries.load(Ordering::SeqCst), 0, "no query while watching");

@@ -8,7 +8,7 @@ use super::mock_device::support::{eventually, pool_watching, result_of, submit};
 use super::mock_device::Device;
 use crate::waiter::stats::WaiterStats;
 use crate::waiter::waitable::LaneKey;
-use crate::waiter::watcher::EARLY_HALF_LIFE;
+use crate::waiter::watcher::timing::EARLY_HALF_LIFE;
 
 /// Waits the watcher has seen end, so far.
 fn watched(pool: &crate::waiter::pool::Pool) -> u64 {

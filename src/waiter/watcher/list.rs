@@ -1,15 +1,12 @@
-//! The pool's operations on the watcher's list ([`WatcherState`]): put held waits on it, plan
-//! the watcher's rounds and naps. A wait leaves it as its hold ends ([`Pool::end_hold`]).
+//! The pool's operations on the watcher's list ([`WatcherState`](super::WatcherState)): put held
+//! waits on it, plan the watcher's rounds and naps. A wait leaves it as its hold ends
+//! ([`Pool::end_hold`]).
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use super::timing::{Early, Timing, Watched, MIN_NAP};
-#[cfg(doc)]
-use super::WatcherState;
 use crate::waiter::pool::Pool;
-#[cfg(doc)]
-use crate::waiter::state::State;
 use crate::waiter::state::{Action, Role};
 use crate::waiter::wait::Wait;
 use crate::ProgressWord;
@@ -28,47 +25,34 @@ impl Pool {
         self.shared.published.load(Ordering::Acquire)
     }
 
-    /// A lane thread about to block on `wait`, held from `started`, its stream's progress in
-    /// `word` (its copy, if watched, is made under the lock; the word itself is dropped after it),
-    /// puts it on the watcher's list, unless its lane's history says not to or the
-    /// pool is shut down. What to do then, if it did.
-    pub(crate) fn watch(
-        &self,
-        wait: &Wait,
-        word: &ProgressWord,
-        started: Instant,
-    ) -> Option<Action> {
+    /// A lane thread about to block on `wait`, held `since`, its stream's progress in `word` (its
+    /// copy, if watched, is made under the lock; the word itself is dropped after it), puts it on
+    /// the watcher's list, unless its lane's history says not to or the pool is shut down. What to
+    /// do then, if it did.
+    pub(crate) fn watch(&self, wait: &Wait, word: &ProgressWord, since: Instant) -> Option<Action> {
         let mut state = self.lock();
         if state.shutdown {
             return None;
         }
         let watcher = &mut state.watcher;
-        let early = watcher.early(started);
-        let entry = watcher
-            .history(wait.lane)
-            .entry(wait, word, started, early)?;
+        let early = watcher.early(since);
+        let entry = watcher.history(wait.lane).entry(wait, word, since, early)?;
         let looks_from = entry.looks_from_at_the_earliest();
         watcher.list.push(entry);
         self.shared.published.fetch_add(1, Ordering::Release);
         Some(state.watcher_for_work(Some(looks_from)))
     }
 
-    /// The watcher's round: how many entries had been handed over (see [`Pool::published`]),
-    /// and when, by `timing`, the first on its list is due to be looked at; it waits for one up
-    /// to its keep-alive. If that is within [`MIN_NAP`], the entries are copied into `entries`
-    /// (empty) to look at now; else none is, and the watcher naps first holding none
-    /// ([`Pool::watcher_nap`]). `None` (and uncounted) when it should exit: idle past its
-    /// keep-alive, or shut down.
+    /// The watcher's round: how many entries had been handed over (see [`Pool::published`]), and
+    /// when, by `timing`, the first on its list is due to be looked at; it waits for one up to its
+    /// keep-alive. If that is within [`MIN_NAP`], the entries are copied into `entries` (empty) to
+    /// look at now; else none is, and the watcher naps first holding none ([`Pool::watcher_nap`]).
+    /// `None` (and uncounted) when it should exit: idle past its keep-alive, or shut down.
     pub(crate) fn watch_round(&self, timing: &Timing, entries: &mut Vec<Watched>) -> Option<Plan> {
         let mut state = self.lock();
         let mut timed_out = false;
         loop {
-            let first = state
-                .watcher
-                .list
-                .iter()
-                .map(|entry| timing.look_from(entry))
-                .min();
+            let first = state.watcher.list.iter().map(|e| timing.look_from(e)).min();
             if let Some(first) = first.filter(|_| !state.shutdown) {
                 if first.saturating_duration_since(self.now()) < MIN_NAP {
                     entries.extend(state.watcher.list.iter().cloned());
@@ -78,8 +62,6 @@ impl Pool {
             }
             if state.shutdown || timed_out {
                 state.leave(Role::Watcher);
-                // The next watcher learns its own timing.
-                state.watcher.early = None;
                 return None;
             }
             state.watcher.waits = true;
@@ -92,11 +74,11 @@ impl Pool {
     }
 
     /// The watcher sleeps until `until`, unless an entry comes after the `published`th (one due
-    /// before `until` wakes it: [`State::watcher_for_work`]) or the pool shuts down. Awake,
-    /// unless entries came (its round plans again), it copies the entries on its list into
-    /// `entries` (empty) to look at: those taken off during the nap are gone for good. A nap
-    /// that ran its course teaches `timing` (the watcher's, which planned it) how late it woke,
-    /// and so how early the watcher wakes; whether it did.
+    /// before `until` wakes it: `State::watcher_for_work`) or the pool shuts down. Awake, unless
+    /// entries came (its round plans again), it copies the entries on its list into `entries`
+    /// (empty) to look at: those taken off during the nap are gone for good. A nap that ran its
+    /// course teaches `timing` (the watcher's, which planned it) how late it woke, and so how early
+    /// the watcher wakes; whether it did.
     pub(crate) fn watcher_nap(
         &self,
         until: Instant,
@@ -126,16 +108,11 @@ impl Pool {
         if cfg!(device_events_loom) && !wake_sent {
             // A loom model's nap runs out as the schedule chooses, its clock moved to the nap's
             // end: an entry due to be looked at before then should have woken the watcher.
-            for entry in &watcher.list {
-                let overslept = timing.look_from(entry) < until;
-                assert!(
-                    !overslept,
-                    "the watcher napped past an entry due before its nap's end"
-                );
-            }
+            let overslept = watcher.list.iter().any(|e| timing.look_from(e) < until);
+            assert!(!overslept, "the watcher napped past an entry due by then");
         }
-        // Said as a nap measures it, and stamped with when: a round with no nap (its entries due
-        // at once) measures nothing, and leaves the figure to age.
+        // Said as a nap measures it, and stamped with when: a round with no nap (its entries due at
+        // once) measures nothing, and leaves the figure to age.
         let now = self.now();
         timing.overslept(now.saturating_duration_since(until));
         watcher.early = Some(Early {

@@ -11,11 +11,10 @@ use crate::waiter::waitable::LaneKey;
 /// The watcher's part of the pool's state.
 #[derive(Default)]
 pub(crate) struct WatcherState {
-    /// Held waits on the watcher's list; their lane threads block on them in the driver
-    /// meanwhile.
+    /// Held waits on the watcher's list; their lane threads block on them in the driver meanwhile.
     pub(crate) list: Vec<Watched>,
-    /// The lanes' histories, for the watcher's predictions: the [`HISTORIES`] used last, kept
-    /// while their lanes come and go.
+    /// The lanes' histories, for the watcher's predictions: the [`HISTORIES`] used last, kept while
+    /// their lanes come and go.
     pub(crate) histories: BTreeMap<LaneKey, LaneHistory>,
     /// Counts uses of `histories`.
     history_uses: u64,
@@ -39,10 +38,7 @@ impl WatcherState {
     pub(crate) fn history(&mut self, key: LaneKey) -> &mut LaneHistory {
         self.history_uses += 1;
         if self.histories.len() >= HISTORIES && !self.histories.contains_key(&key) {
-            let oldest = self
-                .histories
-                .iter()
-                .min_by_key(|(_, history)| history.used);
+            let oldest = self.histories.iter().min_by_key(|(_, h)| h.used);
             if let Some((&oldest, _)) = oldest {
                 self.histories.remove(&oldest);
             }
@@ -54,10 +50,7 @@ impl WatcherState {
 
     /// Take `slot`'s entry off the list, if it is there.
     pub(crate) fn unwatch(&mut self, slot: &Arc<Slot>) -> Option<Watched> {
-        let index = self
-            .list
-            .iter()
-            .position(|entry| Arc::ptr_eq(&entry.slot, slot))?;
+        let index = self.list.iter().position(|e| Arc::ptr_eq(&e.slot, slot))?;
         Some(self.list.swap_remove(index))
     }
 }

@@ -1,7 +1,7 @@
-//! The watcher's thread: sleep until entries are nearly due, look at their words, resolve
-//! those that passed, within its CPU budget.
+//! The watcher's thread: sleep until entries are nearly due, look at their words, resolve those
+//! that passed, within its CPU budget.
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use super::list::Plan;
 use super::timing::{self, CpuBudget, Timing, Watched, MAX_NAP};
@@ -10,8 +10,8 @@ use crate::waiter::pool::Ended;
 use crate::waiter::threads::WaiterThread;
 
 impl WaiterThread {
-    /// The watcher's loop, until idle past its keep-alive or shut down: nap, look, spend its
-    /// CPU budget. See the [module docs](crate::waiter#the-watcher).
+    /// The watcher's loop, until idle past its keep-alive or shut down: nap, look, spend its CPU
+    /// budget. See the [module docs](crate::waiter#the-watcher).
     pub(crate) fn run_watcher(&mut self) {
         crate::os::lower_timer_slack();
         let mut timing = Timing::default();
@@ -20,8 +20,8 @@ impl WaiterThread {
         let mut entries = Vec::new();
         while let Some(Plan { published, first }) = self.pool.watch_round(&timing, &mut entries) {
             let mut napped = false;
-            // None copied: the first is not due yet. It naps holding none (an entry its lane
-            // thread takes off meanwhile is not kept from its pool, nor its context alive).
+            // None copied: the first is not due yet. It naps holding none (an entry its lane thread
+            // takes off meanwhile is not kept from its pool, nor its context alive).
             if entries.is_empty() {
                 let until = first.min(self.pool.now() + MAX_NAP);
                 let slept = (self.pool).watcher_nap(until, published, &mut timing, &mut entries);
@@ -34,7 +34,9 @@ impl WaiterThread {
                     self.look(&mut timing, &entries, published, napped);
                     looked = self.pool.now().saturating_duration_since(started);
                 } else {
-                    self.leave_due(&timing, &entries, started);
+                    // Its CPU budget spent, it leaves the entries due to the driver.
+                    let due = entries.iter().filter(|e| timing.look_from(e) <= started);
+                    due.for_each(|entry| self.unwatch(entry, false));
                 }
             }
             // Its copies of the entries go here, each maybe a fence's last.
@@ -53,18 +55,9 @@ impl WaiterThread {
         }
     }
 
-    /// With its CPU budget spent, the watcher leaves the entries due by `now` to the driver.
-    fn leave_due(&self, timing: &Timing, entries: &[Watched], now: Instant) {
-        for entry in entries {
-            if timing.look_from(entry) <= now {
-                self.unwatch(entry, false);
-            }
-        }
-    }
-
-    /// Look at the words of `entries` due until each has passed or its window ended, taking
-    /// each off the list as it is decided; return when none is due (to sleep until the next
-    /// is), or when entries came after the `published`th.
+    /// Look at the words of `entries` due until each has passed or its window ended, taking each
+    /// off the list as it is decided; return when none is due (to sleep until the next is), or when
+    /// entries came after the `published`th.
     fn look(&self, timing: &mut Timing, entries: &[Watched], published: usize, napped: bool) {
         let mut open: Vec<&Watched> = entries.iter().collect();
         let mut looks = 0u32;
@@ -95,9 +88,9 @@ impl WaiterThread {
         }
     }
 
-    /// `entry`'s word passed (seen `late`, at the first look after a sleep): confirm with a
-    /// query, and resolve its wait (with a fault too), unless its lane thread did first; a word
-    /// ahead of its event leaves the wait to the driver.
+    /// `entry`'s word passed (seen `late`, at the first look after a sleep): confirm with a query,
+    /// and resolve its wait (with a fault too), unless its lane thread did first; a word ahead of
+    /// its event leaves the wait to the driver.
     fn resolve_watched(&self, entry: &Watched, late: bool) {
         let took = self.pool.now().saturating_duration_since(entry.started);
         let result = match contain::backend(|| entry.waitable.query()) {

@@ -1,7 +1,7 @@
-//! The watcher's parts: a lane's history and the entries it makes ([`LaneHistory`],
-//! [`Watched`]), how early the watcher wakes and looks ([`Early`], [`Timing`]), and its CPU
-//! budget ([`CpuBudget`]); the figures are the constants below. Why: the
-//! [module docs](crate::waiter#the-watcher).
+//! The watcher's parts: a lane's history and the entries it makes ([`LaneHistory`], [`Watched`]),
+//! how early the watcher wakes and looks ([`Early`], [`Timing`]), and its CPU budget
+//! ([`CpuBudget`]); the figures are the constants below. Why: the [module
+//! docs](crate::waiter#the-watcher).
 
 use std::time::{Duration, Instant};
 
@@ -82,9 +82,9 @@ impl Default for LaneHistory {
 }
 
 impl LaneHistory {
-    /// The watcher's entry for `wait`, held from `started`, its stream's progress in `word`;
-    /// none if the lane's waits are [`too_short`] (the watcher waking `early`) or its last
-    /// misses leave this one to the driver.
+    /// The watcher's entry for `wait`, held from `started`, its stream's progress in `word`; none
+    /// if the lane's waits are [`too_short`] (the watcher waking `early`) or its last misses leave
+    /// this one to the driver.
     pub(crate) fn entry(
         &mut self,
         wait: &Wait,
@@ -106,7 +106,7 @@ impl LaneHistory {
             slot: wait.slot.clone(),
             waitable: wait.waitable.clone(),
             word: word.clone(),
-            sequence: wait.sequence(),
+            sequence: wait.place.sequence,
             started,
             due: started + predicted,
             predicted,
@@ -131,21 +131,15 @@ impl LaneHistory {
         };
     }
 
-    /// A watch of the lane missed (its window ended before the word passed, or the driver woke
-    /// the lane thread first): count it, and leave the lane's next waits to the driver.
+    /// A watch of the lane missed (its window ended before the word passed, or the driver woke the
+    /// lane thread first): count it, and leave the lane's next waits to the driver.
     pub(crate) fn missed(&mut self) {
         self.misses = self.misses.saturating_add(1);
         self.skip = ((1u32 << (self.misses - 1).min(16)) - 1).min(MAX_SKIP);
     }
 
-    /// How many waits it has learnt, for tests.
-    #[cfg(all(test, not(device_events_loom)))]
-    pub(crate) fn len(&self) -> usize {
-        self.took.seen
-    }
-
-    /// Whether the lane's next wait is worth offering to the watcher, waking `early` before an
-    /// end it expects: not if its waits are [`too_short`].
+    /// Whether the lane's next wait is worth offering to the watcher, waking `early` before an end
+    /// it expects: not if its waits are [`too_short`].
     pub(crate) fn worth_watching(&self, early: Duration) -> bool {
         !too_short(self.predicted(), early)
     }
@@ -193,8 +187,8 @@ impl Watched {
     }
 }
 
-/// How early the watcher wakes before an end it expects ([`Timing::early`]), as it said at
-/// `said`, halved each [`EARLY_HALF_LIFE`] since.
+/// How early the watcher wakes before an end it expects ([`Timing::early`]), as it said at `said`,
+/// halved each [`EARLY_HALF_LIFE`] since.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Early {
     pub(crate) early: Duration,
@@ -285,8 +279,8 @@ impl CpuBudget {
     }
 }
 
-/// Whether a watch that has looked `looks` times is past `until` (the clock read once in 32
-/// looks); under loom, after two looks, so a model sees the word pass before, between and after.
+/// Whether a watch that has looked `looks` times is past `until` (the clock read once in 32 looks);
+/// under loom, after two looks, so a model sees the word pass before, between and after.
 pub(crate) fn past(until: Instant, looks: u32) -> bool {
     if cfg!(device_events_loom) {
         return looks >= 2;
@@ -318,6 +312,13 @@ mod tests {
     use crate::api::HostWord;
     use crate::{ProgressWord, ServerError};
 
+    impl LaneHistory {
+        /// How many waits it has learnt.
+        pub(crate) fn len(&self) -> usize {
+            self.took.seen
+        }
+    }
+
     /// A fence no test here waits on.
     struct Unused;
 
@@ -342,8 +343,8 @@ mod tests {
         }
     }
 
-    /// `history`'s entry for a wait at point 3 held from `started`, on `word` (a new one if
-    /// none), if it watches it with the watcher waking `early`.
+    /// `history`'s entry for a wait at point 3 held from `started`, on `word` (a new one if none),
+    /// if it watches it with the watcher waking `early`.
     fn try_entry(
         history: &mut LaneHistory,
         started: Instant,
@@ -360,8 +361,8 @@ mod tests {
         try_entry(history, started, Duration::ZERO, None).expect("watched")
     }
 
-    /// The next watchable wait of `history` that is watched, and how many in a row before it
-    /// were left to the driver (never for good: at most [`MAX_SKIP`]).
+    /// The next watchable wait of `history` that is watched, and how many in a row before it were
+    /// left to the driver (never for good: at most [`MAX_SKIP`]).
     fn next_watched(history: &mut LaneHistory) -> (u32, Watched) {
         let mut skipped = 0;
         loop {
@@ -393,8 +394,8 @@ mod tests {
 
     #[test]
     fn one_short_wait_after_long_ones_sets_the_next_prediction() {
-        // Six 100 ms items, then 1 ms ones: the first 1 ms item's end makes the next
-        // prediction 1 ms, not 100 ms.
+        // Six 100 ms items, then 1 ms ones: the first 1 ms item's end makes the next prediction 1
+        // ms, not 100 ms.
         let mut history = LaneHistory::default();
         for _ in 0..6 {
             history.ended(Duration::from_millis(100));
@@ -558,8 +559,8 @@ mod tests {
 
     #[test]
     fn a_lane_the_watcher_wins_one_watch_in_four_leaves_most_of_its_waits_to_the_driver() {
-        // Three misses, then a sighting, again and again: the count settles where most waits
-        // are left to the driver, not back at none after each sighting.
+        // Three misses, then a sighting, again and again: the count settles where most waits are
+        // left to the driver, not back at none after each sighting.
         let mut history = LaneHistory::default();
         for _ in 0..4 {
             history.ended(Duration::from_millis(1));
