@@ -337,9 +337,15 @@ impl Invariants for State {
         assert!(self.peak_threads >= self.threads());
         assert!(self.for_threads.is_empty() || self.lane_threads > 0);
         assert!(self.for_poller.is_empty() || self.poller || self.lane_threads > 0);
-        assert!(!self.shutdown || self.lanes.is_empty(), "lanes left");
+        assert!(
+            !self.shutdown || self.lanes.is_empty(),
+            "lanes after shutdown"
+        );
         let watcher = &self.watcher;
-        assert!(watcher.list.is_empty() || watcher.running, "no watcher");
+        assert!(
+            watcher.list.is_empty() || watcher.running,
+            "entries for no watcher"
+        );
         assert!(!watcher.waits || watcher.running);
         for lane in self.lanes.values() {
             assert!(lane.held.is_none() || matches!(lane.server, Server::Thread(_)));

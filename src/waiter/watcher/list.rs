@@ -109,7 +109,10 @@ impl Pool {
             // A loom model's nap runs out as the schedule chooses, its clock moved to the nap's
             // end: an entry due to be looked at before then should have woken the watcher.
             let overslept = watcher.list.iter().any(|e| timing.look_from(e) < until);
-            assert!(!overslept, "the watcher napped past an entry due by then");
+            assert!(
+                !overslept,
+                "the watcher napped past an entry due before its nap's end"
+            );
         }
         // Said as a nap measures it, and stamped with when: a round with no nap (its entries due at
         // once) measures nothing, and leaves the figure to age.
