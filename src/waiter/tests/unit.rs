@@ -892,18 +892,20 @@ fn a_watcher_that_cannot_be_started_hands_its_wait_back_to_the_driver() {
 #[test]
 fn a_watcher_waiting_for_work_is_woken_by_the_next_wait_handed_to_it() {
     // Idle threads stay 600 s: a watcher left asleep outlasts the test's limit. The driver
-    // never wakes the lane threads until told: only the watcher can end the waits.
+    // never wakes the lane threads until told: only the watcher can end the waits. Each wait's
+    // work has ended before it is handed over, so the watcher's first look sees it, however late
+    // a loaded host runs the test (its window for a new lane is microseconds).
     let pool = super::mock_device::support::pool_watching(2, Duration::from_secs(600));
     let first = Device::with_slow_driver();
-    let slot = submit(&pool, &first, 0, 1);
     first.finish();
+    let slot = submit(&pool, &first, 0, 1);
     result_of(&slot).expect("seen by the watcher");
     eventually("the watcher waits for work", || {
         pool.watcher_waits() && pool.watched_entries() == 0
     });
     let second = Device::with_slow_driver();
-    let slot = submit(&pool, &second, 1, 1);
     second.finish();
+    let slot = submit(&pool, &second, 1, 1);
     result_of(&slot).expect("seen by the watcher");
     eventually("both counted", || {
         pool.counters().read(WaiterStats::default()).watched == 2
@@ -916,9 +918,10 @@ fn a_watcher_waiting_for_work_is_woken_by_the_next_wait_handed_to_it() {
 #[test]
 fn a_lane_thread_watches_the_word_of_the_lane_it_serves_now() {
     let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
+    // Ended before it is handed over: the watcher's first look sees it, however late it runs.
     let first = Device::with_slow_driver();
-    let slot = submit(&pool, &first, 0, 1);
     first.finish();
+    let slot = submit(&pool, &first, 0, 1);
     result_of(&slot).expect("seen by the watcher");
     first.wake_driver();
     eventually("the lane thread waits for work", || {
