@@ -43,7 +43,7 @@ cargo run --example cuda_copy_to_host
 # The HTTP service starts on the fake driver's streams (tests/http_service.rs
 # serves it requests) and stops cleanly on Ctrl-C.
 cargo build --example http_service
-started=$(timeout --preserve-status -s INT 5 "${CARGO_TARGET_DIR:-target}/debug/examples/http_service" 0)
+started=$(timeout --preserve-status -s INT 10 "${CARGO_TARGET_DIR:-target}/debug/examples/http_service" 0)
 echo "$started"
 grep -q "Cuda" <<<"$started" || { echo "http_service did not start on the fake driver's streams"; exit 1; }
 cargo test --doc

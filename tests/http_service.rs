@@ -382,14 +382,14 @@ fn metrics_move_as_requests_are_served_and_cancelled() {
         ] {
             assert_eq!(metric(&before, name, &[]), 0.0, "{name}");
         }
-        // Three jobs, each answered; 20 ms of work, so mostly handed off (one
+        // Three jobs, each answered; 200 ms of work, so mostly handed off (one
         // whose handler stalled as long finds its fence ready instead).
         for _ in 0..3 {
             let (status, body) = request(
                 service.address,
                 "POST",
                 "/jobs",
-                r#"{"work_us": 20000, "stream": 0}"#,
+                r#"{"work_us": 200000, "stream": 0}"#,
             )
             .await;
             assert_eq!(status, 200, "{body}");

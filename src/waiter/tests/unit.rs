@@ -570,7 +570,8 @@ fn a_word_that_says_passed_is_confirmed_by_a_query_that_can_fail() {
 fn watching_pool(watchers: usize, fence: WordFence) -> (crate::waiter::pool::Pool, Arc<Slot>) {
     let pool = crate::waiter::pool::Pool::new(crate::waiter::pool::Config {
         max_threads: 1,
-        keep_alive: Duration::from_secs(1),
+        // Idle threads stay past any test's limit: a test that waits to see one idle sees it.
+        keep_alive: Duration::from_secs(600),
         thread_name: "unit-test-waiter".to_owned(),
         spin_budget: Duration::ZERO,
         stuck_after: None,
@@ -821,10 +822,12 @@ fn a_word_ahead_of_its_event_is_not_a_miss() {
     // Each wait's word has passed but its event says not yet (a reading the driver does not
     // rule out): the watcher leaves it to the driver, as with a miss, but that says nothing of
     // how well it predicts the lane. Each item ends 20 ms after its lane thread blocks on it,
-    // so the lane's waits are long enough to watch: every one of them is watched.
+    // so the lane's waits are long enough to watch: every one of them is watched. Two misses in
+    // a row would leave the third to the driver. (Three waits, not more: the watcher naps
+    // toward the third, and naps a loaded host ends late could call a fourth too short.)
     let pool = super::mock_device::support::pool_watching(1, Duration::from_secs(600));
     let (mut published, mut asked) = (Vec::new(), Vec::new());
-    for _ in 0..4 {
+    for _ in 0..3 {
         let (fence, release) = word_fence(true, |_, _| Ok(false));
         let (queries, blocks) = (fence.queries.clone(), fence.blocks.clone());
         let (slot, _) = submit_fence(&pool, Box::new(fence));
@@ -839,10 +842,10 @@ fn a_word_ahead_of_its_event_is_not_a_miss() {
         result_of(&slot).expect("the block ends it");
         eventually("the lane is gone", || pool.gauges().pending == 0);
     }
-    assert_eq!(published, [1, 2, 3, 4], "entries handed to the watcher");
+    assert_eq!(published, [1, 2, 3], "entries handed to the watcher");
     assert_eq!(
         asked,
-        [1, 1, 1, 1],
+        [1, 1, 1],
         "each confirmed by a query, which said not yet"
     );
     pool.shutdown();
@@ -923,6 +926,10 @@ fn a_lane_thread_watches_the_word_of_the_lane_it_serves_now() {
     first.finish();
     let slot = submit(&pool, &first, 0, 1);
     result_of(&slot).expect("seen by the watcher");
+    // Counted just after it is delivered.
+    eventually("counted as watched", || {
+        pool.counters().read(WaiterStats::default()).watched == 1
+    });
     first.wake_driver();
     eventually("the lane thread waits for work", || {
         pool.idle_threads() == 1 && pool.watched_entries() == 0
