@@ -349,10 +349,18 @@ fn a_polled_stream_that_ends_a_wait_is_no_longer_stuck() {
     let stuck_on_1 =
         |pool: &crate::waiter::pool::Pool| pool.stuck().iter().any(|wait| wait.stream_id == 1);
     eventually("stream 1 is reported stuck", || stuck_on_1(&pool));
+    let finished = Instant::now();
     first.finish();
     result_of(&polled).expect("resolved");
-    // The poller resolved it in a batch: that is progress too.
-    assert!(!stuck_on_1(&pool), "{:?}", pool.stuck());
+    // The poller resolved it in a batch: that is progress too. (Stuck again only if this read
+    // comes a second after it, on a loaded host: a stall counted from then.)
+    let stalls = pool.stuck();
+    let since_finished = finished.elapsed();
+    let stall = stalls.iter().find(|wait| wait.stream_id == 1);
+    assert!(
+        stall.is_none_or(|wait| wait.waited <= since_finished),
+        "{stalls:?}"
+    );
     second.finish();
     held.finish();
     result_of(&behind).expect("resolved");
