@@ -59,9 +59,20 @@ pub(super) struct Lane {
 }
 
 impl Lane {
+    /// Its waits not resolved yet: queued, out in a batch, and the one a lane thread holds
+    /// (blocked on it, or asking it), if any.
+    pub(super) fn pending(&self) -> usize {
+        self.waits.len() + self.out + usize::from(self.held.is_some())
+    }
+
     /// Nothing queued, held or out: who serves it removes it.
     pub(super) fn is_idle(&self) -> bool {
-        self.waits.is_empty() && self.held.is_none() && self.out == 0
+        self.pending() == 0
+    }
+
+    /// The future of the wait its lane thread holds was dropped.
+    pub(super) fn held_given_up(&self) -> bool {
+        self.held.as_ref().is_some_and(|slot| slot.is_cancelled())
     }
 
     /// End the lane's hold of `slot`'s wait and mark the lane as progressed. Returns whether the

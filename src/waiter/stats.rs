@@ -63,9 +63,8 @@ pub(super) fn gauges(state: &State) -> WaiterStats {
     let mut gauges = WaiterStats::default();
     (gauges.threads, gauges.peak_threads) = (state.threads(), state.peak_threads);
     for lane in state.lanes.values() {
-        let held = lane.held.as_ref();
-        gauges.pending += lane.waits.len() + lane.out + usize::from(held.is_some());
-        gauges.cancelled_held += usize::from(held.is_some_and(|slot| slot.is_cancelled()));
+        gauges.pending += lane.pending();
+        gauges.cancelled_held += usize::from(lane.held_given_up());
     }
     gauges
 }

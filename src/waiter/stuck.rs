@@ -57,12 +57,9 @@ pub(super) fn stalled(
 ) -> Vec<StuckWait> {
     let mut found = Vec::new();
     for (key, lane) in lanes {
-        // Waits queued or out in a batch, and the one a lane thread holds (blocked on it, or
-        // asking it), if any.
-        let (queued, held) = (lane.waits.len() + lane.out, lane.held.as_ref());
+        let pending = lane.pending();
         let waited = now.saturating_duration_since(lane.since);
-        let pending = queued > 0 || held.is_some();
-        if waited < after || !pending || mark && std::mem::replace(&mut lane.reported, true) {
+        if waited < after || pending == 0 || mark && std::mem::replace(&mut lane.reported, true) {
             continue;
         }
         let stream_id = key.stream_id();
@@ -71,8 +68,9 @@ pub(super) fn stalled(
             stream: name.map_or_else(|| format!("a stream ({stream_id})"), str::to_owned),
             stream_id,
             waited,
-            behind: queued - usize::from(held.is_none()),
-            given_up: held.is_some_and(|slot| slot.is_cancelled()),
+            // The oldest is the held wait, or the first queued where none is held.
+            behind: pending - 1,
+            given_up: lane.held_given_up(),
         });
     }
     found
