@@ -187,8 +187,16 @@ mod cuda {
             }
             _ => unreachable!("CUDA streams here"),
         };
-        let seen = futures::executor::block_on(pipeline(&one, &two, launch, |_| {}));
-        assert!(!seen.second_done_at_once, "stage two ran before stage one");
+        // When stage two was asked, from before stage one's launch.
+        let asked = std::cell::Cell::new(Duration::MAX);
+        let launched = std::time::Instant::now();
+        let release = |_: &AnyFence| asked.set(launched.elapsed());
+        let seen = futures::executor::block_on(pipeline(&one, &two, launch, release));
+        // Unless the test thread was off its core for all of stage one.
+        assert!(
+            !seen.second_done_at_once || asked.get() >= Duration::from_millis(200),
+            "stage two ran before stage one"
+        );
         // Stage two's own work is 1 µs; only the device-side wait kept it
         // behind stage one's 200 ms.
         assert!(
