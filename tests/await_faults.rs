@@ -534,6 +534,7 @@ fn a_future_polled_again_after_it_completed_is_an_error_not_a_hang() {
     assert_eq!(polled[0], Some(Ok(())));
     assert!(polled[1..].iter().all(Option::is_none), "held by the gate");
     assert!(futures[0].is_terminated());
+    assert!(!futures[1].is_terminated(), "a pending future is not done");
 
     let again = (&mut futures[0]).now_or_never();
     assert!(

@@ -249,8 +249,14 @@ fn the_spin_budget_is_bounded() {
 #[test]
 fn debug_names_the_backend_and_state() {
     let stream = HostStream::new().unwrap();
-    let future = EventFence::<Host>::new(stream.handle()).wait();
+    let gate = Gate::hold(&stream);
+    let mut future = EventFence::<Host>::new(stream.handle()).wait();
     assert_eq!(format!("{future:?}"), "HostFenceFuture(first poll)");
+    assert!((&mut future).now_or_never().is_none(), "handed off");
+    assert_eq!(format!("{future:?}"), "HostFenceFuture(waiting)");
+    gate.open();
+    assert_eq!(future.wait_sync_timeout(Duration::MAX), Some(Ok(())));
+    assert_eq!(format!("{future:?}"), "HostFenceFuture(done)");
 }
 
 /// The global waiter's promise: never shut down, whoever asks.
@@ -336,7 +342,10 @@ fn wait_sync_timeout_gives_up_on_a_held_stream_and_can_wait_again() {
     // (below) instead of hanging it.
     let timed = std::thread::spawn(move || {
         let mut wait = wait;
+        let started = std::time::Instant::now();
         let result = wait.wait_sync_timeout(Duration::from_millis(20));
+        // Never sooner than asked.
+        assert!(started.elapsed() >= Duration::from_millis(20));
         (result, wait)
     });
     eventually(Duration::from_secs(20), "the deadline passes", || {
@@ -401,18 +410,52 @@ fn a_waiters_debug_shows_its_counts_and_settings() {
         .max_threads(3)
         .keep_alive(Duration::from_millis(1234))
         .thread_name("debug-shown")
+        .watchers(0)
         .build();
-    let shown = format!("{waiter:?}");
-    for part in [
-        "Waiter {",
-        "threads: 0",
-        "pending: 0",
-        "max_threads: 3",
-        "keep_alive: 1.234s",
-        "\"debug-shown\"",
-    ] {
-        assert!(shown.contains(part), "{part:?} not in {shown}");
-    }
+    let shows = |waiter: &Waiter, parts: &[&str]| {
+        let shown = format!("{waiter:?}");
+        for part in parts {
+            assert!(shown.contains(part), "{part:?} not in {shown}");
+        }
+    };
+    shows(
+        &waiter,
+        &[
+            "Waiter {",
+            "threads: 0",
+            "pending: 0",
+            "max_threads: 3",
+            "keep_alive: 1.234s",
+            "\"debug-shown\"",
+        ],
+    );
+    // Counts as they are: one lane thread blocked, with two waits.
+    let stream = HostStream::new().unwrap();
+    let gate = Gate::hold(&stream);
+    let mut futures: Vec<_> = (0..2).map(|_| waiter.wait(stream.fence())).collect();
+    assert!(futures.iter_mut().all(|f| f.now_or_never().is_none()));
+    shows(&waiter, &["threads: 1", "pending: 2"]);
+    gate.open();
+    let results = futures::executor::block_on(join_all(futures));
+    assert!(results.iter().all(Result::is_ok), "{results:?}");
+    // The defaults, and settings clamped to their range.
+    let defaults = Waiter::builder().build();
+    shows(
+        &defaults,
+        &[
+            "max_threads: 64",
+            "keep_alive: 10s",
+            "\"device-events-waiter\"",
+            "spin_budget: 0ns",
+            "stuck_after: None",
+        ],
+    );
+    shows(
+        &Waiter::builder().max_threads(0).build(),
+        &["max_threads: 1,"],
+    );
+    let most = format!("max_threads: {},", device_events::MAX_THREADS_LIMIT);
+    shows(&Waiter::builder().max_threads(usize::MAX).build(), &[&most]);
 }
 
 /// A timeout too long to add to the clock (`Duration::MAX`) waits as long
@@ -425,4 +468,43 @@ fn a_deadline_beyond_the_clock_waits_until_reached() {
     assert!((&mut future).now_or_never().is_none(), "handed off");
     gate.open();
     assert_eq!(future.wait_sync_timeout(Duration::MAX), Some(Ok(())));
+}
+
+/// Idle threads, the watcher's too, leave after their `keep_alive` (not the
+/// default's 10 s, nor ten times theirs), and at once when the waiter shuts
+/// down, however long theirs.
+#[test]
+fn idle_threads_leave_after_their_keep_alive_and_at_shutdown() {
+    let short = Duration::from_millis(250);
+    for (keep_alive, watchers) in [(short, 0), (short, 1), (Duration::from_secs(600), 1)] {
+        let waiter = Waiter::builder()
+            .keep_alive(keep_alive)
+            .watchers(watchers)
+            .build();
+        let stream = HostStream::new().unwrap();
+        let gate = Gate::hold(&stream);
+        let mut future = waiter.wait(stream.fence());
+        assert!((&mut future).now_or_never().is_none(), "handed off");
+        // No thread is idle before this.
+        let opened = std::time::Instant::now();
+        gate.open();
+        futures::executor::block_on(future).unwrap();
+        // A lane thread, and the watcher its first wait started.
+        assert_eq!(waiter.peak_threads(), 1 + watchers);
+        let threads = waiter.threads();
+        assert!(
+            threads >= 1 || opened.elapsed() >= keep_alive,
+            "left at once"
+        );
+        if keep_alive == short {
+            eventually(short * 8, "the idle threads leave", || {
+                waiter.threads() == 0
+            });
+        } else {
+            waiter.shutdown();
+            eventually(Duration::from_secs(20), "the threads leave", || {
+                waiter.threads() == 0
+            });
+        }
+    }
 }

@@ -52,13 +52,14 @@ fn expect_named(prefix: &str, count: usize, what: &str) {
 
 const HOST_STREAM: &str = "host-stream-";
 const DROP_QUEUE: &str = "device-events-d";
-const WAITER: &str = "svc-waiter";
+/// Short, so the kernel keeps the whole of each thread's name.
+const WAITER: &str = "svc";
 
 /// A waiter as a service builds it: `stuck_after` on (so its poller runs
 /// while a wait is pending), the watcher as asked.
 fn service_waiter(watchers: usize) -> Waiter {
     Waiter::builder()
-        .thread_name("svc-waiter")
+        .thread_name(WAITER)
         .stuck_after(Duration::from_secs(60))
         .watchers(watchers)
         .build()
@@ -110,6 +111,9 @@ fn a_four_stream_service_takes_the_threads_the_formula_says() {
     // the process's threads once the waiter's have started and named
     // themselves.
     expect_named(WAITER, waiter_threads, "the waiter's threads");
+    for (name, count) in [("svc-poller", 1), ("svc-watcher", 1), ("svc-1", 1)] {
+        expect_named(name, count, "the waiter's threads, by name");
+    }
     let busy = process_threads() - start;
     eprintln!(
         "host: {} threads before; the runtime {runtime_threads}; streams and drop queues {idle}; \
@@ -186,6 +190,9 @@ fn cuda_streams(runtime: &tokio::runtime::Runtime) {
     });
     expect_named(DROP_QUEUE, STREAMS, "a drop queue per stream");
     expect_named(WAITER, waiter_threads, "the waiter's threads");
+    for (name, count) in [("svc-poller", 1), ("svc-watcher", 1), ("svc-1", 1)] {
+        expect_named(name, count, "the waiter's threads, by name");
+    }
     let busy = process_threads() - start;
     eprintln!(
         "CUDA: the driver's threads {driver}; drop queues {idle}; with a wait pending on every \

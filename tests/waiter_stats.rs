@@ -8,10 +8,12 @@ mod common;
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use common::logs::{capture, infos_containing, warnings_containing};
+use common::logs::{capture, infos_containing, on_line, warnings_containing};
 use common::{eventually, faultable_stream, Gate};
 use device_events::host::{Host, HostStream};
 use device_events::{EventApi, FenceFuture, ServerError, Waiter, WaiterBuilder, WaiterStats};
@@ -94,6 +96,7 @@ fn dropped_futures_move_cancelled_by_as_many() {
     // the device reaches it; the others left at once.
     assert!(stats.pending <= 1, "{stats:?}");
     assert_eq!(stats.cancelled_held, stats.pending, "{stats:?}");
+    assert_eq!(waiter.pending(), stats.pending, "the held wait is pending");
     gate.open();
     eventually(LIMIT, "the held wait is let go", || {
         waiter.stats().pending == 0
@@ -110,6 +113,14 @@ fn dropped_futures_move_cancelled_by_as_many() {
         (5, 0, 0, 0),
         "a dropped future is counted once, as cancelled: {stats:?}"
     );
+    // A future dropped once its result came, unpolled, was not cancelled.
+    let gate = Gate::hold(&stream);
+    let resolved = handed_off(&waiter, &stream, 2);
+    gate.open();
+    eventually(LIMIT, "the waits resolve", || waiter.stats().resolved == 2);
+    drop(resolved);
+    let stats = waiter.stats();
+    assert_eq!((stats.cancelled, stats.resolved), (5, 2), "{stats:?}");
 }
 
 #[test]
@@ -164,23 +175,38 @@ fn shutdown_fails_what_is_pending() {
     let stats = waiter.stats();
     check_accounts(&stats);
     assert_eq!((stats.failed, stats.resolved), (4, 0), "{stats:?}");
+    // Refused at its first poll: answered there, not handed off.
+    let refused = futures::executor::block_on(waiter.wait(stream.fence()));
+    assert_eq!(refused, Err(ServerError::WaiterGone));
+    let stats = waiter.stats();
+    assert_eq!(
+        (stats.ready_at_first_poll, stats.handed_off),
+        (1, 4),
+        "{stats:?}"
+    );
     gate.open();
 }
 
 #[test]
 fn reached_fences_count_as_ready_at_first_poll() {
-    let waiter = Waiter::builder().build();
-    let stream = HostStream::new().unwrap();
-    stream.synchronize().unwrap();
-    for _ in 0..3 {
-        futures::executor::block_on(waiter.wait(stream.fence())).unwrap();
+    // With a spin budget too: a fence reached at the first query is ready.
+    let spinning = Waiter::builder()
+        .spin_budget(Duration::from_secs(1))
+        .build();
+    for waiter in [Waiter::builder().build(), spinning] {
+        let stream = HostStream::new().unwrap();
+        stream.synchronize().unwrap();
+        for _ in 0..3 {
+            let ready = poll_once(&mut waiter.wait(stream.fence()));
+            assert_eq!(ready, Poll::Ready(Ok(())));
+        }
+        let stats = waiter.stats();
+        assert_eq!(
+            (stats.ready_at_first_poll, stats.handed_off, stats.threads),
+            (3, 0, 0),
+            "{stats:?}"
+        );
     }
-    let stats = waiter.stats();
-    assert_eq!(
-        (stats.ready_at_first_poll, stats.handed_off, stats.threads),
-        (3, 0, 0),
-        "{stats:?}"
-    );
 }
 
 #[test]
@@ -287,6 +313,7 @@ fn settle(waiter: &Waiter) {
     eventually(LIMIT, "the waiter's threads leave", || {
         waiter.stats().threads == 0
     });
+    assert!(waiter.peak_threads() >= 1, "its threads are remembered");
 }
 
 /// The lines `of_kind` naming `needle`, once there are at least `count`:
@@ -299,6 +326,44 @@ fn logged(of_kind: fn(&str) -> Vec<String>, needle: &str, count: usize) -> Vec<S
     of_kind(needle)
 }
 
+/// As each line containing `needle` is logged, the logging thread waits
+/// (up to `LIMIT`) for another thread to read `waiter`'s stats, which takes
+/// its lock: set to 1 if it could (no lock of the waiter's was held while
+/// logging: a slow logger holds up no wait), 2 if not.
+fn logged_with_no_lock_held(waiter: &Waiter, needle: &str) -> Arc<AtomicU8> {
+    let seen = Arc::new(AtomicU8::new(0));
+    let (waiter, outcome) = (waiter.clone(), seen.clone());
+    on_line(needle, move |_| {
+        let reader = {
+            let waiter = waiter.clone();
+            std::thread::spawn(move || waiter.stats())
+        };
+        let until = std::time::Instant::now() + LIMIT;
+        while !reader.is_finished() && std::time::Instant::now() < until {
+            std::thread::yield_now();
+        }
+        outcome.store(if reader.is_finished() { 1 } else { 2 }, Ordering::SeqCst);
+    });
+    seen
+}
+
+/// The time a stall's warning says its wait has waited, read back from the
+/// `Debug` of a `Duration` ("pending for 250.3ms").
+fn warned_waited(line: &str) -> Duration {
+    let after = line.split("pending for ").nth(1).expect("a waited time");
+    let figure = after.split(' ').next().unwrap_or_default();
+    let unit_at = figure.find(|c: char| !c.is_ascii_digit() && c != '.');
+    let (number, unit) = figure.split_at(unit_at.expect("a unit"));
+    let nanos_per = match unit {
+        "s" => 1e9,
+        "ms" => 1e6,
+        "µs" => 1e3,
+        "ns" => 1.0,
+        _ => panic!("no unit in {line:?}"),
+    };
+    Duration::from_nanos((number.parse::<f64>().unwrap() * nanos_per) as u64)
+}
+
 // Long enough that the test's own steps (a few hand-offs in a row) never
 // take it, even on a loaded machine; a stall is then only what a test holds.
 const STUCK_AFTER: Duration = Duration::from_millis(250);
@@ -306,6 +371,7 @@ const STUCK_AFTER: Duration = Duration::from_millis(250);
 #[test]
 fn a_stream_held_past_stuck_after_is_listed_and_warned_once_by_the_poller() {
     let (waiter, needle) = stuck_waiter("stuck-listed-waiter", STUCK_AFTER);
+    let logged_freely = logged_with_no_lock_held(&waiter, "[stuck-listed-waiter-poller]");
     let stream = HostStream::new().unwrap();
     let other = HostStream::new().unwrap();
     let gate = Gate::hold(&stream);
@@ -342,10 +408,23 @@ fn a_stream_held_past_stuck_after_is_listed_and_warned_once_by_the_poller() {
     let warned = about(&stream);
     assert_eq!(warned.len(), 1, "one warning while stuck: {warned:?}");
     assert!(warned[0].contains("2 more queued behind it"), "{warned:?}");
+    // How long the wait had waited: past `stuck_after` (not that setting
+    // itself), and no longer than it has now.
+    let waited = warned_waited(&warned[0]);
+    assert!(waited > STUCK_AFTER, "{warned:?}");
+    assert!(waited <= waiter.stuck()[0].waited, "{warned:?}");
     // From the poller: never from a read of `stuck()` or a task's poll.
     assert!(
         warned[0].starts_with("[stuck-listed-waiter-poller]"),
         "{warned:?}"
+    );
+    eventually(LIMIT, "the logger's call returns", || {
+        logged_freely.load(Ordering::SeqCst) != 0
+    });
+    assert_eq!(
+        logged_freely.load(Ordering::SeqCst),
+        1,
+        "the waiter was read while its warning was logged"
     );
     gate.open();
     let results = futures::executor::block_on(futures::future::join_all(futures));

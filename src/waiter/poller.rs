@@ -11,11 +11,17 @@ use super::wait::Wait;
 use super::waitable::LaneKey;
 
 /// The poller's first pause after a round without progress.
-const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
+pub(super) const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
 /// The poller's longest pause: the most latency a polled lane can add.
-const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
+pub(super) const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
 /// Idle rounds before the poller exits (none under loom: fewer states).
 const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
+
+/// How often the poller looks for stalls past `stuck_after`: four times per `stuck_after`, at
+/// most once a millisecond.
+pub(super) fn looks_every(stuck_after: Duration) -> Duration {
+    (stuck_after / 4).max(Duration::from_millis(1))
+}
 
 impl Pool {
     /// A poller's round: adopt the lanes queued for it into `lanes`, take the withdrawn waits, wake
@@ -66,9 +72,7 @@ impl WaiterThread {
     /// The poller: each round, adopt lanes, drop withdrawn waits, ask its lanes, warn of stalls,
     /// and pause (backing off while nothing moves).
     pub(super) fn run_poller(&mut self) {
-        // Four looks per `stuck_after`, at most one a millisecond.
-        let check_every =
-            (self.pool.config().stuck_after).map(|after| (after / 4).max(Duration::from_millis(1)));
+        let check_every = self.pool.config().stuck_after.map(looks_every);
         let mut next_check = Instant::now();
         let mut backoff = POLL_BACKOFF_MIN;
         let mut idle_rounds = 0;

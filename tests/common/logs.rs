@@ -5,10 +5,14 @@
 //! it produces (its fault plan's label, which `faulty::inject` keeps unique,
 //! or a panic message of its own).
 
-use std::sync::{Mutex, Once};
+use std::sync::{Arc, Mutex, Once};
 
 static RECORDS: Mutex<Vec<(log::Level, String)>> = Mutex::new(Vec::new());
 static INSTALL: Once = Once::new();
+
+/// Code run on the logging thread as a line is logged ([`on_line`]).
+type Hook = Arc<dyn Fn(&str) + Send + Sync>;
+static HOOKS: Mutex<Vec<(String, Hook)>> = Mutex::new(Vec::new());
 
 struct Capture;
 
@@ -24,7 +28,13 @@ impl log::Log for Capture {
         RECORDS
             .lock()
             .unwrap_or_else(|poison| poison.into_inner())
-            .push((record.level(), line));
+            .push((record.level(), line.clone()));
+        let hooks: Vec<Hook> = (HOOKS.lock().unwrap_or_else(|poison| poison.into_inner()))
+            .iter()
+            .filter(|(needle, _)| line.contains(needle.as_str()))
+            .map(|(_, hook)| hook.clone())
+            .collect();
+        hooks.iter().for_each(|hook| hook(&line));
     }
 
     fn flush(&self) {}
@@ -36,6 +46,14 @@ pub fn capture() {
         log::set_logger(&Capture).expect("no other logger in tests");
         log::set_max_level(log::LevelFilter::Trace);
     });
+}
+
+/// Run `hook` on the logging thread, in the logger's call, for each line
+/// containing `needle` (once it is captured): a logger that is slow, or
+/// that calls back into the crate.
+pub fn on_line(needle: &str, hook: impl Fn(&str) + Send + Sync + 'static) {
+    (HOOKS.lock().unwrap_or_else(|poison| poison.into_inner()))
+        .push((needle.to_owned(), Arc::new(hook)));
 }
 
 /// Warnings logged so far whose text contains `needle`.

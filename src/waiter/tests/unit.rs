@@ -252,6 +252,52 @@ fn withdrawn_waits_go_to_the_poller_never_to_a_new_lane_thread() {
     );
 }
 
+/// A lane is idle, and still there, between its last wait's end and its
+/// thread's release: a wait handed to it then starts its stall at its own
+/// hand-off, not at the lane's last mark.
+#[test]
+fn a_wait_handed_to_an_idle_lane_starts_its_stall_at_its_hand_off() {
+    let mut state = State::default();
+    assert_eq!(new_lane(&mut state, 0, 1).spawn_thread, Some(1));
+    let key = LaneKey::for_tests(0);
+    let lane = state.lanes.get_mut(&key).expect("made");
+    lane.waits.clear();
+    let a_second_ago = lane.since.checked_sub(Duration::from_secs(1));
+    lane.since = a_second_ago.expect("a clock past its first second");
+    let fence = super::mock_device::MockFence {
+        device: Device::reached(),
+        lane: 0,
+        sequence: 1,
+    };
+    let slot = Arc::new(Slot::new(futures::task::noop_waker()));
+    let handed_at = slot.handed_at();
+    assert!(!state.insert(Wait::new(Arc::new(fence), slot, key, None)));
+    assert_eq!(state.lanes[&key].since, handed_at);
+}
+
+/// The poller's figures `WaiterBuilder` gives: `stuck_after`'s (a stall is
+/// warned about within a quarter of `stuck_after` past it, with looks at most
+/// once a millisecond) and `max_threads`' (its pauses back off from 50 µs to
+/// 1 ms).
+#[test]
+fn the_poller_keeps_the_figures_the_builder_gives() {
+    use crate::waiter::poller::{looks_every, POLL_BACKOFF_MAX, POLL_BACKOFF_MIN};
+    assert_eq!(POLL_BACKOFF_MIN, Duration::from_micros(50));
+    assert_eq!(POLL_BACKOFF_MAX, Duration::from_millis(1));
+    assert_eq!(
+        looks_every(Duration::from_secs(1)),
+        Duration::from_millis(250)
+    );
+    assert_eq!(
+        looks_every(Duration::from_millis(10)),
+        Duration::from_micros(2_500)
+    );
+    assert_eq!(
+        looks_every(Duration::from_micros(100)),
+        Duration::from_millis(1)
+    );
+}
+
 #[test]
 fn nothing_is_placed_after_shutdown() {
     let mut state = State {

@@ -425,6 +425,10 @@ mod tests {
             !super::too_short(None, Duration::from_secs(1)),
             "no history: watched"
         );
+        // The figure `WaiterBuilder::watchers` gives.
+        let micros = |n| Some(Duration::from_micros(n));
+        assert!(super::too_short(micros(149), Duration::ZERO));
+        assert!(!super::too_short(micros(150), Duration::ZERO));
     }
 
     #[test]
@@ -493,6 +497,8 @@ mod tests {
         );
         let looked = timing.look_until(&long) - timing.look_from(&long);
         assert!(looked <= MAX_LOOK, "{looked:?}");
+        // The figure `WaiterBuilder::watchers` gives.
+        assert!(looked <= Duration::from_micros(200), "{looked:?}");
         // And at most half the prediction early.
         history.ended(Duration::from_micros(160));
         let short = entry(&mut history, started);
