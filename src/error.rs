@@ -394,6 +394,46 @@ mod tests {
 
     use super::{status, ErrorSource, ServerError};
 
+    /// What each variant's helpers and `Display` promise.
+    #[test]
+    fn the_helpers_answer_for_each_variant_as_documented() {
+        let call = |code| ServerError::call("Cuda", "cuEventQuery", code, "N", "m");
+        for (code, capture) in [(899, false), (900, true), (908, true), (909, false)] {
+            assert_eq!(call(code).is_stream_capture(), capture, "{code}");
+        }
+        let faulted = ServerError::faulted("Host", "event_query", 700, "FAULT", "it broke");
+        assert!(faulted.is_faulted());
+        let shown = faulted.to_string();
+        assert!(
+            shown.contains("(event_query)") && shown.contains("it broke"),
+            "{shown}"
+        );
+        let shut_down = ServerError::ShutDown {
+            backend: "Cuda",
+            call: "cuEventQuery",
+        };
+        assert!(!shut_down.is_faulted() && shut_down.is_shut_down());
+        assert_eq!(shut_down.code(), Some(status::DEINITIALIZED));
+        let os = std::io::Error::other("spawn refused");
+        let spawn = ServerError::thread_spawn("Waiter", os).with_source(std::fmt::Error);
+        let source = spawn.error_source().expect("a source");
+        assert!(
+            source.downcast_ref::<std::fmt::Error>().is_some(),
+            "{source}"
+        );
+    }
+
+    /// Two sources are equal when every message of their chains is.
+    #[test]
+    fn sources_with_the_same_message_and_another_cause_differ() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("outer")]
+        struct Outer(#[source] std::io::Error);
+        let with = |inner| ErrorSource::new(Outer(std::io::Error::other(inner)));
+        assert_eq!(with("a"), with("a"));
+        assert_ne!(with("a"), with("b"));
+    }
+
     #[test]
     fn errors_are_send_sync_and_unwind_safe_with_a_source() {
         fn traits<T: Send + Sync + std::panic::UnwindSafe + std::panic::RefUnwindSafe>(_: &T) {}

@@ -95,6 +95,12 @@ fn a_profiler_written_once_times_host_stages() {
         _ => unreachable!("a host stream here"),
     });
     check_stage_times(&times, created, length);
+    // An event out with a start is made, not pooled.
+    let profiler = AnyProfiler::new();
+    let start = profiler.start(&stream).unwrap();
+    assert_eq!((profiler.created(), profiler.pooled()), (1, 0));
+    profiler.stop(start, &stream).unwrap().wait_sync().unwrap();
+    assert_eq!((profiler.created(), profiler.pooled()), (2, 2));
 }
 
 #[test]

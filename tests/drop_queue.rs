@@ -1200,6 +1200,8 @@ fn a_queue_dropped_while_its_thread_panics_does_not_wait_for_its_fences() {
 struct Flagged {
     dropped: Arc<std::sync::atomic::AtomicBool>,
     opens: Option<Gate>,
+    /// Work that must have run before the drop, and the flag set if not.
+    after: Option<(Progress, Arc<std::sync::atomic::AtomicBool>)>,
 }
 
 impl Flagged {
@@ -1207,12 +1209,16 @@ impl Flagged {
         Self {
             dropped: dropped.clone(),
             opens: None,
+            after: None,
         }
     }
 }
 
 impl Drop for Flagged {
     fn drop(&mut self) {
+        if let Some((progress, early)) = &self.after {
+            early.fetch_or(progress.get() == 0, Ordering::SeqCst);
+        }
         self.dropped.store(true, Ordering::SeqCst);
         if let Some(gate) = self.opens.take() {
             gate.open();
@@ -1225,22 +1231,30 @@ impl Drop for Flagged {
 /// until `shutdown_now` has taken them out of the queue, so the queue's
 /// thread waits on none of them.
 fn hand_back(entries: Vec<(EventFence<Host>, Flagged)>) -> HandedBack<EventFence<Host>, Flagged> {
+    hand_back_as(|fence| fence, entries)
+}
+
+/// [`hand_back`], for fences of another type: `wrap` makes the queue's own.
+fn hand_back_as<F: Fence>(
+    wrap: impl Fn(EventFence<Host>) -> F,
+    entries: Vec<(F, Flagged)>,
+) -> HandedBack<F, Flagged> {
     let (first, done) = (HostStream::new().unwrap(), HostStream::new().unwrap());
     let queue = DropQueue::new(entries.len() + 2).unwrap();
     let first_gate = Gate::hold(&first);
     let unused = Arc::default();
-    assert!(queue.push(first.fence(), Flagged::new(&unused)).is_ok());
+    assert!(queue
+        .push(wrap(first.fence()), Flagged::new(&unused))
+        .is_ok());
     common::eventually(Duration::from_secs(20), "the thread took the first", || {
         queue.stats().queued == 0
     });
     // Passed: shutdown_now drops it, which lets the first finish.
     let passed = done.fence();
     done.fence().wait_sync().unwrap();
-    let opener = Flagged {
-        dropped: unused,
-        opens: Some(first_gate),
-    };
-    assert!(queue.push(passed, opener).is_ok());
+    let mut opener = Flagged::new(&unused);
+    opener.opens = Some(first_gate);
+    assert!(queue.push(wrap(passed), opener).is_ok());
     let count = entries.len();
     for (fence, value) in entries {
         assert!(queue.push(fence, value).is_ok());
@@ -1314,4 +1328,116 @@ fn a_panicking_thread_drops_the_handed_back_values_that_passed_and_leaks_the_res
     held_gate.open();
     held.fence().wait_sync().unwrap();
     assert!(!leaked.load(Ordering::SeqCst), "a leaked value was dropped");
+}
+
+/// A fence that, asked to wait, first opens the gate its work is held by.
+struct OpensWhenWaited(EventFence<Host>, Arc<std::sync::Mutex<Option<Gate>>>);
+
+impl Fence for OpensWhenWaited {
+    fn wait_blocking(self) -> Result<(), device_events::ServerError> {
+        if let Some(gate) = self.1.lock().unwrap().take() {
+            gate.open();
+        }
+        self.0.wait_sync()
+    }
+
+    fn is_passed(&self) -> Result<bool, device_events::ServerError> {
+        self.0.is_complete()
+    }
+}
+
+/// `HandedBack::wait_then_drop` drops a value only once its fence has
+/// passed: here the work behind the fence runs only once it is waited on.
+#[test]
+fn waiting_on_what_shutdown_now_handed_back_drops_each_value_after_its_fence() {
+    let held = HostStream::new().unwrap();
+    let gate = Arc::new(std::sync::Mutex::new(Some(Gate::hold(&held))));
+    let progress = Progress::default();
+    progress.step_on(&held);
+    let dropped = Arc::default();
+    let early = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut checked = Flagged::new(&dropped);
+    checked.after = Some((progress, early.clone()));
+    let unused = Arc::default();
+    let wrap = |fence| OpensWhenWaited(fence, Arc::clone(&unused));
+    let fence = OpensWhenWaited(held.fence(), gate.clone());
+    let kept = hand_back_as(wrap, vec![(fence, checked)]);
+    assert_eq!(kept.wait_then_drop(), Ok(()));
+    assert!(dropped.load(Ordering::SeqCst));
+    assert!(!early.load(Ordering::SeqCst), "dropped before its fence");
+}
+
+/// Values are dropped in push order.
+#[test]
+fn values_are_dropped_in_push_order() {
+    struct Logs(usize, Arc<std::sync::Mutex<Vec<usize>>>);
+    impl Drop for Logs {
+        fn drop(&mut self) {
+            self.1.lock().unwrap().push(self.0);
+        }
+    }
+    let stream = HostStream::new().unwrap();
+    let queue = DropQueue::new(8).unwrap();
+    let order = Arc::default();
+    let gate = Gate::hold(&stream);
+    for id in 1..=4 {
+        assert!(queue
+            .push(stream.fence(), Logs(id, Arc::clone(&order)))
+            .is_ok());
+    }
+    gate.open();
+    queue.flush();
+    assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
+}
+
+/// A value whose drop pushes another value onto its own queue, with
+/// `push_blocking`.
+struct PushesOnItsQueue {
+    then: Option<(
+        Arc<DropQueue<EventFence<Host>, PushesOnItsQueue>>,
+        EventFence<Host>,
+    )>,
+    pushed: Arc<AtomicUsize>,
+    dropped: Arc<AtomicUsize>,
+}
+
+impl Drop for PushesOnItsQueue {
+    fn drop(&mut self) {
+        self.dropped.fetch_add(1, Ordering::SeqCst);
+        if let Some((queue, fence)) = self.then.take() {
+            let next = PushesOnItsQueue {
+                then: None,
+                pushed: self.pushed.clone(),
+                dropped: self.dropped.clone(),
+            };
+            if queue.push_blocking(fence, next).is_ok() {
+                self.pushed.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+}
+
+/// On the queue's own thread `push_blocking` queues past the capacity (only
+/// that thread makes room: waiting there would wait for good).
+#[test]
+fn push_blocking_on_the_queues_own_thread_queues_past_the_capacity() {
+    let stream = HostStream::new().unwrap();
+    let queue = Arc::new(DropQueue::new(1).unwrap());
+    let (pushed, dropped) = (Arc::default(), Arc::<AtomicUsize>::default());
+    let value = |then| PushesOnItsQueue {
+        then,
+        pushed: Arc::clone(&pushed),
+        dropped: Arc::clone(&dropped),
+    };
+    let gate = Gate::hold(&stream);
+    let first = value(Some((queue.clone(), stream.fence())));
+    assert!(queue.push(stream.fence(), first).is_ok());
+    // The value in flight fills the queue until its drop has returned.
+    gate.open();
+    common::eventually(Duration::from_secs(20), "the first's drop pushed", || {
+        pushed.load(Ordering::SeqCst) == 1
+    });
+    common::eventually(Duration::from_secs(20), "both dropped", || {
+        dropped.load(Ordering::SeqCst) == 2
+    });
 }

@@ -9,6 +9,7 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use common::{faultable_stream, Gate};
 use device_events::drop_queue::{DropQueue, Rejected};
@@ -17,7 +18,7 @@ use device_events::metrics::{
     self, DropQueueMetrics, ProfilerMetrics, WaiterMetrics, LATENCY_BUCKETS_SECONDS,
     WAKE_LATENCY_SECONDS,
 };
-use device_events::{EventFence, EventProfiler, Waiter};
+use device_events::{EventFence, EventProfiler, Waiter, WaiterStats};
 use futures::task::noop_waker_ref;
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 
@@ -199,6 +200,14 @@ fn the_waiter_publishes_its_stats_and_publishing_twice_counts_once() {
     let cpu = "device_events_waiter_watcher_cpu_seconds";
     assert_eq!(first.kind(cpu), "gauge");
     assert_eq!(first.get(cpu, &labels), stats.watcher_cpu.as_secs_f64());
+    // In seconds, whatever the watcher has used.
+    let mut busy = WaiterStats::default();
+    busy.watcher_cpu = Duration::from_millis(1_500);
+    let busy_labels = [("waiter", "busy")];
+    let seconds = scrape(&recorder, || {
+        WaiterMetrics::new(&busy_labels).publish(&busy);
+    });
+    assert_eq!(seconds.get(cpu, &busy_labels), 1.5);
 
     // The wake latencies of the three that resolved or failed, in LatencyHistogram's buckets.
     let latency = WAKE_LATENCY_SECONDS;
@@ -251,6 +260,9 @@ fn drop_queues_publish_under_their_own_labels() {
     let gate = Gate::hold(&stream);
     let queue = DropQueue::new(1).unwrap();
     queue.push(stream.fence(), vec![0u8; 8]).unwrap();
+    common::eventually(Duration::from_secs(20), "the thread took the first", || {
+        queue.stats().queued == 0
+    });
     let refused = queue.push(stream.fence(), vec![1u8; 8]);
     assert!(matches!(refused, Err(Rejected::Full(_))), "{refused:?}");
     drop(refused); // queued past the capacity
@@ -278,7 +290,10 @@ fn drop_queues_publish_under_their_own_labels() {
     let pending = "device_events_drop_queue_pending";
     assert_eq!(held.kind(pending), "gauge");
     assert_eq!(held.get(pending, &labels_zero), 2.0);
-    assert_eq!(held.kind("device_events_drop_queue_queued"), "gauge");
+    let queued = "device_events_drop_queue_queued";
+    assert_eq!(held.kind(queued), "gauge");
+    // One in flight on the queue's thread, one queued behind it.
+    assert_eq!(held.get(queued, &labels_zero), 1.0);
     gate.open();
     queue.flush();
     other.flush();
@@ -295,6 +310,7 @@ fn drop_queues_publish_under_their_own_labels() {
     assert_eq!(settled.get(name, &outcome("0", "handed_back")), 0.0);
     assert_eq!(settled.get(name, &outcome("1", "dropped")), 0.0);
     assert_eq!(settled.get(name, &outcome("1", "leaked")), 1.0);
+    assert_eq!(settled.get(name, &outcome("1", "handed_back")), 0.0);
     assert_eq!(settled.get(pushed, &labels_zero), 2.0);
     assert_eq!(settled.get(pending, &labels_zero), 0.0);
     assert_eq!(
