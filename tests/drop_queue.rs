@@ -1393,13 +1393,13 @@ fn values_are_dropped_in_push_order() {
 /// A value whose drop pushes another value onto its own queue, with
 /// `push_blocking`.
 struct PushesOnItsQueue {
-    then: Option<(
-        Arc<DropQueue<EventFence<Host>, PushesOnItsQueue>>,
-        EventFence<Host>,
-    )>,
+    /// The queue, and the fence to push the next value with.
+    then: Option<(PushingQueue, EventFence<Host>)>,
     pushed: Arc<AtomicUsize>,
     dropped: Arc<AtomicUsize>,
 }
+
+type PushingQueue = Arc<DropQueue<EventFence<Host>, PushesOnItsQueue>>;
 
 impl Drop for PushesOnItsQueue {
     fn drop(&mut self) {
