@@ -253,11 +253,7 @@ fn shutdown_now_drops_what_passed_and_hands_back_the_rest() {
     assert!(queue
         .push(EventFence::<Host>::new(first.handle()), item("first"))
         .is_ok());
-    common::eventually(
-        std::time::Duration::from_secs(20),
-        "the thread took \"first\"",
-        || queue.stats().queued == 0,
-    );
+    common::until_taken(&queue);
     // ... while "passed" (already reached) and "held" wait behind it.
     let passed = EventFence::<Host>::new(done.handle());
     EventFence::<Host>::new(done.handle()).wait_sync().unwrap();
@@ -524,9 +520,7 @@ fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
     // queued for shutdown_now to hand back.
     let first = CountedQuery(blocking.fence(), queries.clone());
     assert!(queue.push(first, counters.staging(0, &progress)).is_ok());
-    common::eventually(Duration::from_secs(20), "the thread took the first", || {
-        queue.stats().queued == 0
-    });
+    common::until_taken(&queue);
     let mut staging = counters.staging(1, &progress);
     staging.test_thread = std::thread::current().id();
     let second = CountedQuery(stream.fence(), queries.clone());
@@ -749,9 +743,7 @@ fn a_flush_waits_for_its_values_even_when_later_ones_are_handed_back() {
     assert!(queue
         .push(stream.fence(), counters.staging(1, &progress))
         .is_ok());
-    common::eventually(Duration::from_secs(20), "the thread took it", || {
-        queue.stats().queued == 0
-    });
+    common::until_taken(&queue);
     let mut flushed = Box::pin(queue.flush_async());
     let flag = Arc::new(FlagWaker::default());
     let waker = std::task::Waker::from(flag.clone());
@@ -1246,9 +1238,7 @@ fn hand_back_as<F: Fence>(
     assert!(queue
         .push(wrap(first.fence()), Flagged::new(&unused))
         .is_ok());
-    common::eventually(Duration::from_secs(20), "the thread took the first", || {
-        queue.stats().queued == 0
-    });
+    common::until_taken(&queue);
     // Passed: shutdown_now drops it, which lets the first finish.
     let passed = done.fence();
     done.fence().wait_sync().unwrap();

@@ -260,9 +260,7 @@ fn drop_queues_publish_under_their_own_labels() {
     let gate = Gate::hold(&stream);
     let queue = DropQueue::new(1).unwrap();
     queue.push(stream.fence(), vec![0u8; 8]).unwrap();
-    common::eventually(Duration::from_secs(20), "the thread took the first", || {
-        queue.stats().queued == 0
-    });
+    common::until_taken(&queue);
     let refused = queue.push(stream.fence(), vec![1u8; 8]);
     assert!(matches!(refused, Err(Rejected::Full(_))), "{refused:?}");
     drop(refused); // queued past the capacity

@@ -50,6 +50,14 @@ fn expect_named(prefix: &str, count: usize, what: &str) {
     eventually(LIMIT, what, || named(prefix) == count);
 }
 
+/// The service waiter's threads by name: its poller, its first lane thread,
+/// and `watchers` watcher threads.
+fn expect_waiter_names(watchers: usize) {
+    for (name, count) in [("svc-poller", 1), ("svc-watcher", watchers), ("svc-1", 1)] {
+        expect_named(name, count, "the waiter's threads, by name");
+    }
+}
+
 const HOST_STREAM: &str = "host-stream-";
 const DROP_QUEUE: &str = "device-events-d";
 /// Short, so the kernel keeps the whole of each thread's name.
@@ -111,9 +119,7 @@ fn a_four_stream_service_takes_the_threads_the_formula_says() {
     // the process's threads once the waiter's have started and named
     // themselves.
     expect_named(WAITER, waiter_threads, "the waiter's threads");
-    for (name, count) in [("svc-poller", 1), ("svc-watcher", 1), ("svc-1", 1)] {
-        expect_named(name, count, "the waiter's threads, by name");
-    }
+    expect_waiter_names(1);
     let busy = process_threads() - start;
     eprintln!(
         "host: {} threads before; the runtime {runtime_threads}; streams and drop queues {idle}; \
@@ -190,9 +196,7 @@ fn cuda_streams(runtime: &tokio::runtime::Runtime) {
     });
     expect_named(DROP_QUEUE, STREAMS, "a drop queue per stream");
     expect_named(WAITER, waiter_threads, "the waiter's threads");
-    for (name, count) in [("svc-poller", 1), ("svc-watcher", 0), ("svc-1", 1)] {
-        expect_named(name, count, "the waiter's threads, by name");
-    }
+    expect_waiter_names(0);
     let busy = process_threads() - start;
     eprintln!(
         "CUDA: the driver's threads {driver}; drop queues {idle}; with a wait pending on every \

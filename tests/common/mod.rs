@@ -77,6 +77,17 @@ impl Progress {
     }
 }
 
+/// Until `queue`'s thread has taken every queued value out (it waits on the
+/// last one's fence, or drops it): a value pushed next is queued behind it.
+pub fn until_taken<F: device_events::drop_queue::Fence, T: Send + 'static>(
+    queue: &device_events::drop_queue::DropQueue<F, T>,
+) {
+    let limit = std::time::Duration::from_secs(20);
+    eventually(limit, "the queue's thread took its values", || {
+        queue.stats().queued == 0
+    });
+}
+
 /// Poll `condition` until it holds, failing the test after `limit`: turns a
 /// hang into a failure. Not a timing assertion: `limit` is far beyond what a
 /// correct run needs.

@@ -214,17 +214,21 @@ fn a_burst_is_resolved_in_batches_with_no_block_past_the_first() {
     );
 }
 
-/// A new lane in `state` for stream `lane`, placed with `max_threads`.
-fn new_lane(state: &mut State, lane: u64, max_threads: usize) -> Action {
+/// A wait on a reached fence of stream `lane` at `sequence`.
+fn reached_wait(lane: u64, sequence: u64) -> Wait {
     let fence = super::mock_device::MockFence {
         device: Device::reached(),
         lane,
-        sequence: 0,
+        sequence,
     };
     let slot = Arc::new(Slot::new(futures::task::noop_waker()));
-    let key = crate::waiter::waitable::LaneKey::for_tests(lane);
-    assert!(state.insert(Wait::new(std::sync::Arc::new(fence), slot, key, None)));
-    state.place(key, max_threads, false)
+    Wait::new(Arc::new(fence), slot, LaneKey::for_tests(lane), None)
+}
+
+/// A new lane in `state` for stream `lane`, placed with `max_threads`.
+fn new_lane(state: &mut State, lane: u64, max_threads: usize) -> Action {
+    assert!(state.insert(reached_wait(lane, 0)));
+    state.place(LaneKey::for_tests(lane), max_threads, false)
 }
 
 #[test]
@@ -264,14 +268,9 @@ fn a_wait_handed_to_an_idle_lane_starts_its_stall_at_its_hand_off() {
     lane.waits.clear();
     let a_second_ago = lane.since.checked_sub(Duration::from_secs(1));
     lane.since = a_second_ago.expect("a clock past its first second");
-    let fence = super::mock_device::MockFence {
-        device: Device::reached(),
-        lane: 0,
-        sequence: 1,
-    };
-    let slot = Arc::new(Slot::new(futures::task::noop_waker()));
-    let handed_at = slot.handed_at();
-    assert!(!state.insert(Wait::new(Arc::new(fence), slot, key, None)));
+    let wait = reached_wait(0, 1);
+    let handed_at = wait.slot.handed_at();
+    assert!(!state.insert(wait));
     assert_eq!(state.lanes[&key].since, handed_at);
 }
 
