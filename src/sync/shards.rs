@@ -31,14 +31,25 @@ pub(crate) fn home(shards: usize) -> usize {
 mod tests {
     use super::*;
 
+    /// Same-sized allocations made one after another, as an allocator lays them out: the elements
+    /// of one allocation, so other tests' allocations in between cannot change the spacing.
     #[test]
     fn nearby_allocations_spread_over_the_shards() {
-        let boxes: Vec<Box<[u8; 64]>> = (0..256).map(|_| Box::new([0; 64])).collect();
-        let mut used = [false; 16];
-        for item in &boxes {
-            used[of_hash(hash_address(item.as_ptr() as usize), 16)] = true;
+        fn shards_used<const SIZE: usize>() -> [bool; 16] {
+            let run = vec![[0u8; SIZE]; 256];
+            let mut used = [false; 16];
+            for item in &run {
+                used[of_hash(hash_address(item.as_ptr() as usize), 16)] = true;
+            }
+            used
         }
-        assert!(used.iter().all(|&used| used), "{used:?}");
+        for used in [
+            shards_used::<64>(),
+            shards_used::<80>(),
+            shards_used::<128>(),
+        ] {
+            assert!(used.iter().all(|&used| used), "{used:?}");
+        }
     }
 
     #[test]
