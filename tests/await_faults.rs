@@ -280,7 +280,8 @@ fn shutdown_resolves_pending_waits_and_refuses_new_ones() {
     }
     waiter.shutdown();
     waiter.shutdown(); // twice is fine
-                       // Bounded, so a shutdown that resolves nothing fails here, not hangs.
+
+    // Bounded, so a shutdown that resolves nothing fails here, not hangs.
     for wait in &mut waits {
         assert_eq!(
             wait.wait_sync_timeout(LIMIT),
@@ -296,6 +297,10 @@ fn shutdown_resolves_pending_waits_and_refuses_new_ones() {
     eventually(LIMIT, "threads exit after shutdown", || {
         waiter.threads() == 0
     });
+    // A fence already reached needs no thread: its first poll answers.
+    stream.synchronize().unwrap();
+    let reached = waiter.wait(EventFence::<Host>::new(stream.handle()));
+    assert_eq!(reached.now_or_never(), Some(Ok(())));
 }
 
 /// A burst of cancelled waits (a client hanging up on many requests at once)

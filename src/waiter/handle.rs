@@ -171,7 +171,8 @@ impl Waiter {
     }
 
     /// Resolve every pending wait with [`ServerError::WaiterGone`] (those a thread is blocked on
-    /// too), refuse new ones so, and let the threads exit; never blocks, and safe to call twice. On
+    /// too), refuse so every new one that needs a thread (a fence already reached still answers
+    /// `Ok` at its first poll), and let the threads exit; never blocks, and safe to call twice. On
     /// [`Waiter::global()`] it only logs a warning.
     pub fn shutdown(&self) {
         if self.global {
