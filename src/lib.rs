@@ -60,29 +60,6 @@
 //! `stuck_after`; with the `serde` feature every stats type is
 //! `Serialize`.
 //!
-//! # Architecture
-//!
-//! Each module of the crate root is a layer: a file or a folder with a front-door `mod.rs`.
-//! Bottom up, each may name the layers above it in this table, except those in its "never
-//! names" column, and no layer below it except those in its "also names" column.
-//! `tests/layers.rs` reads this table and checks every `crate::` path in `src/` against it.
-//!
-//! | layer | holds | never names | also names |
-//! |---|---|---|---|
-//! | `error` | [`ServerError`] | | |
-//! | `sync` | the crate's locks and atomics (std's, or loom's in the waiter's models), a lock guard that checks its state's invariants, how state is spread over locks | | |
-//! | `os` | the crate's only operating-system calls and its only `unsafe` outside the CUDA FFI file: forks, the crate's own threads, timer slack, thread CPU time | | |
-//! | `panics` | panics in code the crate calls but does not own, caught with their payloads | | |
-//! | `api` | the backend contract ([`EventApi`], [`EventFlags`], the process-wide order of recorded points, a stream's progress word) | | |
-//! | `backend` | `cuda/` and `host/`: raw events and streams, the stream registry, fence-event pools, live-event counts; the FFI file `backend/cuda/driver.rs` | | `fence::EventFence`, to offer `cuda::fence` and [`host::HostStream::fence`] |
-//! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | `backend` | |
-//! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | `backend` | |
-//! | `waiter` | [`Waiter`]: threads, lanes, the watcher, hand-off, the futures, stats | `backend` | |
-//! | `profiler` | [`EventProfiler`]: device time between two points of a stream | | |
-//! | `any` | [`AnyFence`], [`AnyStream`] and [`AnyProfiler`]: either backend, chosen at run time | | |
-//! | `drop_queue` | [`drop_queue::DropQueue`] and its `Fence` trait (implemented there for [`EventFence`] and [`AnyFence`]) | `profiler` | |
-//! | `metrics` | the stats published to the `metrics` crate's recorder (feature `metrics`) | | |
-//!
 //! # Backends
 //!
 //! | backend | module | streams | when |
@@ -105,6 +82,29 @@
 //! EventFence::<Host>::new(b.handle()).wait_sync()?; // the host waits for both
 //! # Ok::<(), device_events::ServerError>(())
 //! ```
+//!
+//! # Architecture
+//!
+//! For contributors. Each module of the crate root is a layer: a file or a folder with a
+//! front-door `mod.rs`. Bottom up, each may name the layers above it in this table, except those
+//! in its "never names" column, and no layer below it except those in its "also names" column.
+//! `tests/layers.rs` reads this table and checks every `crate::` path in `src/` against it.
+//!
+//! | layer | holds | never names | also names |
+//! |---|---|---|---|
+//! | `error` | [`ServerError`] | | |
+//! | `sync` | the crate's locks and atomics (std's, or loom's in the waiter's models), a lock guard that checks its state's invariants, how state is spread over locks | | |
+//! | `os` | the crate's only operating-system calls and its only `unsafe` outside the CUDA FFI file: forks, the crate's own threads, timer slack, thread CPU time | | |
+//! | `panics` | panics in code the crate calls but does not own, caught with their payloads | | |
+//! | `api` | the backend contract ([`EventApi`], [`EventFlags`], the process-wide order of recorded points, a stream's progress word) | | |
+//! | `backend` | `cuda/` and `host/`: raw events and streams, the stream registry, fence-event pools, live-event counts; the FFI file `backend/cuda/driver.rs` | | `fence::EventFence`, to offer `cuda::fence` and [`host::HostStream::fence`] |
+//! | `event` | [`Event`]: one raw event, destroyed (or pooled) on every path | `backend` | |
+//! | `fence` | [`EventFence`]: record, the fallbacks, `wait_sync`, `wait_async` | `backend` | |
+//! | `waiter` | [`Waiter`]: threads, lanes, the watcher, hand-off, the futures, stats | `backend` | |
+//! | `profiler` | [`EventProfiler`]: device time between two points of a stream | | |
+//! | `any` | [`AnyFence`], [`AnyStream`] and [`AnyProfiler`]: either backend, chosen at run time | | |
+//! | `drop_queue` | [`drop_queue::DropQueue`] and its `Fence` trait (implemented there for [`EventFence`] and [`AnyFence`]) | `profiler` | |
+//! | `metrics` | the stats published to the `metrics` crate's recorder (feature `metrics`) | | |
 #![warn(missing_debug_implementations, unreachable_pub)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
