@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use common::{eventually, faultable_stream, Gate, Progress};
 use device_events::host::{Host, HostContext, HostStream};
-use device_events::{Event, EventFlags};
+use device_events::{status, Event, EventFlags};
 
 #[test]
 fn an_event_never_recorded_is_complete() {
@@ -152,6 +152,58 @@ fn elapsed_refuses_events_without_timing_or_not_reached() {
         Some(device_events::status::NOT_READY)
     );
     gate.open();
+}
+
+/// The time is its latest record's: a record behind one already reached is
+/// not reached, whether or not an earlier record of it has just passed.
+#[test]
+fn elapsed_is_not_ready_until_the_latest_record_is_reached() {
+    let stream = HostStream::new().unwrap();
+    let start = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    start.record(stream.handle()).unwrap();
+    end.record(stream.handle()).unwrap();
+    end.wait_sync().unwrap();
+    end.elapsed_since(&start).unwrap();
+    let not_ready = || {
+        let err = end.elapsed_since(&start).unwrap_err();
+        assert_eq!(err.code(), Some(status::NOT_READY), "{err}");
+    };
+    // Recorded again behind a gate: the reached record no longer counts.
+    let first = Gate::hold(&stream);
+    end.record(stream.handle()).unwrap();
+    not_ready();
+    // Recorded twice behind it: the first passes, the second is held.
+    let (passed, passed_here) = std::sync::mpsc::channel();
+    stream.launch(move || passed.send(()).unwrap()).unwrap();
+    let second = Gate::hold(&stream);
+    end.record(stream.handle()).unwrap();
+    first.open();
+    passed_here.recv().unwrap();
+    not_ready();
+    second.open();
+    end.wait_sync().unwrap();
+    end.elapsed_since(&start).unwrap();
+}
+
+#[test]
+fn elapsed_is_refused_for_a_start_never_recorded_and_after_a_fault() {
+    let stream = faultable_stream();
+    let start = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    let end = Event::<Host>::new(stream.handle(), EventFlags::TIMING).unwrap();
+    end.record(stream.handle()).unwrap();
+    end.wait_sync().unwrap();
+    let err = end.elapsed_since(&start).unwrap_err();
+    assert_eq!(err.code(), Some(status::INVALID_HANDLE), "{err}");
+    // Both reached, then the context faults: sticky, as every later call.
+    start.record(stream.handle()).unwrap();
+    end.record(stream.handle()).unwrap();
+    end.wait_sync().unwrap();
+    end.elapsed_since(&start).unwrap();
+    stream.launch(|| panic!("out of bounds")).unwrap();
+    assert!(stream.synchronize().unwrap_err().is_faulted());
+    let err = end.elapsed_since(&start).unwrap_err();
+    assert!(err.is_faulted(), "{err}");
 }
 
 #[test]

@@ -7,9 +7,12 @@ mod common;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use common::faulty::{self, Faulty};
 use common::{eventually, faultable_stream, Gate, Progress};
 use device_events::host::{Host, HostContext, HostStream};
 use device_events::{EventApi, EventFence, EventFlags, ServerError};
+
+const LIMIT: Duration = Duration::from_secs(20);
 
 #[test]
 fn work_runs_in_launch_order_on_one_thread() {
@@ -35,6 +38,78 @@ fn synchronize_waits_for_work_queued_before_it_only() {
     progress.step_on(&stream);
     Host::stream_synchronize(stream.handle()).unwrap();
     assert_eq!(progress.get(), 1);
+
+    // Work queued while a synchronize waits is not waited for. The count
+    // says the thread is in the call, maybe not yet past its start (then it
+    // rightly waits for the later work too): a few tries, each bounded.
+    let synchronized_alone = (0..5).any(|_| {
+        let before = Gate::hold(&stream);
+        let (done, returned) = std::sync::mpsc::channel();
+        let handle = stream.handle();
+        let waiting = std::thread::spawn(move || done.send(Faulty::stream_synchronize(handle)));
+        eventually(LIMIT, "the thread is in the synchronize", || {
+            faulty::stream_synchronizing(handle) == 1
+        });
+        let after = Gate::hold(&stream);
+        before.open();
+        let result = returned.recv_timeout(Duration::from_secs(2));
+        after.open();
+        waiting.join().unwrap().ok();
+        stream.synchronize().unwrap();
+        result.is_ok_and(|result| result.is_ok())
+    });
+    assert!(synchronized_alone, "a synchronize waited for later work");
+}
+
+/// A synchronize blocked on a stream whose context faults returns the fault
+/// at once: it does not wait for the stream's current work to end.
+#[test]
+fn a_fault_wakes_a_synchronize_blocked_on_a_sibling_stream() {
+    let context = HostContext::new();
+    let (faulting, sibling) = (context.new_stream().unwrap(), context.new_stream().unwrap());
+    let held = Gate::hold(&sibling);
+    let (done, returned) = std::sync::mpsc::channel();
+    let handle = sibling.handle();
+    let waiting = std::thread::spawn(move || done.send(Faulty::stream_synchronize(handle)));
+    eventually(LIMIT, "the thread is in the synchronize", || {
+        faulty::stream_synchronizing(handle) == 1
+    });
+    faulting.launch(|| panic!("out of bounds")).unwrap();
+    let result = returned.recv_timeout(LIMIT);
+    held.open();
+    waiting.join().unwrap().ok();
+    let err = result.expect("the synchronize returned").unwrap_err();
+    assert!(err.is_faulted(), "{err}");
+}
+
+/// A stream of another context waiting on a record that passed before the
+/// fault carries on: only a record the fault lost faults it.
+#[test]
+fn a_wait_on_a_record_passed_before_a_fault_elsewhere_carries_on() {
+    let (producer, consumer) = (faultable_stream(), faultable_stream());
+    let event = Host::event_create(producer.handle(), EventFlags::FENCE).unwrap();
+    Host::event_record(&event, producer.handle()).unwrap();
+    Host::event_synchronize(&event).unwrap();
+    let held = Gate::hold(&consumer);
+    Host::stream_wait_event(consumer.handle(), &event).unwrap();
+    producer.launch(|| panic!("out of bounds")).unwrap();
+    assert!(producer.synchronize().unwrap_err().is_faulted());
+    held.open(); // the wait runs now, after the fault
+    consumer.synchronize().unwrap();
+    assert!(!consumer.is_faulted());
+}
+
+/// A stream keeps up to 64 idle fence events: more are destroyed, and the
+/// next fences take the kept ones first.
+#[test]
+fn a_stream_keeps_up_to_64_idle_fence_events() {
+    let stream = HostStream::new().unwrap();
+    let live = stream.live_events();
+    for _ in 0..2 {
+        let fences: Vec<_> = (0..100).map(|_| stream.fence()).collect();
+        drop(fences);
+    }
+    assert_eq!(live.created(), 100 + 36);
 }
 
 #[test]
@@ -45,6 +120,7 @@ fn a_panic_faults_every_stream_of_its_context_for_good() {
     let alone = HostStream::new().unwrap();
     let event = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
     let passed = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
+    let never_recorded = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
     Host::event_record(&passed, sibling.handle()).unwrap();
     Host::event_synchronize(&passed).unwrap(); // passed before the fault
     let gate = Gate::hold(&faulting);
@@ -86,9 +162,11 @@ fn a_panic_faults_every_stream_of_its_context_for_good() {
         assert!(Host::event_record(&event, stream.handle())
             .unwrap_err()
             .is_faulted());
-        assert!(Host::stream_wait_event(stream.handle(), &event)
-            .unwrap_err()
-            .is_faulted());
+        for event in [&event, &never_recorded] {
+            assert!(Host::stream_wait_event(stream.handle(), event)
+                .unwrap_err()
+                .is_faulted());
+        }
         assert!(Host::stream_synchronize(stream.handle())
             .unwrap_err()
             .is_faulted());

@@ -7,7 +7,7 @@ use std::time::Duration;
 use common::faulty::{self, Faulty};
 use common::{eventually, faultable_stream, Gate};
 use device_events::host::{Host, HostContext, HostStream};
-use device_events::{EventProfiler, ServerError, Waiter};
+use device_events::{EventProfiler, ServerError, Waiter, DEFAULT_PROFILER_CAPACITY};
 use futures::FutureExt;
 
 const WORK: Duration = Duration::from_millis(20);
@@ -304,6 +304,59 @@ fn a_full_pool_makes_way_for_the_context_in_use() {
         round(&new);
     }
     assert_eq!(profiler.created(), 4, "the new stream's events were kept");
+}
+
+/// At the capacity, the context used least recently (an idle event taken
+/// from it, or given back to it) gives up an idle event. Each stream is on a
+/// context of its own.
+#[test]
+fn a_full_pool_takes_from_the_context_used_least_recently() {
+    let streams: [HostStream; 4] = std::array::from_fn(|_| HostStream::new().unwrap());
+    let [a, b, c, d] = &streams;
+    for take_first in [false, true] {
+        let profiler = EventProfiler::<Host>::with_capacity(3);
+        let mut held = Vec::new();
+        // `n` starts on `stream` at once, then dropped: `n` events given back.
+        let give_back = |stream: &HostStream, n| {
+            let starts: Vec<_> = (0..n)
+                .map(|_| profiler.start(stream.handle()).unwrap())
+                .collect();
+            drop(starts);
+        };
+        // Whether a start on `stream` took an idle event (the start is held).
+        let mut takes_idle = |stream: &HostStream| {
+            let created = profiler.created();
+            held.push(profiler.start(stream.handle()).unwrap());
+            profiler.created() == created
+        };
+        give_back(a, 2);
+        if take_first {
+            assert!(takes_idle(a));
+            give_back(b, 1);
+        } else {
+            give_back(b, 1);
+            assert!(takes_idle(a));
+        }
+        give_back(c, 1);
+        // Full: `d`'s event takes the place of the older of `a`'s take and
+        // `b`'s give-back.
+        give_back(d, 1);
+        let (gave_up, kept) = if take_first { (a, b) } else { (b, a) };
+        assert!(!takes_idle(gave_up), "take first: {take_first}");
+        assert!(takes_idle(kept) && takes_idle(c) && takes_idle(d));
+    }
+}
+
+/// `new` keeps up to `DEFAULT_PROFILER_CAPACITY` idle events.
+#[test]
+fn a_new_profiler_keeps_the_default_capacity() {
+    let stream = HostStream::new().unwrap();
+    let profiler = EventProfiler::<Host>::new();
+    let starts: Vec<_> = (0..DEFAULT_PROFILER_CAPACITY + 1)
+        .map(|_| profiler.start(stream.handle()).unwrap())
+        .collect();
+    drop(starts);
+    assert_eq!(profiler.pooled(), DEFAULT_PROFILER_CAPACITY);
 }
 
 /// A backend that does not tell its contexts apart (the default
