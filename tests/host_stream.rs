@@ -282,6 +282,42 @@ fn dropping_a_stream_returns_at_once_and_its_queued_work_still_runs() {
     );
 }
 
+/// A dropped stream's worker thread exits once its queued work is done, an
+/// idle one at once.
+#[cfg(target_os = "linux")]
+#[test]
+fn a_dropped_streams_worker_exits_after_its_queued_work() {
+    // The worker's own task: `/proc/<pid>/task/<tid>`, gone once it exits.
+    let worker_task = |stream: &HostStream| {
+        let (send, task) = std::sync::mpsc::channel();
+        stream
+            .launch(move || {
+                // The link reads `<pid>/task/<tid>`, relative to `/proc`.
+                let task = std::fs::read_link("/proc/thread-self").unwrap();
+                send.send(std::path::Path::new("/proc").join(task)).unwrap();
+            })
+            .unwrap();
+        task.recv().unwrap()
+    };
+    let idle = HostStream::new().unwrap();
+    let busy = HostStream::new().unwrap();
+    let tasks = [worker_task(&idle), worker_task(&busy)];
+    assert!(tasks.iter().all(|task| task.exists()), "{tasks:?}");
+    let gate = Gate::hold(&busy);
+    let progress = Progress::default();
+    progress.step_on(&busy);
+    drop((idle, busy));
+    eventually(LIMIT, "the idle stream's worker exits", || {
+        !tasks[0].exists()
+    });
+    assert!(tasks[1].exists(), "the busy stream's worker runs its work");
+    gate.open();
+    eventually(LIMIT, "the busy stream's worker exits", || {
+        !tasks[1].exists()
+    });
+    assert_eq!(progress.get(), 1);
+}
+
 /// A payload whose own drop panics.
 struct PanickyPayload;
 
