@@ -283,7 +283,8 @@ fn default_streams_keep_their_semantics(ctx: &Arc<CudaContext>) {
     fence.wait_sync().unwrap();
 }
 
-/// `cuda::context(0)` twice is one context, retained once.
+/// `cuda::context(0)` twice is one context, retained once; a device past
+/// the driver's count is unavailable.
 fn one_context_per_device_while_alive(ctx: &Arc<CudaContext>) {
     let retains = primary_retains(0);
     let again = cuda::context(0).unwrap();
@@ -292,6 +293,8 @@ fn one_context_per_device_while_alive(ctx: &Arc<CudaContext>) {
         "a second CudaContext for device 0"
     );
     assert_eq!(primary_retains(0), retains);
+    let past = cuda::context(cuda::device_count().unwrap()).unwrap_err();
+    assert!(past.is_unavailable(), "{past}");
 }
 
 /// A steady loop of fences on several streams of one context creates a few
@@ -481,12 +484,17 @@ fn any_status_the_driver_returns_is_a_number(ctx: &Arc<CudaContext>) {
     let unknown = fence.is_complete().unwrap_err();
     assert_eq!(unknown.code(), Some(12_345), "{unknown}");
     assert!(!unknown.is_faulted(), "{unknown}");
-    // CUDA_ERROR_CONTAINED (226), which cudarc's 12.0-12.6 bindings lack:
-    // sticky, by its number.
-    assert!(fail_next_query(226));
-    let contained = fence.is_complete().unwrap_err();
-    assert!(contained.is_faulted(), "{contained}");
-    assert_eq!(contained.code(), Some(226));
+    // Every status the driver docs say leaves the process to restart is
+    // sticky, by its number: CUDA_ERROR_CONTAINED (226) and
+    // CUDA_ERROR_TENSOR_MEMORY_LEAK (721) too, which cudarc's 12.0-12.6
+    // bindings lack.
+    let sticky = [214, 700, 702, 710, 714, 715, 716, 717, 718, 719, 810, 911];
+    for status in sticky.into_iter().chain([226, 721]) {
+        assert!(fail_next_query(status));
+        let err = fence.is_complete().unwrap_err();
+        assert!(err.is_faulted(), "{status}: {err}");
+        assert_eq!(err.code(), Some(status));
+    }
     fence.wait_sync().unwrap();
 }
 

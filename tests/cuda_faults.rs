@@ -74,6 +74,17 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
     // Recorded before anything faults: its event stays valid.
     let earlier = Event::<Cuda>::new(CudaStreamHandle::new(&other), EventFlags::FENCE).unwrap();
     earlier.record(CudaStreamHandle::new(&other)).unwrap();
+    // A user's thread with the context bound by cudarc, not by this crate,
+    // before the fault: it drops `earlier` after it.
+    let (bound, is_bound) = mpsc::channel();
+    let (hand_over, handed) = mpsc::channel::<Event<Cuda>>();
+    let users = ctx.clone();
+    let user = std::thread::spawn(move || {
+        users.bind_to_thread().unwrap();
+        bound.send(()).unwrap();
+        drop(handed.recv());
+    });
+    is_bound.recv().unwrap();
 
     // Pending: recorded behind the faulting kernel, itself behind 200 ms of
     // work, so every wait below starts before the fault happens.
@@ -144,4 +155,18 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
     });
     assert_faulted("a new fence on the poisoned stream", result);
     assert!(waiter.pending() == 0);
+
+    // An event dropped on the poisoned context is destroyed all the same,
+    // though this crate can no longer bind the context (fake driver only: its
+    // count of live events; other drops may lower it too, never raise it).
+    let before = common::fake_driver::call(c"fakeCudaLiveEvents", 0);
+    hand_over.send(earlier).unwrap();
+    user.join().unwrap();
+    if let Some(before) = before {
+        let after = common::fake_driver::call(c"fakeCudaLiveEvents", 0).unwrap();
+        assert!(
+            after < before,
+            "{before} live events before the drop, {after} after"
+        );
+    }
 }

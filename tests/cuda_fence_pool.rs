@@ -2,7 +2,7 @@
 //! on (kept by a `CudaContext` object the pool never saw, as another
 //! library or the CUDA runtime keeps a primary context), destroys its idle
 //! events instead of forgetting them: pools dropped and made again leak
-//! nothing.
+//! nothing. A full pool destroys the events it has no room for.
 //!
 //! Its own test binary, with one test: it counts device 0's live events in
 //! the fake driver (`fakeCudaLiveEvents`), which no other test may change
@@ -78,4 +78,18 @@ fn a_pool_dropped_while_its_context_lives_on_destroys_its_idle_events() {
         kept.len()
     );
     drop((kept, other, keeper));
+
+    // A full pool destroys what it has no room for: a burst of fences
+    // dropped at once leaves at most the pool's 512 idle events alive. On a
+    // thread of its own: this one may still be bound to a context torn down.
+    let kept = std::thread::spawn(|| {
+        let ctx = cuda::context(0).unwrap();
+        let stream = ctx.new_stream().unwrap();
+        let before = fake_driver::call(c"fakeCudaLiveEvents", 0).unwrap();
+        let fences: Vec<_> = (0..1000).map(|_| cuda::fence(&stream)).collect();
+        drop(fences);
+        fake_driver::call(c"fakeCudaLiveEvents", 0).unwrap() - before
+    });
+    let kept = kept.join().unwrap();
+    assert!(kept <= 512, "{kept} idle events kept");
 }

@@ -16,6 +16,19 @@ use std::process::Command;
 /// Architectures every module must also assemble for.
 const ALSO_FOR: &[&str] = &["sm_90", "sm_100"];
 
+/// Tried in order, the newest target first: a CUDA 13 driver may no longer
+/// compile the oldest.
+#[test]
+fn the_modules_are_tried_newest_target_first() {
+    let modules = device_events::cuda::ptx_modules();
+    let number = |target: &str| target["sm_".len()..].parse::<u32>().unwrap();
+    let targets: Vec<u32> = modules.iter().map(|(target, _)| number(target)).collect();
+    assert!(
+        targets.windows(2).all(|pair| pair[0] > pair[1]),
+        "{targets:?}"
+    );
+}
+
 fn ptxas() -> Option<PathBuf> {
     if let Some(path) = std::env::var_os("PTXAS") {
         return Some(PathBuf::from(path));
