@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use device_events::cuda::cudarc::driver::sys::{
-    CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus,
+    CUgraphInstantiate_flags, CUresult, CUstreamCaptureMode, CUstreamCaptureStatus,
 };
 use device_events::cuda::cudarc::driver::CudaStream;
 use device_events::cuda::{self, Cuda, CudaStreamHandle};
@@ -119,6 +119,31 @@ fn waits_on_other_streams_during_a_global_capture_leave_it_intact() {
     // On the capturing thread itself.
     assert_eq!(queried.is_complete(), Ok(true));
     end(&capturing).expect("no wait of the crate invalidated the capture");
+}
+
+/// A user's thread is relaxed only for the crate's own calls: it gets its
+/// mode back, so its own potentially unsafe calls are still prohibited while
+/// another thread captures in the global mode, as the driver rules.
+#[test]
+fn a_users_thread_gets_its_capture_mode_back() {
+    let _serial = serial();
+    let Some((ctx, _)) = gpu("a_users_thread_gets_its_capture_mode_back") else {
+        return;
+    };
+    let capturing = ctx.new_stream().unwrap();
+    let other = ctx.new_stream().unwrap();
+    let fence = cuda::fence(&other);
+    capturing.begin_capture(GLOBAL).unwrap();
+    let user = std::thread::spawn(move || {
+        fence.wait_sync().unwrap(); // relaxed for the crate's call
+        other.synchronize() // the user's own, in the thread's global mode
+    });
+    let err = user.join().unwrap().unwrap_err();
+    assert_eq!(err.0, CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED);
+    assert!(
+        end(&capturing).is_err(),
+        "the user's call broke the capture"
+    );
 }
 
 #[test]
