@@ -453,6 +453,24 @@ fn a_wait_on_a_fence_of_an_ended_capture_is_refused() {
         .wait_async(CudaStreamHandle::new(&capturing))
         .unwrap();
     end(&capturing).expect("the joined capture is intact");
+    // Refused as ended to a stream in another capture too (not as a merge of
+    // two captures), and once the capturing stream is gone.
+    let ended = {
+        let gone = ctx.new_stream().unwrap();
+        gone.begin_capture(GLOBAL).unwrap();
+        sleep.launch(&gone, Duration::from_millis(1)).unwrap();
+        let fence = cuda::fence(&gone);
+        end(&gone).expect("the capture is intact");
+        fence
+    };
+    for capturing_too in [false, true] {
+        if capturing_too {
+            other.begin_capture(GLOBAL).unwrap();
+        }
+        let err = ended.wait_async(CudaStreamHandle::new(&other)).unwrap_err();
+        assert_eq!(err.code(), Some(status::CAPTURED_EVENT), "{err}");
+    }
+    end(&other).expect("the refused wait left the capture intact");
 }
 
 /// The legacy default stream orders with every blocking stream of its
