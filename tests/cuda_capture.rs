@@ -20,7 +20,7 @@ use device_events::cuda::cudarc::driver::sys::{
 use device_events::cuda::cudarc::driver::CudaStream;
 use device_events::cuda::{self, Cuda, CudaStreamHandle};
 use device_events::drop_queue::{DropQueue, DropQueueStats};
-use device_events::{status, EventApi, ServerError, Waiter};
+use device_events::{status, Event, EventApi, EventFlags, ServerError, Waiter};
 
 use common::fake_driver;
 use common::gpu::gpu;
@@ -471,6 +471,30 @@ fn a_wait_on_a_fence_of_an_ended_capture_is_refused() {
         assert_eq!(err.code(), Some(status::CAPTURED_EVENT), "{err}");
     }
     end(&other).expect("the refused wait left the capture intact");
+}
+
+/// Timing events recorded in a capture mark places in a graph: their elapsed
+/// time is refused, during the capture (which the driver's answer would
+/// invalidate) and after it.
+#[test]
+fn elapsed_time_between_captured_events_is_refused_and_the_capture_left_intact() {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("elapsed_time_between_captured_events_is_refused") else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let start = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
+    let stop = Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap();
+    stream.begin_capture(GLOBAL).unwrap();
+    start.record(handle).unwrap();
+    sleep.launch(&stream, Duration::from_millis(1)).unwrap();
+    stop.record(handle).unwrap();
+    let during = stop.elapsed_since(&start).unwrap_err();
+    assert!(during.is_stream_capture(), "{during}");
+    end(&stream).expect("the capture is intact");
+    let after = stop.elapsed_since(&start).unwrap_err();
+    assert_eq!(after.code(), Some(status::CAPTURED_EVENT), "{after}");
 }
 
 /// The legacy default stream orders with every blocking stream of its
