@@ -113,8 +113,14 @@ fn waits_on_other_streams_during_a_global_capture_leave_it_intact() {
     // Polled first on a user thread, then waited on by the waiter's own.
     let resolved = finish(waiter.wait(awaited)).expect("the await did not hang");
     assert_eq!(resolved, Ok(()));
-    // On another user thread, in its default (global) mode.
-    let other = std::thread::spawn(move || blocked.wait_sync());
+    // On another user thread, in its default (global) mode; its stream's
+    // synchronize too.
+    let busy_handle = CudaStreamHandle::new(&busy);
+    let other = std::thread::spawn(move || {
+        blocked
+            .wait_sync()
+            .and(Cuda::stream_synchronize(busy_handle))
+    });
     assert_eq!(other.join().unwrap(), Ok(()));
     // On the capturing thread itself.
     assert_eq!(queried.is_complete(), Ok(true));
