@@ -44,21 +44,36 @@ fn synchronize_waits_for_work_queued_before_it_only() {
     // rightly waits for the later work too): a few tries, each bounded.
     let synchronized_alone = (0..5).any(|_| {
         let before = Gate::hold(&stream);
-        let (done, returned) = std::sync::mpsc::channel();
-        let handle = stream.handle();
-        let waiting = std::thread::spawn(move || done.send(Faulty::stream_synchronize(handle)));
-        eventually(LIMIT, "the thread is in the synchronize", || {
-            faulty::stream_synchronizing(handle) == 1
-        });
+        let (waiting, returned) = synchronizing(&stream);
         let after = Gate::hold(&stream);
         before.open();
         let result = returned.recv_timeout(Duration::from_secs(2));
         after.open();
-        waiting.join().unwrap().ok();
+        waiting.join().unwrap();
         stream.synchronize().unwrap();
         result.is_ok_and(|result| result.is_ok())
     });
     assert!(synchronized_alone, "a synchronize waited for later work");
+}
+
+/// A thread in `stream`'s synchronize (through the counting backend, so the
+/// test knows it is in the call), and where its result comes.
+fn synchronizing(
+    stream: &HostStream,
+) -> (
+    std::thread::JoinHandle<()>,
+    std::sync::mpsc::Receiver<Result<(), ServerError>>,
+) {
+    let (done, returned) = std::sync::mpsc::channel();
+    let handle = stream.handle();
+    let thread = std::thread::spawn(move || {
+        // The test may have stopped listening: it failed already.
+        let _ = done.send(Faulty::stream_synchronize(handle));
+    });
+    eventually(LIMIT, "the thread is in the synchronize", || {
+        faulty::stream_synchronizing(handle) == 1
+    });
+    (thread, returned)
 }
 
 /// A synchronize blocked on a stream whose context faults returns the fault
@@ -68,16 +83,11 @@ fn a_fault_wakes_a_synchronize_blocked_on_a_sibling_stream() {
     let context = HostContext::new();
     let (faulting, sibling) = (context.new_stream().unwrap(), context.new_stream().unwrap());
     let held = Gate::hold(&sibling);
-    let (done, returned) = std::sync::mpsc::channel();
-    let handle = sibling.handle();
-    let waiting = std::thread::spawn(move || done.send(Faulty::stream_synchronize(handle)));
-    eventually(LIMIT, "the thread is in the synchronize", || {
-        faulty::stream_synchronizing(handle) == 1
-    });
+    let (waiting, returned) = synchronizing(&sibling);
     faulting.launch(|| panic!("out of bounds")).unwrap();
     let result = returned.recv_timeout(LIMIT);
     held.open();
-    waiting.join().unwrap().ok();
+    waiting.join().unwrap();
     let err = result.expect("the synchronize returned").unwrap_err();
     assert!(err.is_faulted(), "{err}");
 }
