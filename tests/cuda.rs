@@ -342,6 +342,31 @@ fn a_profile_started_on_a_busy_stream_and_stopped_on_an_idle_one_waits_for_both(
     }
 }
 
+/// Fence and timing events are made with `CU_EVENT_BLOCKING_SYNC`, so a
+/// thread waiting on one sleeps in the driver ("the calling CPU thread will
+/// block"; without it `cuEventSynchronize` busy-waits), and fence events
+/// without timing. Fake driver only: it reports the flags.
+#[test]
+fn events_are_made_to_sleep_not_spin() {
+    const BLOCKING_SYNC: i32 = 0x1;
+    const DISABLE_TIMING: i32 = 0x2;
+    let Some((ctx, _)) = gpu("events_are_made_to_sleep_not_spin") else {
+        return;
+    };
+    let last_flags = || common::fake_driver::call(c"fakeCudaLastEventFlags", 0);
+    if last_flags().is_none() {
+        eprintln!("a real driver: the event flags need the fake driver");
+        return;
+    }
+    let stream = ctx.new_stream().unwrap();
+    // More than the context's pool keeps idle: some are made on this thread.
+    let fences: Vec<_> = (0..600).map(|_| cuda::fence(&stream)).collect();
+    assert_eq!(last_flags(), Some(BLOCKING_SYNC | DISABLE_TIMING));
+    drop(fences);
+    let _timing = Event::<Cuda>::new(CudaStreamHandle::new(&stream), EventFlags::TIMING).unwrap();
+    assert_eq!(last_flags(), Some(BLOCKING_SYNC));
+}
+
 /// cudarc's error-name lookup loads the driver library (and panics without
 /// one): converting its error must not, with or without a driver.
 #[test]

@@ -89,7 +89,8 @@
  *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
  * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device),
- * fakeCudaFailNextQuery(status), and the capture races of "Stream capture"
+ * fakeCudaFailNextQuery(status), the flags of this thread's last event
+ * made (fakeCudaLastEventFlags), and the capture races of "Stream capture"
  * (fakeCudaCaptureInNextRecord, fakeCudaLastRecordCapture), and a record
  * held in the call (fakeCudaHoldNextRecord, fakeCudaRecordHeld), the
  * stream writes' refusals and counts (fakeCudaRefuseProgressWord,
@@ -801,7 +802,16 @@ int cuStreamSynchronize(void *stream) {
     return synchronized(c);
 }
 
+/* The flags of the last event made on this thread (-1: none yet). */
+static __thread int last_event_flags = -1;
+
+int fakeCudaLastEventFlags(int unused) {
+    (void)unused;
+    return last_event_flags;
+}
+
 int cuEventCreate(void **event, unsigned flags) {
+    last_event_flags = (int)flags;
     pthread_mutex_lock(&lock);
     int status = current_usable();
     event_t *e = NULL;
