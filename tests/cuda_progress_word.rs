@@ -741,6 +741,37 @@ fn a_watched_wait_waits_for_no_word_allocation() {
     );
 }
 
+/// A word's readers never wait for its writer's driver call: with a fence's
+/// word write held inside the driver, asking for the stream's word returns.
+#[test]
+fn a_word_write_held_in_the_driver_holds_up_no_reader() {
+    let _serial = serial();
+    let Some((ctx, _sleep)) = gpu("a_word_write_held_in_the_driver_holds_up_no_reader", 0) else {
+        return;
+    };
+    if !is_fake() {
+        common::skipped::skip(
+            "a_word_write_held_in_the_driver_holds_up_no_reader",
+            "only the fake driver holds a write on demand",
+        );
+        return;
+    }
+    let stream = asked(&ctx);
+    cuda::fence(&stream).wait_sync().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    hook(c"fakeCudaHoldNextWrite", 1).unwrap();
+    let writer = std::thread::spawn(move || cuda::fence(&stream).wait_sync());
+    common::eventually(Duration::from_secs(20), "the write is held", || {
+        hook(c"fakeCudaWriteHeld", 0) == Some(1)
+    });
+    let (read, reads) = std::sync::mpsc::channel();
+    std::thread::spawn(move || read.send(Cuda::stream_progress(handle).is_some()));
+    let answered = reads.recv_timeout(Duration::from_secs(20));
+    hook(c"fakeCudaHoldNextWrite", 0).unwrap();
+    writer.join().unwrap().unwrap();
+    assert_eq!(answered, Ok(true), "the reader waited for the write");
+}
+
 /// As behaviour (timings are measured by hand, not asserted): a
 /// stream with many writes queued behind a long kernel lands them all, in
 /// order (the word never goes back), once the kernel ends.

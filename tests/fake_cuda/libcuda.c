@@ -95,7 +95,8 @@
  * held in the call (fakeCudaHoldNextRecord, fakeCudaRecordHeld), the
  * stream writes' refusals and counts (fakeCudaRefuseProgressWord,
  * fakeCudaHostAllocations, fakeCudaStreamWrites, fakeCudaWritesAfterFree,
- * fakeCudaPendingWrites, fakeCudaHostMemoryCalls), page-locked calls that
+ * fakeCudaPendingWrites, fakeCudaHostMemoryCalls), a write held in the call
+ * (fakeCudaHoldNextWrite, fakeCudaWriteHeld), page-locked calls that
  * synchronize (fakeCudaHostMemorySynchronizes), a word write captured
  * unseen (fakeCudaCaptureNextWordWrite, fakeCudaLaunchRaceGraph), and the
  * live device allocations (fakeCudaDeviceAllocations), found by the tests
@@ -1709,6 +1710,12 @@ int cuMemFreeHost(void *p) {
     return status;
 }
 
+/* Test hook: the next cuStreamWriteValue64, on any thread, stops just before
+ * it returns (outside the lock) until released: fakeCudaHoldNextWrite(1)
+ * arms it, (0) releases it; fakeCudaWriteHeld() is 1 while a write is
+ * stopped there. */
+static atomic_int hold_next_write, write_released, write_held;
+
 int cuStreamWriteValue64_v2(void *stream, unsigned long long addr, unsigned long long value,
                             unsigned flags) {
     if (deinitialized()) return DEINITIALIZED;
@@ -1770,7 +1777,27 @@ int cuStreamWriteValue64_v2(void *stream, unsigned long long addr, unsigned long
         status = queue_write(host, value, s->busy_until, s->ctx);
     }
     pthread_mutex_unlock(&lock);
+    if (atomic_exchange(&hold_next_write, 0)) {
+        atomic_store(&write_held, 1);
+        while (!atomic_load(&write_released)) sched_yield();
+        atomic_store(&write_held, 0);
+    }
     return status;
+}
+
+int fakeCudaHoldNextWrite(int arm) {
+    if (arm) {
+        atomic_store(&write_released, 0);
+        atomic_store(&hold_next_write, 1);
+    } else {
+        atomic_store(&write_released, 1);
+    }
+    return 0;
+}
+
+int fakeCudaWriteHeld(int unused) {
+    (void)unused;
+    return atomic_load(&write_held);
 }
 
 int fakeCudaRefuseProgressWord(int mask) {
