@@ -503,6 +503,40 @@ fn elapsed_time_between_captured_events_is_refused_and_the_capture_left_intact()
     assert_eq!(after.code(), Some(status::CAPTURED_EVENT), "{after}");
 }
 
+/// While an event's record is in the driver, whether it lands in a capture
+/// (another thread's, begun meanwhile) is not known: a query from another
+/// thread is refused, not answered for the previous record.
+#[test]
+fn a_query_while_a_record_is_in_the_driver_is_refused() {
+    let _serial = serial();
+    let Some((ctx, _)) = gpu("a_query_while_a_record_is_in_the_driver_is_refused") else {
+        return;
+    };
+    if !fake_driver::is_fake() {
+        eprintln!("a real driver: holding a record in the driver needs the fake driver's hook");
+        return;
+    }
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let event = Arc::new(Event::<Cuda>::new(handle, EventFlags::FENCE).unwrap());
+    event.record(handle).unwrap();
+    event.wait_sync().unwrap();
+    fake_driver::call(c"fakeCudaHoldNextRecord", 1);
+    let recording = {
+        let event = event.clone();
+        std::thread::spawn(move || event.record(handle))
+    };
+    common::eventually(Duration::from_secs(20), "the record is held", || {
+        fake_driver::call(c"fakeCudaRecordHeld", 0) == Some(1)
+    });
+    let during = event.is_complete();
+    fake_driver::call(c"fakeCudaHoldNextRecord", 0);
+    recording.join().unwrap().unwrap();
+    let err = during.unwrap_err();
+    assert!(err.is_stream_capture(), "{err}");
+    event.wait_sync().unwrap();
+}
+
 /// The legacy default stream orders with every blocking stream of its
 /// context, so a fence or a wait on it while one of them captures would be
 /// an implicit dependency on the capture: refused, and the capture left
