@@ -47,6 +47,7 @@ const NO_ATTRIBUTE: c_int = 1;
 const NO_ALLOCATION: c_int = 2;
 const NO_MAPPING: c_int = 4;
 const NO_WRITE: c_int = 8;
+const NO_MAPPED_HOST_MEMORY: c_int = 16;
 
 /// Device `ordinal`'s context and a sleep kernel, or `None` (skipping).
 fn gpu(test: &str, ordinal: usize) -> Option<(Arc<CudaContext>, SleepKernel)> {
@@ -274,6 +275,11 @@ fn refused_word_falls_back_to_events(refused: c_int) {
 #[test]
 fn a_device_without_stream_memory_operations_waits_through_events() {
     refused_word_falls_back_to_events(NO_ATTRIBUTE);
+}
+
+#[test]
+fn a_device_without_mapped_host_memory_waits_through_events() {
+    refused_word_falls_back_to_events(NO_MAPPED_HOST_MEMORY);
 }
 
 #[test]

@@ -609,9 +609,10 @@ int cuDeviceGetAttribute(int *value, int attribute, int device) {
      * 12 and 13 headers); 115: CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED
      * (see "Device memory and copies"). Every other attribute reads 0. */
     pthread_mutex_lock(&lock);
-    int no_memops = refuse_word_mask & 1;
+    int no_memops = refuse_word_mask & 1, no_mapping = refuse_word_mask & 16;
     pthread_mutex_unlock(&lock);
-    *value = attribute == 19 || (attribute == 122 && !no_memops) || (attribute == 115 && !no_memory_pools);
+    *value = (attribute == 19 && !no_mapping) || (attribute == 122 && !no_memops) ||
+             (attribute == 115 && !no_memory_pools);
     return SUCCESS;
 }
 
@@ -1347,7 +1348,8 @@ int cuGraphDestroy(void *graph) { free_graph(graph); return SUCCESS; }
  * - fakeCudaRefuseProgressWord(mask) sets refusals and returns the previous
  *   mask: 1 attribute 122 reads 0, 2 cuMemHostAlloc is
  *   CUDA_ERROR_OUT_OF_MEMORY, 4 cuMemHostGetDevicePointer_v2 and 8
- *   cuStreamWriteValue64_v2 are CUDA_ERROR_NOT_SUPPORTED. fakeCudaStreamWrites
+ *   cuStreamWriteValue64_v2 are CUDA_ERROR_NOT_SUPPORTED, 16 attribute 19
+ *   reads 0. fakeCudaStreamWrites
  *   (0: accepted, 1: of those, captured) counts the calling thread's writes;
  *   fakeCudaHostAllocations(device) the live allocations of that device's
  *   context; fakeCudaPendingWrites() the writes queued, not landed yet.
