@@ -367,6 +367,39 @@ fn events_are_made_to_sleep_not_spin() {
     assert_eq!(last_flags(), Some(BLOCKING_SYNC));
 }
 
+/// A refused record leaves the event as its last record left it: reached,
+/// and answered so; a fence's refused record synchronizes its stream instead
+/// (fake driver only: it refuses a record on demand).
+#[test]
+fn a_refused_record_leaves_the_events_last_record() {
+    let Some((ctx, _)) = gpu("a_refused_record_leaves_the_events_last_record") else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let event = Event::<Cuda>::new(handle, EventFlags::FENCE).unwrap();
+    event.record(handle).unwrap();
+    event.wait_sync().unwrap();
+    // CUDA_ERROR_UNKNOWN, which the crate reads as nothing in particular.
+    if common::fake_driver::call(c"fakeCudaFailNextRecord", 999) != Some(0) {
+        eprintln!("a real driver: refusing a record needs the fake driver");
+        return;
+    }
+    let err = event.record(handle).unwrap_err();
+    assert_eq!(err.code(), Some(999), "{err}");
+    assert_eq!(event.is_complete(), Ok(true));
+    event.wait_sync().unwrap();
+    // A fence whose record is refused synchronizes its stream instead.
+    common::fake_driver::call(c"fakeCudaFailNextRecord", 999);
+    let fence = cuda::fence(&stream);
+    assert_eq!(
+        fence.fallback_cause().and_then(ServerError::code),
+        Some(999)
+    );
+    assert!(fence.is_resolved_at_creation());
+    fence.wait_sync().unwrap();
+}
+
 /// cudarc's error-name lookup loads the driver library (and panics without
 /// one): converting its error must not, with or without a driver.
 #[test]

@@ -91,8 +91,9 @@
  * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device),
  * fakeCudaFailNextQuery(status), the flags of this thread's last event
  * made (fakeCudaLastEventFlags), and the capture races of "Stream capture"
- * (fakeCudaCaptureInNextRecord, fakeCudaLastRecordCapture), and a record
- * held in the call (fakeCudaHoldNextRecord, fakeCudaRecordHeld), the
+ * (fakeCudaCaptureInNextRecord, fakeCudaLastRecordCapture), a record
+ * refused (fakeCudaFailNextRecord) or held in the call
+ * (fakeCudaHoldNextRecord, fakeCudaRecordHeld), the
  * stream writes' refusals and counts (fakeCudaRefuseProgressWord,
  * fakeCudaHostAllocations, fakeCudaStreamWrites, fakeCudaWritesAfterFree,
  * fakeCudaPendingWrites, fakeCudaHostMemoryCalls), a write held in the call
@@ -898,8 +899,22 @@ static void end_capture(ctx_t *c, int id) {
 }
 /* ---- end of record order ---- */
 
+/* Test hook: the calling thread's next cuEventRecord returns `status`
+ * (nonzero) and records nothing, as a refused record: fakeCudaFailNextRecord. */
+static __thread int next_record_status;
+
+int fakeCudaFailNextRecord(int status) {
+    next_record_status = status;
+    return 0;
+}
+
 int cuEventRecord(void *event, void *stream) {
     event_t *e = event;
+    if (next_record_status != SUCCESS) {
+        int refused = next_record_status;
+        next_record_status = SUCCESS;
+        return refused;
+    }
     pthread_mutex_lock(&lock);
     /* A stream of another context is refused first, whichever is current
      * (see the header). A default-stream handle names the current
