@@ -446,6 +446,41 @@ fn a_stream_no_waiter_asked_about_writes_no_word() {
     fence.wait_sync().unwrap();
 }
 
+/// A capture begun (by another thread) during a fence's record may have
+/// taken the word's write into its graph: the word is off from then on, and
+/// later fences write none.
+#[test]
+fn a_capture_begun_during_a_record_turns_the_word_off() {
+    let _serial = serial();
+    let Some((ctx, _sleep)) = gpu("a_capture_begun_during_a_record_turns_the_word_off", 0) else {
+        return;
+    };
+    if !is_fake() {
+        common::skipped::skip(
+            "a_capture_begun_during_a_record_turns_the_word_off",
+            "only the fake driver makes the race on demand",
+        );
+        return;
+    }
+    let stream = asked(&ctx);
+    cuda::fence(&stream).wait_sync().unwrap();
+    assert!(word_of(&stream).is_some());
+    hook(c"fakeCudaCaptureInNextRecord", 3).unwrap();
+    let raced = cuda::fence(&stream);
+    assert_ne!(
+        hook(c"fakeCudaLastRecordCapture", 0),
+        Some(0),
+        "no capture took it"
+    );
+    drop(stream.end_capture(CUgraphInstantiate_flags(0)));
+    assert!(raced.wait_sync().unwrap_err().is_stream_capture());
+    let writes = || hook(c"fakeCudaStreamWrites", 0).unwrap();
+    let before = writes();
+    cuda::fence(&stream).wait_sync().unwrap();
+    assert_eq!(writes(), before, "a later fence wrote the word");
+    assert!(Cuda::stream_progress(CudaStreamHandle::new(&stream)).is_none());
+}
+
 /// Finding 1: another thread begins and ends a (relaxed) capture of a
 /// stream between the crate's two capture checks around a fence's record,
 /// so the word write goes into that thread's graph unseen. The crate cannot

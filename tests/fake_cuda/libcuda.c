@@ -413,7 +413,8 @@ static int64_t ready_at(const stream_t *s) {
  *   fakeCudaCaptureInNextRecord(1) ends, right after the calling thread's
  *   next captured cuEventRecord, the capture that took it (as a thread
  *   ending it then would); (2) begins a relaxed capture of the stream just
- *   before the next record and ends it just after, all inside the call.
+ *   before the next record and ends it just after, all inside the call;
+ *   (3) begins it there and leaves it going on (ended by the test).
  *   fakeCudaLastRecordCapture() is the capture id that took the calling
  *   thread's last record (0: none), the truth for a test to check against.
  */
@@ -926,8 +927,8 @@ int cuEventRecord(void *event, void *stream) {
     stream_t *s = status == SUCCESS ? stream_of(stream) : NULL;
     if (status == SUCCESS && s != NULL && s->ctx == e->ctx) status = implicit_dependency(s);
     int race = status == SUCCESS ? capture_in_next_record : 0;
-    if (race == 2 && s != NULL && s->ctx == e->ctx && !ongoing(s->capture) && s->kind != LEGACY &&
-        next_capture < CAPTURES) {
+    if ((race == 2 || race == 3) && s != NULL && s->ctx == e->ctx && !ongoing(s->capture) &&
+        s->kind != LEGACY && next_capture < CAPTURES) {
         int id = next_capture++;
         captures[id] = (capture_t){.state = CAPTURE_ACTIVE, .mode = MODE_RELAXED, .owner = pthread_self()};
         s->capture = id;
@@ -944,7 +945,7 @@ int cuEventRecord(void *event, void *stream) {
             e->at = INT64_MAX;
             last_record_capture = s->capture;
             if (race != 0) {
-                end_capture(s->ctx, s->capture);
+                if (race != 3) end_capture(s->ctx, s->capture);
                 capture_in_next_record = 0;
             }
         } else {
