@@ -446,6 +446,89 @@ fn a_stream_no_waiter_asked_about_writes_no_word() {
     fence.wait_sync().unwrap();
 }
 
+/// A word a reader holds is never given to another stream, though its own
+/// stream is gone: the reader goes on reading that stream's last value.
+#[test]
+fn a_word_a_reader_holds_is_not_given_to_another_stream() {
+    let _serial = serial();
+    let Some((ctx, _sleep)) = gpu("a_word_a_reader_holds_is_not_given_to_another_stream", 0) else {
+        return;
+    };
+    if !is_fake() {
+        common::skipped::skip(
+            "a_word_a_reader_holds_is_not_given_to_another_stream",
+            "only the fake driver counts its page allocations",
+        );
+        return;
+    }
+    let stream = asked(&ctx);
+    // Two fences: past the value a new stream's first fence writes.
+    cuda::fence(&stream).wait_sync().unwrap();
+    let fence = cuda::fence(&stream);
+    let sequence = fence.sequence();
+    fence.wait_sync().unwrap();
+    let word = word_of(&stream).expect("the fake opens a word");
+    assert!(passes_soon(&word, sequence), "{word:?}");
+    let read = format!("{word:?}");
+    drop(stream);
+    // New streams take every free word, until one needs a new page.
+    let mut taken = Vec::new();
+    loop {
+        let pages = page_calls();
+        let other = asked(&ctx);
+        cuda::fence(&other).wait_sync().unwrap();
+        taken.push(other);
+        if page_calls() != pages {
+            break;
+        }
+        assert!(taken.len() < 10_000, "no stream needed a new page");
+    }
+    assert_eq!(
+        format!("{word:?}"),
+        read,
+        "the held word went to another stream"
+    );
+}
+
+/// A word whose stream is gone with a write still to land is not given to
+/// another stream before it lands: no new stream's word shows the old
+/// stream's late value.
+#[test]
+fn a_word_with_a_write_to_land_is_not_given_to_another_stream() {
+    let _serial = serial();
+    let Some((ctx, sleep)) = gpu("a_word_with_a_write_to_land_is_not_given_away", 0) else {
+        return;
+    };
+    if !is_fake() {
+        common::skipped::skip(
+            "a_word_with_a_write_to_land_is_not_given_to_another_stream",
+            "only the fake driver counts its page allocations",
+        );
+        return;
+    }
+    let stream = asked(&ctx);
+    // Two fences: the late value is past what a new stream's first writes.
+    cuda::fence(&stream).wait_sync().unwrap();
+    sleep.launch(&stream, Duration::from_millis(200)).unwrap();
+    let late = cuda::fence(&stream);
+    drop(stream);
+    // New streams take every free word, until one needs a new page.
+    let mut taken = Vec::new();
+    loop {
+        let pages = page_calls();
+        let other = asked(&ctx);
+        cuda::fence(&other).wait_sync().unwrap();
+        taken.push(word_of(&other).expect("the fake opens a word"));
+        if page_calls() != pages {
+            break;
+        }
+        assert!(taken.len() < 10_000, "no stream needed a new page");
+    }
+    late.wait_sync().unwrap();
+    let late_values: Vec<_> = taken.iter().filter(|word| word.passed(1)).collect();
+    assert!(late_values.is_empty(), "{late_values:?}");
+}
+
 /// A capture begun (by another thread) during a fence's record may have
 /// taken the word's write into its graph: the word is off from then on, and
 /// later fences write none.
