@@ -121,6 +121,18 @@ fn a_process_exiting_with_a_pending_await_exits_cleanly() {
     }
 }
 
+/// A cudarc error that says the driver is deinitialized (say, from the
+/// user's own cudarc call) is the same shutdown: later calls of the crate
+/// do not reach the driver.
+#[test]
+fn a_cudarc_error_saying_the_driver_is_deinitialized_is_the_shutdown() {
+    if std::env::var(CASE).is_ok() || gpu("a_cudarc_error_saying_the_driver").is_none() {
+        return;
+    }
+    let stderr = run_child("cudarc");
+    assert!(stderr.contains("cudarc checked"), "{stderr}");
+}
+
 /// The child side: the case named by `DEVICE_EVENTS_EXIT_CASE`.
 #[test]
 fn child() {
@@ -135,6 +147,17 @@ fn child() {
     let pending = cuda::fence(&stream);
     match case.as_str() {
         "teardown" => teardown(&stream, pending),
+        "cudarc" => {
+            use device_events::cuda::cudarc::driver::{result::DriverError, sys};
+            let deinitialized = DriverError(sys::CUresult::CUDA_ERROR_DEINITIALIZED);
+            let err = ServerError::from(deinitialized);
+            assert!(err.is_shut_down(), "{err}");
+            let fence = cuda::fence(&stream);
+            assert!(fence.is_resolved_at_creation());
+            assert!(fence.wait_sync().unwrap_err().is_shut_down());
+            drop(pending);
+            eprintln!("cudarc checked");
+        }
         "exit" => {
             // Awaited on the global waiter by a thread of its own; the
             // process exits while the waiter's thread waits in the driver.
