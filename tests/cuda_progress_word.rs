@@ -446,6 +446,24 @@ fn a_stream_no_waiter_asked_about_writes_no_word() {
     fence.wait_sync().unwrap();
 }
 
+/// New streams of `ctx`, each fenced once, taking every free word until one
+/// needs a new page: the streams, with their words (kept, so none is free
+/// again).
+fn take_every_free_word(ctx: &Arc<CudaContext>) -> Vec<(Arc<CudaStream>, ProgressWord)> {
+    let mut taken = Vec::new();
+    loop {
+        let pages = page_calls();
+        let stream = asked(ctx);
+        cuda::fence(&stream).wait_sync().unwrap();
+        let word = word_of(&stream).expect("the fake opens a word");
+        taken.push((stream, word));
+        if page_calls() != pages {
+            return taken;
+        }
+        assert!(taken.len() < 10_000, "no stream needed a new page");
+    }
+}
+
 /// A word a reader holds is never given to another stream, though its own
 /// stream is gone: the reader goes on reading that stream's last value.
 #[test]
@@ -471,18 +489,7 @@ fn a_word_a_reader_holds_is_not_given_to_another_stream() {
     assert!(passes_soon(&word, sequence), "{word:?}");
     let read = format!("{word:?}");
     drop(stream);
-    // New streams take every free word, until one needs a new page.
-    let mut taken = Vec::new();
-    loop {
-        let pages = page_calls();
-        let other = asked(&ctx);
-        cuda::fence(&other).wait_sync().unwrap();
-        taken.push(other);
-        if page_calls() != pages {
-            break;
-        }
-        assert!(taken.len() < 10_000, "no stream needed a new page");
-    }
+    let _taken = take_every_free_word(&ctx);
     assert_eq!(
         format!("{word:?}"),
         read,
@@ -512,20 +519,10 @@ fn a_word_with_a_write_to_land_is_not_given_to_another_stream() {
     sleep.launch(&stream, Duration::from_millis(200)).unwrap();
     let late = cuda::fence(&stream);
     drop(stream);
-    // New streams take every free word, until one needs a new page.
-    let mut taken = Vec::new();
-    loop {
-        let pages = page_calls();
-        let other = asked(&ctx);
-        cuda::fence(&other).wait_sync().unwrap();
-        taken.push(word_of(&other).expect("the fake opens a word"));
-        if page_calls() != pages {
-            break;
-        }
-        assert!(taken.len() < 10_000, "no stream needed a new page");
-    }
+    let taken = take_every_free_word(&ctx);
     late.wait_sync().unwrap();
-    let late_values: Vec<_> = taken.iter().filter(|word| word.passed(1)).collect();
+    let words = taken.iter().map(|(_, word)| word);
+    let late_values: Vec<_> = words.filter(|word| word.passed(1)).collect();
     assert!(late_values.is_empty(), "{late_values:?}");
 }
 
