@@ -32,9 +32,9 @@ use crate::{EventApi, EventFence, ServerError};
 ///
 /// No future is left pending forever: a faulted stream resolves all its pending waits with the
 /// fault (sticky, as on CUDA: a fence awaited after the fault fails with it too, even one the
-/// stream had passed before); a dropped stream's waits resolve once its queued work is done (dropping a stream does not
-/// wait for that work, as `cuStreamDestroy` does not); a panic in a waker or an event's release is
-/// logged once and costs only that wait.
+/// stream had passed before); a dropped stream's waits resolve once its queued work is done
+/// (dropping a stream does not wait for that work, as `cuStreamDestroy` does not); a panic in a
+/// waker or an event's release is logged once and costs only that wait.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct FenceFuture<A: EventApi> {
     handoff: Handoff<EventFence<A>>,
