@@ -861,25 +861,41 @@ int fakeCudaLastRecordCapture(int unused) {
     return last_record_capture;
 }
 
-/* Test hook: the next cuEventRecord, on any thread, stops just before it
- * returns (outside the lock, as a real record takes microseconds) until
- * released: fakeCudaHoldNextRecord(1) arms it, (0) releases it;
- * fakeCudaRecordHeld() is 1 while a record is stopped there. */
-static atomic_int hold_next_record, record_released, record_held;
+/* A call held by a test hook: the next such call, on any thread, stops
+ * just before it returns (outside the lock) until released. */
+typedef struct {
+    atomic_int armed, released, held;
+} hold_t;
 
-int fakeCudaHoldNextRecord(int arm) {
+/* Arm `h` (1) for the next call, or release (0) the call it holds. */
+static int hold_arm(hold_t *h, int arm) {
     if (arm) {
-        atomic_store(&record_released, 0);
-        atomic_store(&hold_next_record, 1);
+        atomic_store(&h->released, 0);
+        atomic_store(&h->armed, 1);
     } else {
-        atomic_store(&record_released, 1);
+        atomic_store(&h->released, 1);
     }
     return 0;
 }
 
+/* Where a held call stops, if `h` was armed for it. */
+static void hold_here(hold_t *h) {
+    if (!atomic_exchange(&h->armed, 0)) return;
+    atomic_store(&h->held, 1);
+    while (!atomic_load(&h->released)) sched_yield();
+    atomic_store(&h->held, 0);
+}
+
+/* Test hook: the next cuEventRecord is held (as a real record takes
+ * microseconds): fakeCudaHoldNextRecord(1) arms it, (0) releases it;
+ * fakeCudaRecordHeld() is 1 while a record is stopped there. */
+static hold_t record_hold;
+
+int fakeCudaHoldNextRecord(int arm) { return hold_arm(&record_hold, arm); }
+
 int fakeCudaRecordHeld(int unused) {
     (void)unused;
-    return atomic_load(&record_held);
+    return atomic_load(&record_hold.held);
 }
 
 int fakeCudaCaptureInNextRecord(int race) {
@@ -957,11 +973,7 @@ int cuEventRecord(void *event, void *stream) {
         }
     }
     pthread_mutex_unlock(&lock);
-    if (atomic_exchange(&hold_next_record, 0)) {
-        atomic_store(&record_held, 1);
-        while (!atomic_load(&record_released)) sched_yield();
-        atomic_store(&record_held, 0);
-    }
+    hold_here(&record_hold);
     /* A real cuEventRecord takes microseconds; yielding here widens the
      * window in which a caller's work just after the call races another
      * thread's record on the same stream (see "Record order"). */
@@ -1728,11 +1740,10 @@ int cuMemFreeHost(void *p) {
     return status;
 }
 
-/* Test hook: the next cuStreamWriteValue64, on any thread, stops just before
- * it returns (outside the lock) until released: fakeCudaHoldNextWrite(1)
+/* Test hook: the next cuStreamWriteValue64 is held: fakeCudaHoldNextWrite(1)
  * arms it, (0) releases it; fakeCudaWriteHeld() is 1 while a write is
  * stopped there. */
-static atomic_int hold_next_write, write_released, write_held;
+static hold_t write_hold;
 
 int cuStreamWriteValue64_v2(void *stream, unsigned long long addr, unsigned long long value,
                             unsigned flags) {
@@ -1795,27 +1806,15 @@ int cuStreamWriteValue64_v2(void *stream, unsigned long long addr, unsigned long
         status = queue_write(host, value, s->busy_until, s->ctx);
     }
     pthread_mutex_unlock(&lock);
-    if (atomic_exchange(&hold_next_write, 0)) {
-        atomic_store(&write_held, 1);
-        while (!atomic_load(&write_released)) sched_yield();
-        atomic_store(&write_held, 0);
-    }
+    hold_here(&write_hold);
     return status;
 }
 
-int fakeCudaHoldNextWrite(int arm) {
-    if (arm) {
-        atomic_store(&write_released, 0);
-        atomic_store(&hold_next_write, 1);
-    } else {
-        atomic_store(&write_released, 1);
-    }
-    return 0;
-}
+int fakeCudaHoldNextWrite(int arm) { return hold_arm(&write_hold, arm); }
 
 int fakeCudaWriteHeld(int unused) {
     (void)unused;
-    return atomic_load(&write_held);
+    return atomic_load(&write_hold.held);
 }
 
 int fakeCudaRefuseProgressWord(int mask) {
