@@ -77,8 +77,12 @@ fn install_logger() {
     log::set_max_level(log::LevelFilter::Trace);
 }
 
-/// Run the child case `case`; its stderr.
-fn run_child(case: &str) -> String {
+/// Run the child case `case` for `test`: its stderr, or `None` in the child
+/// itself or without a GPU (skipping).
+fn in_child(test: &str, case: &str) -> Option<String> {
+    if std::env::var(CASE).is_ok() || gpu(test).is_none() {
+        return None;
+    }
     let output = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child", "--nocapture", "--test-threads=1"])
         .env(CASE, case)
@@ -91,24 +95,21 @@ fn run_child(case: &str) -> String {
         "case {case} failed ({}):\n{stdout}\n{stderr}",
         output.status
     );
-    stderr
+    Some(stderr)
 }
 
 #[test]
 fn a_driver_shut_down_under_pending_waits_fails_them_quietly() {
-    if std::env::var(CASE).is_ok() || gpu("a_driver_shut_down_under_pending_waits").is_none() {
-        return;
+    if let Some(stderr) = in_child("a_driver_shut_down_under_pending_waits", "teardown") {
+        assert!(stderr.contains("teardown checked"), "{stderr}");
     }
-    let stderr = run_child("teardown");
-    assert!(stderr.contains("teardown checked"), "{stderr}");
 }
 
 #[test]
 fn a_process_exiting_with_a_pending_await_exits_cleanly() {
-    if std::env::var(CASE).is_ok() || gpu("a_process_exiting_with_a_pending_await").is_none() {
+    let Some(stderr) = in_child("a_process_exiting_with_a_pending_await", "exit") else {
         return;
-    }
-    let stderr = run_child("exit");
+    };
     assert!(
         stderr.contains("exiting"),
         "the child did not get to exit:\n{stderr}"
@@ -126,11 +127,9 @@ fn a_process_exiting_with_a_pending_await_exits_cleanly() {
 /// do not reach the driver.
 #[test]
 fn a_cudarc_error_saying_the_driver_is_deinitialized_is_the_shutdown() {
-    if std::env::var(CASE).is_ok() || gpu("a_cudarc_error_saying_the_driver").is_none() {
-        return;
+    if let Some(stderr) = in_child("a_cudarc_error_saying_the_driver", "cudarc") {
+        assert!(stderr.contains("cudarc checked"), "{stderr}");
     }
-    let stderr = run_child("cudarc");
-    assert!(stderr.contains("cudarc checked"), "{stderr}");
 }
 
 /// The child side: the case named by `DEVICE_EVENTS_EXIT_CASE`.

@@ -146,16 +146,23 @@ fn dropped_starts_and_unread_profiles_return_their_events() {
     assert_eq!(profiler.created(), 2);
 }
 
+/// A pool keeps up to its capacity of idle events (`new`:
+/// `DEFAULT_PROFILER_CAPACITY`) and destroys the rest.
 #[test]
 fn the_pool_is_bounded() {
     let stream = HostStream::new().unwrap();
-    let profiler = EventProfiler::<Host>::with_capacity(3);
-    let starts: Vec<_> = (0..10)
-        .map(|_| profiler.start(stream.handle()).unwrap())
-        .collect();
-    assert_eq!(profiler.created(), 10);
-    drop(starts);
-    assert_eq!(profiler.pooled(), 3, "the rest were destroyed");
+    let bounded = [
+        (EventProfiler::<Host>::with_capacity(3), 3),
+        (EventProfiler::<Host>::new(), DEFAULT_PROFILER_CAPACITY),
+    ];
+    for (profiler, capacity) in bounded {
+        let starts: Vec<_> = (0..capacity + 7)
+            .map(|_| profiler.start(stream.handle()).unwrap())
+            .collect();
+        assert_eq!(profiler.created(), capacity + 7);
+        drop(starts);
+        assert_eq!(profiler.pooled(), capacity, "the rest were destroyed");
+    }
 }
 
 #[test]
@@ -345,18 +352,6 @@ fn a_full_pool_takes_from_the_context_used_least_recently() {
         assert!(!takes_idle(gave_up), "take first: {take_first}");
         assert!(takes_idle(kept) && takes_idle(c) && takes_idle(d));
     }
-}
-
-/// `new` keeps up to `DEFAULT_PROFILER_CAPACITY` idle events.
-#[test]
-fn a_new_profiler_keeps_the_default_capacity() {
-    let stream = HostStream::new().unwrap();
-    let profiler = EventProfiler::<Host>::new();
-    let starts: Vec<_> = (0..DEFAULT_PROFILER_CAPACITY + 1)
-        .map(|_| profiler.start(stream.handle()).unwrap())
-        .collect();
-    drop(starts);
-    assert_eq!(profiler.pooled(), DEFAULT_PROFILER_CAPACITY);
 }
 
 /// A backend that does not tell its contexts apart (the default
