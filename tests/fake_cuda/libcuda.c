@@ -88,7 +88,9 @@
  *   memory and copies").
  *
  * Test hooks (not driver API): fakeCudaLiveEvents(device),
- * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device),
+ * fakeCudaEventsCreated(device), fakeCudaPrimaryRetains(device), how
+ * often a primary context was made and asked about (fakeCudaPrimaryMade,
+ * fakeCudaPrimaryStateAsks),
  * fakeCudaFailNextQuery(status), the flags of this thread's last event
  * made (fakeCudaLastEventFlags), and the capture races of "Stream capture"
  * (fakeCudaCaptureInNextRecord, fakeCudaLastRecordCapture), a record
@@ -112,6 +114,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -170,6 +173,8 @@ struct ctx {
     int live_events;
     int created_events;
     int switches; /* cuCtxSetCurrent calls that made it current */
+    int made;     /* retains that made the primary context (from none) */
+    int state_asks; /* cuDevicePrimaryCtxGetState calls about it */
 };
 
 typedef struct {
@@ -629,6 +634,7 @@ int cuDevicePrimaryCtxRetain(void **context, int device) {
     pthread_mutex_lock(&lock);
     ctx_t *c = &contexts[device];
     if (c->retains++ == 0) {
+        c->made++;
         c->legacy = (stream_t){.ctx = c, .kind = LEGACY};
         c->streams = NULL;
     }
@@ -670,6 +676,7 @@ int cuDevicePrimaryCtxGetState(int device, unsigned *flags, int *active) {
     pthread_mutex_lock(&lock);
     *flags = 0;
     *active = contexts[device].retains > 0;
+    contexts[device].state_asks++;
     pthread_mutex_unlock(&lock);
     return SUCCESS;
 }
@@ -1382,7 +1389,9 @@ int cuGraphDestroy(void *graph) { free_graph(graph); return SUCCESS; }
  *   fakeCudaHostAllocations(device) the live allocations of that device's
  *   context; fakeCudaPendingWrites() the writes queued, not landed yet.
  *   Queueing a write and landing one cost O(log n) (see push_write).
- * - Freed host memory reads all ones (0xff bytes) until malloc reuses it.
+ * - Freed host memory is unmapped, and its addresses are never given out
+ *   again: a read or write of it faults the process (SIGSEGV), where a
+ *   real driver's freed memory may read anything, or fault too.
  * - fakeCudaHostMemoryCalls(all) counts the calling thread's cuMemHostAlloc and
  *   cuMemFreeHost calls (refused ones too), or with all = 1 every thread's; fakeCudaHostMemorySynchronizes(1)
  *   makes both wait for the context's queued work before returning (see
@@ -1521,11 +1530,14 @@ static int drop_writes(const void *p, size_t size) {
     return dropped;
 }
 
-/* Freed memory reads all ones (until malloc reuses it), so a reader of a
- * freed word sees a number no stream wrote. */
+/* Freed memory is replaced by an inaccessible mapping, kept for the life of
+ * the process: a reader or writer of a freed word faults, and a later
+ * allocation never gets its address (whose words an old pointer would then
+ * alias unseen). */
 static void free_host_alloc(host_alloc_t *a) {
-    memset(a->p, 0xff, a->size);
-    free(a->p);
+    if (mmap(a->p, a->size, PROT_NONE, MAP_FIXED | MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) ==
+        MAP_FAILED)
+        abort();
     free(a);
 }
 
@@ -1684,8 +1696,9 @@ int cuMemHostAlloc(void **pp, size_t bytesize, unsigned flags) {
     if (status == SUCCESS) {
         size_t size = (bytesize + 4095) & ~(size_t)4095;
         a = calloc(1, sizeof *a);
-        void *p = NULL;
-        if (a == NULL || posix_memalign(&p, 4096, size) != 0) {
+        void *p = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+        if (a == NULL || p == MAP_FAILED) {
+            if (p != MAP_FAILED) munmap(p, size);
             free(a);
             status = OUT_OF_MEMORY;
         } else {
@@ -2476,6 +2489,24 @@ int fakeCudaContextSwitches(int device) {
     int switches = contexts[device].switches;
     pthread_mutex_unlock(&lock);
     return switches;
+}
+
+/* How many times device's primary context was made (retained from none),
+ * and asked about with cuDevicePrimaryCtxGetState. */
+int fakeCudaPrimaryMade(int device) {
+    if (device < 0 || device >= DEVICES) return -1;
+    pthread_mutex_lock(&lock);
+    int made = contexts[device].made;
+    pthread_mutex_unlock(&lock);
+    return made;
+}
+
+int fakeCudaPrimaryStateAsks(int device) {
+    if (device < 0 || device >= DEVICES) return -1;
+    pthread_mutex_lock(&lock);
+    int asks = contexts[device].state_asks;
+    pthread_mutex_unlock(&lock);
+    return asks;
 }
 
 int fakeCudaPrimaryRetains(int device) {
