@@ -43,10 +43,22 @@ mod tests {
         }
     }
 
+    /// A payload whose drop panics with a [`Bomb`]: the second payload.
+    struct Nested;
+
+    impl Drop for Nested {
+        fn drop(&mut self) {
+            std::panic::panic_any(Bomb);
+        }
+    }
+
+    /// A payload whose drop panics is caught, and a second payload (which would panic a third
+    /// time) is leaked, not dropped.
     #[test]
     fn a_payload_whose_drop_panics_goes_no_further() {
-        let caught = catch(|| std::panic::panic_any(Bomb));
-        assert_eq!(caught, Err("a panic with a non-string payload".to_owned()));
+        let message = Err("a panic with a non-string payload".to_owned());
+        assert_eq!(catch(|| std::panic::panic_any(Bomb)), message);
+        assert_eq!(catch(|| std::panic::panic_any(Nested)), message);
     }
 
     #[test]
@@ -59,5 +71,16 @@ mod tests {
         }
         assert_eq!(drop_caught(Loud), Err("loud".to_owned()));
         assert_eq!(catch(|| 7), Ok(7));
+    }
+
+    /// A logger that panics loses its line: the panic goes no further.
+    #[test]
+    fn a_logger_that_panics_loses_only_its_line() {
+        let ran = std::cell::Cell::new(false);
+        log(|| {
+            ran.set(true);
+            panic!("a logger that panics");
+        });
+        assert!(ran.get(), "the line was logged");
     }
 }

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use common::Gate;
 use device_events::host::HostStream;
-use device_events::{AnyFence, AnyProfiler, AnyStream, ServerError};
+use device_events::{AnyFence, AnyProfiler, AnyStream, ServerError, DEFAULT_PROFILER_CAPACITY};
 
 /// What a run of [`pipeline`] saw.
 struct Seen {
@@ -50,8 +50,9 @@ async fn pipeline(
 
 /// Times `rounds` stages of `length` on `stream` with one profiler, each
 /// read as the other is (by `.await`, then `wait_sync`): the device times,
-/// and the events the profiler made in all. Written once for either backend:
-/// `launch` queues a stage of a given length.
+/// and the events the profiler made in all (both back in its pool).
+/// Written once for either backend: `launch` queues a stage of a given
+/// length.
 fn time_stages(
     stream: &AnyStream,
     rounds: usize,
@@ -59,12 +60,13 @@ fn time_stages(
     launch: impl Fn(&AnyStream, Duration) -> Result<(), ServerError>,
 ) -> (Vec<Duration>, usize) {
     let profiler = AnyProfiler::new();
-    let times = (0..rounds)
+    let times: Vec<Duration> = (0..rounds)
         .map(|round| {
             let start = profiler.start(stream).expect("start recorded");
             assert_eq!(start.backend(), stream.backend());
             launch(stream, length).expect("stage launched");
             let profile = profiler.stop(start, stream).expect("stop recorded");
+            assert_eq!(profile.backend(), stream.backend());
             if round % 2 == 0 {
                 futures::executor::block_on(profile.wait())
             } else {
@@ -73,6 +75,13 @@ fn time_stages(
             .expect("a device time")
         })
         .collect();
+    // Counted with the other backend's pool (empty), as `pooled` promises.
+    assert_eq!(
+        profiler.pooled(),
+        2,
+        "{}: both events pooled",
+        stream.backend()
+    );
     (times, profiler.created())
 }
 
@@ -156,6 +165,9 @@ fn try_fence_and_try_wait_async_return_the_refusal() {
     let err = faulted.try_fence().unwrap_err();
     assert!(err.is_faulted(), "{err}");
     assert!(faulted.fence().is_resolved_at_creation());
+    // That fence holds the fault: a query is an error, never `Ok(false)`.
+    let err = faulted.fence().is_complete().unwrap_err();
+    assert!(err.is_faulted(), "{err}");
 
     let good = AnyStream::from(HostStream::new().unwrap());
     let fence = good.try_fence().unwrap();
@@ -163,6 +175,72 @@ fn try_fence_and_try_wait_async_return_the_refusal() {
     assert!(err.is_faulted(), "{err}");
     // The fallback waits on the host instead.
     fence.wait_async(&faulted).unwrap();
+}
+
+/// `AnyStream::synchronize` and `AnyFence::wait_sync` block until the work
+/// before them is done, written once for either backend: `launch_long`
+/// queues a stage long enough (tens of milliseconds) that a call returning
+/// early sees it unfinished. A fence recorded earlier on the stream is
+/// passed first, so it is complete once a later one is.
+fn host_waits_block_until_the_work_is_done(
+    stream: &AnyStream,
+    launch_long: impl Fn(&AnyStream) -> Result<(), ServerError>,
+) {
+    let backend = stream.backend();
+    launch_long(stream).expect("a long stage launched");
+    let behind = stream.fence();
+    stream.synchronize().expect("synchronized");
+    assert!(
+        behind.is_complete().unwrap(),
+        "{backend}: synchronize returned before the stage was done"
+    );
+    launch_long(stream).expect("a long stage launched");
+    let (earlier, waited) = (stream.fence(), stream.fence());
+    waited.wait_sync().expect("waited");
+    assert!(
+        earlier.is_complete().unwrap(),
+        "{backend}: wait_sync returned before the stage was done"
+    );
+}
+
+#[test]
+fn synchronize_and_wait_sync_block_until_host_work_is_done() {
+    let stream = AnyStream::from(HostStream::new().unwrap());
+    host_waits_block_until_the_work_is_done(&stream, |stream| match stream {
+        AnyStream::Host(host) => host.launch(|| std::thread::sleep(Duration::from_millis(50))),
+        _ => unreachable!("a host stream here"),
+    });
+}
+
+/// A profiler keeps up to its capacity of idle events per backend:
+/// `with_capacity(0)` none, `new()` `DEFAULT_PROFILER_CAPACITY`, however many
+/// more come back.
+#[test]
+fn a_profiler_keeps_up_to_its_capacity_of_idle_events() {
+    let stream = AnyStream::from(HostStream::new().unwrap());
+    // `at_once` measurements in flight together, then all read.
+    let measure = |profiler: &AnyProfiler, at_once: usize| {
+        let profiles: Vec<_> = (0..at_once)
+            .map(|_| {
+                let start = profiler.start(&stream).unwrap();
+                profiler.stop(start, &stream).unwrap()
+            })
+            .collect();
+        for profile in profiles {
+            profile.wait_sync().unwrap();
+        }
+    };
+    let none = AnyProfiler::with_capacity(0);
+    measure(&none, 1);
+    assert_eq!((none.created(), none.pooled()), (2, 0), "capacity 0");
+    let default = AnyProfiler::new();
+    measure(&default, DEFAULT_PROFILER_CAPACITY);
+    assert_eq!(default.created(), 2 * DEFAULT_PROFILER_CAPACITY);
+    assert_eq!(
+        default.pooled(),
+        DEFAULT_PROFILER_CAPACITY,
+        "the default capacity"
+    );
 }
 
 #[cfg(feature = "cuda")]
@@ -211,6 +289,19 @@ mod cuda {
         );
         assert_eq!(seen.results, (Ok(()), Ok(())));
         two.synchronize().unwrap();
+    }
+
+    #[test]
+    fn synchronize_and_wait_sync_block_until_cuda_work_is_done() {
+        let Some((ctx, sleep)) = gpu("synchronize_and_wait_sync_block_until_cuda_work_is_done")
+        else {
+            return;
+        };
+        let stream = AnyStream::from(ctx.new_stream().unwrap());
+        host_waits_block_until_the_work_is_done(&stream, |stream| match stream {
+            AnyStream::Cuda(cuda) => sleep.launch(cuda, Duration::from_millis(100)),
+            _ => unreachable!("a CUDA stream here"),
+        });
     }
 
     #[test]

@@ -125,6 +125,9 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
     // fallback fails too, and the fence holds the fault.
     let later = cuda::fence(&stream);
     assert!(later.is_resolved_at_creation());
+    // The same through `AnyStream::fence`, which falls back as `EventFence::new` does.
+    let any = device_events::AnyStream::from(stream.clone()).fence();
+    assert!(any.is_resolved_at_creation());
     let (result, _) = resolves("later wait_sync", move || later.wait_sync());
     assert_faulted("later wait_sync", result);
     let later = cuda::fence(&other);

@@ -200,14 +200,43 @@ fn the_waiter_publishes_its_stats_and_publishing_twice_counts_once() {
     let cpu = "device_events_waiter_watcher_cpu_seconds";
     assert_eq!(first.kind(cpu), "gauge");
     assert_eq!(first.get(cpu, &labels), stats.watcher_cpu.as_secs_f64());
-    // In seconds, whatever the watcher has used.
-    let mut busy = WaiterStats::default();
-    busy.watcher_cpu = Duration::from_millis(1_500);
-    let busy_labels = [("waiter", "busy")];
-    let seconds = scrape(&recorder, || {
-        WaiterMetrics::new(&busy_labels).publish(&busy);
-    });
-    assert_eq!(seconds.get(cpu, &busy_labels), 1.5);
+    // A snapshot whose fields all differ, published twice: each series is its own field, set
+    // (not added to) each time, the watcher's CPU time in seconds.
+    let mut distinct = WaiterStats::default();
+    (distinct.threads, distinct.peak_threads, distinct.pending) = (2, 7, 3);
+    (distinct.cancelled_held, distinct.stuck, distinct.watched) = (1, 4, 9);
+    (distinct.ready_at_first_poll, distinct.handed_off) = (11, 23);
+    (distinct.resolved, distinct.failed, distinct.cancelled) = (12, 5, 6);
+    distinct.watcher_cpu = Duration::from_millis(1_500);
+    let distinct_labels = [("waiter", "distinct")];
+    let distinct_metrics = WaiterMetrics::new(&distinct_labels);
+    for publish in ["first", "second"] {
+        let scraped = scrape(&recorder, || distinct_metrics.publish(&distinct));
+        let series = [
+            ("device_events_waiter_threads", 2.0),
+            ("device_events_waiter_peak_threads", 7.0),
+            ("device_events_waiter_pending", 3.0),
+            ("device_events_waiter_cancelled_held", 1.0),
+            ("device_events_waiter_stuck_streams", 4.0),
+            (watched, 9.0),
+            (handed_off, 23.0),
+            (cpu, 1.5),
+        ];
+        for (name, value) in series {
+            let got = scraped.get(name, &distinct_labels);
+            assert_eq!(got, value, "{publish} publish: {name}");
+        }
+        let outcomes = [
+            ("ready_at_first_poll", 11.0),
+            ("resolved", 12.0),
+            ("failed", 5.0),
+            ("cancelled", 6.0),
+        ];
+        for (outcome, value) in outcomes {
+            let got = scraped.get(awaits, &[distinct_labels[0], ("outcome", outcome)]);
+            assert_eq!(got, value, "{publish} publish: awaits {outcome}");
+        }
+    }
 
     // The wake latencies of the three that resolved or failed, in LatencyHistogram's buckets.
     let latency = WAKE_LATENCY_SECONDS;
@@ -330,14 +359,23 @@ fn a_profiler_publishes_its_events() {
             .wait_sync()
             .unwrap();
     }
+    // One measurement started: of the two events made, one is idle.
+    let _started = profiler.start(stream.handle()).unwrap();
     let published = ProfilerMetrics::new(&[("device", "0")]);
-    let scraped = scrape(&recorder, || published.publish(&profiler.stats()));
-    let created = "device_events_profiler_events_created_total";
-    assert_eq!(scraped.kind(created), "counter");
-    assert_eq!(scraped.get(created, &[("device", "0")]), 2.0);
-    let pooled = "device_events_profiler_events_pooled";
-    assert_eq!(scraped.kind(pooled), "gauge");
-    assert_eq!(scraped.get(pooled, &[("device", "0")]), 2.0);
+    for publish in ["first", "second"] {
+        let scraped = scrape(&recorder, || published.publish(&profiler.stats()));
+        let created = "device_events_profiler_events_created_total";
+        assert_eq!(scraped.kind(created), "counter");
+        let made = scraped.get(created, &[("device", "0")]);
+        assert_eq!(made, 2.0, "{publish} publish");
+        let pooled = "device_events_profiler_events_pooled";
+        assert_eq!(scraped.kind(pooled), "gauge");
+        assert_eq!(
+            scraped.get(pooled, &[("device", "0")]),
+            1.0,
+            "{publish} publish"
+        );
+    }
 }
 
 #[test]
