@@ -317,4 +317,21 @@ mod fault_log {
         }
         seen.insert(key)
     }
+
+    #[cfg(test)]
+    mod tests {
+        use super::*;
+
+        /// The set is bounded: after `REMEMBERED` more streams, the first is forgotten (other
+        /// tests' streams only make it forgotten sooner).
+        #[test]
+        fn a_stream_is_forgotten_after_remembered_others() {
+            const BACKEND: &str = "fault-log-test";
+            assert!(first_for(BACKEND, &0_usize));
+            for stream in 1..=REMEMBERED {
+                first_for(BACKEND, &stream);
+            }
+            assert!(first_for(BACKEND, &0_usize), "remembered past the bound");
+        }
+    }
 }

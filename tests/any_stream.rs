@@ -59,14 +59,20 @@ fn time_stages(
     length: Duration,
     launch: impl Fn(&AnyStream, Duration) -> Result<(), ServerError>,
 ) -> (Vec<Duration>, usize) {
+    let backend = stream.backend();
+    // Each `Debug` is its backend's own.
+    let shown = format!("{stream:?}");
+    assert!(shown.starts_with(&format!("{backend}(")), "{shown}");
     let profiler = AnyProfiler::new();
     let times: Vec<Duration> = (0..rounds)
         .map(|round| {
             let start = profiler.start(stream).expect("start recorded");
-            assert_eq!(start.backend(), stream.backend());
+            assert_eq!(start.backend(), backend);
+            assert_eq!(format!("{start:?}"), format!("{backend}ProfileStart"));
             launch(stream, length).expect("stage launched");
             let profile = profiler.stop(start, stream).expect("stop recorded");
-            assert_eq!(profile.backend(), stream.backend());
+            assert_eq!(profile.backend(), backend);
+            assert_eq!(format!("{profile:?}"), format!("{backend}Profile"));
             if round % 2 == 0 {
                 futures::executor::block_on(profile.wait())
             } else {
@@ -76,12 +82,7 @@ fn time_stages(
         })
         .collect();
     // Counted with the other backend's pool (empty), as `pooled` promises.
-    assert_eq!(
-        profiler.pooled(),
-        2,
-        "{}: both events pooled",
-        stream.backend()
-    );
+    assert_eq!(profiler.pooled(), 2, "{backend}: both events pooled");
     (times, profiler.created())
 }
 
@@ -233,6 +234,8 @@ fn a_profiler_keeps_up_to_its_capacity_of_idle_events() {
     let none = AnyProfiler::with_capacity(0);
     measure(&none, 1);
     assert_eq!((none.created(), none.pooled()), (2, 0), "capacity 0");
+    let shown = format!("{none:?}");
+    assert_eq!(shown, "AnyProfiler { pooled: 0, created: 2 }");
     let default = AnyProfiler::new();
     measure(&default, DEFAULT_PROFILER_CAPACITY);
     assert_eq!(default.created(), 2 * DEFAULT_PROFILER_CAPACITY);

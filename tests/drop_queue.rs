@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::task::Poll;
 use std::time::Duration;
 
-use common::faulty::{inject, Faulty, Plan};
+use common::faulty::{self, inject, Faulty, Plan};
 use common::{faultable_stream, logs, Gate, Progress};
 use device_events::drop_queue::{DropQueue, Fence, HandedBack, Rejected};
 use device_events::host::{Host, HostStream};
@@ -266,9 +266,13 @@ fn shutdown_now_drops_what_passed_and_hands_back_the_rest() {
     assert!(queue
         .push(EventFence::<Host>::new(held.handle()), item("held"))
         .is_ok());
+    let flushed = queue.flush_async(); // to read the final stats
     let handed_back = queue.shutdown_now();
     let names: Vec<&str> = handed_back.iter().map(|(_, item)| item.name).collect();
     assert_eq!(names, ["held"]);
+    let stats = futures::executor::block_on(flushed);
+    // "first" by the queue's thread, "passed" by shutdown_now.
+    assert_eq!((stats.dropped, stats.handed_back, stats.leaked), (2, 1, 0));
     held_gate.open();
     for (fence, item) in handed_back {
         fence.wait_sync().unwrap();
@@ -602,6 +606,94 @@ fn a_panic_in_is_passed_during_shutdown_now_hands_the_value_back() {
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }
 
+/// A fence for `shutdown_now` to check: one the queue's thread waits on, one
+/// that has passed, or one whose `is_passed` says it was entered, waits for
+/// its release, then fails.
+enum Checked {
+    Waited(EventFence<Host>),
+    Passed,
+    Held {
+        entered: std::sync::mpsc::Sender<()>,
+        release: std::sync::mpsc::Receiver<()>,
+    },
+}
+
+impl Fence for Checked {
+    fn wait_blocking(self) -> Result<(), device_events::ServerError> {
+        match self {
+            Self::Waited(fence) => fence.wait_sync(),
+            Self::Passed | Self::Held { .. } => Ok(()),
+        }
+    }
+
+    fn is_passed(&self) -> Result<bool, device_events::ServerError> {
+        match self {
+            Self::Waited(fence) => fence.is_complete(),
+            Self::Passed => Ok(true),
+            Self::Held { entered, release } => {
+                let _ = entered.send(());
+                let _ = release.recv(); // or the test failed, dropping the sender
+                let err = "fails once released";
+                Err(device_events::ServerError::call(
+                    "Test",
+                    "is_passed",
+                    1,
+                    "HELD",
+                    err,
+                ))
+            }
+        }
+    }
+}
+
+/// A value `shutdown_now` is still checking is neither queued nor waited on,
+/// and the queue's thread may have exited meanwhile: a flush made before must
+/// still wait for it. A value whose `is_passed` fails is handed back, one
+/// whose fence has passed dropped and counted.
+#[test]
+fn a_flush_waits_for_a_value_shutdown_now_is_still_checking() {
+    let stream = HostStream::new().unwrap();
+    // Before the gate: a failing assertion unwinds the gate (opening it)
+    // before the queue, whose drop waits for the fences behind it.
+    let queue = DropQueue::new(4).unwrap();
+    let gate = Gate::hold(&stream);
+    let drops = Arc::new(AtomicUsize::new(0));
+    let (entered, entries) = std::sync::mpsc::channel();
+    let (release, released) = std::sync::mpsc::channel();
+    let waited = Checked::Waited(stream.fence());
+    assert!(queue.push(waited, Counted(drops.clone())).is_ok());
+    common::until_taken(&queue);
+    let held = Checked::Held {
+        entered,
+        release: released,
+    };
+    assert!(queue.push(held, Counted(drops.clone())).is_ok());
+    assert!(queue.push(Checked::Passed, Counted(drops.clone())).is_ok());
+    let mut flushed = queue.flush_async();
+    let exited = queue.shutdown_async(); // resolves once the thread exits
+    let shutting = std::thread::spawn(move || queue.shutdown_now().into_vec());
+    entries
+        .recv_timeout(Duration::from_secs(20))
+        .expect("shutdown_now checks the held value");
+    gate.open(); // the thread drops the first value, then exits
+    let stats = futures::executor::block_on(exited);
+    assert_eq!((stats.dropped, stats.handed_back), (1, 0));
+    assert!(
+        (&mut flushed).now_or_never().is_none(),
+        "the flush resolved while shutdown_now still checked its value"
+    );
+    release.send(()).unwrap();
+    let handed_back = shutting.join().unwrap();
+    assert_eq!(handed_back.len(), 1);
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        2,
+        "the failed check's value was dropped"
+    );
+    let stats = futures::executor::block_on(flushed);
+    assert_eq!((stats.dropped, stats.handed_back, stats.leaked), (2, 1, 0));
+}
+
 /// A waker that counts its clones: its `Arc`'s strong count.
 struct CountedWaker;
 
@@ -609,23 +701,25 @@ impl std::task::Wake for CountedWaker {
     fn wake(self: Arc<Self>) {}
 }
 
+/// A flush future or a push future waiting for room, dropped unresolved,
+/// takes its waker out of the queue.
 #[test]
-fn dropped_flush_futures_leave_no_wakers_behind() {
+fn dropped_flush_and_push_futures_leave_no_wakers_behind() {
     let stream = HostStream::new().unwrap();
     // Before the gate: a failing assertion unwinds the gate (opening it)
     // before the queue, whose drop waits for the fences behind it.
-    let queue = DropQueue::new(4).unwrap();
+    let queue = DropQueue::new(1).unwrap();
     let gate = Gate::hold(&stream);
     assert!(queue.push(stream.fence(), 1u32).is_ok());
     let wakers: Vec<Arc<CountedWaker>> = (0..1000).map(|_| Arc::new(CountedWaker)).collect();
     for counted in &wakers {
         let waker = std::task::Waker::from(counted.clone());
+        let mut cx = std::task::Context::from_waker(&waker);
         let mut flushed = Box::pin(queue.flush_async());
-        let polled = flushed
-            .as_mut()
-            .poll(&mut std::task::Context::from_waker(&waker));
-        assert!(polled.is_pending());
-        drop(flushed);
+        assert!(flushed.as_mut().poll(&mut cx).is_pending());
+        let mut pushed = queue.push_async(stream.fence(), 2u32);
+        assert!(Pin::new(&mut pushed).poll(&mut cx).is_pending(), "full");
+        drop((flushed, pushed));
     }
     let kept = wakers.iter().filter(|w| Arc::strong_count(w) > 1).count();
     assert_eq!(kept, 0, "wakers kept for futures that were dropped");
@@ -639,6 +733,8 @@ type QueueSlot = Arc<std::sync::Mutex<Option<Arc<DropQueue<EventFence<Host>, Use
 /// A value whose drop uses its own queue, on the queue's own thread.
 struct UsesItsQueue {
     queue: QueueSlot,
+    /// Whether the drop awaits `shutdown_async` before it drops the queue.
+    shuts_down: bool,
     flushed: Arc<AtomicUsize>,
     panicked: Arc<AtomicUsize>,
 }
@@ -647,10 +743,14 @@ impl Drop for UsesItsQueue {
     fn drop(&mut self) {
         let queue = self.queue.lock().unwrap().take();
         let (flushed, panicked) = (self.flushed.clone(), self.panicked.clone());
+        let shuts_down = self.shuts_down;
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
             if let Some(queue) = queue {
                 queue.flush(); // would wait for itself
                 futures::executor::block_on(queue.flush_async()); // likewise
+                if shuts_down {
+                    futures::executor::block_on(queue.shutdown_async()); // would join itself
+                }
                 flushed.fetch_add(1, Ordering::SeqCst);
                 drop(queue); // the last handle: would join itself
             }
@@ -662,23 +762,31 @@ impl Drop for UsesItsQueue {
 }
 
 #[test]
-fn a_value_whose_drop_flushes_or_drops_its_own_queue_neither_hangs_nor_panics() {
-    let stream = HostStream::new().unwrap();
-    let holder = Arc::new(std::sync::Mutex::new(None));
-    let (flushed, panicked) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let queue = Arc::new(DropQueue::new(4).unwrap());
-    *holder.lock().unwrap() = Some(queue.clone());
-    let value = UsesItsQueue {
-        queue: holder.clone(),
-        flushed: flushed.clone(),
-        panicked: panicked.clone(),
-    };
-    assert!(queue.push(stream.fence(), value).is_ok());
-    drop(queue); // the value now holds the last handle
-    common::eventually(Duration::from_secs(20), "the value's drop finished", || {
-        flushed.load(Ordering::SeqCst) == 1
-    });
-    assert_eq!(panicked.load(Ordering::SeqCst), 0, "a self-join panicked");
+fn a_value_whose_drop_flushes_shuts_down_or_drops_its_own_queue_neither_hangs_nor_panics() {
+    for shuts_down in [false, true] {
+        let stream = HostStream::new().unwrap();
+        let holder = Arc::new(std::sync::Mutex::new(None));
+        let (flushed, panicked) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+        let queue = Arc::new(DropQueue::new(4).unwrap());
+        *holder.lock().unwrap() = Some(queue.clone());
+        let value = UsesItsQueue {
+            queue: holder.clone(),
+            shuts_down,
+            flushed: flushed.clone(),
+            panicked: panicked.clone(),
+        };
+        assert!(queue.push(stream.fence(), value).is_ok());
+        drop(queue); // the value now holds the last handle
+        let what = format!("the value's drop finished (shutdown_async: {shuts_down})");
+        common::eventually(Duration::from_secs(20), &what, || {
+            flushed.load(Ordering::SeqCst) + panicked.load(Ordering::SeqCst) == 1
+        });
+        let panicked = panicked.load(Ordering::SeqCst);
+        assert_eq!(
+            panicked, 0,
+            "a self-join panicked (shutdown_async: {shuts_down})"
+        );
+    }
 }
 
 /// A panic payload whose own drop panics.
@@ -1010,28 +1118,46 @@ fn an_ignored_closed_refusal_keeps_its_value_until_its_fence() {
 
 /// Once the queue's thread has exited, nothing will wait for a refused
 /// value's fence: a value whose fence has not passed is leaked (and
-/// counted), one whose fence has passed is dropped.
+/// counted), one whose fence has passed is dropped, and the fence is dropped
+/// either way. A fence that cannot tell (`is_passed`'s default) has not
+/// passed.
 #[test]
 fn an_ignored_refusal_of_a_finished_queue_leaks_an_unpassed_value() {
+    /// Gives a finished queue a refused value before `fence(stream)` passes,
+    /// then one after; the drops of the values.
+    fn refused_twice<F: Fence>(stream: &HostStream, fence: impl Fn(&HostStream) -> F) -> usize {
+        let kind = std::any::type_name::<F>();
+        let queue = DropQueue::new(8).unwrap();
+        futures::executor::block_on(queue.shutdown_async());
+        let drops = Arc::new(AtomicUsize::new(0));
+        let gate = Gate::hold(stream);
+        queue.push(fence(stream), Counted(drops.clone())).ok();
+        assert_eq!(
+            drops.load(Ordering::SeqCst),
+            0,
+            "{kind}: freed before its fence"
+        );
+        let stats = queue.stats();
+        let counts = (stats.pushed, stats.dropped, stats.leaked, stats.pending);
+        assert_eq!(counts, (1, 0, 1, 0), "{kind}");
+        gate.open();
+        let passed = fence(stream);
+        stream.fence().wait_sync().unwrap();
+        queue.push(passed, Counted(drops.clone())).ok();
+        let drops = drops.load(Ordering::SeqCst);
+        let stats = queue.stats();
+        let counts = (stats.pushed, stats.dropped, stats.leaked);
+        assert_eq!(counts, (2, drops as u64, 2 - drops as u64), "{kind}");
+        drops
+    }
     let stream = HostStream::new().unwrap();
-    let queue = DropQueue::new(8).unwrap();
-    futures::executor::block_on(queue.shutdown_async());
-    let drops = Arc::new(AtomicUsize::new(0));
-    let gate = Gate::hold(&stream);
-    queue.push(stream.fence(), Counted(drops.clone())).ok();
-    assert_eq!(drops.load(Ordering::SeqCst), 0, "freed before its fence");
-    let stats = queue.stats();
-    assert_eq!(
-        (stats.pushed, stats.dropped, stats.leaked, stats.pending),
-        (1, 0, 1, 0)
-    );
-    gate.open();
-    let passed = stream.fence();
-    stream.fence().wait_sync().unwrap();
-    queue.push(passed, Counted(drops.clone())).ok();
-    assert_eq!(drops.load(Ordering::SeqCst), 1);
-    let stats = queue.stats();
-    assert_eq!((stats.pushed, stats.dropped, stats.leaked), (2, 1, 1));
+    let event = |stream: &HostStream| EventFence::<Faulty>::new(stream.handle());
+    assert_eq!(refused_twice(&stream, event), 1);
+    assert_eq!(faulty::destroyed(stream.handle()), 2, "fences dropped");
+    let any = |stream: &HostStream| device_events::AnyFence::from(stream.fence());
+    assert_eq!(refused_twice(&stream, any), 1);
+    let cannot_tell = |stream: &HostStream| GatedOrPanicky::Gated(stream.fence());
+    assert_eq!(refused_twice(&stream, cannot_tell), 0);
 }
 
 /// Dropping a refusal in a task, on the executor's thread, returns while
@@ -1134,8 +1260,9 @@ impl Drop for Reported {
 
 /// A test that fails while it holds a queue over work it holds back itself
 /// (a gate dropped only after the queue) must fail, not hang: the queue's
-/// drop during the unwind does not wait for the fence. The value still waits
-/// for it, and is dropped on the queue's thread once the gate opens.
+/// drop during the unwind does not wait for the fences. The values still
+/// wait for them, the one in flight and the one queued, and are dropped on
+/// the queue's thread once the gate opens.
 #[test]
 fn a_queue_dropped_while_its_thread_panics_does_not_wait_for_its_fences() {
     use std::sync::mpsc;
@@ -1154,12 +1281,15 @@ fn a_queue_dropped_while_its_thread_panics_does_not_wait_for_its_fences() {
     std::thread::spawn(move || {
         let caught = std::panic::catch_unwind(move || {
             let queue = DropQueue::new(4).unwrap();
-            let value = Reported {
-                needs: 1,
-                progress: step,
-                report,
-            };
-            assert!(queue.push(EventFence::<Host>::new(handle), value).is_ok());
+            // One waited on by the queue's thread, one queued behind it.
+            for _ in 0..2 {
+                let value = Reported {
+                    needs: 1,
+                    progress: step.clone(),
+                    report: report.clone(),
+                };
+                assert!(queue.push(EventFence::<Host>::new(handle), value).is_ok());
+            }
             panic!("a failing test holding a drop queue");
         });
         let message = caught
@@ -1181,11 +1311,13 @@ fn a_queue_dropped_while_its_thread_panics_does_not_wait_for_its_fences() {
         "the value was dropped while its fence was held"
     );
     gate.open();
-    let (passed, thread) = reports
-        .recv_timeout(LIMIT)
-        .expect("the detached queue thread drops the value once its fence passes");
-    assert!(passed, "dropped before its fence passed");
-    assert_eq!(thread.as_deref(), Some("device-events-drop-queue"));
+    for _ in 0..2 {
+        let (passed, thread) = reports
+            .recv_timeout(LIMIT)
+            .expect("the detached queue thread drops each value once its fence passes");
+        assert!(passed, "dropped before its fence passed");
+        assert_eq!(thread.as_deref(), Some("device-events-drop-queue"));
+    }
 }
 
 /// A value that sets a flag its test owns when dropped, and may open a gate.
@@ -1357,6 +1489,35 @@ fn waiting_on_what_shutdown_now_handed_back_drops_each_value_after_its_fence() {
     assert!(!early.load(Ordering::SeqCst), "dropped before its fence");
 }
 
+/// `HandedBack::wait_then_drop` settles every value, a failed fence's leaked
+/// and the others dropped, and returns the first failure.
+#[test]
+fn waiting_on_what_shutdown_now_handed_back_settles_every_value_and_returns_the_first_failure() {
+    let faulted = ["first-handed-back-fault", "second-handed-back-fault"].map(|message| {
+        let stream = faultable_stream();
+        stream.launch(move || panic!("{message}")).unwrap();
+        let _ = stream.synchronize();
+        stream
+    });
+    let good = HostStream::new().unwrap();
+    let gate = Gate::hold(&good);
+    let dropped: [Arc<std::sync::atomic::AtomicBool>; 3] = Default::default();
+    let kept = hand_back(vec![
+        (faulted[0].fence(), Flagged::new(&dropped[0])),
+        (good.fence(), Flagged::new(&dropped[1])),
+        (faulted[1].fence(), Flagged::new(&dropped[2])),
+    ]);
+    gate.open();
+    let err = kept.wait_then_drop().unwrap_err();
+    assert!(err.to_string().contains("first-handed-back-fault"), "{err}");
+    let dropped = dropped.each_ref().map(|flag| flag.load(Ordering::SeqCst));
+    assert_eq!(
+        dropped,
+        [false, true, false],
+        "only the passed value dropped"
+    );
+}
+
 /// Values are dropped in push order.
 #[test]
 fn values_are_dropped_in_push_order() {
@@ -1380,11 +1541,18 @@ fn values_are_dropped_in_push_order() {
     assert_eq!(*order.lock().unwrap(), [1, 2, 3, 4]);
 }
 
+/// How [`PushesOnItsQueue`] pushes.
+#[derive(Debug, Clone, Copy)]
+enum PushWith {
+    Blocking,
+    Async,
+}
+
 /// A value whose drop pushes another value onto its own queue, with
-/// `push_blocking`.
+/// `push_blocking` or `push_async`.
 struct PushesOnItsQueue {
     /// The queue, and the fence to push the next value with.
-    then: Option<(PushingQueue, EventFence<Host>)>,
+    then: Option<(PushingQueue, EventFence<Host>, PushWith)>,
     pushed: Arc<AtomicUsize>,
     dropped: Arc<AtomicUsize>,
 }
@@ -1394,40 +1562,54 @@ type PushingQueue = Arc<DropQueue<EventFence<Host>, PushesOnItsQueue>>;
 impl Drop for PushesOnItsQueue {
     fn drop(&mut self) {
         self.dropped.fetch_add(1, Ordering::SeqCst);
-        if let Some((queue, fence)) = self.then.take() {
+        if let Some((queue, fence, with)) = self.then.take() {
             let next = PushesOnItsQueue {
                 then: None,
                 pushed: self.pushed.clone(),
                 dropped: self.dropped.clone(),
             };
-            if queue.push_blocking(fence, next).is_ok() {
+            let queued = match with {
+                PushWith::Blocking => queue.push_blocking(fence, next),
+                PushWith::Async => futures::executor::block_on(queue.push_async(fence, next)),
+            };
+            if queued.is_ok() {
                 self.pushed.fetch_add(1, Ordering::SeqCst);
             }
         }
     }
 }
 
-/// On the queue's own thread `push_blocking` queues past the capacity (only
-/// that thread makes room: waiting there would wait for good).
+/// On the queue's own thread `push_blocking` and `push_async` queue past the
+/// capacity (only that thread makes room: waiting there would wait for good),
+/// even while the queue is closing (the thread drains the queue before it
+/// exits).
 #[test]
-fn push_blocking_on_the_queues_own_thread_queues_past_the_capacity() {
-    let stream = HostStream::new().unwrap();
-    let queue = Arc::new(DropQueue::new(1).unwrap());
-    let (pushed, dropped) = (Arc::default(), Arc::<AtomicUsize>::default());
-    let value = |then| PushesOnItsQueue {
-        then,
-        pushed: Arc::clone(&pushed),
-        dropped: Arc::clone(&dropped),
-    };
-    let gate = Gate::hold(&stream);
-    let first = value(Some((queue.clone(), stream.fence())));
-    assert!(queue.push(stream.fence(), first).is_ok());
-    // The value in flight fills the queue until its drop has returned.
-    gate.open();
-    common::eventually(Duration::from_secs(20), "the first's drop pushed", || {
-        pushed.load(Ordering::SeqCst) == 1
-    });
-    common::eventually(Duration::from_secs(20), "both dropped", || {
-        dropped.load(Ordering::SeqCst) == 2
-    });
+fn pushes_on_the_queues_own_thread_queue_past_the_capacity_and_while_closing() {
+    for with in [PushWith::Blocking, PushWith::Async] {
+        for closing in [false, true] {
+            let case = format!("{with:?}, closing: {closing}");
+            let stream = HostStream::new().unwrap();
+            let queue = Arc::new(DropQueue::new(1).unwrap());
+            let (pushed, dropped) = (Arc::default(), Arc::<AtomicUsize>::default());
+            let value = |then| PushesOnItsQueue {
+                then,
+                pushed: Arc::clone(&pushed),
+                dropped: Arc::clone(&dropped),
+            };
+            let gate = Gate::hold(&stream);
+            let first = value(Some((queue.clone(), stream.fence(), with)));
+            assert!(queue.push(stream.fence(), first).is_ok());
+            if closing {
+                queue.close();
+            }
+            // The value in flight fills the queue until its drop has returned.
+            gate.open();
+            common::eventually(Duration::from_secs(20), &format!("{case}: pushed"), || {
+                pushed.load(Ordering::SeqCst) == 1
+            });
+            common::eventually(Duration::from_secs(20), &format!("{case}: dropped"), || {
+                dropped.load(Ordering::SeqCst) == 2
+            });
+        }
+    }
 }
