@@ -293,7 +293,7 @@ mod fault_log {
 
     /// Streams already warned about, by hash of backend and stream. When full it starts over:
     /// some warn again rather than the set growing without end.
-    const REMEMBERED: usize = 4096;
+    pub(super) const REMEMBERED: usize = 4096;
 
     /// Log "a `backend` `what`: `err`" as a warning, unless `err` is a sticky fault already
     /// warned about for this `stream`: then at debug level.
@@ -307,7 +307,7 @@ mod fault_log {
     }
 
     /// Whether this is the first fault seen for `stream`.
-    fn first_for<S: Hash>(backend: &'static str, stream: &S) -> bool {
+    pub(super) fn first_for<S: Hash>(backend: &'static str, stream: &S) -> bool {
         static SEEN: OnceLock<(RandomState, Mutex<HashSet<u64>>)> = OnceLock::new();
         let (hasher, seen) = SEEN.get_or_init(|| (RandomState::new(), Mutex::new(HashSet::new())));
         let key = hasher.hash_one((backend, stream));
@@ -317,21 +317,22 @@ mod fault_log {
         }
         seen.insert(key)
     }
+}
 
-    #[cfg(test)]
-    mod tests {
-        use super::*;
+#[cfg(test)]
+mod tests {
+    use super::fault_log;
 
-        /// The set is bounded: after `REMEMBERED` more streams, the first is forgotten (other
-        /// tests' streams only make it forgotten sooner).
-        #[test]
-        fn a_stream_is_forgotten_after_remembered_others() {
-            const BACKEND: &str = "fault-log-test";
-            assert!(first_for(BACKEND, &0_usize));
-            for stream in 1..=REMEMBERED {
-                first_for(BACKEND, &stream);
-            }
-            assert!(first_for(BACKEND, &0_usize), "remembered past the bound");
+    /// The fault log's set is bounded: after `REMEMBERED` more streams, the first is forgotten
+    /// (other tests' streams only make it forgotten sooner).
+    #[test]
+    fn a_stream_is_forgotten_after_remembered_others() {
+        const BACKEND: &str = "fault-log-test";
+        assert!(fault_log::first_for(BACKEND, &0_usize));
+        for stream in 1..=fault_log::REMEMBERED {
+            fault_log::first_for(BACKEND, &stream);
         }
+        let forgotten = fault_log::first_for(BACKEND, &0_usize);
+        assert!(forgotten, "remembered past the bound");
     }
 }
