@@ -4,7 +4,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::faulty::{self, Faulty};
+use common::faulty::{self, Faulty, Plan};
 use common::{eventually, faultable_stream, Gate};
 use device_events::host::{Host, HostContext, HostStream};
 use device_events::{EventProfiler, ServerError, Waiter, DEFAULT_PROFILER_CAPACITY};
@@ -220,6 +220,26 @@ fn a_refused_start_keeps_the_pooled_events() {
     }
     assert_eq!(profiler.created(), created + 1);
     assert_eq!(profiler.pooled(), pooled + 1);
+}
+
+/// A start whose record alone is refused (its new event was made) keeps that
+/// event in the pool rather than destroy it.
+#[test]
+fn a_start_whose_record_is_refused_keeps_its_new_event() {
+    let stream = faultable_stream();
+    let plan = Plan {
+        label: "profiler-start-record-refused",
+        refuse_record: true,
+        ..Plan::default()
+    };
+    faulty::inject(stream.handle(), plan);
+    let profiler = EventProfiler::<Faulty>::new();
+    let err = profiler.start(stream.handle()).unwrap_err();
+    assert!(
+        err.to_string().contains("profiler-start-record-refused"),
+        "{err}"
+    );
+    assert_eq!((profiler.created(), profiler.pooled()), (1, 1));
 }
 
 /// One profiler for every context it is given, as one service times work
