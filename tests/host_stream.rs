@@ -128,6 +128,8 @@ fn a_panic_faults_every_stream_of_its_context_for_good() {
     let (faulting, sibling) = (context.new_stream().unwrap(), context.new_stream().unwrap());
     let elsewhere = HostContext::new().new_stream().unwrap();
     let alone = HostStream::new().unwrap();
+    let shown = format!("{context:?}");
+    assert!(shown.contains("faulted: false"), "{shown}");
     let event = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
     let passed = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
     let never_recorded = Host::event_create(sibling.handle(), EventFlags::FENCE).unwrap();
@@ -153,6 +155,8 @@ fn a_panic_faults_every_stream_of_its_context_for_good() {
         "{err}"
     );
     assert!(faulting.is_faulted() && sibling.is_faulted() && context.is_faulted());
+    let shown = format!("{context:?}");
+    assert!(shown.contains("faulted: true"), "{shown}");
     // The sibling's pending record failed, and its own calls fail; a record
     // passed before the fault reports it too (sticky).
     assert!(Host::event_synchronize(&event).unwrap_err().is_faulted());
