@@ -368,8 +368,9 @@ fn events_are_made_to_sleep_not_spin() {
 }
 
 /// A refused record leaves the event as its last record left it: reached,
-/// and answered so; a fence's refused record synchronizes its stream instead
-/// (fake driver only: it refuses a record on demand).
+/// and answered so; a fence's refused record synchronizes its stream instead,
+/// and its event goes back to the pool (fake driver only: it refuses a record
+/// on demand).
 #[test]
 fn a_refused_record_leaves_the_events_last_record() {
     let Some((ctx, _)) = gpu("a_refused_record_leaves_the_events_last_record") else {
@@ -398,6 +399,8 @@ fn a_refused_record_leaves_the_events_last_record() {
     );
     assert!(fence.is_resolved_at_creation());
     fence.wait_sync().unwrap();
+    // Its event went back to the pool: only `event` is in use.
+    assert_eq!(cuda::live_events(&stream).count(), 1);
 }
 
 /// cudarc's error-name lookup loads the driver library (and panics without

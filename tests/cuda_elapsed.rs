@@ -1,11 +1,12 @@
 //! Timing on CUDA: `cuEventElapsedTime_v2` is preferred where the driver
 //! exports it (the legacy name can return unrelated asynchronous errors),
 //! the legacy name is the fallback; two events of different contexts are
-//! refused by the crate before the driver sees them; one profiler times
-//! work on two devices.
+//! refused by the crate before the driver sees them; the driver's
+//! milliseconds are read exactly; one profiler times work on two devices.
 //!
 //! Against the fake driver, which counts the calls to each name
-//! (`fakeCudaElapsedCalls`); the fallback runs this binary again as a child
+//! (`fakeCudaElapsedCalls`) and gives a time a test sets
+//! (`fakeCudaNextElapsed`); the fallback runs this binary again as a child
 //! process with the fake built without `_v2` first on `LD_LIBRARY_PATH`
 //! (needs `cc`). On a real driver the measurements run without the counts.
 //! Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
@@ -22,7 +23,7 @@ use std::time::Duration;
 
 use device_events::cuda::cudarc::driver::CudaContext;
 use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
-use device_events::{status, Event, EventFlags, EventProfiler};
+use device_events::{status, Event, EventFlags, EventProfiler, ServerError};
 
 use common::fake_driver::{self, is_fake};
 
@@ -126,6 +127,34 @@ fn child() {
     let (ctx, sleep) = gpu("child", 0).expect("the fake driver");
     let calls = profile_once(&ctx, &sleep).expect("the fake driver's hooks");
     assert_eq!(calls, [1, 0], "calls to [legacy, _v2]");
+}
+
+/// The driver's milliseconds are read as a `Duration`, exactly: a time the
+/// fake gives (in microseconds) comes back as it was, and a negative one is
+/// `StopBeforeStart` by as much. Fake driver only.
+#[test]
+fn the_drivers_milliseconds_are_read_exactly() {
+    if std::env::var("DEVICE_EVENTS_ELAPSED_CHILD").is_ok() || !is_fake() {
+        return;
+    }
+    let Some((ctx, _)) = gpu("the_drivers_milliseconds_are_read_exactly", 0) else {
+        return;
+    };
+    let stream = ctx.new_stream().unwrap();
+    let handle = CudaStreamHandle::new(&stream);
+    let [start, stop] = [(); 2].map(|()| Event::<Cuda>::new(handle, EventFlags::TIMING).unwrap());
+    start.record(handle).unwrap();
+    stop.record(handle).unwrap();
+    stop.wait_sync().unwrap();
+    for micros in [1_500, 250_000, -2_500] {
+        fake_driver::call(c"fakeCudaNextElapsed", micros).expect("the fake's hook");
+        let time = Duration::from_micros(micros.unsigned_abs().into());
+        match stop.elapsed_since(&start) {
+            Ok(read) if micros > 0 => assert_eq!(read, time),
+            Err(ServerError::StopBeforeStart { by, .. }) if micros < 0 => assert_eq!(by, time),
+            other => panic!("{micros} µs read as {other:?}"),
+        }
+    }
 }
 
 /// Two timing events of different contexts: refused by the crate, without a

@@ -76,6 +76,7 @@
  *   handler after which every call returns CUDA_ERROR_DEINITIALIZED.
  * - Elapsed time under both names, each counted (see "Elapsed time" below);
  *   built with -DFAKE_CUDA_NO_ELAPSED_V2 it exports only the legacy name.
+ *   A test sets the next time a thread reads (fakeCudaNextElapsed).
  * - cuEventRecord numbers the records of each stream (see "Record order").
  * - Page-locked, device-mapped host memory and cuStreamWriteValue64, each
  *   refusable on demand (see "Host-mapped memory and stream writes").
@@ -1032,6 +1033,9 @@ int cuEventDestroy_v2(void *event) {
     return status;
 }
 
+/* fakeCudaNextElapsed: the next time this thread reads, in microseconds. */
+static __thread int next_elapsed_set, next_elapsed_us;
+
 static int elapsed(float *ms, void *start, void *end) {
     event_t *a = start, *b = end;
     pthread_mutex_lock(&lock);
@@ -1047,6 +1051,8 @@ static int elapsed(float *ms, void *start, void *end) {
     int64_t now = now_ns();
     if (status == SUCCESS && (now < a->at || now < b->at)) status = NOT_READY;
     if (status == SUCCESS) *ms = (float)((double)(b->at - a->at) / 1e6);
+    if (status == SUCCESS && next_elapsed_set) *ms = (float)next_elapsed_us / 1000.0f;
+    if (status == SUCCESS) next_elapsed_set = 0;
     pthread_mutex_unlock(&lock);
     return status;
 }
@@ -1059,7 +1065,10 @@ static int elapsed(float *ms, void *start, void *end) {
  * calls on the calling thread (so tests running beside each other do not
  * count each other's): fakeCudaElapsedCalls(0) the legacy name's, (1) the
  * _v2's. The cross-context rule is the driver's (measured: a 13.0 driver
- * answers CUDA_ERROR_INVALID_HANDLE for events of two contexts; elapsed()). */
+ * answers CUDA_ERROR_INVALID_HANDLE for events of two contexts; elapsed()).
+ * fakeCudaNextElapsed(us) makes the next time this thread reads, once the
+ * call succeeds, `us` microseconds (negative too: a stop reached before its
+ * start), so a test checks how the milliseconds are read. */
 static __thread int elapsed_calls[2];
 
 int cuEventElapsedTime(float *ms, void *start, void *end) {
@@ -1072,6 +1081,12 @@ int cuEventElapsedTime_v2(float *ms, void *start, void *end) {
     return elapsed(ms, start, end);
 }
 #endif
+
+int fakeCudaNextElapsed(int us) {
+    next_elapsed_us = us;
+    next_elapsed_set = 1;
+    return 0;
+}
 
 int fakeCudaElapsedCalls(int v2) {
     if (v2 < 0 || v2 > 1) return -1;
