@@ -54,6 +54,24 @@ impl Counters {
     }
 }
 
+/// `future`'s output once it resolves: the test fails, rather than hangs, if
+/// it does not within 20 s.
+fn resolved<F: Future + Unpin>(what: &str, mut future: F) -> F::Output {
+    let mut output = None;
+    common::eventually(Duration::from_secs(20), what, || {
+        output = (&mut future).now_or_never();
+        output.is_some()
+    });
+    output.expect("resolved")
+}
+
+/// What `thread` returned: the test fails, rather than hangs, if it does not
+/// return within 20 s.
+fn joined<T>(what: &str, thread: std::thread::JoinHandle<T>) -> T {
+    common::eventually(Duration::from_secs(20), what, || thread.is_finished());
+    thread.join().expect("the thread panicked")
+}
+
 #[test]
 fn no_value_is_dropped_before_its_fence_and_none_is_lost() {
     let streams: Vec<HostStream> = (0..4).map(|_| HostStream::new().unwrap()).collect();
@@ -270,7 +288,9 @@ fn shutdown_now_drops_what_passed_and_hands_back_the_rest() {
     let handed_back = queue.shutdown_now();
     let names: Vec<&str> = handed_back.iter().map(|(_, item)| item.name).collect();
     assert_eq!(names, ["held"]);
-    let stats = futures::executor::block_on(flushed);
+    let stats = flushed
+        .now_or_never()
+        .expect("resolved once shutdown_now returned");
     // "first" by the queue's thread, "passed" by shutdown_now.
     assert_eq!((stats.dropped, stats.handed_back, stats.leaked), (2, 1, 0));
     held_gate.open();
@@ -350,7 +370,7 @@ fn flush_and_shutdown_can_be_awaited() {
         "held"
     );
     gate.open();
-    let stats = futures::executor::block_on(flushed);
+    let stats = resolved("the flush", flushed);
     assert_eq!((stats.dropped, stats.leaked), (1, 0));
 
     let gate = Gate::hold(&stream);
@@ -536,9 +556,11 @@ fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
         queries.load(Ordering::SeqCst) == 1
     });
     blocking_gate.open(); // shutdown_now waits for the first value
-    let handed_back = shutting.join().unwrap();
+    let handed_back = joined("shutdown_now", shutting);
     let kept = handed_back.len();
-    let stats = futures::executor::block_on(flushed);
+    let stats = flushed
+        .now_or_never()
+        .expect("resolved once shutdown_now returned");
     // Dropped on another thread, while this one opens the gate (asserting
     // first would leave the drop waiting on a gate no one opens).
     let dropper = std::thread::spawn(move || drop(handed_back));
@@ -591,7 +613,7 @@ fn a_panic_in_is_passed_during_shutdown_now_hands_the_value_back() {
     });
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 0, "dropped early");
     gate.open();
-    let handed_back = shutting.join().expect("shutdown_now unwound");
+    let handed_back = joined("shutdown_now", shutting);
     assert_eq!(handed_back.len(), 2);
     // Kept alive by the caller, then dropped off the test thread.
     std::thread::spawn(move || {
@@ -676,21 +698,23 @@ fn a_flush_waits_for_a_value_shutdown_now_is_still_checking() {
         .recv_timeout(Duration::from_secs(20))
         .expect("shutdown_now checks the held value");
     gate.open(); // the thread drops the first value, then exits
-    let stats = futures::executor::block_on(exited);
+    let stats = resolved("the queue's thread exits", Box::pin(exited));
     assert_eq!((stats.dropped, stats.handed_back), (1, 0));
     assert!(
         (&mut flushed).now_or_never().is_none(),
         "the flush resolved while shutdown_now still checked its value"
     );
     release.send(()).unwrap();
-    let handed_back = shutting.join().unwrap();
+    let handed_back = joined("shutdown_now", shutting);
     assert_eq!(handed_back.len(), 1);
     assert_eq!(
         drops.load(Ordering::SeqCst),
         2,
         "the failed check's value was dropped"
     );
-    let stats = futures::executor::block_on(flushed);
+    let stats = flushed
+        .now_or_never()
+        .expect("resolved once shutdown_now returned");
     assert_eq!((stats.dropped, stats.handed_back, stats.leaked), (2, 1, 0));
 }
 
@@ -761,6 +785,9 @@ impl Drop for UsesItsQueue {
     }
 }
 
+/// A value's drop that flushes its own queue, awaits its `shutdown_async` or
+/// drops its last handle, on the queue's own thread, returns at once: it
+/// neither waits for itself nor joins itself.
 #[test]
 fn a_value_whose_drop_flushes_shuts_down_or_drops_its_own_queue_neither_hangs_nor_panics() {
     for shuts_down in [false, true] {
@@ -870,8 +897,10 @@ fn a_flush_waits_for_its_values_even_when_later_ones_are_handed_back() {
         "resolved while its value still waited on its fence"
     );
     gate.open();
-    let handed_back = shutting.join().unwrap();
-    let stats = futures::executor::block_on(flushed);
+    let handed_back = joined("shutdown_now", shutting);
+    let stats = flushed
+        .now_or_never()
+        .expect("resolved once shutdown_now returned");
     assert_eq!((stats.dropped, stats.handed_back), (1, 1));
     std::thread::spawn(move || drop(handed_back))
         .join()
@@ -1282,13 +1311,16 @@ fn a_queue_dropped_while_its_thread_panics_does_not_wait_for_its_fences() {
         let caught = std::panic::catch_unwind(move || {
             let queue = DropQueue::new(4).unwrap();
             // One waited on by the queue's thread, one queued behind it.
-            for _ in 0..2 {
+            for taken in [true, false] {
                 let value = Reported {
                     needs: 1,
                     progress: step.clone(),
                     report: report.clone(),
                 };
                 assert!(queue.push(EventFence::<Host>::new(handle), value).is_ok());
+                if taken {
+                    common::until_taken(&queue);
+                }
             }
             panic!("a failing test holding a drop queue");
         });
