@@ -399,9 +399,9 @@ fn a_refused_record_leaves_the_events_last_record() {
     );
     assert!(fence.is_resolved_at_creation());
     fence.wait_sync().unwrap();
-    // Its event was given back (the context's pool is shared with other
-    // tests, so whether it is idle there is not this test's to see): only
-    // `event` is in use.
+    // Its event is not left in use: only `event` is. (Given back or
+    // destroyed: the context's pool is shared with other tests, so which is
+    // not this test's to see.)
     assert_eq!(cuda::live_events(&stream).count(), 1);
 }
 
