@@ -426,7 +426,7 @@ fn push_blocking_waits_for_room_and_drops_nothing_early() {
     assert!(!pusher.is_finished(), "a push went past the capacity");
     assert_eq!(queue.stats().pending, 2);
     gate.open();
-    pusher.join().unwrap();
+    joined("the blocked push", pusher);
     queue.flush();
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 20);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
@@ -445,7 +445,7 @@ fn push_async_waits_for_room_and_a_dropped_push_still_keeps_its_value() {
     let counters = Counters::default();
     progress.step_on(&stream);
     let first = queue.push_async(stream.fence(), counters.staging(1, &progress));
-    assert!(futures::executor::block_on(first).is_ok());
+    assert!(resolved("the first push", first).is_ok());
     let mut second = queue.push_async(stream.fence(), counters.staging(1, &progress));
     assert!((&mut second).now_or_never().is_none(), "no room yet");
     let abandoned = queue.push_async(stream.fence(), counters.staging(1, &progress));
@@ -453,12 +453,12 @@ fn push_async_waits_for_room_and_a_dropped_push_still_keeps_its_value() {
     assert_eq!(queue.stats().pushed, 2);
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 0);
     gate.open();
-    assert!(futures::executor::block_on(second).is_ok());
+    assert!(resolved("the second push", second).is_ok());
     queue.flush();
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 3);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
     let closed = queue.shutdown_async();
-    futures::executor::block_on(closed);
+    resolved("the shutdown", Box::pin(closed));
 }
 
 #[test]
@@ -481,7 +481,7 @@ fn a_rejected_value_is_dropped_only_after_its_fence() {
     // The caller keeps the promise on a thread of its own.
     let caller = std::thread::spawn(move || rejected.wait_then_drop());
     gate.open();
-    caller.join().unwrap().unwrap();
+    joined("wait_then_drop", caller).unwrap();
     queue.flush();
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
@@ -504,7 +504,7 @@ fn a_refused_value_taken_out_of_its_rejection_is_dropped_only_after_its_fence() 
     };
     let caller = std::thread::spawn(move || refused.wait_then_drop());
     gate.open();
-    caller.join().unwrap().unwrap();
+    joined("wait_then_drop", caller).unwrap();
     queue.flush();
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
     // Dropped by the caller, not queued past the capacity: only the first was the queue's.
@@ -565,7 +565,7 @@ fn dropping_what_shutdown_now_handed_back_waits_for_the_fences() {
     // first would leave the drop waiting on a gate no one opens).
     let dropper = std::thread::spawn(move || drop(handed_back));
     gate.open();
-    dropper.join().unwrap();
+    joined("the drop", dropper);
     assert_eq!(kept, 1);
     assert_eq!((stats.handed_back, stats.dropped, stats.leaked), (1, 1, 0));
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
@@ -616,14 +616,13 @@ fn a_panic_in_is_passed_during_shutdown_now_hands_the_value_back() {
     let handed_back = joined("shutdown_now", shutting);
     assert_eq!(handed_back.len(), 2);
     // Kept alive by the caller, then dropped off the test thread.
-    std::thread::spawn(move || {
+    let waits = std::thread::spawn(move || {
         for (fence, value) in handed_back {
             fence.wait_blocking().unwrap();
             drop(value);
         }
-    })
-    .join()
-    .unwrap();
+    });
+    joined("the waits", waits);
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 3);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }
@@ -902,9 +901,7 @@ fn a_flush_waits_for_its_values_even_when_later_ones_are_handed_back() {
         .now_or_never()
         .expect("resolved once shutdown_now returned");
     assert_eq!((stats.dropped, stats.handed_back), (1, 1));
-    std::thread::spawn(move || drop(handed_back))
-        .join()
-        .unwrap();
+    joined("the drop", std::thread::spawn(move || drop(handed_back)));
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }
 
@@ -935,8 +932,8 @@ fn closing_wakes_a_push_waiting_for_room() {
     };
     let keeper = std::thread::spawn(move || refused.wait_then_drop());
     gate.open();
-    keeper.join().unwrap().unwrap();
-    futures::executor::block_on(shutdown);
+    joined("wait_then_drop", keeper).unwrap();
+    resolved("the shutdown", Box::pin(shutdown));
     assert_eq!(counters.dropped.load(Ordering::SeqCst), 2);
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
 }
@@ -993,7 +990,8 @@ fn close_refuses_later_pushes_and_still_drops_what_was_queued_after_its_fence() 
     for refused in [
         queue.push(stream.fence(), counters.staging(1, &progress)),
         queue.push_blocking(stream.fence(), counters.staging(1, &progress)),
-        futures::executor::block_on(
+        resolved(
+            "the push",
             queue.push_async(stream.fence(), counters.staging(1, &progress)),
         ),
     ] {
@@ -1041,7 +1039,7 @@ fn a_shared_queue_shuts_down_through_any_handle_and_every_call_resolves() {
     };
     std::mem::forget(refused.into_inner().1); // its work is held: not ours to drop here
     gate.open();
-    let (first, second) = futures::executor::block_on(futures::future::join(first, second));
+    let (first, second) = resolved("both shutdowns", futures::future::join(first, second));
     assert_eq!((first.pushed, first.dropped, first.pending), (1, 1, 0));
     assert_eq!((second.pushed, second.dropped), (1, 1));
     assert_eq!(counters.early.load(Ordering::SeqCst), 0);
@@ -1126,7 +1124,8 @@ fn an_ignored_closed_refusal_keeps_its_value_until_its_fence() {
     assert!(matches!(refused, Err(Rejected::Closed(..))));
     refused.ok();
     let _ = queue.push_blocking(stream.fence(), counters.staging(1, &progress));
-    let _ = futures::executor::block_on(
+    let _ = resolved(
+        "the push",
         queue.push_async(stream.fence(), counters.staging(1, &progress)),
     );
     assert_eq!(
@@ -1136,7 +1135,7 @@ fn an_ignored_closed_refusal_keeps_its_value_until_its_fence() {
     );
     assert_eq!(queue.stats().pending, 4);
     gate.open();
-    let stats = futures::executor::block_on(queue.shutdown_async());
+    let stats = resolved("the shutdown", Box::pin(queue.shutdown_async()));
     assert_eq!(
         (stats.pushed, stats.dropped, stats.leaked, stats.pending),
         (4, 4, 0, 0)
@@ -1157,7 +1156,7 @@ fn an_ignored_refusal_of_a_finished_queue_leaks_an_unpassed_value() {
     fn refused_twice<F: Fence>(stream: &HostStream, fence: impl Fn(&HostStream) -> F) -> usize {
         let kind = std::any::type_name::<F>();
         let queue = DropQueue::new(8).unwrap();
-        futures::executor::block_on(queue.shutdown_async());
+        resolved("the shutdown", Box::pin(queue.shutdown_async()));
         let drops = Arc::new(AtomicUsize::new(0));
         let gate = Gate::hold(stream);
         queue.push(fence(stream), Counted(drops.clone())).ok();
@@ -1198,7 +1197,7 @@ fn dropping_a_refusal_blocks_no_thread_while_its_fence_is_pending() {
     // before the queue, whose drop waits for the fences behind it.
     let full = DropQueue::new(1).unwrap();
     let finished = DropQueue::new(1).unwrap();
-    futures::executor::block_on(finished.shutdown_async());
+    resolved("the shutdown", Box::pin(finished.shutdown_async()));
     let gate = Gate::hold(&stream);
     let drops = Arc::new(AtomicUsize::new(0));
     assert!(full.push(stream.fence(), Counted(drops.clone())).is_ok());
@@ -1229,7 +1228,7 @@ fn dropping_a_refusal_blocks_no_thread_while_its_fence_is_pending() {
 fn dropping_a_push_to_a_finished_queue_blocks_no_thread() {
     let stream = HostStream::new().unwrap();
     let queue = DropQueue::new(1).unwrap();
-    futures::executor::block_on(queue.shutdown_async());
+    resolved("the shutdown", Box::pin(queue.shutdown_async()));
     let gate = Gate::hold(&stream);
     let drops = Arc::new(AtomicUsize::new(0));
     let abandoned = queue.push_async(stream.fence(), Counted(drops.clone()));
@@ -1255,7 +1254,7 @@ fn a_refusal_given_to_a_finished_queue_contains_panics() {
     let queries = Arc::new(AtomicUsize::new(0));
     let drops = Arc::new(AtomicUsize::new(0));
     let panicky_fences = DropQueue::new(1).unwrap();
-    futures::executor::block_on(panicky_fences.shutdown_async());
+    resolved("the shutdown", Box::pin(panicky_fences.shutdown_async()));
     let fence = PanickyQuery(stream.fence(), queries.clone());
     panicky_fences.push(fence, Counted(drops.clone())).ok();
     assert_eq!(queries.load(Ordering::SeqCst), 1);
@@ -1263,7 +1262,7 @@ fn a_refusal_given_to_a_finished_queue_contains_panics() {
     assert_eq!(panicky_fences.stats().leaked, 1);
 
     let panicky_values = DropQueue::new(1).unwrap();
-    futures::executor::block_on(panicky_values.shutdown_async());
+    resolved("the shutdown", Box::pin(panicky_values.shutdown_async()));
     let value = Some(PanicsWithPanickyPayload);
     panicky_values.push(passed, value).ok();
     let stats = panicky_values.stats();
