@@ -187,28 +187,18 @@ fn host_waits_block_until_the_work_is_done(
     stream: &AnyStream,
     launch_long: impl Fn(&AnyStream) -> Result<(), ServerError>,
 ) {
-    // On a thread of its own, so that a call that never returns fails the
-    // test rather than hang it.
-    fn returns(what: &str, call: impl FnOnce() -> Result<(), ServerError> + Send + 'static) {
-        let (done, result) = std::sync::mpsc::channel();
-        std::thread::spawn(move || done.send(call()));
-        let returned = result.recv_timeout(Duration::from_secs(20));
-        returned
-            .unwrap_or_else(|_| panic!("{what} did not return"))
-            .expect(what);
-    }
     let backend = stream.backend();
     launch_long(stream).expect("a long stage launched");
     let behind = stream.fence();
     let synchronized = stream.clone();
-    returns("synchronize", move || synchronized.synchronize());
+    common::resolves("synchronize", move || synchronized.synchronize()).expect("synchronized");
     assert!(
         behind.is_complete().unwrap(),
         "{backend}: synchronize returned before the stage was done"
     );
     launch_long(stream).expect("a long stage launched");
     let (earlier, waited) = (stream.fence(), stream.fence());
-    returns("wait_sync", move || waited.wait_sync());
+    common::resolves("wait_sync", move || waited.wait_sync()).expect("waited");
     assert!(
         earlier.is_complete().unwrap(),
         "{backend}: wait_sync returned before the stage was done"

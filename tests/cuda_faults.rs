@@ -9,35 +9,10 @@
 mod common;
 
 use std::sync::mpsc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use device_events::cuda::{self, Cuda, CudaStreamHandle, FaultKernel, SleepKernel};
 use device_events::{Event, EventApi, EventFence, EventFlags, EventProfiler, ServerError, Waiter};
-
-/// A wait that has not resolved after this long counts as hung. Generous on
-/// purpose: the driver reports the fault within a second.
-const HANG: Duration = Duration::from_secs(20);
-
-/// Run `wait` on its own thread; its result, and how long it took, or a
-/// failure if it hangs.
-fn resolves<F>(what: &str, wait: F) -> (Result<(), ServerError>, Duration)
-where
-    F: FnOnce() -> Result<(), ServerError> + Send + 'static,
-{
-    let (sender, receiver) = mpsc::channel();
-    let started = Instant::now();
-    std::thread::spawn(move || {
-        let _ = sender.send(wait());
-    });
-    match receiver.recv_timeout(HANG) {
-        Ok(result) => {
-            let took = started.elapsed();
-            eprintln!("{what}: {result:?} after {took:?}");
-            (result, took)
-        }
-        Err(_) => panic!("{what} hung for {HANG:?}"),
-    }
-}
 
 fn assert_faulted(what: &str, result: Result<(), ServerError>) {
     match result {
@@ -104,19 +79,19 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
         .unwrap();
     let dependent = cuda::fence(&other);
 
-    let (result, _) = resolves("pending wait_sync", move || pending_sync.wait_sync());
+    let result = common::resolves("pending wait_sync", move || pending_sync.wait_sync());
     assert_faulted("pending wait_sync", result);
-    let (result, _) = resolves("pending await (own waiter)", move || {
+    let result = common::resolves("pending await (own waiter)", move || {
         futures::executor::block_on(pending_await)
     });
     assert_faulted("pending await (own waiter)", result);
-    let (result, _) = resolves("pending await (global waiter)", move || {
+    let result = common::resolves("pending await (global waiter)", move || {
         futures::executor::block_on(pending_global_await)
     });
     assert_faulted("pending await (global waiter)", result);
-    let (result, _) = resolves("pending profile", move || profile.wait_sync().map(|_| ()));
+    let result = common::resolves("pending profile", move || profile.wait_sync().map(|_| ()));
     assert_faulted("pending profile", result);
-    let (result, _) = resolves("stream behind a device-side wait", move || {
+    let result = common::resolves("stream behind a device-side wait", move || {
         dependent.wait_sync()
     });
     assert_faulted("stream behind a device-side wait", result);
@@ -128,16 +103,16 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
     // The same through `AnyStream::fence`, which falls back as `EventFence::new` does.
     let any = device_events::AnyStream::from(stream.clone()).fence();
     assert!(any.is_resolved_at_creation());
-    let (result, _) = resolves("later wait_sync", move || later.wait_sync());
+    let result = common::resolves("later wait_sync", move || later.wait_sync());
     assert_faulted("later wait_sync", result);
     let later = cuda::fence(&other);
-    let (result, _) = resolves("later await", move || {
+    let result = common::resolves("later await", move || {
         futures::executor::block_on(later.wait())
     });
     assert_faulted("later await", result);
     let later = cuda::fence(&stream);
     let target = CudaStreamHandle::new(&other);
-    let (result, _) = resolves("later wait_async", move || later.wait_async(target));
+    let result = common::resolves("later wait_async", move || later.wait_async(target));
     assert_faulted("later wait_async", result);
     // A fault found while checking for a capture names the call made.
     let err = earlier
@@ -153,7 +128,7 @@ fn an_illegal_address_faults_every_pending_and_later_wait() {
         "{err}"
     );
     let handle = CudaStreamHandle::new(&stream);
-    let (result, _) = resolves("a new fence on the poisoned stream", move || {
+    let result = common::resolves("a new fence on the poisoned stream", move || {
         EventFence::<Cuda>::new(handle).wait_sync()
     });
     assert_faulted("a new fence on the poisoned stream", result);

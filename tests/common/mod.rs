@@ -88,6 +88,28 @@ pub fn until_taken<F: device_events::drop_queue::Fence, T: Send + 'static>(
     });
 }
 
+/// Run `wait` on its own thread and return its result, printed with how long
+/// it took; the test fails, rather than hangs, if it has not returned after
+/// 20 s (far beyond what a correct run needs).
+pub fn resolves<F>(what: &str, wait: F) -> Result<(), device_events::ServerError>
+where
+    F: FnOnce() -> Result<(), device_events::ServerError> + Send + 'static,
+{
+    const HANG: std::time::Duration = std::time::Duration::from_secs(20);
+    let (sender, receiver) = mpsc::channel();
+    let started = std::time::Instant::now();
+    std::thread::spawn(move || {
+        let _ = sender.send(wait());
+    });
+    match receiver.recv_timeout(HANG) {
+        Ok(result) => {
+            eprintln!("{what}: {result:?} after {:?}", started.elapsed());
+            result
+        }
+        Err(_) => panic!("{what} hung for {HANG:?}"),
+    }
+}
+
 /// Poll `condition` until it holds, failing the test after `limit`: turns a
 /// hang into a failure. Not a timing assertion: `limit` is far beyond what a
 /// correct run needs.
