@@ -18,6 +18,8 @@
 //!   thread that sleeps to a predicted end lowers its own (`PR_SET_TIMERSLACK`, prctl(2)).
 //! - **CPU time** of the calling thread (`CLOCK_THREAD_CPUTIME_ID`, clock_gettime(2)), which the
 //!   waiter reports for its watcher.
+//! - **Exit handlers** (atexit(3)), which the CUDA backend uses to stop reading memory that the
+//!   driver's own exit handler may free.
 //!
 //! This file names no other layer of the crate.
 #![allow(unsafe_code)]
@@ -55,6 +57,23 @@ pub(crate) fn track_forks() -> u64 {
 /// The current fork generation, for comparing with one taken by [`track_forks`].
 pub(crate) fn fork_generation() -> u64 {
     GENERATION.load(Ordering::Relaxed)
+}
+
+/// Run `handler` as the process exits (`atexit`), before the exit handlers registered earlier
+/// (unix; elsewhere never). A refusal is logged.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(crate) fn at_exit(handler: extern "C" fn()) {
+    #[cfg(unix)]
+    {
+        // SAFETY: atexit(3) keeps the pointer for the life of the process, and `handler` is a
+        // plain `extern "C"` function that lives as long and takes no arguments; an `extern "C"`
+        // function cannot unwind into libc's `exit` (a panic in it aborts).
+        if unsafe { libc::atexit(handler) } != 0 {
+            log::warn!("atexit refused the crate's exit handler");
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = handler;
 }
 
 /// Runs in a forked child, in its one thread, before `fork` returns there.

@@ -12,7 +12,10 @@
 //! - `exit`: the child leaves a wait pending on `Waiter::global()` and
 //!   exits; the driver's own exit handler (the fake's, registered at
 //!   `cuInit`, or a real driver's) tears it down. The parent checks that the
-//!   child exits cleanly and logged no warning or error.
+//!   child exits cleanly and logged no warning or error;
+//! - `word` and `freed word`: a thread of the child reads a progress word
+//!   in a loop as the child exits; in `freed word` the fake's teardown frees
+//!   the word's memory. The child exits cleanly in both.
 //!
 //! Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
 // The fake driver's hooks through `common::fake_driver`.
@@ -122,6 +125,30 @@ fn a_process_exiting_with_a_pending_await_exits_cleanly() {
     }
 }
 
+/// A thread still reading a progress word as the process exits: the
+/// driver's exit handler may free the word's page-locked memory (the docs
+/// do not say; the fake keeps it, or frees it after
+/// `fakeCudaTeardownFrees(1)`, and a read of it then faults). The process
+/// exits cleanly under both readings.
+#[test]
+fn a_process_exiting_while_a_progress_word_is_read_exits_cleanly() {
+    let test = "a_process_exiting_while_a_progress_word_is_read";
+    let cases: &[&str] = if fake_driver::is_fake() {
+        &["word", "freed word"]
+    } else {
+        &["word"]
+    };
+    for case in cases {
+        let Some(stderr) = in_child(test, case) else {
+            return;
+        };
+        assert!(
+            stderr.contains("exiting"),
+            "case {case}: the child did not get to exit:\n{stderr}"
+        );
+    }
+}
+
 /// A cudarc error that says the driver is deinitialized (say, from the
 /// user's own cudarc call) is the same shutdown: later calls of the crate
 /// do not reach the driver.
@@ -167,6 +194,30 @@ fn child() {
                 .stop(start, CudaStreamHandle::new(&stream))
                 .unwrap();
             std::thread::spawn(move || futures::executor::block_on(profile.wait()));
+            eprintln!("exiting");
+            std::process::exit(0);
+        }
+        "word" | "freed word" => {
+            if case == "freed word" {
+                fake_driver::call(c"fakeCudaTeardownFrees", 1).expect("on the fake driver");
+            }
+            let handle = CudaStreamHandle::new(&stream);
+            assert!(Cuda::stream_progress(handle).is_none(), "the first ask");
+            assert!(cuda::wait_for_progress_words(Duration::from_secs(20)));
+            let _written = cuda::fence(&stream);
+            let Some(word) = Cuda::stream_progress(handle) else {
+                assert!(!fake_driver::is_fake(), "the fake opens a word");
+                eprintln!("exiting: this device has no progress words");
+                std::process::exit(0);
+            };
+            let (reading, read) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                reading.send(()).unwrap();
+                loop {
+                    std::hint::black_box(word.passed(0));
+                }
+            });
+            read.recv().unwrap();
             eprintln!("exiting");
             std::process::exit(0);
         }

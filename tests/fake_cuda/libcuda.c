@@ -73,7 +73,8 @@
  *   loaded it first or CUDA_MODULE_LOADING=EAGER (see cuLaunchKernel).
  *
  * - Process exit (see "Driver teardown" below): cuInit registers an exit
- *   handler after which every call returns CUDA_ERROR_DEINITIALIZED.
+ *   handler after which every call returns CUDA_ERROR_DEINITIALIZED; on
+ *   demand it frees the contexts' memory too (fakeCudaTeardownFrees).
  * - Elapsed time under both names, each counted (see "Elapsed time" below);
  *   built with -DFAKE_CUDA_NO_ELAPSED_V2 it exports only the legacy name.
  *   A test sets the next time a thread reads (fakeCudaNextElapsed).
@@ -211,12 +212,31 @@ static int next_query_status;
  * 4 (the error lookups excepted: they name it), and calls blocked in a
  * synchronize return it too. fakeCudaTeardown() starts the same teardown
  * now, for a test; fakeCudaCallsAfterTeardown() counts the calls answered
- * after it (a synchronize blocked across it, answered as it ends, counts). */
+ * after it (a synchronize blocked across it, answered as it ends, counts).
+ * What the teardown does to the process's page-locked memory the docs do not
+ * say: by default it stays mapped; after fakeCudaTeardownFrees(1) (which
+ * returns the previous setting) the teardown frees every context's memory,
+ * as their destruction would, and a read of a freed word faults (see
+ * "Host-mapped memory and stream writes"). The crate must be right under
+ * both. */
 static atomic_int torn_down;
 static atomic_int calls_after_teardown;
+static atomic_int teardown_frees;
 static pthread_once_t teardown_registered = PTHREAD_ONCE_INIT;
 
-static void teardown(void) { atomic_store(&torn_down, 1); }
+static void free_context_memory(ctx_t *c);
+
+static void teardown(void) {
+    atomic_store(&torn_down, 1);
+    if (!atomic_load(&teardown_frees)) return;
+    pthread_mutex_lock(&lock);
+    for (int device = 0; device < DEVICES; device++) free_context_memory(&contexts[device]);
+    pthread_mutex_unlock(&lock);
+    /* A real teardown is not instant: it destroys every context. This one
+     * lasts 50 ms past the free, so a thread that still reads freed memory
+     * faults before the process is gone. */
+    usleep(50000);
+}
 static void register_teardown(void) { atexit(teardown); }
 
 /* ---- Fork ----
@@ -252,6 +272,8 @@ int fakeCudaTeardown(int unused) {
     teardown();
     return 0;
 }
+
+int fakeCudaTeardownFrees(int frees) { return atomic_exchange(&teardown_frees, frees); }
 
 int fakeCudaCallsAfterTeardown(int unused) {
     (void)unused;
@@ -624,7 +646,6 @@ int cuDeviceGetAttribute(int *value, int attribute, int device) {
     return SUCCESS;
 }
 
-static void free_context_memory(ctx_t *c);
 static void run_due(int64_t until);
 static void drop_copies(const void *p, size_t size);
 static void free_device_memory(ctx_t *c);

@@ -35,7 +35,7 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::result::DriverError;
@@ -567,7 +567,9 @@ pub(super) const WORDS_PER_PAGE: usize = MAPPED_PAGE_BYTES / MAPPED_WORD_BYTES;
 /// One word of a page of mapped page-locked host memory ([`Driver::alloc_mapped_page`]): its host
 /// and device addresses. A place, not an owner: the crate never frees a page it handed out (see
 /// `progress.rs`); its context frees it ("all resources" of a context go with it), and whoever
-/// reads or resets a word holds that context alive.
+/// reads or resets a word holds that context alive. At process exit the driver's exit handler may
+/// free it all the same (the docs do not say), so no access starts once the crate's own exit
+/// handler has run ([`stop_word_access`]): a word reads 0 from then on.
 #[derive(Clone, Copy)]
 pub(super) struct MappedWord {
     host: NonNull<AtomicU64>,
@@ -580,22 +582,73 @@ unsafe impl Send for MappedWord {}
 // SAFETY: as above: every access through `&MappedWord` is atomic.
 unsafe impl Sync for MappedWord {}
 
-impl MappedWord {
-    fn get_ref(&self) -> &AtomicU64 {
-        // SAFETY: the page is never freed by the crate, only with its context, and every caller
-        // holds that context alive (see the type's docs); the word is 64-byte aligned within a
-        // page-aligned allocation, `u64`-sized, and accessed by the host only atomically.
-        unsafe { self.host.as_ref() }
+/// Counts the host's accesses to memory under way, and closes once: then no access starts, and
+/// closing returns once those under way are done. Accesses must not panic.
+struct AccessGate(AtomicUsize);
+
+/// The bit of an [`AccessGate`] that says it is closed; the others count the accesses under way.
+const CLOSED: usize = 1 << (usize::BITS - 1);
+
+impl AccessGate {
+    /// `access`, unless the gate is closed.
+    fn pass<R>(&self, access: impl FnOnce() -> R) -> Option<R> {
+        if self.0.fetch_add(1, Ordering::SeqCst) & CLOSED != 0 {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+            return None;
+        }
+        let done = access();
+        self.0.fetch_sub(1, Ordering::Release);
+        Some(done)
     }
 
-    /// The word, as the device's latest write to it left it.
+    /// Close the gate in the process of fork `generation` ([`crate::os`]); in a forked child of it
+    /// nothing: the accesses its parent's other threads had under way never end there.
+    fn close(&self, generation: u64) {
+        if crate::os::fork_generation() != generation {
+            return;
+        }
+        self.0.fetch_or(CLOSED, Ordering::SeqCst);
+        while self.0.load(Ordering::Acquire) != CLOSED {
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// The host's accesses to word memory, closed at process exit ([`stop_word_access`]).
+static WORD_ACCESS: AccessGate = AccessGate(AtomicUsize::new(0));
+/// The fork generation of the process that registered [`stop_word_access`].
+static EXIT_HANDLER_GENERATION: OnceLock<u64> = OnceLock::new();
+
+impl MappedWord {
+    /// `access` to the word, unless the process is exiting ([`stop_word_access`] ran).
+    fn access<R>(&self, access: impl FnOnce(&AtomicU64) -> R) -> Option<R> {
+        // SAFETY: the page is never freed by the crate, only with its context, and every caller
+        // holds that context alive (see the type's docs); nor by the driver's exit handler while
+        // `WORD_ACCESS` lets an access through, as `stop_word_access` runs first and closes it.
+        // The word is 64-byte aligned within a page-aligned allocation, `u64`-sized, and accessed
+        // by the host only atomically.
+        WORD_ACCESS.pass(|| access(unsafe { self.host.as_ref() }))
+    }
+
+    /// The word, as the device's latest write to it left it (0 once the process is exiting).
     pub(super) fn get(&self) -> u64 {
-        self.get_ref().load(Ordering::Acquire)
+        self.access(|word| word.load(Ordering::Acquire))
+            .unwrap_or(0)
     }
 
     /// Set the word to 0 from the host, before it serves another stream.
     pub(super) fn reset(&self) {
-        self.get_ref().store(0, Ordering::Release);
+        self.access(|word| word.store(0, Ordering::Release));
+    }
+}
+
+/// The crate's exit handler, registered (`atexit`) once the driver has made a word page, so after
+/// the driver's own (which a driver registers by then: the fake's at `cuInit`), and so run before
+/// it: it closes [`WORD_ACCESS`]. A thread still reading a word as the process exits (the
+/// watcher, a spinning poll, a user's) then never reads memory the driver's handler freed.
+extern "C" fn stop_word_access() {
+    if let Some(&generation) = EXIT_HANDLER_GENERATION.get() {
+        WORD_ACCESS.close(generation);
     }
 }
 
@@ -895,6 +948,10 @@ impl Driver {
         for word in &words {
             word.reset();
         }
+        EXIT_HANDLER_GENERATION.get_or_init(|| {
+            crate::os::at_exit(stop_word_access);
+            crate::os::track_forks()
+        });
         Ok(words)
     }
 
@@ -983,5 +1040,113 @@ impl Driver {
                 ptr::null_mut(),
             )
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::{mpsc, Arc};
+    use std::thread::JoinHandle;
+    use std::time::{Duration, Instant};
+
+    use super::{AccessGate, CLOSED};
+
+    /// What `thread` returned, failing rather than hanging past 20 s.
+    fn joined<T>(thread: JoinHandle<T>) -> T {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !thread.is_finished() {
+            assert!(Instant::now() < deadline, "a thread hung");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        thread.join().expect("the thread panicked")
+    }
+
+    /// Close `gate` on a thread of its own, failing rather than hanging.
+    fn close(gate: &Arc<AccessGate>) {
+        let gate = gate.clone();
+        let generation = crate::os::fork_generation();
+        joined(std::thread::spawn(move || gate.close(generation)));
+    }
+
+    #[test]
+    fn a_closed_gate_lets_no_access_through() {
+        let gate = Arc::new(AccessGate(AtomicUsize::new(0)));
+        assert_eq!(gate.pass(|| 1), Some(1));
+        close(&gate);
+        assert_eq!(gate.pass(|| 2), None);
+        close(&gate);
+    }
+
+    #[test]
+    fn closing_returns_once_the_accesses_under_way_are_done() {
+        let gate = Arc::new(AccessGate(AtomicUsize::new(0)));
+        let done = Arc::new(AtomicBool::new(false));
+        let (inside, entered) = mpsc::channel();
+        let (release, released) = mpsc::channel::<()>();
+        let accessing = std::thread::spawn({
+            let (gate, done) = (gate.clone(), done.clone());
+            move || {
+                gate.pass(|| {
+                    inside.send(()).unwrap();
+                    released.recv().unwrap();
+                    done.store(true, Ordering::SeqCst);
+                })
+            }
+        });
+        entered.recv_timeout(Duration::from_secs(20)).unwrap();
+        let closing = std::thread::spawn({
+            let (gate, done) = (gate.clone(), done.clone());
+            let generation = crate::os::fork_generation();
+            move || {
+                gate.close(generation);
+                done.load(Ordering::SeqCst)
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while gate.0.load(Ordering::SeqCst) & CLOSED == 0 {
+            assert!(Instant::now() < deadline, "the gate did not close");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        release.send(()).unwrap();
+        assert!(
+            joined(closing),
+            "closing returned before the access under way was done"
+        );
+        assert_eq!(joined(accessing), Some(()));
+        assert_eq!(gate.pass(|| ()), None);
+    }
+
+    /// A forked child inherits the exit handler, and the count of the accesses the parent's
+    /// threads had under way: closing there must not wait for them.
+    #[test]
+    fn a_forked_child_closes_without_waiting_for_its_parents_accesses() {
+        let generation = crate::os::track_forks();
+        let gate = AccessGate(AtomicUsize::new(0));
+        let status = gate.pass(|| {
+            // SAFETY: the child only closes the gate (atomics, no lock, no allocation) and leaves
+            // with `_exit`; an alarm ends it if that hangs.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork failed");
+            if pid == 0 {
+                // SAFETY: alarm only schedules a signal for this process, and `_exit` ends it
+                // without running the harness's exit handlers.
+                unsafe {
+                    libc::alarm(20);
+                    gate.close(generation);
+                    libc::_exit(0);
+                }
+            }
+            let mut status = 0;
+            // SAFETY: waits for the child forked here; `status` outlives the call.
+            assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+            status
+        });
+        let status = status.expect("the gate is open");
+        assert!(
+            libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0,
+            "the child did not exit (killed by signal {}: SIGALRM is a hang)",
+            libc::WTERMSIG(status)
+        );
     }
 }
