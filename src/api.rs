@@ -310,6 +310,7 @@ mod tests {
     use std::sync::Arc;
 
     use super::{HostWord, ProgressWord};
+    use crate::ServerError;
 
     #[test]
     fn a_word_passes_each_point_once_the_stream_is_there_and_never_goes_back() {
@@ -328,5 +329,29 @@ mod tests {
             "a dropped stream's number is never passed"
         );
         assert_eq!(format!("{word:?}"), "ProgressWord(6)");
+    }
+
+    /// A refused record gives the event back, and is the error even when giving
+    /// it back fails too.
+    #[test]
+    fn a_refused_fence_record_gives_its_event_back_and_is_the_error() {
+        let refused = || ServerError::InvalidArgument {
+            what: "record",
+            reason: "refused".into(),
+        };
+        let given_back = std::cell::Cell::new(None);
+        let result = super::record_fence_event(
+            || Ok("event"),
+            |_| Err(refused()),
+            |event| {
+                given_back.set(Some(event));
+                Err(ServerError::InvalidArgument {
+                    what: "release",
+                    reason: "refused too".into(),
+                })
+            },
+        );
+        assert_eq!(result.unwrap_err(), refused());
+        assert_eq!(given_back.get(), Some("event"));
     }
 }

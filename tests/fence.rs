@@ -2,6 +2,7 @@
 
 mod common;
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use common::{faultable_stream, Gate, Progress};
@@ -274,6 +275,15 @@ fn live_events_count_pooled_events_in_use_and_not_idle_ones() {
     assert!(live.created() <= 3, "created {} events", live.created());
 }
 
+/// `LiveEvents`' `Debug` shows each count under its own name.
+#[test]
+fn live_events_debug_shows_the_count_and_the_created() {
+    let stream = HostStream::new().unwrap();
+    let live = stream.live_events();
+    stream.fence().wait_sync().unwrap(); // its event back in the pool
+    assert_eq!(format!("{live:?}"), "LiveEvents { count: 0, created: 1 }");
+}
+
 /// A backend outside the crate that gives no `stream_sequence` of its own:
 /// the host backend's calls, and the trait's defaults for the rest.
 struct Plain;
@@ -335,6 +345,136 @@ fn a_backend_without_stream_sequences_still_orders_its_fences() {
     for fence in [first, second, third] {
         fence.wait_sync().unwrap();
     }
+}
+
+/// The trait's other defaults, as `Plain` gets them: fence events made with
+/// `EventFlags::FENCE` (no timestamps: an elapsed time between two is
+/// refused), and no progress word.
+#[test]
+fn a_backends_default_fence_events_keep_no_time_and_it_has_no_progress_word() {
+    let stream = HostStream::new().unwrap();
+    let [start, end] = [(); 2].map(|()| Plain::fence_event_acquire(stream.handle()).unwrap());
+    for event in [&start, &end] {
+        Plain::event_record(event, stream.handle()).unwrap();
+    }
+    stream.synchronize().unwrap();
+    assert!(
+        Plain::event_elapsed(&start, &end).is_err(),
+        "timed fence events"
+    );
+    for event in [start, end] {
+        Plain::fence_event_release(event).unwrap();
+    }
+    assert!(Plain::stream_progress(stream.handle()).is_none());
+}
+
+/// A backend with fence-event hooks of its own (acquire, release, the
+/// sequenced record) and the trait's default `fence_event_record`, as a
+/// backend outside the crate that pools its events has. Only the test below
+/// uses it, so its counters are that test's alone.
+struct Hooked;
+
+static HOOKED_CALLS: Mutex<[usize; 3]> = Mutex::new([0; 3]);
+static HOOKED_REFUSES: AtomicBool = AtomicBool::new(false);
+/// Set in every number `Hooked::event_record_sequenced` gives.
+const HOOKED_MARK: u64 = 1 << 48;
+const ACQUIRED: usize = 0;
+const RELEASED: usize = 1;
+const DESTROYED: usize = 2;
+
+fn hooked_call(which: usize) {
+    HOOKED_CALLS.lock().unwrap()[which] += 1;
+}
+
+impl EventApi for Hooked {
+    const BACKEND: &'static str = "Hooked";
+    type Stream = <Host as EventApi>::Stream;
+    type Event = <Host as EventApi>::Event;
+
+    fn event_create(
+        stream: Self::Stream,
+        flags: device_events::EventFlags,
+    ) -> Result<Self::Event, device_events::ServerError> {
+        Host::event_create(stream, flags)
+    }
+    fn event_record(
+        event: &Self::Event,
+        stream: Self::Stream,
+    ) -> Result<(), device_events::ServerError> {
+        Host::event_record(event, stream)
+    }
+    fn event_query(event: &Self::Event) -> Result<bool, device_events::ServerError> {
+        Host::event_query(event)
+    }
+    fn event_synchronize(event: &Self::Event) -> Result<(), device_events::ServerError> {
+        Host::event_synchronize(event)
+    }
+    fn event_destroy(event: Self::Event) -> Result<(), device_events::ServerError> {
+        hooked_call(DESTROYED);
+        Host::event_destroy(event)
+    }
+    fn stream_wait_event(
+        stream: Self::Stream,
+        event: &Self::Event,
+    ) -> Result<(), device_events::ServerError> {
+        Host::stream_wait_event(stream, event)
+    }
+    fn stream_synchronize(stream: Self::Stream) -> Result<(), device_events::ServerError> {
+        Host::stream_synchronize(stream)
+    }
+    fn event_elapsed(
+        start: &Self::Event,
+        end: &Self::Event,
+    ) -> Result<std::time::Duration, device_events::ServerError> {
+        Host::event_elapsed(start, end)
+    }
+    fn fence_event_acquire(
+        stream: Self::Stream,
+    ) -> Result<Self::Event, device_events::ServerError> {
+        hooked_call(ACQUIRED);
+        Host::fence_event_acquire(stream)
+    }
+    fn fence_event_release(event: Self::Event) -> Result<(), device_events::ServerError> {
+        hooked_call(RELEASED);
+        Host::fence_event_release(event)
+    }
+    fn event_record_sequenced(
+        event: &Self::Event,
+        stream: Self::Stream,
+    ) -> Result<u64, device_events::ServerError> {
+        if HOOKED_REFUSES.load(Ordering::SeqCst) {
+            return Err(device_events::ServerError::InvalidArgument {
+                what: "Hooked record",
+                reason: "refused by the test".into(),
+            });
+        }
+        Host::event_record_sequenced(event, stream).map(|sequence| sequence | HOOKED_MARK)
+    }
+}
+
+/// The default `fence_event_record` goes through the backend's own hooks:
+/// its acquire, its sequenced record, and its release for an event whose
+/// record was refused (never a bare destroy).
+#[test]
+fn the_default_fence_record_uses_the_backends_own_hooks() {
+    let stream = HostStream::new().unwrap();
+    let fence = EventFence::<Hooked>::new(stream.handle());
+    assert!(fence.sequence() & HOOKED_MARK != 0, "{fence:?}");
+    fence.wait_sync().unwrap();
+    assert_eq!(
+        *HOOKED_CALLS.lock().unwrap(),
+        [1, 1, 0],
+        "acquired, released, destroyed"
+    );
+    HOOKED_REFUSES.store(true, Ordering::SeqCst);
+    let refused = EventFence::<Hooked>::new(stream.handle());
+    HOOKED_REFUSES.store(false, Ordering::SeqCst);
+    refused.wait_sync().unwrap(); // synchronized instead
+    assert_eq!(
+        *HOOKED_CALLS.lock().unwrap(),
+        [2, 2, 0],
+        "acquired, released, destroyed"
+    );
 }
 
 #[test]

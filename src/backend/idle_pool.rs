@@ -116,4 +116,69 @@ mod tests {
         assert_eq!(pool.take_all(|len| seen.set(len)), ['a']);
         assert_eq!(seen.get(), 0);
     }
+
+    #[test]
+    fn a_thread_takes_from_and_gives_back_to_its_own_shard_first() {
+        let pool = IdlePool::<_, 2>::new(4);
+        assert_eq!(pool.give_back(0, 'a', |_| {}), Ok(()));
+        assert_eq!(pool.give_back(1, 'b', |_| {}), Ok(()));
+        assert_eq!(pool.give_back(1, 'c', |_| {}), Ok(()));
+        assert_eq!(
+            pool.give_back(1, 'd', |_| {}),
+            Err('d'),
+            "shard 1 is full, whatever room shard 0 has"
+        );
+        assert_eq!(pool.take(1, |_| {}), Some('c'), "its own shard first");
+        assert_eq!(pool.take(0, |_| {}), Some('a'));
+        assert_eq!(pool.take(0, |_| {}), Some('b'), "then another's");
+    }
+
+    #[test]
+    fn each_shard_has_room_for_its_share_rounded_up_and_past_the_preallocated() {
+        // 5 over 2 shards: room for 3 in each, so 5 fit however they spread.
+        let pool = IdlePool::<_, 2>::new(5);
+        for item in 0..3 {
+            assert_eq!(pool.give_back(0, item, |_| {}), Ok(()));
+        }
+        assert_eq!(pool.give_back(0, 3, |_| {}), Err(3));
+        // Fewer items than shards: each shard still keeps one.
+        let pool = IdlePool::<_, 8>::new(1);
+        assert_eq!(pool.give_back(7, 'a', |_| {}), Ok(()));
+        // More than a shard is made with room for: it grows.
+        let pool = IdlePool::<_, 1>::new(PREALLOCATED + 1);
+        for item in 0..=PREALLOCATED {
+            assert_eq!(pool.give_back(0, item, |_| {}), Ok(()));
+        }
+        assert_eq!(pool.give_back(0, usize::MAX, |_| {}), Err(usize::MAX));
+        assert_eq!(pool.len(), PREALLOCATED + 1);
+    }
+
+    /// `counted` runs while the shard is locked: a thread that locks the shard
+    /// meanwhile (here, to count the pool) gets it only once `counted` returned.
+    #[test]
+    fn the_gauge_is_told_before_the_shard_is_let_go() {
+        use std::sync::{mpsc, Arc};
+        use std::time::Duration;
+        let pool = Arc::new(IdlePool::<_, 1>::new(4));
+        let locked_out = |pool: &Arc<IdlePool<char, 1>>| {
+            let (counted, finished) = mpsc::channel();
+            let pool = pool.clone();
+            let reader = std::thread::spawn(move || {
+                let _ = counted.send(pool.len());
+            });
+            let early = finished.recv_timeout(Duration::from_millis(100));
+            assert!(
+                early.is_err(),
+                "the shard was let go before the gauge was told"
+            );
+            reader
+        };
+        let readers = std::cell::RefCell::new(Vec::new());
+        pool.give_back(0, 'a', |_| readers.borrow_mut().push(locked_out(&pool)))
+            .unwrap();
+        pool.take(0, |_| readers.borrow_mut().push(locked_out(&pool)));
+        for reader in readers.into_inner() {
+            reader.join().unwrap();
+        }
+    }
 }

@@ -242,4 +242,135 @@ mod tests {
             "dropped under a lock"
         );
     }
+
+    /// Every shard's two maps name the same entries (no address left behind).
+    fn addresses_match_entries<T, X>(registry: &Registry<T, X>) {
+        for shard in &registry.shards {
+            let shard = shard.read();
+            assert_eq!(
+                shard.by_address.len(),
+                shard.by_id.len(),
+                "addresses left behind"
+            );
+        }
+    }
+
+    #[test]
+    fn sweeps_keep_live_values_and_wait_for_twice_what_survived() {
+        // Values of a size no other test registers, freed in the order they were
+        // made: freed shard by shard, reused addresses would fall in few shards.
+        let values: Vec<_> = (0..FIRST_SWEEP * SHARDS * 4)
+            .map(|i| Arc::new([i; 4]))
+            .collect();
+        // Live values, each held by one `Arc`: swept past, never out.
+        let registry = Registry::<[usize; 4]>::new();
+        let ids: Vec<_> = values
+            .iter()
+            .map(|v| registry.register(v, || ()).0)
+            .collect();
+        for (value, id) in values.iter().zip(&ids) {
+            assert_eq!(registry.get(*id).map(|(v, ())| *v), Some(**value));
+        }
+        for shard in &registry.shards {
+            let shard = shard.read();
+            let (len, sweep_at) = (shard.by_id.len(), shard.sweep_at);
+            assert!(
+                len <= sweep_at,
+                "{len} entries past the next sweep at {sweep_at}"
+            );
+        }
+        // Dead values only: each sweep leaves none, and the next waits for the floor.
+        let registry = Registry::<[usize; 4]>::new();
+        for i in 0..(FIRST_SWEEP * SHARDS * 4) {
+            registry.register(&Arc::new([i; 4]), || ());
+        }
+        for shard in &registry.shards {
+            assert_eq!(shard.read().sweep_at, FIRST_SWEEP);
+        }
+        addresses_match_entries(&registry);
+    }
+
+    #[test]
+    fn a_removed_value_leaves_no_address_behind() {
+        let registry = Registry::<u32>::new();
+        let values: Vec<_> = (0..64).map(Arc::new).collect();
+        for value in &values {
+            let (id, ()) = registry.register(value, || ());
+            registry.remove(id);
+        }
+        addresses_match_entries(&registry);
+        assert!(registry
+            .shards
+            .iter()
+            .all(|shard| shard.read().by_id.is_empty()));
+    }
+
+    /// A lookup, or registering a known value, takes a shard's read lock only: it
+    /// goes on while another thread reads every shard.
+    #[test]
+    fn a_lookup_and_a_known_registration_only_read() {
+        let registry = Registry::<u32>::new();
+        let value = Arc::new(1);
+        let (id, ()) = registry.register(&value, || ());
+        let readers: Vec<_> = registry.shards.iter().map(|shard| shard.read()).collect();
+        std::thread::scope(|scope| {
+            let (done, finished) = std::sync::mpsc::channel();
+            let (registry, value) = (&registry, &value);
+            scope.spawn(move || {
+                let found = registry.get(id).is_some();
+                let again = registry.register(value, || unreachable!("known")).0;
+                let _ = done.send((found, again));
+            });
+            let answer = finished.recv_timeout(std::time::Duration::from_secs(20));
+            drop(readers);
+            assert_eq!(answer, Ok((true, id)), "blocked behind the readers");
+        });
+    }
+
+    /// Two registrations of one value that race (both make a payload) agree on
+    /// one id and payload: the later writer looks again under the lock.
+    #[test]
+    fn registrations_racing_for_one_value_agree_on_its_id() {
+        use std::sync::mpsc;
+        use std::time::Duration;
+        let registry = Registry::<u32, &str>::new();
+        let value = Arc::new(7);
+        let (making, made) = mpsc::channel();
+        let (go_on, resume) = mpsc::channel::<()>();
+        std::thread::scope(|scope| {
+            let (registry, value) = (&registry, &value);
+            let late = scope.spawn(move || {
+                registry.register(value, move || {
+                    let _ = making.send(());
+                    // Until the other registration is in.
+                    let _ = resume.recv_timeout(Duration::from_secs(20));
+                    "late"
+                })
+            });
+            made.recv_timeout(Duration::from_secs(20)).unwrap();
+            let first = registry.register(value, || "first");
+            let _ = go_on.send(());
+            assert_eq!(late.join().unwrap(), first);
+        });
+        addresses_match_entries(&registry);
+    }
+
+    static MADE_IN: Registry<u32> = Registry::new();
+
+    /// A payload is made with no shard locked (making one may call the driver).
+    #[test]
+    fn a_payload_is_made_with_no_shard_locked() {
+        let value = Arc::new(3);
+        MADE_IN.register(&value, || {
+            let (done, finished) = std::sync::mpsc::channel();
+            std::thread::spawn(move || {
+                for shard in &MADE_IN.shards {
+                    drop(shard.read());
+                }
+                let _ = done.send(());
+            });
+            let unlocked = finished.recv_timeout(std::time::Duration::from_secs(20));
+            assert!(unlocked.is_ok(), "made under a shard's lock");
+        });
+    }
 }

@@ -23,3 +23,45 @@ pub struct DropQueueStats {
     /// Of those, the ones the queue's thread has not taken up yet.
     pub queued: usize,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::DropQueueStats;
+
+    /// Each field is its own: `==` compares all six, `Debug` shows each under its name.
+    #[test]
+    fn every_field_counts_in_eq_and_debug() {
+        let stats = DropQueueStats {
+            pushed: 1,
+            dropped: 2,
+            leaked: 3,
+            handed_back: 4,
+            pending: 5,
+            queued: 6,
+        };
+        assert_eq!(
+            format!("{stats:?}"),
+            "DropQueueStats { pushed: 1, dropped: 2, leaked: 3, handed_back: 4, pending: 5, \
+             queued: 6 }"
+        );
+        for other in [
+            DropQueueStats { pushed: 0, ..stats },
+            DropQueueStats {
+                dropped: 0,
+                ..stats
+            },
+            DropQueueStats { leaked: 0, ..stats },
+            DropQueueStats {
+                handed_back: 0,
+                ..stats
+            },
+            DropQueueStats {
+                pending: 0,
+                ..stats
+            },
+            DropQueueStats { queued: 0, ..stats },
+        ] {
+            assert_ne!(other, stats);
+        }
+    }
+}

@@ -64,4 +64,30 @@ mod tests {
         distinct.dedup();
         assert!(distinct.len() > 1, "{homes:?}");
     }
+
+    #[test]
+    fn a_thread_keeps_its_home() {
+        let home_of_8 = home(8);
+        assert!(
+            (0..64).all(|_| home(8) == home_of_8),
+            "one thread, one home"
+        );
+        assert_eq!(
+            home(2),
+            home_of_8 & 1,
+            "the same ordinal, whatever the shards"
+        );
+    }
+
+    /// Threads that first ask one after another take the next ordinals, each
+    /// wrapped to its shards: past the first few threads, two shards both serve.
+    #[test]
+    fn later_threads_wrap_around_the_shards() {
+        let first_ask = || std::thread::spawn(|| home(2)).join().unwrap();
+        for _ in 0..8 {
+            first_ask();
+        }
+        let homes: Vec<usize> = (0..16).map(|_| first_ask()).collect();
+        assert!(homes.contains(&0) && homes.contains(&1), "{homes:?}");
+    }
 }
