@@ -538,9 +538,9 @@ fn a_query_while_a_record_is_in_the_driver_is_refused() {
 }
 
 /// The legacy default stream orders with every blocking stream of its
-/// context, so a fence or a wait on it while one of them captures would be
-/// an implicit dependency on the capture: refused, and the capture left
-/// intact.
+/// context, so a fence, a wait or a synchronize on it while one of them
+/// captures would be an implicit dependency on the capture: refused, and the
+/// capture left intact.
 #[test]
 fn the_legacy_stream_is_refused_fences_and_waits_while_a_blocking_stream_captures() {
     let _serial = serial();
@@ -559,6 +559,9 @@ fn the_legacy_stream_is_refused_fences_and_waits_while_a_blocking_stream_capture
     let err = before
         .wait_async(CudaStreamHandle::new(&legacy))
         .unwrap_err();
+    assert!(err.is_stream_capture(), "{err}");
+    // The driver's answer to the capture query: a synchronize would break the capture.
+    let err = Cuda::stream_synchronize(CudaStreamHandle::new(&legacy)).unwrap_err();
     assert!(err.is_stream_capture(), "{err}");
     end(&blocking).expect("the blocking stream's capture is intact");
     cuda::fence(&legacy).wait_sync().unwrap();

@@ -177,10 +177,35 @@ fn the_last_handle_dropped_by_the_crate_leaves_the_thread_as_found() {
 /// one context's event on another's stream, and `cuEventElapsedTime` of two
 /// contexts' events, with `CUDA_ERROR_INVALID_HANDLE` whichever context is
 /// current; `cuStreamWaitEvent` across contexts succeeds. The crate's own
-/// refusal of such a record has the driver's status.
+/// refusal of such a record has the driver's status. A kernel launched on
+/// another context's stream is refused by the crate itself, before the
+/// driver (which checks that for some calls only), with
+/// `CUDA_ERROR_INVALID_CONTEXT`.
 fn handles_of_two_contexts_are_refused_as_invalid_handles() {
     let contexts = [cuda::context(0).unwrap(), cuda::context(1).unwrap()];
     let streams = contexts.each_ref().map(|ctx| ctx.new_stream().unwrap());
+    let sleep = SleepKernel::new(&contexts[0]).unwrap();
+    let refused = sleep
+        .launch(&streams[1], std::time::Duration::from_millis(1))
+        .unwrap_err();
+    assert_eq!(
+        refused.code(),
+        Some(sys::CUresult::CUDA_ERROR_INVALID_CONTEXT as i32),
+        "{refused}"
+    );
+    drop(sleep);
+    // Shared kernels are per context: device 1's is its own, and launches there.
+    let shared = contexts
+        .each_ref()
+        .map(|ctx| SleepKernel::shared(ctx).unwrap());
+    assert!(
+        !Arc::ptr_eq(&shared[0], &shared[1]),
+        "device 1 was given device 0's shared kernel"
+    );
+    shared[1]
+        .launch(&streams[1], std::time::Duration::from_millis(1))
+        .unwrap();
+    drop(shared);
     let events = contexts.each_ref().map(|ctx| {
         ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
             .unwrap()

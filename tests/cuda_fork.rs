@@ -16,7 +16,8 @@ mod common;
 
 use std::time::Duration;
 
-use device_events::cuda::{self, Cuda, CudaStreamHandle};
+use device_events::cuda::cudarc::driver::CudaContext;
+use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
 use device_events::{EventApi, Waiter};
 
 use common::fake_driver;
@@ -34,6 +35,9 @@ fn cuda_in_a_forked_child_fails_at_once_and_never_hangs() {
         eprintln!("a real driver: holding a record across the fork needs the fake driver's hook");
         return;
     }
+    // A kernel holding the last handle of a context object of its own
+    // (loaded first: a load waits for the context's work).
+    let kernel = SleepKernel::new(&CudaContext::new(0).unwrap()).unwrap();
     let stream = ctx.new_stream().unwrap();
     // A progress word open in the parent, read in the child.
     let handle = CudaStreamHandle::new(&stream);
@@ -82,6 +86,9 @@ fn cuda_in_a_forked_child_fails_at_once_and_never_hangs() {
         if !err.is_unavailable() {
             return Err(format!("a parent's fence in the child failed with {err}"));
         }
+        // The crate holds that context object's last handle: dropped here,
+        // it is forgotten rather than released (cudarc's drop calls the driver).
+        drop(kernel);
         match cuda::context(0) {
             Err(err) if err.is_unavailable() => {}
             other => return Err(format!("cuda::context in the child answered {other:?}")),

@@ -260,10 +260,22 @@ fn refused_word_falls_back_to_events(refused: c_int) {
     sleep.launch(&stream, Duration::from_millis(5)).unwrap();
     let synced = cuda::fence(&stream).wait_sync();
     let later = Cuda::stream_progress(handle);
+    // Whatever the stream asked meanwhile is served while still refused.
+    assert!(cuda::wait_for_progress_words(Duration::from_secs(10)));
     drop(refusing);
     let left = hook(c"fakeCudaHostAllocations", 0).unwrap() - allocations;
+    // Off for good: with the refusal lifted, the stream asks for no word
+    // again (it would take a page-locked page at a later wait).
+    let again = Cuda::stream_progress(handle);
+    assert!(cuda::wait_for_progress_words(Duration::from_secs(10)));
+    cuda::fence(&stream).wait_sync().unwrap();
+    let after = Cuda::stream_progress(handle);
     assert!(word.is_none(), "a refused word is off: {word:?}");
     assert!(later.is_none(), "and stays off: {later:?}");
+    assert!(
+        again.is_none() && after.is_none(),
+        "a refused word is taken once the refusal is lifted: {again:?}, {after:?}"
+    );
     awaited.unwrap();
     synced.unwrap();
     assert!(
@@ -781,6 +793,74 @@ fn beside_a_word_allocation<T>(
 
 /// The other stream's kernel in [`beside_a_word_allocation`].
 const LONG_KERNEL: Duration = Duration::from_secs(2);
+
+/// The process's threads named as the crate's word thread
+/// (`device-events-words`; the kernel keeps 15 bytes of a name, so a waiter
+/// thread of the default name, `device-events-waiter-n`, counts too).
+fn word_threads() -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .filter(|name| name.starts_with("device-events-w"))
+        .count()
+}
+
+/// One thread serves every stream's request, in turn, and leaves once none
+/// is queued (`word_thread.rs`). Streams asked while it waits in a page
+/// allocation (the fake makes it wait for a 2 s kernel) queue behind it:
+/// none is dropped from the queue, all take words of that one page (a
+/// second thread would have found no free word and allocated its own), and
+/// no word thread is left once all are served.
+#[test]
+fn one_word_thread_serves_every_queued_stream_in_turn_and_leaves() {
+    let _serial = serial();
+    let test = "one_word_thread_serves_every_queued_stream_in_turn_and_leaves";
+    let Some((ctx, sleep)) = gpu(test, 0) else {
+        return;
+    };
+    if !is_fake() {
+        common::skipped::skip(
+            test,
+            "only the fake driver makes allocations wait on demand",
+        );
+        return;
+    }
+    // Earlier tests' waiter threads leave after their keep-alive; none
+    // starts here (the test holds the others off).
+    common::eventually(Duration::from_secs(30), "no thread of that name", || {
+        word_threads() == 0
+    });
+    let mut held = Vec::new();
+    let first = needing_a_page(&ctx, &mut held);
+    let queued: Vec<_> = (0..3).map(|_| ctx.new_stream().unwrap()).collect();
+    let streams: Vec<_> = std::iter::once(first).chain(queued).collect();
+    let busy = ctx.new_stream().unwrap();
+    let synchronizing = Synchronizing::start();
+    let calls = page_calls();
+    sleep.launch(&busy, LONG_KERNEL).unwrap();
+    for stream in &streams {
+        assert!(Cuda::stream_progress(CudaStreamHandle::new(stream)).is_none());
+    }
+    assert!(cuda::wait_for_progress_words(Duration::from_secs(10)));
+    cuda::fence(&busy).wait_sync().unwrap();
+    drop(synchronizing);
+    assert_eq!(
+        page_calls() - calls,
+        1,
+        "one page for the streams: those queued behind the first take its words"
+    );
+    for stream in &streams {
+        let fence = cuda::fence(stream);
+        let sequence = fence.sequence();
+        fence.wait_sync().unwrap();
+        let word = word_of(stream).expect("every queued stream is served");
+        assert!(passes_soon(&word, sequence), "{word:?}");
+    }
+    common::eventually(Duration::from_secs(10), "the word thread has left", || {
+        word_threads() == 0
+    });
+}
 
 /// A spinning first poll, on the executor's thread, of a stream whose word
 /// needs a new page: it hands the stream to the crate's word thread and
