@@ -216,7 +216,8 @@ static int next_query_status;
  * What the teardown does to the process's page-locked memory the docs do not
  * say: by default it stays mapped; after fakeCudaTeardownFrees(1) (which
  * returns the previous setting) the teardown frees every context's memory,
- * as their destruction would, and a read of a freed word faults (see
+ * as a context's destruction does ("Destroy all allocations",
+ * cuDevicePrimaryCtxReset), and a read of a freed word faults (see
  * "Host-mapped memory and stream writes"). The crate must be right under
  * both. */
 static atomic_int torn_down;
