@@ -284,50 +284,58 @@ fn live_events_debug_shows_the_count_and_the_created() {
     assert_eq!(format!("{live:?}"), "LiveEvents { count: 0, created: 1 }");
 }
 
+/// The types and calls of a test backend that are the host backend's, all
+/// but `event_destroy`.
+macro_rules! host_calls {
+    () => {
+        type Stream = <Host as EventApi>::Stream;
+        type Event = <Host as EventApi>::Event;
+
+        fn event_create(
+            stream: Self::Stream,
+            flags: device_events::EventFlags,
+        ) -> Result<Self::Event, device_events::ServerError> {
+            Host::event_create(stream, flags)
+        }
+        fn event_record(
+            event: &Self::Event,
+            stream: Self::Stream,
+        ) -> Result<(), device_events::ServerError> {
+            Host::event_record(event, stream)
+        }
+        fn event_query(event: &Self::Event) -> Result<bool, device_events::ServerError> {
+            Host::event_query(event)
+        }
+        fn event_synchronize(event: &Self::Event) -> Result<(), device_events::ServerError> {
+            Host::event_synchronize(event)
+        }
+        fn stream_wait_event(
+            stream: Self::Stream,
+            event: &Self::Event,
+        ) -> Result<(), device_events::ServerError> {
+            Host::stream_wait_event(stream, event)
+        }
+        fn stream_synchronize(stream: Self::Stream) -> Result<(), device_events::ServerError> {
+            Host::stream_synchronize(stream)
+        }
+        fn event_elapsed(
+            start: &Self::Event,
+            end: &Self::Event,
+        ) -> Result<std::time::Duration, device_events::ServerError> {
+            Host::event_elapsed(start, end)
+        }
+    };
+}
+
 /// A backend outside the crate that gives no `stream_sequence` of its own:
 /// the host backend's calls, and the trait's defaults for the rest.
 struct Plain;
 
 impl EventApi for Plain {
     const BACKEND: &'static str = "Plain";
-    type Stream = <Host as EventApi>::Stream;
-    type Event = <Host as EventApi>::Event;
-
-    fn event_create(
-        stream: Self::Stream,
-        flags: device_events::EventFlags,
-    ) -> Result<Self::Event, device_events::ServerError> {
-        Host::event_create(stream, flags)
-    }
-    fn event_record(
-        event: &Self::Event,
-        stream: Self::Stream,
-    ) -> Result<(), device_events::ServerError> {
-        Host::event_record(event, stream)
-    }
-    fn event_query(event: &Self::Event) -> Result<bool, device_events::ServerError> {
-        Host::event_query(event)
-    }
-    fn event_synchronize(event: &Self::Event) -> Result<(), device_events::ServerError> {
-        Host::event_synchronize(event)
-    }
+    host_calls!();
     fn event_destroy(event: Self::Event) -> Result<(), device_events::ServerError> {
         Host::event_destroy(event)
-    }
-    fn stream_wait_event(
-        stream: Self::Stream,
-        event: &Self::Event,
-    ) -> Result<(), device_events::ServerError> {
-        Host::stream_wait_event(stream, event)
-    }
-    fn stream_synchronize(stream: Self::Stream) -> Result<(), device_events::ServerError> {
-        Host::stream_synchronize(stream)
-    }
-    fn event_elapsed(
-        start: &Self::Event,
-        end: &Self::Event,
-    ) -> Result<std::time::Duration, device_events::ServerError> {
-        Host::event_elapsed(start, end)
     }
 }
 
@@ -388,45 +396,10 @@ fn hooked_call(which: usize) {
 
 impl EventApi for Hooked {
     const BACKEND: &'static str = "Hooked";
-    type Stream = <Host as EventApi>::Stream;
-    type Event = <Host as EventApi>::Event;
-
-    fn event_create(
-        stream: Self::Stream,
-        flags: device_events::EventFlags,
-    ) -> Result<Self::Event, device_events::ServerError> {
-        Host::event_create(stream, flags)
-    }
-    fn event_record(
-        event: &Self::Event,
-        stream: Self::Stream,
-    ) -> Result<(), device_events::ServerError> {
-        Host::event_record(event, stream)
-    }
-    fn event_query(event: &Self::Event) -> Result<bool, device_events::ServerError> {
-        Host::event_query(event)
-    }
-    fn event_synchronize(event: &Self::Event) -> Result<(), device_events::ServerError> {
-        Host::event_synchronize(event)
-    }
+    host_calls!();
     fn event_destroy(event: Self::Event) -> Result<(), device_events::ServerError> {
         hooked_call(DESTROYED);
         Host::event_destroy(event)
-    }
-    fn stream_wait_event(
-        stream: Self::Stream,
-        event: &Self::Event,
-    ) -> Result<(), device_events::ServerError> {
-        Host::stream_wait_event(stream, event)
-    }
-    fn stream_synchronize(stream: Self::Stream) -> Result<(), device_events::ServerError> {
-        Host::stream_synchronize(stream)
-    }
-    fn event_elapsed(
-        start: &Self::Event,
-        end: &Self::Event,
-    ) -> Result<std::time::Duration, device_events::ServerError> {
-        Host::event_elapsed(start, end)
     }
     fn fence_event_acquire(
         stream: Self::Stream,
