@@ -18,7 +18,9 @@
 #   invalidated (refused with 901, or captured: the test accepts both);
 #   fork and join of two streams within one capture ending cleanly.
 # - tests/cuda_exit.rs: a real driver's teardown at process exit under
-#   pending waits (exit status 0, no warnings or errors logged).
+#   pending waits (exit status 0, no warnings or errors logged), and with a
+#   thread still reading a progress word (the crate's exit handler, run
+#   before the driver's, stops the reads: exit status 0, no SIGSEGV).
 # - tests/cuda_contexts.rs, tests/cuda_elapsed.rs: a primary context
 #   released and retained again, cuEventElapsedTime_v2, cross-context calls.
 # - tests/cuda_progress_word.rs: the device's stream memory operations and
