@@ -65,6 +65,25 @@ fn resolved<F: Future + Unpin>(what: &str, mut future: F) -> F::Output {
     output.expect("resolved")
 }
 
+/// `future`, polled once on a thread of its own and found pending: the test
+/// fails, rather than hangs, if that poll blocks for 20 s (a shutdown's
+/// future joins the queue's thread in `poll` once it resolves).
+fn held<F>(what: &str, mut future: F) -> F
+where
+    F: Future + Unpin + Send + 'static,
+{
+    let (sender, receiver) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let ready = (&mut future).now_or_never().is_some();
+        let _ = sender.send((ready, future));
+    });
+    match receiver.recv_timeout(Duration::from_secs(20)) {
+        Ok((false, future)) => future,
+        Ok((true, _)) => panic!("{what}: resolved, not held"),
+        Err(_) => panic!("{what}: its poll blocked for 20 s"),
+    }
+}
+
 /// What `thread` returned: the test fails, rather than hangs, if it does not
 /// return within 20 s.
 fn joined<T>(what: &str, thread: std::thread::JoinHandle<T>) -> T {
@@ -378,11 +397,7 @@ fn flush_and_shutdown_can_be_awaited() {
     assert!(queue
         .push(stream.fence(), counters.staging(2, &progress))
         .is_ok());
-    let mut shutdown = Box::pin(queue.shutdown_async());
-    assert!(
-        futures::FutureExt::now_or_never(&mut shutdown).is_none(),
-        "held"
-    );
+    let shutdown = held("the shutdown", Box::pin(queue.shutdown_async()));
     gate.open();
     let runtime = tokio::runtime::Builder::new_current_thread()
         .build()
@@ -1028,10 +1043,8 @@ fn a_shared_queue_shuts_down_through_any_handle_and_every_call_resolves() {
         .is_ok());
     // Two handles shut it down at once: both futures resolve, with the
     // same final stats, once the thread has dropped the value and exited.
-    let mut first = Box::pin(queue.shutdown_async());
-    let mut second = Box::pin(handler.shutdown_async());
-    assert!(first.as_mut().now_or_never().is_none(), "held");
-    assert!(second.as_mut().now_or_never().is_none(), "held");
+    let first = held("the first shutdown", Box::pin(queue.shutdown_async()));
+    let second = held("the second shutdown", Box::pin(handler.shutdown_async()));
     let Err(Rejected::Closed(refused)) =
         handler.push(stream.fence(), counters.staging(1, &progress))
     else {
