@@ -795,15 +795,10 @@ fn beside_a_word_allocation<T>(
 const LONG_KERNEL: Duration = Duration::from_secs(2);
 
 /// The process's threads named as the crate's word thread
-/// (`device-events-words`; the kernel keeps 15 bytes of a name, so a waiter
-/// thread of the default name, `device-events-waiter-n`, counts too).
+/// (`device-events-words`, cut to 15 bytes, so a waiter thread of the default
+/// name, `device-events-waiter-n`, counts too).
 fn word_threads() -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .expect("/proc/self/task")
-        .flatten()
-        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
-        .filter(|name| name.starts_with("device-events-w"))
-        .count()
+    common::threads_named("device-events-w")
 }
 
 /// One thread serves every stream's request, in turn, and leaves once none

@@ -18,7 +18,9 @@ use device_events::drop_queue::DropQueue;
 use device_events::host::{Host, HostStream};
 use device_events::{EventFence, EventProfiler, Waiter};
 
-use common::{eventually, Gate};
+// Threads counted by name, so a thread of an earlier part that is still
+// leaving, or a driver's own, is not miscounted.
+use common::{eventually, threads_named as named, Gate};
 
 const STREAMS: usize = 4;
 const RUNTIME_WORKERS: usize = 2;
@@ -29,18 +31,6 @@ const LIMIT: Duration = Duration::from_secs(20);
 fn process_threads() -> usize {
     std::fs::read_dir("/proc/self/task")
         .expect("/proc/self/task")
-        .count()
-}
-
-/// The process's threads whose name starts with `prefix` (the kernel keeps
-/// 15 bytes of a name): counted by name, so a thread of an earlier part that
-/// is still leaving, or a driver's own, is not miscounted.
-fn named(prefix: &str) -> usize {
-    std::fs::read_dir("/proc/self/task")
-        .expect("/proc/self/task")
-        .flatten()
-        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
-        .filter(|name| name.starts_with(prefix))
         .count()
 }
 

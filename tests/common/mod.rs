@@ -110,6 +110,17 @@ where
     }
 }
 
+/// The process's threads (Linux, `/proc/self/task`) whose name starts with
+/// `prefix`; the kernel keeps 15 bytes of a name.
+pub fn threads_named(prefix: &str) -> usize {
+    std::fs::read_dir("/proc/self/task")
+        .expect("/proc/self/task")
+        .flatten()
+        .filter_map(|task| std::fs::read_to_string(task.path().join("comm")).ok())
+        .filter(|name| name.starts_with(prefix))
+        .count()
+}
+
 /// Poll `condition` until it holds, failing the test after `limit`: turns a
 /// hang into a failure. Not a timing assertion: `limit` is far beyond what a
 /// correct run needs.
