@@ -29,6 +29,9 @@ pub mod status {
     pub const NOT_READY: i32 = 600;
     /// `CUDA_ERROR_LAUNCH_FAILED`: what a faulted host stream reports (sticky, as on CUDA).
     pub const LAUNCH_FAILED: i32 = 719;
+    /// `CUDA_ERROR_NOT_PERMITTED`: what a host stream's work gets for a wait on its own stream's
+    /// later work (`HostStream::launch`).
+    pub const NOT_PERMITTED: i32 = 800;
     /// `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`: a call not permitted while a stream captures a
     /// graph; the first stream-capture status.
     pub const STREAM_CAPTURE_UNSUPPORTED: i32 = 900;

@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::faulty::{self, Faulty};
 use common::{eventually, faultable_stream, Gate, Progress};
 use device_events::host::{Host, HostContext, HostStream};
-use device_events::{EventApi, EventFence, EventFlags, ServerError};
+use device_events::{status, EventApi, EventFence, EventFlags, ServerError};
 
 const LIMIT: Duration = Duration::from_secs(20);
 
@@ -493,4 +493,92 @@ fn a_dropped_stream_has_no_progress_word_and_a_word_held_outlives_it() {
     drop(stream);
     assert!(Host::stream_progress(handle).is_none());
     assert!(word.passed(fence.sequence()));
+}
+
+/// What `work`, launched on `stream` and handed `input` once it runs, returned; the test fails,
+/// rather than hangs, if the work has not returned after 20 s.
+fn from_work<I, T>(
+    stream: &HostStream,
+    work: impl FnOnce(I) -> T + Send + 'static,
+) -> (std::sync::mpsc::Sender<I>, impl FnOnce() -> T)
+where
+    I: Send + 'static,
+    T: Send + 'static,
+{
+    let (input, inputs) = std::sync::mpsc::channel::<I>();
+    let (output, outputs) = std::sync::mpsc::channel();
+    stream
+        .launch(move || {
+            if let Ok(input) = inputs.recv() {
+                let _ = output.send(work(input));
+            }
+        })
+        .unwrap();
+    let result = move || {
+        outputs
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the work returned (a wait for its own stream's later work hangs)")
+    };
+    (input, result)
+}
+
+fn not_permitted(result: Result<(), ServerError>) {
+    let err = result.expect_err("a wait for the stream's own later work");
+    assert_eq!(err.code(), Some(status::NOT_PERMITTED), "{err}");
+}
+
+#[test]
+fn work_that_waits_for_its_own_streams_later_work_is_refused_not_hung() {
+    let stream = HostStream::new().unwrap();
+    let handle = stream.handle();
+    let (input, result) = from_work(&stream, move |fences: [EventFence<Host>; 3]| {
+        let [awaited, waited, asked] = fences;
+        [
+            Host::stream_synchronize(handle),
+            futures::executor::block_on(awaited.wait()),
+            waited.wait_sync(),
+            asked.is_complete().map(drop),
+        ]
+    });
+    // Recorded behind the work, which runs until it has them.
+    input
+        .send([stream.fence(), stream.fence(), stream.fence()])
+        .unwrap();
+    result().into_iter().for_each(not_permitted);
+    // Refused, not faulted: the stream goes on.
+    assert!(!stream.is_faulted());
+    stream.fence().wait_sync().unwrap();
+}
+
+#[test]
+fn work_may_wait_for_what_its_stream_ran_before_it_and_for_other_streams() {
+    let context = HostContext::new();
+    let (stream, other) = (context.new_stream().unwrap(), context.new_stream().unwrap());
+    let before = stream.fence();
+    let gate = Gate::hold(&other);
+    let others = other.fence();
+    // Recorded on this stream behind the work, then again on the other: a wait is for the latest.
+    let event = Host::event_create(stream.handle(), EventFlags::FENCE).unwrap();
+    let (input, result) = from_work(&stream, move |(event, other, gate): (_, _, Gate)| {
+        // Asked while the other stream is held: not reached, and no error.
+        let asked = (Host::event_query(&event), others.is_complete());
+        gate.open();
+        let waited = [
+            before.wait_sync(),
+            others.wait_sync(),
+            Host::stream_synchronize(other),
+            Host::event_synchronize(&event),
+        ];
+        (asked, waited)
+    });
+    Host::event_record(&event, stream.handle()).unwrap();
+    Host::event_record(&event, other.handle()).unwrap();
+    input.send((event, other.handle(), gate)).unwrap();
+    let ((event_asked, fence_asked), waited) = result();
+    assert!(
+        !event_asked.unwrap(),
+        "the latest record is the other stream's, held"
+    );
+    assert!(!fence_asked.unwrap(), "the other stream is held");
+    waited.into_iter().for_each(Result::unwrap);
 }

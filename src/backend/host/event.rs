@@ -7,6 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::context::ContextShared;
 use super::error;
+use super::stream::{queued_behind_this_work, waits_for_itself};
 use crate::backend::idle_pool::IdlePool;
 use crate::backend::live_events::LiveEvents;
 use crate::sync::{Condvar, Mutex, MutexGuard};
@@ -158,6 +159,11 @@ impl HostEvent {
         self.inner.context.id()
     }
 
+    /// The same event (a clone of this one).
+    pub(super) fn same_as(&self, other: &HostEvent) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+
     /// Start a new generation; the caller queues a marker for it.
     pub(super) fn next_generation(&self) -> u64 {
         let mut state = self.inner.lock();
@@ -203,21 +209,31 @@ impl HostEvent {
     }
 
     /// Whether the latest record has been passed; a fault of the record or of the event's
-    /// context is an error (sticky: "any further CUDA work will return the same error").
+    /// context is an error (sticky: "any further CUDA work will return the same error"). Refused
+    /// from a stream's own work for a record it queued later (`HostStream::launch`).
     pub(super) fn query(&self, call: &'static str) -> Result<bool, ServerError> {
         self.inner.context.check(call)?;
-        let state = self.inner.lock();
-        match state.settled(state.recorded) {
+        let (recorded, settled) = {
+            let state = self.inner.lock();
+            (state.recorded, state.settled(state.recorded))
+        };
+        match settled {
             Some(Ok(())) => Ok(true),
             Some(Err(message)) => Err(error::faulted(call, message)),
+            None if queued_behind_this_work(self, recorded) => Err(waits_for_itself(call)),
             None => Ok(false),
         }
     }
 
     /// Block until `generation` is passed or lost; a faulted context's error as in
-    /// [`query`](Self::query).
+    /// [`query`](Self::query), and refused where it would wait for itself as there.
     pub(super) fn wait_for(&self, generation: u64, call: &'static str) -> Result<(), ServerError> {
         self.inner.context.check(call)?;
+        // The event's lock is let go first: the stream's is taken before it.
+        let pending = self.inner.lock().settled(generation).is_none();
+        if pending && queued_behind_this_work(self, generation) {
+            return Err(waits_for_itself(call));
+        }
         self.wait_record(generation, call)?;
         self.inner.context.check(call)
     }

@@ -140,6 +140,7 @@ mod error {
 
     pub(super) const INVALID_HANDLE: (i32, &str) = (status::INVALID_HANDLE, "invalid handle");
     pub(super) const NOT_READY: (i32, &str) = (status::NOT_READY, "not ready");
+    pub(super) const NOT_PERMITTED: (i32, &str) = (status::NOT_PERMITTED, "not permitted");
     const LAUNCH_FAILED: (i32, &str) = (status::LAUNCH_FAILED, "launch failed");
 
     pub(super) fn call(

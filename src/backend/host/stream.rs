@@ -1,9 +1,10 @@
 //! [`HostStream`]: an in-order queue of CPU work on its own worker thread.
 
+use std::cell::OnceCell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread;
 
 use super::context::{ContextShared, HostContext};
@@ -18,6 +19,11 @@ use crate::{panics, EventFence, ProgressWord, ServerError};
 
 /// Every live host stream, so a copied handle can never dangle.
 static STREAMS: Registry<StreamShared> = Registry::new();
+
+thread_local! {
+    /// The stream whose worker this thread is; empty on every other thread.
+    static WORKER_OF: OnceCell<Weak<StreamShared>> = const { OnceCell::new() };
+}
 
 /// A CPU stream: launched closures run in order on its worker thread, as kernels on a GPU stream.
 /// Events recorded on it are queue markers the worker passes; a device-side wait is a queued wait.
@@ -120,6 +126,12 @@ impl HostStream {
 
     /// Queue `work` to run after everything queued on this stream before it.
     ///
+    /// Work must not wait for its own stream's later work, which cannot start until it returns:
+    /// as CUDA's host functions may be (`cuLaunchHostFunc`), such a wait is refused with
+    /// [`status::NOT_PERMITTED`](crate::status::NOT_PERMITTED), never left to hang. That is
+    /// [`synchronize`](Self::synchronize) of its own stream, and a query, `wait_sync` or `.await`
+    /// of a fence or event recorded on it after the work. Waits for other streams are free.
+    ///
     /// # Errors
     ///
     /// The stream's context is faulted: an earlier launch panicked.
@@ -150,7 +162,8 @@ impl HostStream {
     ///
     /// # Errors
     ///
-    /// The stream's context is faulted: a launch panicked.
+    /// The stream's context is faulted: a launch panicked. Called from the stream's own work:
+    /// [`status::NOT_PERMITTED`](crate::status::NOT_PERMITTED) ([`launch`](Self::launch)).
     pub fn synchronize(&self) -> Result<(), ServerError> {
         self.shared.synchronize()
     }
@@ -324,6 +337,9 @@ impl StreamShared {
             if state.finished >= target {
                 return Ok(());
             }
+            if self.runs_on_this_thread() {
+                return Err(waits_for_itself(CALL));
+            }
             state.synchronizing += 1;
             state = self.progressed.wait(state);
             state.synchronizing -= 1;
@@ -369,8 +385,18 @@ impl StreamShared {
         }
     }
 
+    /// Whether the calling thread is this stream's worker.
+    fn runs_on_this_thread(&self) -> bool {
+        WORKER_OF.with(|worker| {
+            worker
+                .get()
+                .is_some_and(|weak| std::ptr::eq(weak.as_ptr(), self))
+        })
+    }
+
     /// The worker: run operations in order until closed and drained.
-    fn run(&self) {
+    fn run(self: &Arc<Self>) {
+        WORKER_OF.with(|worker| worker.set(Arc::downgrade(self)).ok());
         loop {
             let op = {
                 let mut state = self.lock();
@@ -421,6 +447,30 @@ impl StreamShared {
     }
 }
 
+/// Whether the calling thread is a stream's worker whose queue holds `event`'s marker of
+/// `generation`: one the stream passes only after the work running now returns.
+pub(super) fn queued_behind_this_work(event: &HostEvent, generation: u64) -> bool {
+    let stream = WORKER_OF.with(|worker| worker.get().and_then(Weak::upgrade));
+    stream.is_some_and(|stream| {
+        stream.lock().queue.iter().any(|op| {
+            matches!(op, Op::Signal(queued, g, _) if *g == generation && queued.same_as(event))
+        })
+    })
+}
+
+/// The error for a wait, from a stream's own work, for that stream's later work: CUDA's host
+/// functions "must not perform any synchronization that may depend on outstanding CUDA work not
+/// mandated to run earlier", and a call from one "may result in CUDA_ERROR_NOT_PERMITTED"
+/// (`cuLaunchHostFunc`).
+pub(super) fn waits_for_itself(call: &'static str) -> ServerError {
+    error::call(
+        call,
+        error::NOT_PERMITTED,
+        "called from the stream's own work, for work queued on it after that work, which cannot \
+         run until it returns",
+    )
+}
+
 impl fmt::Debug for HostStream {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("HostStream")
@@ -432,5 +482,27 @@ impl fmt::Debug for HostStream {
 impl fmt::Debug for HostStreamHandle {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "HostStreamHandle({})", self.id)
+    }
+}
+
+#[cfg(all(test, not(device_events_loom)))]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_knows_its_own_stream_only() {
+        let (stream, other) = (HostStream::new().unwrap(), HostStream::new().unwrap());
+        let (own, others) = (stream.shared.clone(), other.shared.clone());
+        let (sender, seen) = std::sync::mpsc::channel();
+        let on_worker = move || {
+            let _ = sender.send((own.runs_on_this_thread(), others.runs_on_this_thread()));
+        };
+        stream.launch(on_worker).unwrap();
+        let timeout = std::time::Duration::from_secs(20);
+        assert_eq!(seen.recv_timeout(timeout), Ok((true, false)));
+        assert!(
+            !stream.shared.runs_on_this_thread(),
+            "the test's thread is no worker"
+        );
     }
 }
