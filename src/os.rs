@@ -60,20 +60,26 @@ pub(crate) fn fork_generation() -> u64 {
 }
 
 /// Run `handler` as the process exits (`atexit`), before the exit handlers registered earlier
-/// (unix; elsewhere never). A refusal is logged.
+/// (unix; elsewhere never); false where `atexit` refused it, which is logged (elsewhere than unix
+/// nothing is registered, and nothing refused: true).
 #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-pub(crate) fn at_exit(handler: extern "C" fn()) {
+pub(crate) fn at_exit(handler: extern "C" fn()) -> bool {
     #[cfg(unix)]
     {
         // SAFETY: atexit(3) keeps the pointer for the life of the process, and `handler` is a
         // plain `extern "C"` function that lives as long and takes no arguments; an `extern "C"`
         // function cannot unwind into libc's `exit` (a panic in it aborts).
-        if unsafe { libc::atexit(handler) } != 0 {
+        let registered = unsafe { libc::atexit(handler) } == 0;
+        if !registered {
             log::warn!("atexit refused the crate's exit handler");
         }
+        registered
     }
     #[cfg(not(unix))]
-    let _ = handler;
+    {
+        let _ = handler;
+        true
+    }
 }
 
 /// Runs in a forked child, in its one thread, before `fork` returns there.

@@ -13,9 +13,10 @@
 //!   exits; the driver's own exit handler (the fake's, registered at
 //!   `cuInit`, or a real driver's) tears it down. The parent checks that the
 //!   child exits cleanly and logged no warning or error;
-//! - `word` and `freed word`: a thread of the child reads a progress word
+//! - `word` and `freed word`: 32 threads of the child read a progress word
 //!   in a loop as the child exits; in `freed word` the fake's teardown frees
-//!   the word's memory. The child exits cleanly in both.
+//!   the word's memory (its handler registered at `cuInit`, or at the first
+//!   page-locked allocation). The child exits cleanly in each.
 //!
 //! Skips without a GPU; `DEVICE_EVENTS_REQUIRE_CUDA=1` fails instead.
 // The fake driver's hooks through `common::fake_driver`.
@@ -23,9 +24,10 @@
 
 mod common;
 
-use std::process::Command;
+use std::io::Read;
+use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use device_events::cuda::cudarc::driver::CudaContext;
 use device_events::cuda::{self, Cuda, CudaStreamHandle, SleepKernel};
@@ -81,22 +83,53 @@ fn install_logger() {
 }
 
 /// Run the child case `case` for `test`: its stderr, or `None` in the child
-/// itself or without a GPU (skipping).
+/// itself or without a GPU (skipping). A child that has not exited after
+/// 60 s (one that hangs in exit) is killed, and fails the test.
 fn in_child(test: &str, case: &str) -> Option<String> {
+    in_child_with(test, case, &[])
+}
+
+/// [`in_child`], with `env` set for the child.
+fn in_child_with(test: &str, case: &str, env: &[(&str, &str)]) -> Option<String> {
     if std::env::var(CASE).is_ok() || gpu(test).is_none() {
         return None;
     }
-    let output = Command::new(std::env::current_exe().unwrap())
+    let mut child = Command::new(std::env::current_exe().unwrap())
         .args(["--exact", "child", "--nocapture", "--test-threads=1"])
         .env(CASE, case)
-        .output()
+        .envs(env.iter().copied())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr).into_owned();
+    let read = |mut pipe: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = pipe.read_to_string(&mut text);
+            text
+        })
+    };
+    let stdout = read(Box::new(child.stdout.take().unwrap()));
+    let stderr = read(Box::new(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if Instant::now() >= deadline {
+            child.kill().unwrap();
+            child.wait().unwrap();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let (stdout, stderr) = (stdout.join().unwrap(), stderr.join().unwrap());
+    let Some(status) = status else {
+        panic!("case {case} hung; killed after 60 s:\n{stdout}\n{stderr}");
+    };
     assert!(
-        output.status.success(),
-        "case {case} failed ({}):\n{stdout}\n{stderr}",
-        output.status
+        status.success(),
+        "case {case} failed ({status}):\n{stdout}\n{stderr}"
     );
     Some(stderr)
 }
@@ -125,21 +158,29 @@ fn a_process_exiting_with_a_pending_await_exits_cleanly() {
     }
 }
 
-/// A thread still reading a progress word as the process exits: the
+/// Threads still reading a progress word as the process exits: the
 /// driver's exit handler may free the word's page-locked memory (the docs
 /// do not say; the fake keeps it, or frees it after
-/// `fakeCudaTeardownFrees(1)`, and a read of it then faults). The process
-/// exits cleanly under both readings.
+/// `fakeCudaTeardownFrees(1)`, and a read of it then faults), and may be
+/// registered at `cuInit` or at the first page-locked allocation (the docs
+/// do not say either). The process exits cleanly under each reading.
 #[test]
 fn a_process_exiting_while_a_progress_word_is_read_exits_cleanly() {
     let test = "a_process_exiting_while_a_progress_word_is_read";
-    let cases: &[&str] = if fake_driver::is_fake() {
-        &["word", "freed word"]
+    // The driver's handler registered at `cuInit` (the fake's default), or
+    // as its first page-locked allocation returns (the docs do not say when).
+    let at_first_allocation = &[("FAKE_CUDA_TEARDOWN_AT_HOST_ALLOC", "1")][..];
+    let cases: &[(&str, &[(&str, &str)])] = if fake_driver::is_fake() {
+        &[
+            ("word", &[]),
+            ("freed word", &[]),
+            ("freed word", at_first_allocation),
+        ]
     } else {
-        &["word"]
+        &[("word", &[])]
     };
-    for case in cases {
-        let Some(stderr) = in_child(test, case) else {
+    for &(case, env) in cases {
+        let Some(stderr) = in_child_with(test, case, env) else {
             return;
         };
         assert!(
@@ -210,14 +251,19 @@ fn child() {
                 eprintln!("exiting: this device has no progress words");
                 std::process::exit(0);
             };
+            // Many readers, more than the cores: a close that each read can
+            // hold up never ends.
             let (reading, read) = std::sync::mpsc::channel();
-            std::thread::spawn(move || {
-                reading.send(()).unwrap();
-                loop {
-                    std::hint::black_box(word.passed(0));
-                }
-            });
-            read.recv().unwrap();
+            for _ in 0..32 {
+                let (reading, word) = (reading.clone(), word.clone());
+                std::thread::spawn(move || {
+                    reading.send(()).unwrap();
+                    loop {
+                        std::hint::black_box(word.passed(0));
+                    }
+                });
+            }
+            (0..32).for_each(|_| read.recv().unwrap());
             eprintln!("exiting");
             std::process::exit(0);
         }

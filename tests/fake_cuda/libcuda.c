@@ -73,7 +73,8 @@
  *   loaded it first or CUDA_MODULE_LOADING=EAGER (see cuLaunchKernel).
  *
  * - Process exit (see "Driver teardown" below): cuInit registers an exit
- *   handler after which every call returns CUDA_ERROR_DEINITIALIZED; on
+ *   handler (FAKE_CUDA_TEARDOWN_AT_HOST_ALLOC=1: the first cuMemHostAlloc
+ *   does) after which every call returns CUDA_ERROR_DEINITIALIZED; on
  *   demand it frees the contexts' memory too (fakeCudaTeardownFrees).
  * - Elapsed time under both names, each counted (see "Elapsed time" below);
  *   built with -DFAKE_CUDA_NO_ELAPSED_V2 it exports only the legacy name.
@@ -208,7 +209,9 @@ static int next_query_status;
  * other threads still run, and answers them with CUDA_ERROR_DEINITIALIZED:
  * "This indicates that the CUDA driver is in the process of shutting down"
  * (CUresult, https://docs.nvidia.com/cuda/cuda-driver-api/group__CUDA__TYPES.html).
- * The fake registers its handler at cuInit; from then on every call returns
+ * The fake registers its handler at cuInit (the docs do not say when a driver
+ * does: with FAKE_CUDA_TEARDOWN_AT_HOST_ALLOC=1, at the first page-locked
+ * allocation, as it returns); from then on every call returns
  * 4 (the error lookups excepted: they name it), and calls blocked in a
  * synchronize return it too. fakeCudaTeardown() starts the same teardown
  * now, for a test; fakeCudaCallsAfterTeardown() counts the calls answered
@@ -224,6 +227,7 @@ static atomic_int torn_down;
 static atomic_int calls_after_teardown;
 static atomic_int teardown_frees;
 static pthread_once_t teardown_registered = PTHREAD_ONCE_INIT;
+static int teardown_at_host_alloc;
 
 static void free_context_memory(ctx_t *c);
 
@@ -324,6 +328,8 @@ __attribute__((constructor)) static void read_modes(void) {
     strict_rebind = strict != NULL && strcmp(strict, "1") == 0;
     const char *pools = getenv("FAKE_CUDA_NO_MEMORY_POOLS");
     no_memory_pools = pools != NULL && strcmp(pools, "1") == 0;
+    const char *at_alloc = getenv("FAKE_CUDA_TEARDOWN_AT_HOST_ALLOC");
+    teardown_at_host_alloc = at_alloc != NULL && strcmp(at_alloc, "1") == 0;
 }
 
 /* Whether this thread's binding of `c` is to a context torn down since: in
@@ -612,7 +618,7 @@ int cuInit(unsigned flags) {
     if (deinitialized()) return DEINITIALIZED;
     int none = 0;
     atomic_compare_exchange_strong(&init_pid, &none, (int)getpid());
-    pthread_once(&teardown_registered, register_teardown);
+    if (!teardown_at_host_alloc) pthread_once(&teardown_registered, register_teardown);
     return SUCCESS;
 }
 int cuDriverGetVersion(int *version) { *version = 12080; return SUCCESS; }
@@ -1748,6 +1754,7 @@ int cuMemHostAlloc(void **pp, size_t bytesize, unsigned flags) {
     }
     pthread_mutex_unlock(&lock);
     if (status == SUCCESS) host_memory_synchronize(c);
+    if (status == SUCCESS && teardown_at_host_alloc) pthread_once(&teardown_registered, register_teardown);
     return status;
 }
 

@@ -35,12 +35,13 @@
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
 use std::fmt;
 use std::ptr::{self, NonNull};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
 
 use cudarc::driver::result::DriverError;
 use cudarc::driver::{sys, CudaContext, CudaStream};
 
+use crate::sync::shards;
 use crate::{EventFlags, ServerError};
 
 pub(super) const BACKEND: &str = "Cuda";
@@ -583,50 +584,84 @@ unsafe impl Send for MappedWord {}
 unsafe impl Sync for MappedWord {}
 
 /// Counts the host's accesses to memory under way, and closes once: then no access starts, and
-/// closing returns once those under way are done. Accesses must not panic.
-struct AccessGate(AtomicUsize);
+/// closing returns once those under way are done. Accesses must not panic. The count is striped
+/// by thread ([`shards::home`]): readers on different threads share no cache line.
+struct AccessGate {
+    closed: AtomicBool,
+    under_way: [UnderWay; GATE_STRIPES],
+}
 
-/// The bit of an [`AccessGate`] that says it is closed; the others count the accesses under way.
-const CLOSED: usize = 1 << (usize::BITS - 1);
+/// One stripe of an [`AccessGate`]'s count, on cache lines of its own.
+#[repr(align(128))]
+struct UnderWay(AtomicUsize);
+
+const GATE_STRIPES: usize = 16;
 
 impl AccessGate {
-    /// `access`, unless the gate is closed.
-    fn pass<R>(&self, access: impl FnOnce() -> R) -> Option<R> {
-        if self.0.fetch_add(1, Ordering::SeqCst) & CLOSED != 0 {
-            self.0.fetch_sub(1, Ordering::SeqCst);
-            return None;
+    const fn new() -> Self {
+        Self {
+            closed: AtomicBool::new(false),
+            under_way: [const { UnderWay(AtomicUsize::new(0)) }; GATE_STRIPES],
         }
-        let done = access();
-        self.0.fetch_sub(1, Ordering::Release);
-        Some(done)
     }
 
-    /// Close the gate in the process of fork `generation` ([`crate::os`]); in a forked child of it
-    /// nothing: the accesses its parent's other threads had under way never end there.
+    /// `access`, unless the gate is closed.
+    fn pass<R>(&self, access: impl FnOnce() -> R) -> Option<R> {
+        // Seen closed, a thread counts itself in no more: threads that keep reading cannot keep
+        // the count above zero.
+        if self.closed.load(Ordering::Relaxed) {
+            return None;
+        }
+        let count = &self.under_way[shards::home(GATE_STRIPES)].0;
+        count.fetch_add(1, Ordering::SeqCst);
+        // Either this sees the gate closed, or its closing sees this access counted.
+        let done = (!self.closed.load(Ordering::SeqCst)).then(access);
+        count.fetch_sub(1, Ordering::Release);
+        done
+    }
+
+    /// Close the gate and wait for the accesses under way, in the process of fork `generation`
+    /// ([`crate::os`]); in a forked child of it, close only: the accesses its parent's other
+    /// threads had under way never end there. A second close returns at once.
     fn close(&self, generation: u64) {
-        if crate::os::fork_generation() != generation {
+        if self.closed.swap(true, Ordering::SeqCst) || crate::os::fork_generation() != generation {
             return;
         }
-        self.0.fetch_or(CLOSED, Ordering::SeqCst);
-        while self.0.load(Ordering::Acquire) != CLOSED {
-            std::thread::yield_now();
+        for count in &self.under_way {
+            while count.0.load(Ordering::SeqCst) != 0 {
+                std::thread::yield_now();
+            }
         }
     }
 }
 
 /// The host's accesses to word memory, closed at process exit ([`stop_word_access`]).
-static WORD_ACCESS: AccessGate = AccessGate(AtomicUsize::new(0));
+static WORD_ACCESS: AccessGate = AccessGate::new();
 /// The fork generation of the process that registered [`stop_word_access`].
 static EXIT_HANDLER_GENERATION: OnceLock<u64> = OnceLock::new();
+/// [`stop_word_access`] registered before the first word page, and whether `atexit` took it.
+static BEFORE_FIRST_PAGE: OnceLock<bool> = OnceLock::new();
+/// [`stop_word_access`] registered again after the first word page.
+static AFTER_FIRST_PAGE: OnceLock<bool> = OnceLock::new();
+
+/// Register [`stop_word_access`] once per `registration` (its generation recorded first, so a
+/// handler that runs at once finds it); whether `atexit` took it.
+fn stop_word_access_at_exit(registration: &'static OnceLock<bool>) -> bool {
+    *registration.get_or_init(|| {
+        EXIT_HANDLER_GENERATION.get_or_init(crate::os::track_forks);
+        crate::os::at_exit(stop_word_access)
+    })
+}
 
 impl MappedWord {
     /// `access` to the word, unless the process is exiting ([`stop_word_access`] ran).
     fn access<R>(&self, access: impl FnOnce(&AtomicU64) -> R) -> Option<R> {
         // SAFETY: the page is never freed by the crate, only with its context, and every caller
         // holds that context alive (see the type's docs); nor by the driver's exit handler while
-        // `WORD_ACCESS` lets an access through, as `stop_word_access` runs first and closes it.
-        // The word is 64-byte aligned within a page-aligned allocation, `u64`-sized, and accessed
-        // by the host only atomically.
+        // `WORD_ACCESS` lets an access through, as `stop_word_access`, registered before the page
+        // was made and again after, runs first and closes it (given a driver that registers its
+        // handler by its first page-locked allocation). The word is 64-byte aligned (checked as
+        // its page was made), `u64`-sized, and accessed by the host only atomically.
         WORD_ACCESS.pass(|| access(unsafe { self.host.as_ref() }))
     }
 
@@ -642,10 +677,11 @@ impl MappedWord {
     }
 }
 
-/// The crate's exit handler, registered (`atexit`) once the driver has made a word page, so after
-/// the driver's own (which a driver registers by then: the fake's at `cuInit`), and so run before
-/// it: it closes [`WORD_ACCESS`]. A thread still reading a word as the process exits (the
-/// watcher, a spinning poll, a user's) then never reads memory the driver's handler freed.
+/// The crate's exit handler, registered (`atexit`) before the first word page is made and again
+/// once it is, so after the driver's own (which a driver registers by then: the fake's at
+/// `cuInit`, or at its first page-locked allocation), and so run before it: it closes
+/// [`WORD_ACCESS`]. A thread still reading a word as the process exits (the watcher, a spinning
+/// poll, a user's) then never reads memory the driver's handler freed.
 extern "C" fn stop_word_access() {
     if let Some(&generation) = EXIT_HANDLER_GENERATION.get() {
         WORD_ACCESS.close(generation);
@@ -906,6 +942,14 @@ impl Driver {
     pub(super) fn alloc_mapped_page(self) -> Result<Vec<MappedWord>, ServerError> {
         live("cuMemHostAlloc")?;
         let api = self.word_api("cuMemHostAlloc")?;
+        if !stop_word_access_at_exit(&BEFORE_FIRST_PAGE) {
+            let reason = "atexit refused the handler that stops word reads at exit";
+            return Err(refused(
+                "cuMemHostAlloc",
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
+                reason,
+            ));
+        }
         let mut host = ptr::null_mut();
         // SAFETY: `host` is a valid place for the pointer; DEVICEMAP is a documented flag.
         self.check("cuMemHostAlloc", unsafe {
@@ -924,6 +968,15 @@ impl Driver {
         let mapped = self.check("cuMemHostGetDevicePointer", unsafe {
             (api.host_device_pointer)(&mut device, page.as_ptr().cast(), 0)
         });
+        // The docs promise no alignment (drivers give whole pages).
+        let mapped = mapped.and_then(|()| match page.as_ptr().align_offset(MAPPED_WORD_BYTES) {
+            0 => Ok(()),
+            _ => Err(refused(
+                "cuMemHostAlloc",
+                sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
+                "the driver returned memory not aligned for progress words",
+            )),
+        });
         if let Err(err) = mapped {
             // SAFETY: the allocation was made just above, in the current context, and never
             // handed out or written: nothing can touch it after this free.
@@ -939,7 +992,7 @@ impl Driver {
             .map(|index| index * MAPPED_WORD_BYTES)
             .map(|offset| MappedWord {
                 // SAFETY: `offset` is within the `MAPPED_PAGE_BYTES` allocation, at a multiple of
-                // 64 bytes from its page-aligned start (so aligned for `u64`).
+                // 64 bytes from its start, which is 64-byte aligned (checked above).
                 host: unsafe { page.byte_add(offset) },
                 device: device + offset as sys::CUdeviceptr,
             })
@@ -948,10 +1001,8 @@ impl Driver {
         for word in &words {
             word.reset();
         }
-        EXIT_HANDLER_GENERATION.get_or_init(|| {
-            crate::os::at_exit(stop_word_access);
-            crate::os::track_forks()
-        });
+        // Again, in case the driver registered its own handler as it made its first page.
+        stop_word_access_at_exit(&AFTER_FIRST_PAGE);
         Ok(words)
     }
 
@@ -1045,12 +1096,12 @@ impl Driver {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{mpsc, Arc};
     use std::thread::JoinHandle;
     use std::time::{Duration, Instant};
 
-    use super::{AccessGate, CLOSED};
+    use super::AccessGate;
 
     /// What `thread` returned, failing rather than hanging past 20 s.
     fn joined<T>(thread: JoinHandle<T>) -> T {
@@ -1071,7 +1122,7 @@ mod tests {
 
     #[test]
     fn a_closed_gate_lets_no_access_through() {
-        let gate = Arc::new(AccessGate(AtomicUsize::new(0)));
+        let gate = Arc::new(AccessGate::new());
         assert_eq!(gate.pass(|| 1), Some(1));
         close(&gate);
         assert_eq!(gate.pass(|| 2), None);
@@ -1080,7 +1131,7 @@ mod tests {
 
     #[test]
     fn closing_returns_once_the_accesses_under_way_are_done() {
-        let gate = Arc::new(AccessGate(AtomicUsize::new(0)));
+        let gate = Arc::new(AccessGate::new());
         let done = Arc::new(AtomicBool::new(false));
         let (inside, entered) = mpsc::channel();
         let (release, released) = mpsc::channel::<()>();
@@ -1104,7 +1155,7 @@ mod tests {
             }
         });
         let deadline = Instant::now() + Duration::from_secs(20);
-        while gate.0.load(Ordering::SeqCst) & CLOSED == 0 {
+        while !gate.closed.load(Ordering::SeqCst) {
             assert!(Instant::now() < deadline, "the gate did not close");
             std::thread::sleep(Duration::from_millis(1));
         }
@@ -1117,12 +1168,35 @@ mod tests {
         assert_eq!(gate.pass(|| ()), None);
     }
 
+    /// Threads that keep reading after the close (a spinning poll, the watcher, a user's loop),
+    /// many to a stripe, cannot keep it from returning: one refused by a closed gate counts itself
+    /// in no more.
+    #[test]
+    fn closing_is_not_starved_by_readers_that_keep_reading() {
+        let gate = Arc::new(AccessGate::new());
+        let closed = Arc::new(AtomicBool::new(false));
+        let readers: Vec<_> = (0..128)
+            .map(|_| {
+                let (gate, closed) = (gate.clone(), closed.clone());
+                std::thread::spawn(move || {
+                    while !closed.load(Ordering::Relaxed) {
+                        std::hint::black_box(gate.pass(|| 1));
+                    }
+                })
+            })
+            .collect();
+        close(&gate);
+        closed.store(true, Ordering::Relaxed);
+        readers.into_iter().for_each(joined);
+        assert_eq!(gate.pass(|| ()), None);
+    }
+
     /// A forked child inherits the exit handler, and the count of the accesses the parent's
     /// threads had under way: closing there must not wait for them.
     #[test]
     fn a_forked_child_closes_without_waiting_for_its_parents_accesses() {
         let generation = crate::os::track_forks();
-        let gate = AccessGate(AtomicUsize::new(0));
+        let gate = AccessGate::new();
         let status = gate.pass(|| {
             // SAFETY: the child only closes the gate (atomics, no lock, no allocation) and leaves
             // with `_exit`; an alarm ends it if that hangs.
