@@ -155,7 +155,7 @@ impl AppState {
             profilers,
             launcher,
             waiter: Waiter::builder()
-                .thread_name("http-waiter")
+                .thread_name("gpu-w")
                 .stuck_after(STUCK_AFTER)
                 .build(),
             waiter_metrics: WaiterMetrics::new(&[("waiter", "http-waiter"), ("backend", backend)]),

@@ -38,12 +38,23 @@
 //! poller, the watcher, cancellation) is described once, in the [`waiter`]
 //! module's docs.
 //!
-//! What blocks the calling thread: [`EventFence::wait_sync`], and the drop
-//! queue's `flush`, `push_blocking`, `shutdown` and its drop (until every
-//! fence has passed). In async code use `.await`, `flush_async`,
-//! `push_async` and `shutdown_async`, which block no thread. Dropping a
-//! stream returns at once, as `cuStreamDestroy` does: its queued work still
-//! runs, so a buffer that work reads must outlive the work, not the stream.
+//! What blocks the calling thread (keep it off an executor's threads):
+//! - waits: `wait_sync` of [`EventFence`], [`Event`], [`Profile`] and their
+//!   `Any*` twins, [`FenceFuture::wait_sync_timeout`], `synchronize` of a
+//!   [`HostStream`](host::HostStream) or an [`AnyStream`], and the
+//!   [`EventApi`] synchronize calls;
+//! - fallbacks: [`EventFence::new`] synchronizes its stream where the
+//!   driver refuses the event, and [`EventFence::wait_async`] waits on the
+//!   host where it refuses the device-side wait ([`EventFence::try_new`] and
+//!   [`EventFence::try_wait_async`] return the refusal instead);
+//! - the drop queue's `flush`, `push_blocking`, `shutdown`, `shutdown_now`
+//!   (for the value it is waiting on) and its drop, and the drop or
+//!   `wait_then_drop` of what it hands back (`HandedBack`, `Rejected`).
+//!
+//! In async code use `.await`, `flush_async`, `push_async` and
+//! `shutdown_async`, which block no thread. Dropping a stream returns at
+//! once, as `cuStreamDestroy` does: its queued work still runs, so a buffer
+//! that work reads must outlive the work, not the stream.
 //!
 //! # Knobs
 //!

@@ -255,9 +255,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
     }
 
-    /// Stop without waiting on the device: values whose fence has passed are dropped, the rest
-    /// handed back ([`HandedBack`]), as is a value whose [`is_passed`](Fence::is_passed) fails or
-    /// panics. The value being waited on when this is called is waited for.
+    /// Stop, waiting on the device only for the value the queue's thread is waiting on when this
+    /// is called: values whose fence has passed are dropped, the rest handed back
+    /// ([`HandedBack`]), as is a value whose [`is_passed`](Fence::is_passed) fails or panics.
     pub fn shutdown_now(mut self) -> HandedBack<F, T> {
         self.shared.close();
         let waiting: Vec<(u64, F, T)> = {

@@ -171,8 +171,8 @@ impl Waiter {
     }
 
     /// Resolve every pending wait with [`ServerError::WaiterGone`] (those a thread is blocked on
-    /// too), refuse so every new one that needs a thread (a fence already reached still answers
-    /// `Ok` at its first poll), and let the threads exit; never blocks, and safe to call twice. On
+    /// too), refuse every new one that needs a thread (a fence already reached still answers `Ok`
+    /// at its first poll), and let the threads exit; never blocks, and safe to call twice. On
     /// [`Waiter::global()`] it only logs a warning.
     pub fn shutdown(&self) {
         if self.global {
@@ -319,8 +319,9 @@ impl WaiterBuilder {
     }
 
     /// The prefix of the threads' names (`{prefix}-{n}`, `{prefix}-poller`, `{prefix}-watcher`);
-    /// default `device-events-waiter`. No thread can be named with a NUL byte:
-    /// [`try_build`](Self::try_build) rejects such a prefix.
+    /// default `device-events-waiter`. Linux shows 15 bytes of a name (in `top -H`, `ps`, `gdb`):
+    /// a prefix of 7 bytes or fewer keeps every name whole there. No thread can be named with a
+    /// NUL byte: [`try_build`](Self::try_build) rejects such a prefix.
     pub fn thread_name(mut self, prefix: impl Into<String>) -> Self {
         self.config.thread_name = prefix.into();
         self
