@@ -318,10 +318,9 @@ impl WaiterBuilder {
         self
     }
 
-    /// The prefix of the threads' names (`{prefix}-{n}`, `{prefix}-poller`, `{prefix}-watcher`);
-    /// default `device-events-waiter`. Linux shows 15 bytes of a name (in `top -H`, `ps`, `gdb`):
-    /// a prefix of 7 bytes or fewer keeps every name whole there. No thread can be named with a
-    /// NUL byte: [`try_build`](Self::try_build) rejects such a prefix.
+    /// The prefix of the threads' names (`{prefix}-{n}`, `-poller`, `-watcher`); default
+    /// `device-events-waiter`. Linux shows 15 bytes of a name: 7 or fewer keep each whole. No
+    /// thread can be named with a NUL byte: [`try_build`](Self::try_build) rejects such a prefix.
     pub fn thread_name(mut self, prefix: impl Into<String>) -> Self {
         self.config.thread_name = prefix.into();
         self
