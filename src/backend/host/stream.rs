@@ -130,7 +130,8 @@ impl HostStream {
     /// as CUDA's host functions may be (`cuLaunchHostFunc`), such a wait is refused with
     /// [`status::NOT_PERMITTED`](crate::status::NOT_PERMITTED), never left to hang. That is
     /// [`synchronize`](Self::synchronize) of its own stream, and a query, `wait_sync` or `.await`
-    /// of a fence or event recorded on it after the work. Waits for other streams are free.
+    /// of a fence or event recorded on it after the work. Waits for other streams are free. A wait
+    /// handed to another thread (a drop queue's `flush`) cannot be told apart, and never ends.
     ///
     /// # Errors
     ///
