@@ -229,9 +229,7 @@ impl HostEvent {
     /// [`query`](Self::query), and refused where it would wait for itself as there.
     pub(super) fn wait_for(&self, generation: u64, call: &'static str) -> Result<(), ServerError> {
         self.inner.context.check(call)?;
-        // The event's lock is let go first: the stream's is taken before it.
-        let pending = self.inner.lock().settled(generation).is_none();
-        if pending && queued_behind_this_work(self, generation) {
+        if queued_behind_this_work(self, generation) {
             return Err(waits_for_itself(call));
         }
         self.wait_record(generation, call)?;

@@ -449,9 +449,12 @@ impl StreamShared {
 }
 
 /// Whether the calling thread is a stream's worker whose queue holds `event`'s marker of
-/// `generation`: one the stream passes only after the work running now returns.
+/// `generation`: one the stream passes only after the work running now returns. Takes the
+/// stream's lock: not to be called with the event's held.
 pub(super) fn queued_behind_this_work(event: &HostEvent, generation: u64) -> bool {
     let stream = WORKER_OF.with(|worker| worker.get().and_then(Weak::upgrade));
+    // An event is recorded on its own context's streams only.
+    let stream = stream.filter(|stream| stream.context_id() == event.context());
     stream.is_some_and(|stream| {
         stream.lock().queue.iter().any(|op| {
             matches!(op, Op::Signal(queued, g, _) if *g == generation && queued.same_as(event))
