@@ -554,7 +554,10 @@ fn work_that_waits_for_its_own_streams_later_work_is_refused_not_hung() {
 fn work_may_wait_for_what_its_stream_ran_before_it_and_for_other_streams() {
     let context = HostContext::new();
     let (stream, other) = (context.new_stream().unwrap(), context.new_stream().unwrap());
+    // Behind work, so a marker the stream passes before the work below.
+    let gate = Gate::hold(&stream);
     let before = stream.fence();
+    gate.open();
     let gate = Gate::hold(&other);
     let others = other.fence();
     // Recorded on this stream behind the work, then again on the other: a wait is for the latest.
@@ -581,4 +584,36 @@ fn work_may_wait_for_what_its_stream_ran_before_it_and_for_other_streams() {
     );
     assert!(!fence_asked.unwrap(), "the other stream is held");
     waited.into_iter().for_each(Result::unwrap);
+}
+
+/// A thread-local whose drop waits on a fence, as a staging buffer that
+/// waits for its work before it is freed.
+struct WaitsWhenDropped(Option<EventFence<Host>>);
+
+impl Drop for WaitsWhenDropped {
+    fn drop(&mut self) {
+        if let Some(fence) = self.0.take() {
+            fence.wait_sync().unwrap();
+        }
+    }
+}
+
+thread_local! {
+    static STAGING: std::cell::RefCell<WaitsWhenDropped> =
+        const { std::cell::RefCell::new(WaitsWhenDropped(None)) };
+}
+
+/// The crate's own thread-local state (which stream a worker serves) is
+/// read by every wait: it must still be there as other thread-locals are
+/// dropped, or the process aborts.
+#[test]
+fn a_wait_in_a_thread_locals_drop_works() {
+    let stream = HostStream::new().unwrap();
+    let handle = stream.handle();
+    let waited = std::thread::spawn(move || {
+        // Made first, so dropped after anything the waits below make.
+        STAGING.with(|staging| staging.borrow_mut().0 = Some(EventFence::new(handle)));
+        EventFence::<Host>::new(handle).wait_sync().unwrap();
+    });
+    waited.join().expect("the thread exited cleanly");
 }

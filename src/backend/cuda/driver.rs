@@ -938,17 +938,20 @@ impl Driver {
     /// current context: `cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP` ("Maps the allocation
     /// into the CUDA address space"), neither portable nor write-combined (the host reads it), and
     /// its device address from `cuMemHostGetDevicePointer` (flags "must be set to 0"). A page that
-    /// cannot be mapped is freed at once. Never on a fence's path (see `progress.rs`).
+    /// cannot be mapped or used (not aligned, or no exit handler after it) is freed at once. Never on a fence's path (see `progress.rs`).
     pub(super) fn alloc_mapped_page(self) -> Result<Vec<MappedWord>, ServerError> {
         live("cuMemHostAlloc")?;
         let api = self.word_api("cuMemHostAlloc")?;
-        if !stop_word_access_at_exit(&BEFORE_FIRST_PAGE) {
+        let no_exit_handler = || {
             let reason = "atexit refused the handler that stops word reads at exit";
-            return Err(refused(
+            refused(
                 "cuMemHostAlloc",
                 sys::CUresult::CUDA_ERROR_NOT_SUPPORTED,
                 reason,
-            ));
+            )
+        };
+        if !stop_word_access_at_exit(&BEFORE_FIRST_PAGE) {
+            return Err(no_exit_handler());
         }
         let mut host = ptr::null_mut();
         // SAFETY: `host` is a valid place for the pointer; DEVICEMAP is a documented flag.
@@ -977,6 +980,11 @@ impl Driver {
                 "the driver returned memory not aligned for progress words",
             )),
         });
+        // Again, in case the driver registered its own handler as it made its first page.
+        let mapped = mapped.and_then(|()| match stop_word_access_at_exit(&AFTER_FIRST_PAGE) {
+            true => Ok(()),
+            false => Err(no_exit_handler()),
+        });
         if let Err(err) = mapped {
             // SAFETY: the allocation was made just above, in the current context, and never
             // handed out or written: nothing can touch it after this free.
@@ -1001,8 +1009,6 @@ impl Driver {
         for word in &words {
             word.reset();
         }
-        // Again, in case the driver registered its own handler as it made its first page.
-        stop_word_access_at_exit(&AFTER_FIRST_PAGE);
         Ok(words)
     }
 

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::context::ContextShared;
 use super::error;
-use super::stream::{queued_behind_this_work, waits_for_itself};
+use super::stream::{this_workers_stream, waits_for_itself};
 use crate::backend::idle_pool::IdlePool;
 use crate::backend::live_events::LiveEvents;
 use crate::sync::{Condvar, Mutex, MutexGuard};
@@ -89,7 +89,9 @@ struct EventState {
     recorded: u64,
     /// Generations whose marker is queued and not yet passed, ascending: binary-searched, as an
     /// event recorded over and over on a busy stream has many. A pooled event keeps the buffer.
-    pending: VecDeque<u64>,
+    /// Each with the [`worker_key`](super::stream::StreamShared::worker_key) of the stream
+    /// whose queue holds its marker.
+    pending: VecDeque<(u64, usize)>,
     /// When the latest record was reached, for timing events.
     reached_at: Option<Instant>,
     /// Generations lost to a fault, with its message; bounded: a faulted context takes no records.
@@ -101,7 +103,7 @@ struct EventState {
 impl EventState {
     /// `Some(result)` once generation `target` is settled.
     fn settled(&self, target: u64) -> Option<Result<(), String>> {
-        if self.pending.binary_search(&target).is_ok() {
+        if self.pending_at(target).is_ok() {
             return None;
         }
         let fault = self.faulted.iter().find(|(lost, _)| *lost == target);
@@ -110,9 +112,23 @@ impl EventState {
 
     /// `generation`'s marker has left its queue (passed or dropped).
     fn settle(&mut self, generation: u64) {
-        if let Ok(index) = self.pending.binary_search(&generation) {
+        if let Ok(index) = self.pending_at(generation) {
             self.pending.remove(index);
         }
+    }
+
+    fn pending_at(&self, generation: u64) -> Result<usize, usize> {
+        self.pending
+            .binary_search_by_key(&generation, |&(pending, _)| pending)
+    }
+
+    /// Whether `generation`'s marker is queued on the stream whose worker is calling: passed only
+    /// after the work running now returns.
+    fn queued_behind_this_work(&self, generation: u64) -> bool {
+        let queued_on = self
+            .pending_at(generation)
+            .map(|index| self.pending[index].1);
+        this_workers_stream().is_some_and(|worker| queued_on == Ok(worker))
     }
 }
 
@@ -159,17 +175,12 @@ impl HostEvent {
         self.inner.context.id()
     }
 
-    /// The same event (a clone of this one).
-    pub(super) fn same_as(&self, other: &HostEvent) -> bool {
-        Arc::ptr_eq(&self.inner, &other.inner)
-    }
-
-    /// Start a new generation; the caller queues a marker for it.
-    pub(super) fn next_generation(&self) -> u64 {
+    /// Start a new generation; the caller queues a marker for it on the stream of `worker_key`.
+    pub(super) fn next_generation(&self, worker_key: usize) -> u64 {
         let mut state = self.inner.lock();
         state.recorded += 1;
         let generation = state.recorded;
-        state.pending.push_back(generation);
+        state.pending.push_back((generation, worker_key));
         state.reached_at = None;
         generation
     }
@@ -213,14 +224,11 @@ impl HostEvent {
     /// from a stream's own work for a record it queued later (`HostStream::launch`).
     pub(super) fn query(&self, call: &'static str) -> Result<bool, ServerError> {
         self.inner.context.check(call)?;
-        let (recorded, settled) = {
-            let state = self.inner.lock();
-            (state.recorded, state.settled(state.recorded))
-        };
-        match settled {
+        let state = self.inner.lock();
+        match state.settled(state.recorded) {
             Some(Ok(())) => Ok(true),
             Some(Err(message)) => Err(error::faulted(call, message)),
-            None if queued_behind_this_work(self, recorded) => Err(waits_for_itself(call)),
+            None if state.queued_behind_this_work(state.recorded) => Err(waits_for_itself(call)),
             None => Ok(false),
         }
     }
@@ -229,15 +237,13 @@ impl HostEvent {
     /// [`query`](Self::query), and refused where it would wait for itself as there.
     pub(super) fn wait_for(&self, generation: u64, call: &'static str) -> Result<(), ServerError> {
         self.inner.context.check(call)?;
-        if queued_behind_this_work(self, generation) {
-            return Err(waits_for_itself(call));
-        }
         self.wait_record(generation, call)?;
         self.inner.context.check(call)
     }
 
     /// Block until `generation` is passed or lost, whatever became of the context since: what a
     /// stream of another context waits for (the docs do not say a later fault reaches it).
+    /// Refused where it would wait for itself, as [`query`](Self::query) is.
     pub(super) fn wait_record(
         &self,
         generation: u64,
@@ -247,6 +253,9 @@ impl HostEvent {
         loop {
             match state.settled(generation) {
                 Some(result) => return result.map_err(|message| error::faulted(call, message)),
+                None if state.queued_behind_this_work(generation) => {
+                    return Err(waits_for_itself(call))
+                }
                 None => {
                     state.waiting += 1;
                     state = self.inner.changed.wait(state);
@@ -339,7 +348,7 @@ mod tests {
     #[test]
     fn a_later_record_reached_first_does_not_release_a_wait_on_an_earlier_one() {
         let event = event();
-        let first = event.next_generation(); // queued on a busy stream
+        let first = event.next_generation(0); // queued on a busy stream
         event.record_reached(); // recorded again on an idle stream
         assert!(event.query("event_query").unwrap(), "the latest is reached");
         let waiter = {
@@ -366,7 +375,7 @@ mod tests {
     #[test]
     fn a_signal_runs_what_follows_the_record_once_it_is_passed_and_before_the_wake() {
         let event = event();
-        let first = event.next_generation();
+        let first = event.next_generation(0);
         let waiter = {
             let event = event.clone();
             std::thread::spawn(move || event.wait_for(first, "event_synchronize"))
@@ -396,8 +405,8 @@ mod tests {
     #[test]
     fn a_fault_fails_the_record_it_lost_only() {
         let event = event();
-        let first = event.next_generation();
-        let second = event.next_generation();
+        let first = event.next_generation(0);
+        let second = event.next_generation(0);
         event.fail(second, "illegal address");
         assert!(event.query("event_query").unwrap_err().is_faulted());
         assert!(event.inner.lock().settled(first).is_none(), "still pending");

@@ -1,10 +1,10 @@
 //! [`HostStream`]: an in-order queue of CPU work on its own worker thread.
 
-use std::cell::OnceCell;
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::thread;
 
 use super::context::{ContextShared, HostContext};
@@ -21,8 +21,14 @@ use crate::{panics, EventFence, ProgressWord, ServerError};
 static STREAMS: Registry<StreamShared> = Registry::new();
 
 thread_local! {
-    /// The stream whose worker this thread is; empty on every other thread.
-    static WORKER_OF: OnceCell<Weak<StreamShared>> = const { OnceCell::new() };
+    /// The [`worker_key`] of the stream whose worker this thread is, while it serves it; 0 on
+    /// every other thread. No destructor: any thread may read it, in any thread-local's drop too.
+    static WORKER_OF: Cell<usize> = const { Cell::new(0) };
+}
+
+/// The key of the stream whose worker the calling thread is, if it is one.
+pub(super) fn this_workers_stream() -> Option<usize> {
+    Some(WORKER_OF.with(Cell::get)).filter(|&key| key != 0)
 }
 
 /// A CPU stream: launched closures run in order on its worker thread, as kernels on a GPU stream.
@@ -130,8 +136,9 @@ impl HostStream {
     /// as CUDA's host functions may be (`cuLaunchHostFunc`), such a wait is refused with
     /// [`status::NOT_PERMITTED`](crate::status::NOT_PERMITTED), never left to hang. That is
     /// [`synchronize`](Self::synchronize) of its own stream, and a query, `wait_sync` or `.await`
-    /// of a fence or event recorded on it after the work. Waits for other streams are free. A wait
-    /// handed to another thread (a drop queue's `flush`) cannot be told apart, and never ends.
+    /// of a fence or event recorded on it after the work. Waits for other streams are free, unless
+    /// one waits in turn (`wait_async`) for this stream's later work: that wait, like one handed to
+    /// another thread (a drop queue's `flush`), cannot be told apart, and never ends.
     ///
     /// # Errors
     ///
@@ -310,7 +317,7 @@ impl StreamShared {
             self.progress.advance(sequence);
             return Ok(sequence);
         }
-        let generation = event.next_generation();
+        let generation = event.next_generation(self.worker_key());
         self.enqueue(state, Op::Signal(event.clone(), generation, sequence));
         Ok(sequence)
     }
@@ -386,18 +393,20 @@ impl StreamShared {
         }
     }
 
+    /// This stream's key in [`WORKER_OF`] and in its events' pending records: its address, which
+    /// no other live stream has (its worker holds it alive while a record of it is pending).
+    pub(super) fn worker_key(&self) -> usize {
+        std::ptr::from_ref(self).addr()
+    }
+
     /// Whether the calling thread is this stream's worker.
     fn runs_on_this_thread(&self) -> bool {
-        WORKER_OF.with(|worker| {
-            worker
-                .get()
-                .is_some_and(|weak| std::ptr::eq(weak.as_ptr(), self))
-        })
+        this_workers_stream() == Some(self.worker_key())
     }
 
     /// The worker: run operations in order until closed and drained.
-    fn run(self: &Arc<Self>) {
-        WORKER_OF.with(|worker| worker.set(Arc::downgrade(self)).ok());
+    fn run(&self) {
+        WORKER_OF.with(|worker| worker.set(self.worker_key()));
         loop {
             let op = {
                 let mut state = self.lock();
@@ -415,6 +424,7 @@ impl StreamShared {
                         break op;
                     }
                     if state.closing {
+                        WORKER_OF.with(|worker| worker.set(0));
                         return;
                     }
                     state.worker_waiting = true;
@@ -446,20 +456,6 @@ impl StreamShared {
             }
         }
     }
-}
-
-/// Whether the calling thread is a stream's worker whose queue holds `event`'s marker of
-/// `generation`: one the stream passes only after the work running now returns. Takes the
-/// stream's lock: not to be called with the event's held.
-pub(super) fn queued_behind_this_work(event: &HostEvent, generation: u64) -> bool {
-    let stream = WORKER_OF.with(|worker| worker.get().and_then(Weak::upgrade));
-    // An event is recorded on its own context's streams only.
-    let stream = stream.filter(|stream| stream.context_id() == event.context());
-    stream.is_some_and(|stream| {
-        stream.lock().queue.iter().any(|op| {
-            matches!(op, Op::Signal(queued, g, _) if *g == generation && queued.same_as(event))
-        })
-    })
 }
 
 /// The error for a wait, from a stream's own work, for that stream's later work: CUDA's host
