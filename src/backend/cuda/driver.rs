@@ -938,7 +938,8 @@ impl Driver {
     /// current context: `cuMemHostAlloc` with `CU_MEMHOSTALLOC_DEVICEMAP` ("Maps the allocation
     /// into the CUDA address space"), neither portable nor write-combined (the host reads it), and
     /// its device address from `cuMemHostGetDevicePointer` (flags "must be set to 0"). A page that
-    /// cannot be mapped or used (not aligned, or no exit handler after it) is freed at once. Never on a fence's path (see `progress.rs`).
+    /// cannot be mapped or used (not aligned, or no exit handler after it) is freed at once. Never
+    /// on a fence's path (see `progress.rs`).
     pub(super) fn alloc_mapped_page(self) -> Result<Vec<MappedWord>, ServerError> {
         live("cuMemHostAlloc")?;
         let api = self.word_api("cuMemHostAlloc")?;
@@ -981,9 +982,9 @@ impl Driver {
             )),
         });
         // Again, in case the driver registered its own handler as it made its first page.
-        let mapped = mapped.and_then(|()| match stop_word_access_at_exit(&AFTER_FIRST_PAGE) {
-            true => Ok(()),
-            false => Err(no_exit_handler()),
+        let mapped = mapped.and_then(|()| {
+            let registered = stop_word_access_at_exit(&AFTER_FIRST_PAGE);
+            registered.then_some(()).ok_or_else(no_exit_handler)
         });
         if let Err(err) = mapped {
             // SAFETY: the allocation was made just above, in the current context, and never
