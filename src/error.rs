@@ -378,17 +378,6 @@ impl ServerError {
             _ => None,
         }
     }
-
-    /// A panic payload's message, when it is a string.
-    pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
-        if let Some(message) = payload.downcast_ref::<&'static str>() {
-            (*message).to_owned()
-        } else if let Some(message) = payload.downcast_ref::<String>() {
-            message.clone()
-        } else {
-            "a panic with a non-string payload".to_owned()
-        }
-    }
 }
 
 #[cfg(test)]

@@ -6,12 +6,17 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use crate::ServerError;
-
-/// Run `call`; a panic comes back as its message, its payload dropped.
+/// Run `call`; a panic comes back as its message (when a string), its payload dropped.
 pub(crate) fn catch<T>(call: impl FnOnce() -> T) -> Result<T, String> {
     catch_unwind(AssertUnwindSafe(call)).map_err(|payload| {
-        let message = ServerError::panic_message(payload.as_ref());
+        let message = match (
+            payload.downcast_ref::<&str>(),
+            payload.downcast_ref::<String>(),
+        ) {
+            (Some(message), _) => (*message).to_owned(),
+            (_, Some(message)) => message.clone(),
+            _ => "a panic with a non-string payload".to_owned(),
+        };
         if let Err(again) = catch_unwind(AssertUnwindSafe(move || drop(payload))) {
             std::mem::forget(again);
         }
