@@ -35,9 +35,9 @@ impl<F, T> Future for Progress<F, T> {
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<DropQueueStats> {
         if self.shared.on_own_thread() {
             // Awaited in a value's drop: the queue cannot wait for itself.
-            return Poll::Ready(self.shared.lock().stats());
+            return Poll::Ready(self.shared.state.lock().stats());
         }
-        let mut state = self.shared.lock();
+        let mut state = self.shared.state.lock();
         let done = match self.until {
             Until::Handled(target) => state.handled(target),
             Until::Exited => state.exited,
@@ -55,7 +55,7 @@ impl<F, T> Future for Progress<F, T> {
 
 impl<F, T> Drop for Progress<F, T> {
     fn drop(&mut self) {
-        let removed = self.shared.lock().wakers.remove(self.id);
+        let removed = self.shared.state.lock().wakers.remove(self.id);
         drop(removed);
     }
 }
@@ -86,7 +86,7 @@ impl<F: Fence, T: Send + 'static> Future for PushFuture<F, T> {
             return Poll::Ready(Ok(()));
         }
         let own_thread = this.shared.on_own_thread();
-        let mut state = this.shared.lock();
+        let mut state = this.shared.state.lock();
         // The entry stays in the future until it is queued or handed back: a panic in the waker's
         // clone or drop (an executor's code) leaves it to the future's drop, which queues it. On
         // the queue's own thread it is queued at once, as `push_blocking` queues it.
@@ -122,7 +122,7 @@ impl<F: Fence, T: Send + 'static> Drop for PushFuture<F, T> {
         if let Some((fence, value)) = self.entry.take() {
             self.shared.adopt(fence, value);
         }
-        let removed = self.shared.lock().wakers.remove(self.id);
+        let removed = self.shared.state.lock().wakers.remove(self.id);
         drop(removed);
     }
 }

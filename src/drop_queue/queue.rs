@@ -109,7 +109,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// [`Rejected::Full`] when `capacity` values are waiting, [`Rejected::Closed`] while shutting
     /// down; both hand back the fence and value (see [`Rejected`]).
     pub fn push(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
-        let state = self.shared.lock();
+        let state = self.shared.state.lock();
         if state.closing {
             return Err(Rejected::closed(self.shared.clone(), fence, value));
         }
@@ -129,7 +129,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     ///
     /// [`Rejected::Closed`] while shutting down, with the fence and value.
     pub fn push_blocking(&self, fence: F, value: T) -> Result<(), Rejected<F, T>> {
-        let mut state = self.shared.lock();
+        let mut state = self.shared.state.lock();
         // On its own thread the thread has not exited and will see the entry, closing or not.
         let own_thread = self.shared.on_own_thread();
         loop {
@@ -155,7 +155,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     ///
     /// As for [`push_blocking`](Self::push_blocking).
     pub fn push_async(&self, fence: F, value: T) -> PushFuture<F, T> {
-        let id = self.shared.lock().wakers.id();
+        let id = self.shared.state.lock().wakers.id();
         PushFuture {
             shared: self.shared.clone(),
             entry: Some((fence, value)),
@@ -165,7 +165,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
 
     /// The most values that may wait at once.
     pub fn capacity(&self) -> usize {
-        self.shared.lock().capacity
+        self.shared.state.lock().capacity
     }
 
     /// Block until every value pushed before this call has been dropped (or leaked, or handed back
@@ -181,7 +181,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
             });
             return;
         }
-        let mut state = self.shared.lock();
+        let mut state = self.shared.state.lock();
         let target = state.stats.pushed;
         while !state.handled(target) {
             state = self.shared.changed.wait(state);
@@ -190,7 +190,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
 
     /// What the queue has done so far.
     pub fn stats(&self) -> DropQueueStats {
-        self.shared.lock().stats()
+        self.shared.state.lock().stats()
     }
 
     /// A future of [`flush`](Self::flush), blocking no thread.
@@ -241,7 +241,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     #[doc(alias = "shutdown")]
     pub fn shutdown_async(&self) -> impl Future<Output = DropQueueStats> + Send + 'static {
         self.shared.close();
-        let thread = self.take_thread();
+        let thread = self.thread.lock().take();
         let progress = self.progress(|_| Until::Exited);
         async move {
             let stats = progress.await;
@@ -261,7 +261,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     pub fn shutdown_now(mut self) -> HandedBack<F, T> {
         self.shared.close();
         let waiting: Vec<(u64, F, T)> = {
-            let mut state = self.shared.lock();
+            let mut state = self.shared.state.lock();
             state.checking = state.queue.front().map(|(number, ..)| *number);
             state.queue.drain(..).collect()
         };
@@ -303,7 +303,7 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
 
     /// A [`Progress`] future until `until` of the values pushed so far.
     fn progress(&self, until: impl FnOnce(u64) -> Until) -> Progress<F, T> {
-        let mut state = self.shared.lock();
+        let mut state = self.shared.state.lock();
         Progress {
             until: until(state.stats.pushed),
             id: state.wakers.id(),
@@ -311,13 +311,9 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
         }
     }
 
-    fn take_thread(&self) -> Option<JoinHandle<()>> {
-        self.thread.lock().take()
-    }
-
     fn close_and_join(&mut self) {
         self.shared.close();
-        if let Some(thread) = self.take_thread() {
+        if let Some(thread) = self.thread.lock().take() {
             // On the queue's own thread (the last handle, dropped by a value): it finishes alone.
             if thread.thread().id() != current_thread() && thread.join().is_err() {
                 panics::log(|| log::error!("the drop queue's thread panicked"));
@@ -328,10 +324,10 @@ impl<F: Fence, T: Send + 'static> DropQueue<F, T> {
     /// The queue dropped by a panicking thread (see [`DropQueue`]'s `# Drop`).
     fn close_and_detach(&mut self) {
         self.shared.close();
-        let Some(thread) = self.take_thread() else {
+        let Some(thread) = self.thread.lock().take() else {
             return;
         };
-        let pending = self.shared.lock().pending();
+        let pending = self.shared.state.lock().pending();
         if pending > 0 {
             panics::log(|| {
                 log::warn!(

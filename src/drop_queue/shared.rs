@@ -92,10 +92,6 @@ impl<F, T> Shared<F, T> {
         }
     }
 
-    pub(super) fn lock(&self) -> MutexGuard<'_, State<F, T>> {
-        self.state.lock()
-    }
-
     /// Whether the caller is the queue's own thread (in a value's drop).
     pub(super) fn on_own_thread(&self) -> bool {
         self.thread.get() == Some(&current_thread())
@@ -109,7 +105,7 @@ impl<F, T> Shared<F, T> {
     /// Change the state, then wake everyone who waits on it: blocked threads and pending futures.
     pub(super) fn update_and_wake(&self, change: impl FnOnce(&mut State<F, T>)) {
         let wakers = {
-            let mut state = self.lock();
+            let mut state = self.state.lock();
             change(&mut state);
             state.wakers.take()
         };
@@ -143,7 +139,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
     /// closing, as long as the queue's thread will see it; after, dropped here if its fence has
     /// passed, else leaked (the dropping thread may be an executor's, and must not wait).
     pub(super) fn adopt(&self, fence: F, value: T) {
-        let state = self.lock();
+        let state = self.state.lock();
         if !state.exited {
             self.enqueue(state, fence, value);
             return;
@@ -160,7 +156,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
             });
         }
         // Both at once: a reader never sees the value in no count.
-        let mut state = self.lock();
+        let mut state = self.state.lock();
         state.stats.pushed += 1;
         state.count_settled(passed);
     }
@@ -172,7 +168,7 @@ impl<F: Fence, T: Send + 'static> Shared<F, T> {
         let _exit = ExitGuard(self);
         loop {
             let (fence, value) = {
-                let mut state = self.lock();
+                let mut state = self.state.lock();
                 loop {
                     if let Some((number, fence, value)) = state.queue.pop_front() {
                         state.in_flight = Some(number);

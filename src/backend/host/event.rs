@@ -177,7 +177,7 @@ impl HostEvent {
 
     /// Start a new generation; the caller queues a marker for it on the stream of `worker_key`.
     pub(super) fn next_generation(&self, worker_key: usize) -> u64 {
-        let mut state = self.inner.lock();
+        let mut state = self.inner.state.lock();
         state.recorded += 1;
         let generation = state.recorded;
         state.pending.push_back((generation, worker_key));
@@ -188,7 +188,7 @@ impl HostEvent {
     /// [`next_generation`](Self::next_generation) and [`signal`](Self::signal) in one lock, for
     /// an idle stream.
     pub(super) fn record_reached(&self) {
-        let mut state = self.inner.lock();
+        let mut state = self.inner.state.lock();
         state.recorded += 1;
         state.reached_at = self.inner.timing.then(Instant::now);
         self.inner.wake(state, || {});
@@ -196,14 +196,14 @@ impl HostEvent {
 
     /// The generation a waiter asking now refers to.
     pub(super) fn latest_generation(&self) -> u64 {
-        self.inner.lock().recorded
+        self.inner.state.lock().recorded
     }
 
     /// A stream passed the marker of `generation`. `then` runs once a query sees it passed and
     /// before the threads blocked on it are woken, as a device runs what follows a record (a
     /// progress word's write) while the driver is still waking the threads blocked in it.
     pub(super) fn signal(&self, generation: u64, then: impl FnOnce()) {
-        let mut state = self.inner.lock();
+        let mut state = self.inner.state.lock();
         state.settle(generation);
         if generation == state.recorded && self.inner.timing {
             state.reached_at = Some(Instant::now());
@@ -213,7 +213,7 @@ impl HostEvent {
 
     /// The stream holding the marker of `generation` faulted.
     pub(super) fn fail(&self, generation: u64, message: &str) {
-        let mut state = self.inner.lock();
+        let mut state = self.inner.state.lock();
         state.settle(generation);
         state.faulted.push((generation, message.to_owned()));
         self.inner.wake(state, || {});
@@ -224,7 +224,7 @@ impl HostEvent {
     /// from a stream's own work for a record it queued later (`HostStream::launch`).
     pub(super) fn query(&self, call: &'static str) -> Result<bool, ServerError> {
         self.inner.context.check(call)?;
-        let state = self.inner.lock();
+        let state = self.inner.state.lock();
         match state.settled(state.recorded) {
             Some(Ok(())) => Ok(true),
             Some(Err(message)) => Err(error::faulted(call, message)),
@@ -249,7 +249,7 @@ impl HostEvent {
         generation: u64,
         call: &'static str,
     ) -> Result<(), ServerError> {
-        let mut state = self.inner.lock();
+        let mut state = self.inner.state.lock();
         loop {
             match state.settled(generation) {
                 Some(result) => return result.map_err(|message| error::faulted(call, message)),
@@ -271,7 +271,7 @@ impl HostEvent {
         if !self.inner.timing {
             return invalid("the event was created without timing");
         }
-        let state = self.inner.lock();
+        let state = self.inner.state.lock();
         if state.recorded == 0 {
             return invalid("the event was never recorded");
         }
@@ -305,10 +305,6 @@ impl HostEvent {
 }
 
 impl EventInner {
-    fn lock(&self) -> MutexGuard<'_, EventState> {
-        self.state.lock()
-    }
-
     /// Let go of `state`, run `then`, and wake the threads waiting on `changed`, if any.
     fn wake(&self, state: MutexGuard<'_, EventState>, then: impl FnOnce()) {
         let waiting = state.waiting > 0;
@@ -328,7 +324,7 @@ impl Drop for EventInner {
 
 impl fmt::Debug for HostEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let state = self.inner.lock();
+        let state = self.inner.state.lock();
         f.debug_struct("HostEvent")
             .field("recorded", &state.recorded)
             .field("pending", &state.pending)
@@ -357,7 +353,7 @@ mod tests {
         };
         // Until the waiter blocks, or returns (the defect).
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while event.inner.lock().waiting == 0 && !waiter.is_finished() {
+        while event.inner.state.lock().waiting == 0 && !waiter.is_finished() {
             assert!(
                 std::time::Instant::now() < deadline,
                 "the waiter neither blocked nor returned"
@@ -381,7 +377,7 @@ mod tests {
             std::thread::spawn(move || event.wait_for(first, "event_synchronize"))
         };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
-        while event.inner.lock().waiting == 0 {
+        while event.inner.state.lock().waiting == 0 {
             assert!(
                 std::time::Instant::now() < deadline,
                 "the waiter never blocked"
@@ -390,7 +386,7 @@ mod tests {
         }
         let mut seen = None;
         event.signal(first, || {
-            let blocked = event.inner.lock().waiting;
+            let blocked = event.inner.state.lock().waiting;
             seen = Some((event.query("event_query").unwrap(), blocked));
         });
         assert_eq!(
@@ -399,7 +395,7 @@ mod tests {
             "(passed, blocked waits) as what follows the record runs"
         );
         waiter.join().unwrap().unwrap();
-        assert_eq!(event.inner.lock().waiting, 0);
+        assert_eq!(event.inner.state.lock().waiting, 0);
     }
 
     #[test]
@@ -409,9 +405,12 @@ mod tests {
         let second = event.next_generation(0);
         event.fail(second, "illegal address");
         assert!(event.query("event_query").unwrap_err().is_faulted());
-        assert!(event.inner.lock().settled(first).is_none(), "still pending");
+        assert!(
+            event.inner.state.lock().settled(first).is_none(),
+            "still pending"
+        );
         event.signal(first, || {});
-        assert_eq!(event.inner.lock().settled(first), Some(Ok(())));
+        assert_eq!(event.inner.state.lock().settled(first), Some(Ok(())));
         assert!(event.wait_for(first, "event_synchronize").is_ok());
         assert!(event
             .wait_for(second, "event_synchronize")

@@ -218,7 +218,7 @@ impl Drop for HostStream {
     fn drop(&mut self) {
         STREAMS.remove(self.handle.id);
         self.shared.fence_pool.clear();
-        self.shared.lock().closing = true;
+        self.shared.state.lock().closing = true;
         self.shared.work_queued.notify_all();
     }
 }
@@ -268,15 +268,11 @@ impl StreamShared {
         Ok(self.fence_pool.take())
     }
 
-    fn lock(&self) -> MutexGuard<'_, StreamState> {
-        self.state.lock()
-    }
-
     /// Queue `op` unless the stream is faulted or closing.
     fn push(&self, call: &'static str, op: Op) -> Result<(), ServerError> {
         // Before the lock, which the parent's worker may have held at a fork.
         self.context.not_forked(call)?;
-        let state = self.lock();
+        let state = self.state.lock();
         self.accepting(&state, call)?;
         self.enqueue(state, op);
         Ok(())
@@ -307,7 +303,7 @@ impl StreamShared {
             ));
         }
         self.context.not_forked("event_record")?;
-        let state = self.lock();
+        let state = self.state.lock();
         self.accepting(&state, "event_record")?;
         let sequence = self.next_sequence();
         if state.queue.is_empty() && state.finished == state.queued {
@@ -329,7 +325,7 @@ impl StreamShared {
         let generation = event.latest_generation();
         if generation == 0 {
             // Never recorded: complete, by the driver's rule.
-            return self.accepting(&self.lock(), "stream_wait_event");
+            return self.accepting(&self.state.lock(), "stream_wait_event");
         }
         self.push("stream_wait_event", Op::Wait(event.clone(), generation))
     }
@@ -338,7 +334,7 @@ impl StreamShared {
     pub(super) fn synchronize(&self) -> Result<(), ServerError> {
         const CALL: &str = "stream_synchronize";
         self.context.not_forked(CALL)?;
-        let mut state = self.lock();
+        let mut state = self.state.lock();
         let target = state.queued;
         loop {
             self.context.check(CALL)?;
@@ -371,7 +367,7 @@ impl StreamShared {
     /// [`ContextShared::poison`], and a worker that finds work queued after it).
     pub(super) fn fault_with(&self, message: &str) {
         let (dropped, synchronizing) = {
-            let mut state = self.lock();
+            let mut state = self.state.lock();
             let dropped: Vec<Op> = state.queue.drain(..).collect();
             for op in &dropped {
                 if let Op::Signal(event, generation, _) = op {
@@ -409,14 +405,14 @@ impl StreamShared {
         WORKER_OF.with(|worker| worker.set(self.worker_key()));
         loop {
             let op = {
-                let mut state = self.lock();
+                let mut state = self.state.lock();
                 loop {
                     if let Some(message) = self.context.fault() {
                         if !state.queue.is_empty() {
                             // Queued before the fault reached this stream: never runs.
                             drop(state);
                             self.fault_with(message);
-                            state = self.lock();
+                            state = self.state.lock();
                             continue;
                         }
                     }
@@ -447,7 +443,7 @@ impl StreamShared {
                 self.context.poison(message);
             }
             let synchronizing = {
-                let mut state = self.lock();
+                let mut state = self.state.lock();
                 state.finished += 1;
                 state.synchronizing > 0
             };
