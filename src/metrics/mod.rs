@@ -228,13 +228,7 @@ impl WaiterMetrics {
             ("failed", stats.failed),
             ("cancelled", stats.cancelled),
         ];
-        for (outcome, value) in outcomes {
-            counter!(
-                "device_events_waiter_awaits_total",
-                with(labels, "outcome", outcome)
-            )
-            .absolute(value);
-        }
+        by_outcome(labels, "device_events_waiter_awaits_total", &outcomes);
         // Under the lock, so two publishes at once record each wait once.
         let mut published = self.published.lock();
         let latency = histogram!(WAKE_LATENCY_SECONDS, labels.iter());
@@ -282,13 +276,7 @@ impl DropQueueMetrics {
             ("leaked", stats.leaked),
             ("handed_back", stats.handed_back),
         ];
-        for (outcome, value) in outcomes {
-            counter!(
-                "device_events_drop_queue_settled_total",
-                with(labels, "outcome", outcome)
-            )
-            .absolute(value);
-        }
+        by_outcome(labels, "device_events_drop_queue_settled_total", &outcomes);
         gauge!("device_events_drop_queue_pending", labels.iter()).set(stats.pending as f64);
         gauge!("device_events_drop_queue_queued", labels.iter()).set(stats.queued as f64);
     }
@@ -327,11 +315,13 @@ impl ProfilerMetrics {
     }
 }
 
-/// `labels` and one more.
-fn with(labels: &[Label], key: &'static str, value: &'static str) -> Vec<Label> {
-    let mut labels = labels.to_vec();
-    labels.push(Label::from_static_parts(key, value));
-    labels
+/// Set the counter `name`, under `labels` and each label `outcome`, to that outcome's value.
+fn by_outcome(labels: &[Label], name: &'static str, outcomes: &[(&'static str, u64)]) {
+    for &(outcome, value) in outcomes {
+        let mut labels = labels.to_vec();
+        labels.push(Label::from_static_parts("outcome", outcome));
+        counter!(name, labels).absolute(value);
+    }
 }
 
 /// The samples that bring a histogram from `before` to `now`, as (value in seconds, count): for
