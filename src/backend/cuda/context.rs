@@ -21,7 +21,7 @@ use crate::ServerError;
 ///
 /// [`ServerError::Unavailable`] without a driver.
 pub fn device_count() -> Result<usize, ServerError> {
-    driver::ensure_loaded()?;
+    driver::driver()?;
     let count = CudaContext::device_count()?;
     Ok(usize::try_from(count).unwrap_or(0))
 }

@@ -191,21 +191,14 @@ struct Loaded {
 /// The one load state: an error if the library or an entry point is missing.
 static DRIVER: OnceLock<Result<Loaded, ServerError>> = OnceLock::new();
 
-/// Load the driver library, probe its symbols and initialize it, once.
+/// The driver's entry points: loads the driver library, probes its symbols and initializes it
+/// first, once.
 ///
 /// # Errors
 ///
-/// [`ServerError::Unavailable`] when the library is missing, too old, or finds no device;
-/// [`ServerError::ShutDown`] once the driver has shut down.
-pub(crate) fn ensure_loaded() -> Result<(), ServerError> {
-    driver().map(|_| ())
-}
-
-/// The driver's entry points: loads the driver first if need be.
-///
-/// # Errors
-///
-/// As [`ensure_loaded`]; the [`ServerError::ShutDown`] names the call that first saw it.
+/// [`ServerError::Unavailable`] when the library is missing, too old, or finds no device (or in a
+/// forked child); [`ServerError::ShutDown`] once the driver has shut down, naming the call that
+/// first saw it.
 pub(super) fn driver() -> Result<Driver, ServerError> {
     if let Some(first) = SHUT_DOWN.get() {
         live(first)?;
@@ -1056,10 +1049,8 @@ impl Driver {
         Ok(Function(function))
     }
 
-    /// `cuFuncLoad`: finish loading `function` now, in the current context, so its first launch
-    /// does not (under lazy loading, a launch may load it, and a load "might require context
-    /// synchronization"). `false`: the driver lacks it (before CUDA 12.4), and
-    /// `cuModuleGetFunction` loaded the kernel (see [`FUNC_LOAD_SYMBOL`]).
+    /// `cuFuncLoad`: finish loading `function` now, in the current context, not at its first
+    /// launch; `false`: the driver lacks it, and `cuModuleGetFunction` loaded it ([`FUNC_LOAD_SYMBOL`]).
     pub(super) fn func_load(self, function: &Function) -> Result<bool, ServerError> {
         let Some(load) = self.api.func_load else {
             return Ok(false);

@@ -67,15 +67,8 @@ struct Kernel {
 }
 
 impl Kernel {
-    /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx`, find `name` and load it: resolved
-    /// now, not at its first launch. Under lazy loading (the default on Linux since CUDA 12.2) a
-    /// function found may be "partially loaded", and "CUDA APIs may load the function
-    /// automatically" (`cuModuleEnumerateFunctions`): a first launch that loads it may wait for
-    /// every stream of the context ("Loading kernels might require context synchronization", CUDA
-    /// C++ Programming Guide, "Lazy Loading"), and hold up other threads' driver calls meanwhile.
-    /// `cuFuncLoad` (CUDA 12.4) finishes the load here; older drivers load the kernel in
-    /// `cuModuleGetFunction` ("Loading of kernels happens during cuModuleGetFunction() call",
-    /// same guide, 12.x).
+    /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx`, find `name` and load it now, not at
+    /// its first launch (why: [`SleepKernel::new`]; how: `driver::FUNC_LOAD_SYMBOL`).
     fn load(ctx: &Arc<CudaContext>, ptx: &CStr, name: &CStr) -> Result<Self, ServerError> {
         let bound = bind(ctx)?;
         // Relaxed: a load can synchronize the context, which could invalidate a capture.
@@ -107,9 +100,9 @@ impl Kernel {
 
 /// Load the test module into `ctx` and find `name`, trying each target.
 fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
-    super::driver::ensure_loaded()?;
+    super::driver::driver()?;
     let mut last = None;
-    for (_, ptx) in modules() {
+    for (_, ptx) in ptx_modules() {
         let ptx = ptx + "\0";
         let Ok(ptx) = CStr::from_bytes_with_nul(ptx.as_bytes()) else {
             continue;
@@ -123,20 +116,15 @@ fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
 }
 
 /// The PTX modules the crate ships, `(target, NUL-free PTX text)` in the order they are tried,
-/// to check with `ptxas -arch=<target>` without a GPU. Feature `test-util`.
+/// to check with `ptxas -arch=<target>` without a GPU. Public with feature `test-util`.
 ///
 /// ```
 /// let modules = device_events::cuda::ptx_modules();
 /// assert!(modules.iter().all(|(target, ptx)| ptx.contains(&format!(".target {target}"))));
 /// ```
-#[cfg(feature = "test-util")]
+#[cfg_attr(not(feature = "test-util"), allow(unreachable_pub))]
 #[cfg_attr(docsrs, doc(cfg(feature = "test-util")))]
 pub fn ptx_modules() -> Vec<(&'static str, String)> {
-    modules()
-}
-
-/// The PTX modules, one per target, in the order they are tried.
-fn modules() -> Vec<(&'static str, String)> {
     TARGETS
         .iter()
         .map(|target| (*target, PTX.replace("{TARGET}", target)))
@@ -168,8 +156,9 @@ impl SleepKernel {
     /// Load the kernel into `ctx`, for as long as the context lives: once per context, and before
     /// launching work that must overlap (the CUDA Programming Guide, "Lazy Loading": loading
     /// kernels "might require context synchronization"; on an H200 it held other threads' calls).
-    /// The kernel is loaded here, lazy loading or not (`cuFuncLoad` where the driver has it), so
-    /// no launch loads it: a first launch waits for no other stream.
+    /// The kernel is loaded here, lazy loading (the default on Linux since CUDA 12.2) or not
+    /// (`cuFuncLoad` where the driver has it), so no launch loads it: a first launch waits for no
+    /// other stream.
     ///
     /// # Errors
     ///
@@ -201,7 +190,7 @@ impl SleepKernel {
         // Keyed by the context's handle: a live kernel holds its context, so no other context can
         // have that handle meanwhile. Held over the load, so racing callers load it once.
         static SHARED: OnceLock<Mutex<Vec<Weak<SleepKernel>>>> = OnceLock::new();
-        super::driver::ensure_loaded()?;
+        super::driver::driver()?;
         let mut shared = SHARED.get_or_init(Mutex::default).lock();
         shared.retain(|kernel| kernel.strong_count() > 0);
         let found = shared

@@ -200,7 +200,7 @@ impl EventApi for Cuda {
     type Event = CudaEvent;
 
     fn event_create(stream: CudaStreamHandle, flags: EventFlags) -> Result<CudaEvent, ServerError> {
-        driver::ensure_loaded()?;
+        driver::driver()?;
         let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
         CudaEvent::create(stream.context(), flags, &per_stream.live)
     }
@@ -235,7 +235,7 @@ impl EventApi for Cuda {
     }
 
     fn stream_synchronize(stream: CudaStreamHandle) -> Result<(), ServerError> {
-        driver::ensure_loaded()?;
+        driver::driver()?;
         let stream = stream.resolve("cuStreamSynchronize")?;
         stream::synchronize_stream(&stream)
     }
@@ -273,7 +273,7 @@ impl EventApi for Cuda {
 
     /// From the stream's context's pool of idle fence events.
     fn fence_event_acquire(stream: CudaStreamHandle) -> Result<CudaEvent, ServerError> {
-        driver::ensure_loaded()?;
+        driver::driver()?;
         let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
         per_stream.pool.take(stream.context(), &per_stream.live)
     }
@@ -305,7 +305,7 @@ impl EventApi for Cuda {
     }
 
     fn fence_event_record(stream: CudaStreamHandle) -> Result<(CudaEvent, u64), ServerError> {
-        driver::ensure_loaded()?;
+        driver::driver()?;
         let (stream, per_stream) = stream.resolve_per_stream("cuEventCreate")?;
         crate::api::record_fence_event(
             || per_stream.pool.take(stream.context(), &per_stream.live),
