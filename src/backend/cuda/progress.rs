@@ -64,7 +64,7 @@ pub(super) struct StreamWord(Mutex<WordState>);
 
 /// Where a stream's progress word stands.
 #[derive(Default)]
-enum WordState {
+pub(super) enum WordState {
     /// Nothing asked for the stream's progress yet: its fences write none.
     #[default]
     Unasked,
@@ -104,29 +104,15 @@ impl StreamWord {
         }
     }
 
-    /// Install `word`, taken from the slab for this stream at its request. Only the word thread
-    /// leaves the requested state, one request at a time, so the request is still there; were it
-    /// not, the word would stay with the slab, in use by the stream until the stream goes.
-    pub(super) fn install(&self, word: &Arc<SlabWord>) {
+    /// End the stream's request with `answer`: `Installed`, a word the word thread took from the
+    /// slab for it; `Off`, refused; `Unasked`, never served (the word thread could not start), so
+    /// the next ask asks again. Only the word thread serves requests, one at a time, so the request
+    /// is still there (were it not, an installed word would stay with the slab, in use by the
+    /// stream until the stream goes).
+    pub(super) fn answer(&self, answer: WordState) {
         let mut state = self.0.lock();
         if matches!(*state, WordState::Requested) {
-            *state = WordState::Installed(Arc::downgrade(word));
-        }
-    }
-
-    /// The stream's word was refused.
-    pub(super) fn refuse(&self) {
-        let mut state = self.0.lock();
-        if matches!(*state, WordState::Requested) {
-            *state = WordState::Off;
-        }
-    }
-
-    /// The request was never served (the word thread could not start): the next ask asks again.
-    pub(super) fn unrequest(&self) {
-        let mut state = self.0.lock();
-        if matches!(*state, WordState::Requested) {
-            *state = WordState::Unasked;
+            *state = answer;
         }
     }
 

@@ -10,7 +10,7 @@ use super::bind::bind;
 use super::driver::{in_forked_child, not_forked, refused, Capture};
 use super::event::CudaEvent;
 use super::fence_pool::FencePool;
-use super::progress::{self, Asked, Publish, StreamWord};
+use super::progress::{self, Asked, Publish, StreamWord, WordState};
 use super::word_thread;
 use crate::backend::live_events::LiveEvents;
 use crate::backend::registry::Registry;
@@ -64,9 +64,8 @@ impl PerStream {
         Ok(sequence)
     }
 
-    /// `stream`'s (this one's) progress word, once a fence wrote it. The first ask hands the
-    /// stream to the word thread, which takes a word for it (maybe allocating) for a later fence
-    /// to write; this thread makes no driver call and waits for no lock held across one.
+    /// `stream`'s (this one's) progress word, once a fence wrote it; the first ask hands the stream
+    /// to the word thread. Makes no driver call, and waits for no lock held across one.
     pub(super) fn progress(self: &Arc<Self>, stream: &Arc<CudaStream>) -> Option<ProgressWord> {
         match self.word.ask() {
             Asked::Open(word) => Some(progress::reader(word, stream)),
@@ -85,13 +84,15 @@ impl PerStream {
     /// install it, or turn the stream's word off if the device or the driver refuses one.
     pub(super) fn take_word(&self, stream: &Arc<CudaStream>) {
         match self.pool.words.take(stream) {
-            Ok(word) => self.word.install(&word),
+            Ok(word) => self
+                .word
+                .answer(WordState::Installed(Arc::downgrade(&word))),
             Err(err) => {
                 log::debug!(
                     "no progress word for a CUDA stream: its fences are waited on through their \
                      events alone: {err}"
                 );
-                self.word.refuse();
+                self.word.answer(WordState::Off);
             }
         }
     }
@@ -114,7 +115,7 @@ impl word_thread::Request for WordFor {
 
     fn unserved(&self) {
         if let Some(per_stream) = self.per_stream.upgrade() {
-            per_stream.word.unrequest();
+            per_stream.word.answer(WordState::Unasked);
         }
     }
 }

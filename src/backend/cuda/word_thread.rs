@@ -1,15 +1,8 @@
-//! The word thread: the one thread that takes progress words for streams (see `progress.rs`),
-//! so that page-locked allocation, which may wait for the context's work (the CUDA programming
-//! guide, "Implicit Synchronization": "a page-locked host memory allocation" between two commands
-//! of different streams keeps them from running concurrently), never runs where a wait waits: not
-//! in `cuda::fence()`, a poll, or a waiter's lane thread before its block.
-//!
-//! A stream's first ask for its word queues the stream here and gets no word; the thread takes
-//! one from the context's slab and installs it, and the stream's fences write it from the next
-//! record on. The thread serves no wait. It starts at a request when none runs, and exits once
-//! its queue is empty, as the drop queue's and the waiter's threads leave when idle; a thread
-//! that cannot start leaves its requests unserved, and their streams ask again at their next
-//! wait.
+//! The word thread: the one thread that takes progress words for streams, so that page-locked
+//! allocation never runs where a wait waits (why: `progress.rs`, "Memory"). It serves no wait,
+//! starts at a request when none runs, and exits once its queue is empty, as the drop queue's and
+//! the waiter's threads leave when idle; a thread that cannot start leaves its requests unserved,
+//! and their streams ask again at their next wait.
 //!
 //! One thread serves every context, in turn: a stream's word can wait behind another context's
 //! allocation, its waits going to the driver meanwhile. While it serves a stream it holds the
