@@ -9,10 +9,7 @@
 //!   `pthread_atfork` child handler bumps: one relaxed load to read, on every hand-off.
 //! - **Own threads.** The waiter's and the drop queue's threads mark themselves when they start.
 //!   A backend may leave per-thread driver state on them that it must restore on its callers'
-//!   threads: the CUDA backend binds a stream's context around every call and, on a caller's
-//!   thread, makes the previous context current again afterwards (executor threads keep their
-//!   device); on the crate's own threads it leaves the context bound, so a waiter thread querying
-//!   a batch of fences on one context switches contexts once, not twice per query.
+//!   threads (the CUDA backend leaves a context bound: `backend/cuda/bind.rs`).
 //! - **Timer slack.** How late Linux may end a thread's sleeps, to batch wake-ups. The default,
 //!   50 us, would swamp a sleep meant to end a few microseconds before a stream's work does, so a
 //!   thread that sleeps to a predicted end lowers its own (`PR_SET_TIMERSLACK`, prctl(2)).
