@@ -133,20 +133,6 @@ enum Paired<'a> {
     Host(&'a EventFence<Host>, crate::host::HostStreamHandle),
 }
 
-impl crate::waiter::sealed::Sealed for AnyFence {}
-
-impl crate::waiter::Awaitable for AnyFence {
-    type Future = AnyFenceFuture;
-
-    fn wait_on(self, waiter: &Waiter) -> AnyFenceFuture {
-        AnyFenceFuture(match self {
-            #[cfg(feature = "cuda")]
-            Self::Cuda(fence) => Inner::Cuda(waiter.wait(fence)),
-            Self::Host(fence) => Inner::Host(waiter.wait(fence)),
-        })
-    }
-}
-
 #[cfg(feature = "cuda")]
 impl From<EventFence<Cuda>> for AnyFence {
     fn from(fence: EventFence<Cuda>) -> Self {
@@ -180,4 +166,4 @@ enum Inner {
     Host(FenceFuture<Host>),
 }
 
-any_future!(AnyFence => AnyFenceFuture(Inner) -> Result<(), ServerError>);
+any_future!(AnyFence(AnyFence) => AnyFenceFuture(Inner) -> Result<(), ServerError>);

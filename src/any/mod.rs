@@ -17,11 +17,26 @@ macro_rules! any_debug {
     )+};
 }
 
-/// `IntoFuture` for `$awaitable` (its `wait()`), and `Future`, `FusedFuture` and `Debug` for
-/// `$future`, a wrapper of an enum (`$inner`) of each backend's future: that future's.
+/// `Awaitable` (on the waiter) and `IntoFuture` (its `wait()`) for `$awaitable`, whose enum of
+/// each backend's value is `$enum` (itself, or its field `.0`); `Future`, `FusedFuture` and
+/// `Debug` for `$future`, a wrapper of an enum (`$inner`) of each backend's future: that future's.
 #[cfg(multi_threading)]
 macro_rules! any_future {
-    ($awaitable:ident => $future:ident($inner:ident) -> $output:ty) => {
+    ($awaitable:ident$(.$field:tt)?($enum:ident) => $future:ident($inner:ident) -> $output:ty) => {
+        impl crate::waiter::sealed::Sealed for $awaitable {}
+
+        impl crate::waiter::Awaitable for $awaitable {
+            type Future = $future;
+
+            fn wait_on(self, waiter: &crate::Waiter) -> $future {
+                $future(match self$(.$field)? {
+                    #[cfg(feature = "cuda")]
+                    $enum::Cuda(value) => $inner::Cuda(waiter.wait(value)),
+                    $enum::Host(value) => $inner::Host(waiter.wait(value)),
+                })
+            }
+        }
+
         impl std::future::IntoFuture for $awaitable {
             type Output = $output;
             type IntoFuture = $future;

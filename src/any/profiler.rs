@@ -178,20 +178,6 @@ impl AnyProfile {
     }
 }
 
-impl crate::waiter::sealed::Sealed for AnyProfile {}
-
-impl crate::waiter::Awaitable for AnyProfile {
-    type Future = AnyProfileFuture;
-
-    fn wait_on(self, waiter: &Waiter) -> AnyProfileFuture {
-        AnyProfileFuture(match self.0 {
-            #[cfg(feature = "cuda")]
-            Stopped::Cuda(profile) => Reading::Cuda(waiter.wait(profile)),
-            Stopped::Host(profile) => Reading::Host(waiter.wait(profile)),
-        })
-    }
-}
-
 /// The future of [`AnyProfile::wait`] and `profile.await`, with [`ProfileFuture`]'s errors.
 ///
 /// # Cancel safety
@@ -206,7 +192,7 @@ enum Reading {
     Host(ProfileFuture<Host>),
 }
 
-any_future!(AnyProfile => AnyProfileFuture(Reading) -> Result<Duration, ServerError>);
+any_future!(AnyProfile.0(Stopped) => AnyProfileFuture(Reading) -> Result<Duration, ServerError>);
 any_debug!(AnyProfileStart(Start), AnyProfile(Stopped));
 
 impl fmt::Debug for AnyProfiler {
