@@ -132,10 +132,15 @@ pub(super) fn keeping_current<T>(make: impl FnOnce() -> T) -> Result<T, ServerEr
     Ok(made)
 }
 
-/// Make `previous` current again; a failure is logged.
+/// Make `previous` current again; a failure is logged (a context destroyed meanwhile is refused by
+/// the driver with an error; a shutdown, already logged where first seen, only at trace level).
 fn restore(driver: Driver, previous: CurrentContext) {
-    if let Err(err) = driver.ctx_restore(previous) {
-        log::debug!("the thread's previous CUDA context could not be made current again: {err}");
+    match driver.ctx_restore(previous) {
+        Ok(()) => {}
+        Err(err) if err.is_shut_down() => log::trace!("{err}"),
+        Err(err) => {
+            log::debug!("the thread's previous CUDA context could not be made current again: {err}")
+        }
     }
 }
 
@@ -165,17 +170,8 @@ fn left_bound_by(ctx: &Arc<CudaContext>) -> bool {
 
 impl Drop for Bound {
     fn drop(&mut self) {
-        let Some(previous) = self.previous.take() else {
-            return;
-        };
-        // A context destroyed meanwhile is refused by the driver with an error, reported here.
-        match self.driver.ctx_restore(previous) {
-            Ok(()) => {}
-            // Logged once, where the shutdown was first seen.
-            Err(err) if err.is_shut_down() => log::trace!("{err}"),
-            Err(err) => log::debug!(
-                "the thread's previous CUDA context could not be made current again: {err}"
-            ),
+        if let Some(previous) = self.previous.take() {
+            restore(self.driver, previous);
         }
     }
 }
