@@ -61,12 +61,6 @@ impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
         Ok(())
     }
 
-    /// Idle items now, over all shards.
-    #[cfg(all(test, not(device_events_loom)))]
-    pub(crate) fn len(&self) -> usize {
-        self.shards.iter().map(|shard| shard.lock().len()).sum()
-    }
-
     /// Every idle item, taken out; `counted` is told each emptied shard's new length (zero).
     pub(crate) fn take_all(&self, counted: impl Fn(usize)) -> Vec<T> {
         let mut all = Vec::new();
@@ -83,13 +77,18 @@ impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
 mod tests {
     use super::*;
 
+    /// Idle items now, over all shards.
+    fn len<T, const SHARDS: usize>(pool: &IdlePool<T, SHARDS>) -> usize {
+        pool.shards.iter().map(|shard| shard.lock().len()).sum()
+    }
+
     #[test]
     fn a_full_shard_hands_back_and_a_take_finds_other_shards() {
         let pool = IdlePool::<_, 2>::new(4);
         assert_eq!(pool.give_back(0, 1, |_| {}), Ok(()));
         assert_eq!(pool.give_back(0, 2, |_| {}), Ok(()));
         assert_eq!(pool.give_back(0, 3, |_| {}), Err(3));
-        assert_eq!(pool.len(), 2);
+        assert_eq!(len(&pool), 2);
         assert_eq!(pool.take(1, |_| {}), Some(2));
         assert_eq!(pool.take(1, |_| {}), Some(1));
         assert_eq!(pool.take(1, |_| {}), None);
@@ -150,7 +149,7 @@ mod tests {
             assert_eq!(pool.give_back(0, item, |_| {}), Ok(()));
         }
         assert_eq!(pool.give_back(0, usize::MAX, |_| {}), Err(usize::MAX));
-        assert_eq!(pool.len(), PREALLOCATED + 1);
+        assert_eq!(len(&pool), PREALLOCATED + 1);
     }
 
     /// `counted` runs while the shard is locked: a thread that locks the shard
@@ -164,7 +163,7 @@ mod tests {
             let (counted, finished) = mpsc::channel();
             let pool = pool.clone();
             let reader = std::thread::spawn(move || {
-                let _ = counted.send(pool.len());
+                let _ = counted.send(len(&*pool));
             });
             let early = finished.recv_timeout(Duration::from_millis(100));
             assert!(
