@@ -84,24 +84,22 @@ impl CudaEvent {
         let bound = bind(ctx)?;
         let raw = bound.driver().event_create(flags)?;
         live.allocated();
-        Ok(Self::from_raw(raw, ctx).counted(live))
+        Ok(Self::from_raw(raw, ctx, Some(live)))
     }
 
-    /// Own `raw`, an event of `ctx`'s.
-    pub(super) fn from_raw(raw: RawEvent, ctx: &Arc<CudaContext>) -> Self {
+    /// Own `raw`, an event of `ctx`'s, counted in `live` (if any) until destroyed or given back.
+    pub(super) fn from_raw(
+        raw: RawEvent,
+        ctx: &Arc<CudaContext>,
+        live: Option<&LiveEvents>,
+    ) -> Self {
         Self {
             raw: Some(raw),
             pool: None,
             ctx: HeldContext::from(ctx.clone()),
             recorded: Mutex::default(),
-            live: None,
+            live: live.cloned(),
         }
-    }
-
-    /// The same event, counted in `live` until destroyed or given back.
-    pub(super) fn counted(mut self, live: &LiveEvents) -> Self {
-        self.live = Some(live.clone());
-        self
     }
 
     /// No longer in use for its stream: counted out, once.

@@ -109,7 +109,7 @@ impl FencePool {
         let event = match self.idle.take(shard, |_| {}) {
             Some(IdleEvent(raw)) => {
                 live.reused();
-                CudaEvent::from_raw(raw, ctx).counted(live)
+                CudaEvent::from_raw(raw, ctx, Some(live))
             }
             None => CudaEvent::create(ctx, EventFlags::FENCE, live)?,
         };
@@ -172,7 +172,7 @@ impl Drop for FencePool {
             return;
         };
         for IdleEvent(raw) in idle {
-            drop(CudaEvent::from_raw(raw, &ctx));
+            drop(CudaEvent::from_raw(raw, &ctx, None));
         }
     }
 }
