@@ -127,7 +127,7 @@ struct Api {
         &'static str,
         unsafe extern "C" fn(*mut f32, sys::CUevent, sys::CUevent) -> Status,
     )>,
-    /// Optional (see [`CTX_ID_SYMBOL`]).
+    /// Optional (see [`CTX_ID_SYMBOL`]); `unsigned long long *` is a `u64` place.
     ctx_get_id: Option<unsafe extern "C" fn(sys::CUcontext, *mut u64) -> Status>,
     /// Optional (see [`FUNC_LOAD_SYMBOL`]).
     func_load: Option<unsafe extern "C" fn(sys::CUfunction) -> Status>,
@@ -266,43 +266,37 @@ fn load() -> Result<Loaded, ServerError> {
             missing.join(", ")
         )));
     }
-    // One entry point, typed by the `Api` field it fills: the driver API's signature for that
-    // name, with `CUresult` as the `int` it is.
-    macro_rules! entry {
+    // One entry point a driver may lack, typed by the `Api` (or `WordApi`) field it fills: the
+    // driver API's signature for that name, with `CUresult` as the `int` it is.
+    macro_rules! optional {
         ($name:expr) => {
             // SAFETY: the field's type is the symbol's C signature (see `Api`); the library stays
             // loaded for the life of the process (cudarc keeps it in a static), so the pointer
             // stays valid.
-            match unsafe { library.get($name.as_bytes()) } {
-                Ok(symbol) => *symbol,
-                Err(_) => return Err(unavailable(format!("the CUDA driver lacks {}", $name))),
+            unsafe { library.get($name.as_bytes()) }
+                .ok()
+                .map(|symbol| *symbol)
+        };
+    }
+    // One entry point every driver has (`REQUIRED_SYMBOLS`), likewise.
+    macro_rules! entry {
+        ($name:expr) => {
+            match optional!($name) {
+                Some(entry) => entry,
+                None => return Err(unavailable(format!("the CUDA driver lacks {}", $name))),
             }
         };
     }
-    let elapsed = ELAPSED_SYMBOLS.iter().find_map(|name| {
-        // SAFETY: as in `entry!`: both names have this signature.
-        unsafe { library.get(name.as_bytes()) }
-            .ok()
-            .map(|symbol| (*name, *symbol))
-    });
-    // SAFETY: as in `entry!`: cuCtxGetId's signature (`unsigned long long *` is a `u64` place).
-    let ctx_get_id = unsafe { library.get(CTX_ID_SYMBOL.as_bytes()) }
-        .ok()
-        .map(|symbol| *symbol);
-    // SAFETY: as in `entry!`: cuFuncLoad's signature (a `CUfunction` in, the status out).
-    let func_load = unsafe { library.get(FUNC_LOAD_SYMBOL.as_bytes()) }
-        .ok()
-        .map(|symbol| *symbol);
+    let elapsed = ELAPSED_SYMBOLS
+        .iter()
+        .find_map(|name| Some((*name, optional!(name)?)));
     let word = (|| {
-        // SAFETY: as in `entry!`: each field's type is its symbol's C signature (see `WordApi`).
-        unsafe {
-            Some(WordApi {
-                host_alloc: *library.get(WORD_SYMBOLS[0].as_bytes()).ok()?,
-                host_device_pointer: *library.get(WORD_SYMBOLS[1].as_bytes()).ok()?,
-                free_host: *library.get(WORD_SYMBOLS[2].as_bytes()).ok()?,
-                write_value64: *library.get(WORD_SYMBOLS[3].as_bytes()).ok()?,
-            })
-        }
+        Some(WordApi {
+            host_alloc: optional!(WORD_SYMBOLS[0])?,
+            host_device_pointer: optional!(WORD_SYMBOLS[1])?,
+            free_host: optional!(WORD_SYMBOLS[2])?,
+            write_value64: optional!(WORD_SYMBOLS[3])?,
+        })
     })();
     let api = Api {
         init: entry!("cuInit"),
@@ -316,8 +310,8 @@ fn load() -> Result<Loaded, ServerError> {
         event_synchronize: entry!("cuEventSynchronize"),
         event_destroy: entry!("cuEventDestroy_v2"),
         event_elapsed: elapsed,
-        ctx_get_id,
-        func_load,
+        ctx_get_id: optional!(CTX_ID_SYMBOL),
+        func_load: optional!(FUNC_LOAD_SYMBOL),
         stream_wait_event: entry!("cuStreamWaitEvent"),
         device_attribute: entry!("cuDeviceGetAttribute"),
         word,
