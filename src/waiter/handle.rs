@@ -200,9 +200,8 @@ impl Waiter {
 pub const WATCHER_MIN_CORES: usize = 8;
 
 /// [`WaiterBuilder::watchers`]' default: one on machines with at least [`WATCHER_MIN_CORES`] cores,
-/// none below. On fewer cores the watcher thread competes with the very threads it wakes (the
-/// executor's, and on the host backend the streams' workers), and a quarter of a core is a large
-/// share of the machine.
+/// none below, where its thread competes with the very threads it wakes (the executor's, and on
+/// the host backend the streams' workers) and a quarter of a core is a large share of the machine.
 pub fn default_watchers() -> usize {
     let cores = std::thread::available_parallelism().map_or(1, usize::from);
     usize::from(cores >= WATCHER_MIN_CORES)
@@ -327,9 +326,8 @@ impl WaiterBuilder {
     }
 
     /// How long a first poll may spin before handing the wait to a thread, on the executor's
-    /// thread: default zero, at most [`MAX_SPIN_BUDGET`] (clamped). Where the backend publishes the
-    /// stream's progress in host memory (the host backend does), it spins reading that, with no
-    /// driver call, and asks the event once the stream is there; elsewhere it spins on queries.
+    /// thread: default zero, at most [`MAX_SPIN_BUDGET`] (clamped). It loads the stream's progress
+    /// word (no driver call) where the backend keeps one (the host backend does), else queries.
     pub fn spin_budget(mut self, spin_budget: Duration) -> Self {
         self.config.spin_budget = spin_budget.min(MAX_SPIN_BUDGET);
         self
@@ -339,16 +337,14 @@ impl WaiterBuilder {
     /// (any value from 1: one thread watches every stream); 0: every wait ends in the driver alone.
     /// Default [`default_watchers`]: on with at least [`WATCHER_MIN_CORES`] cores.
     ///
-    /// The watcher never holds a wait back: its lane thread blocks in the driver all the same, and
-    /// whichever sees the end first resolves it; where the watcher wins, the task wakes within
-    /// microseconds of the work's end. It costs one thread (`max_threads + 2` in all), at most 200
-    /// µs of looking per wait and at most a quarter of one core over time
-    /// ([`WaiterStats::watcher_cpu`] reports it). Waits shorter than 150 µs are left to the driver,
-    /// and so are most of a stream's waits while its watches keep missing. Streams of items of
-    /// steady length (about 1 ms and longer) gain most; where the streams keep every core busy it
-    /// gains little and tail latencies can be longer. Ask for `watchers(1)` on a small machine when
-    /// wake latency matters more than that CPU. Figures: `docs/performance.md` in the repository;
-    /// how it works: the [module docs](crate::waiter#the-watcher).
+    /// It never holds a wait back (see [`Waiter`]), and costs one thread, at most 200 µs of looking
+    /// per wait and at most a quarter of one core over time ([`WaiterStats::watcher_cpu`] reports
+    /// it). Waits shorter than 150 µs are left to the driver, and so are most of a stream's waits
+    /// while its watches keep missing. Streams of items of steady length gain most; where the
+    /// streams keep every core busy it gains little and tail latencies can be longer. Ask for
+    /// `watchers(1)` on a small machine when wake latency matters more than that CPU. Figures:
+    /// `docs/performance.md` in the repository; how it works: the
+    /// [module docs](crate::waiter#the-watcher).
     ///
     /// ```
     /// use device_events::Waiter;
@@ -366,12 +362,11 @@ impl WaiterBuilder {
     /// a wait is pending, the poller runs (the one thread beyond [`max_threads`](Self::max_threads)
     /// besides the watcher) and looks every quarter of `after`, at most once a millisecond.
     ///
-    /// Each stall is warned about once, within a quarter of `after` past it, by the poller, with no
-    /// lock of the waiter's held (a slow logger holds up no wait): the warning names the stream,
-    /// how long its oldest wait has waited, how many wait behind it, and whether that wait's own
-    /// future gave up on it (a timeout does not end the stall: the stream is still held). A long
-    /// queue that keeps moving is not stuck, and a stream whose every wait was given up while
-    /// queued (not blocked on) is listed no more.
+    /// A stall is warned about within a quarter of `after` past it, with no lock of the waiter's
+    /// held (a slow logger holds up no wait), naming the stream, how long its oldest wait has
+    /// waited, how many wait behind it, and whether that wait's future gave up on it (a timeout
+    /// does not end the stall: the stream is still held). A long queue that keeps moving is not
+    /// stuck, nor is a stream whose every wait was given up while queued (not blocked on).
     pub fn stuck_after(mut self, after: Duration) -> Self {
         self.config.stuck_after = (!after.is_zero()).then_some(after);
         self
@@ -384,10 +379,7 @@ impl WaiterBuilder {
     /// [`ServerError::InvalidArgument`] for a setting no thread could be started with (a
     /// [`thread_name`](Self::thread_name) with a NUL byte).
     pub fn try_build(self) -> Result<Waiter, ServerError> {
-        if let Some(unusable) = self.config.unusable() {
-            return Err(unusable);
-        }
-        Ok(self.build())
+        self.config.unusable().map_or_else(|| Ok(self.build()), Err)
     }
 
     /// Build the waiter; no thread starts until a wait needs one. A setting no thread could start
