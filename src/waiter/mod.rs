@@ -137,9 +137,9 @@
 //!
 //! Watched (watchers on, a stream with a word, the watcher first), `wait_out` also calls
 //! `Waitable::progress` and `Pool::watch` (`WatcherState::early`, `Early::at`,
-//! `WatcherState::history`, `LaneHistory::entry`, `LaneHistory::predicted`, `too_short`,
-//! `State::watcher_for_work`), and `Pool::end_hold` `WatcherState::unwatch` and
-//! `LaneHistory::worth_watching`; the watcher, woken in `Pool::watcher_nap`, crosses
+//! `WatcherState::history`, `LaneHistory::entry`, `LaneHistory::worth_watching`,
+//! `LaneHistory::predicted`, `State::watcher_for_work`), and `Pool::end_hold`
+//! `WatcherState::unwatch`; the watcher, woken in `Pool::watcher_nap`, crosses
 //! `Pool::watch_round`, `Timing::look_from`, `Timing::overslept`, `Timing::early`,
 //! `CpuBudget::earn`, `WaiterThread::look`, `Watched::passed`, `WaiterThread::resolve_watched`
 //! (`Waitable::query`), `Pool::end_hold` (`LaneHistory::seen`), `Pool::deliver` and on; the lane

@@ -83,8 +83,8 @@ impl Default for LaneHistory {
 
 impl LaneHistory {
     /// The watcher's entry for `wait`, held from `started`, its stream's progress in `word`; none
-    /// if the lane's waits are [`too_short`] (the watcher waking `early`) or its last misses leave
-    /// this one to the driver.
+    /// if the lane's waits are not [worth watching](Self::worth_watching) (the watcher waking
+    /// `early`) or its last misses leave this one to the driver.
     pub(crate) fn entry(
         &mut self,
         wait: &Wait,
@@ -92,15 +92,14 @@ impl LaneHistory {
         started: Instant,
         early: Duration,
     ) -> Option<Watched> {
-        let predicted = self.predicted();
-        if too_short(predicted, early) {
+        if !self.worth_watching(early) {
             return None;
         }
         if self.skip > 0 {
             self.skip -= 1;
             return None;
         }
-        let predicted = predicted.unwrap_or_default();
+        let predicted = self.predicted().unwrap_or_default();
         Some(Watched {
             lane: wait.lane,
             slot: wait.slot.clone(),
@@ -139,9 +138,11 @@ impl LaneHistory {
     }
 
     /// Whether the lane's next wait is worth offering to the watcher, waking `early` before an end
-    /// it expects: not if its waits are [`too_short`].
+    /// it expects: not if its waits are predicted shorter than [`MIN_WATCHED`] or than twice
+    /// `early`; a lane with no prediction is watched.
     pub(crate) fn worth_watching(&self, early: Duration) -> bool {
-        !too_short(self.predicted(), early)
+        self.predicted()
+            .is_none_or(|predicted| predicted >= (early * 2).max(MIN_WATCHED))
     }
 
     /// How long a wait should take from the start of its hold, once the lane has two.
@@ -149,12 +150,6 @@ impl LaneHistory {
         let took = self.took.values();
         (took.len() >= 2).then(|| took.iter().copied().min().unwrap_or_default())
     }
-}
-
-/// Whether waits `predicted` to take so long are too short to watch, the watcher waking `early`
-/// before an end it expects; a lane with no prediction is watched.
-pub(crate) fn too_short(predicted: Option<Duration>, early: Duration) -> bool {
-    predicted.is_some_and(|predicted| predicted < (early * 2).max(MIN_WATCHED))
 }
 
 /// A held wait on the watcher's list; its lane thread blocks on it in the driver meanwhile.
@@ -417,18 +412,22 @@ mod tests {
         history.ended(MIN_WATCHED);
         history.ended(MIN_WATCHED);
         assert!(try_entry(&mut history, started, Duration::ZERO, None).is_some());
-        assert!(super::too_short(
-            Some(MIN_WATCHED - Duration::from_nanos(1)),
-            Duration::ZERO
-        ));
+        let predicting = |took| {
+            let mut history = LaneHistory::default();
+            history.ended(took);
+            history.ended(took);
+            history
+        };
+        let short = predicting(MIN_WATCHED - Duration::from_nanos(1));
+        assert!(!short.worth_watching(Duration::ZERO));
         assert!(
-            !super::too_short(None, Duration::from_secs(1)),
+            LaneHistory::default().worth_watching(Duration::from_secs(1)),
             "no history: watched"
         );
         // The figure `WaiterBuilder::watchers` gives.
-        let micros = |n| Some(Duration::from_micros(n));
-        assert!(super::too_short(micros(149), Duration::ZERO));
-        assert!(!super::too_short(micros(150), Duration::ZERO));
+        let micros = |n| predicting(Duration::from_micros(n)).worth_watching(Duration::ZERO);
+        assert!(!micros(149));
+        assert!(micros(150));
     }
 
     #[test]
