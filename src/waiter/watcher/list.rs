@@ -66,19 +66,16 @@ impl Pool {
             }
             state.watcher.waits = true;
             let keep_alive = self.shared.config.keep_alive;
-            let (woken, timeout) = state.wait_timeout(&self.shared.watch_work, keep_alive);
-            state = woken;
+            (state, timed_out) = state.wait_timeout(&self.shared.watch_work, keep_alive);
             state.watcher.waits = false;
-            timed_out = timeout;
         }
     }
 
     /// The watcher sleeps until `until`, unless an entry comes after the `published`th (one due
     /// before `until` wakes it: `State::watcher_for_work`) or the pool shuts down. Awake, unless
     /// entries came (its round plans again), it copies the entries on its list into `entries`
-    /// (empty) to look at: those taken off during the nap are gone for good. A nap that ran its
-    /// course teaches `timing` (the watcher's, which planned it) how late it woke, and so how early
-    /// the watcher wakes; whether it did.
+    /// (empty) to look at. A nap that ran its course teaches `timing` how late it woke, and so how
+    /// early the watcher wakes; whether it did.
     pub(crate) fn watcher_nap(
         &self,
         until: Instant,
@@ -114,8 +111,6 @@ impl Pool {
                 "the watcher napped past an entry due before its nap's end"
             );
         }
-        // Said as a nap measures it, and stamped with when: a round with no nap (its entries due at
-        // once) measures nothing, and leaves the figure to age.
         let now = self.now();
         timing.overslept(now.saturating_duration_since(until));
         watcher.early = Some(Early {

@@ -38,8 +38,7 @@ impl WatcherState {
     pub(crate) fn history(&mut self, key: LaneKey) -> &mut LaneHistory {
         self.history_uses += 1;
         if self.histories.len() >= HISTORIES && !self.histories.contains_key(&key) {
-            let oldest = self.histories.iter().min_by_key(|(_, h)| h.used);
-            if let Some((&oldest, _)) = oldest {
+            if let Some((&oldest, _)) = self.histories.iter().min_by_key(|(_, h)| h.used) {
                 self.histories.remove(&oldest);
             }
         }

@@ -20,8 +20,7 @@ impl WaiterThread {
         let mut entries = Vec::new();
         while let Some(Plan { published, first }) = self.pool.watch_round(&timing, &mut entries) {
             let mut napped = false;
-            // None copied: the first is not due yet. It naps holding none (an entry its lane thread
-            // takes off meanwhile is not kept from its pool, nor its context alive).
+            // None copied: the first is not due yet; it naps holding none (the module docs say why).
             if entries.is_empty() {
                 let until = first.min(self.pool.now() + MAX_NAP);
                 let slept = (self.pool).watcher_nap(until, published, &mut timing, &mut entries);
@@ -43,14 +42,11 @@ impl WaiterThread {
             entries.drain(..).for_each(contain::drop);
             // The round's CPU, all of it, is spent from the budget.
             let now = crate::os::thread_cpu_time();
-            match (cpu, now) {
-                (Some(before), Some(now)) => {
-                    let used = now.saturating_sub(before);
-                    self.pool.counters().watcher_cpu(used);
-                    budget.spend(used);
-                }
-                _ => budget.spend(looked),
+            let used = cpu.zip(now).map(|(before, now)| now.saturating_sub(before));
+            if let Some(used) = used {
+                self.pool.counters().watcher_cpu(used);
             }
+            budget.spend(used.unwrap_or(looked));
             cpu = now;
         }
     }
