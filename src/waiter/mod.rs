@@ -72,8 +72,7 @@
 //! about to block on its held wait first puts it on the watcher's list, due when the lane's
 //! **prediction** says: the least of its last `HISTORY` waits, each from the start of its hold (a
 //! lane with fewer than two, whose first wait often waited out more than one item, is looked at for
-//! `FIRST_WINDOW` from the hand-over). Then it blocks in the driver exactly as with the watcher
-//! off.
+//! `FIRST_WINDOW` from the hand-over). Then it blocks in the driver as with the watcher off.
 //!
 //! The watcher sleeps until its **lead** before the first entry due, never more than `MAX_NAP` at a
 //! time (a nap shorter than `MIN_NAP` is spent looking), planned from the list under the lock: it
@@ -92,8 +91,7 @@
 //! - **History per lane**, kept by the pool under the lane's key (for the `HISTORIES` lanes used
 //!   last), not by a thread: a lane that goes idle between requests, or is served by another
 //!   thread, keeps it. A sighting at the first look after a sleep (late) doubles that lane's margin
-//!   (up to a quarter of its prediction); one in time shrinks it by an eighth, down to
-//!   `MIN_MARGIN`.
+//!   (up to a quarter of its prediction); one in time cuts it by an eighth, down to `MIN_MARGIN`.
 //! - **Waits too short to watch** (predicted shorter than `MIN_WATCHED`, or than twice how early
 //!   the watcher wakes, lately) are left to the driver, whose wake comes about as soon, without a
 //!   wake-up of the watcher's thread on a host whose cores the streams keep busy. How early it
@@ -108,8 +106,7 @@
 //!   from the thread's CPU clock (where there is none, the time it looked), going into debt when a
 //!   round runs over; while it is spent, entries that come due are left to the driver.
 //!   [`WaiterStats::watcher_cpu`] reports its thread's CPU time.
-//! - Streams whose words went off (a refused write, a capture) are not watched: the backend hands
-//!   out no word for them.
+//! - Streams whose words went off (a refused write, a capture) get no word, so are not watched.
 //! - **Lanes it cannot win** cost it little: items of irregular length, or a host whose cores the
 //!   streams keep so busy that the driver's wake comes first. Each lane counts its misses (the
 //!   window ended before the word passed, or the driver woke the lane thread while the wait was

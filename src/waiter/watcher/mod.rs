@@ -1,6 +1,5 @@
-//! The watcher: an accelerator that races the lane threads' blocks in the driver by watching
-//! streams' progress words. How it works: the [module docs](crate::waiter#the-watcher); each file's
-//! own docs say what it holds.
+//! The watcher, which races the lane threads' blocks by watching progress words; how it works: the
+//! [module docs](crate::waiter#the-watcher). Each file's own docs say what it holds.
 
 mod list;
 mod state;
