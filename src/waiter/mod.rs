@@ -23,14 +23,13 @@
 //!    that makes its lane picks who serves it: an idle lane thread, else one between lanes, else a
 //!    new one (up to `max_threads`), else the poller. Decided under the lock, done after it
 //!    (`Action`).
-//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait in the driver, always (where its
-//!    stream keeps a progress word and watchers are on, it is put on the watcher's list first, to
-//!    race the block); then, in one hold of the lock (`Pool::end_hold`, the one way a hold ends,
-//!    whether its lane thread or the watcher ends it), resolve it (unless the watcher did) and take
-//!    the next, and ask that once. Not reached (work ending item after item): block on it. Reached
-//!    (a burst): ask the later waits in batches, doubling from 2 to `BATCH` while all are reached.
-//!    An idle lane is removed; its thread takes a queued lane, or one back from the poller, or
-//!    exits after its keep-alive.
+//! 3. **Serving a lane** (`threads.rs`): block on the oldest wait in the driver, always (the
+//!    watcher, below, may race the block); then, in one hold of the lock (`Pool::end_hold`, the one
+//!    way a hold ends, whether its lane thread or the watcher ends it), resolve it (unless the
+//!    watcher did) and take the next, and ask that once. Not reached (work ending item after item):
+//!    block on it. Reached (a burst): ask the later waits in batches, doubling from 2 to `BATCH`
+//!    while all are reached. An idle lane is removed; its thread takes a queued lane, or one back
+//!    from the poller, or exits after its keep-alive.
 //! 4. **The poller** (`poller.rs`) asks its lanes in batches (from 1), backing off from
 //!    `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` while nothing moves, and wakes an idle lane thread
 //!    to take a lane back. It exits after `POLLER_LINGER_ROUNDS` idle rounds, unless `stuck_after`

@@ -1,7 +1,6 @@
-//! The watcher's parts: a lane's history and the entries it makes ([`LaneHistory`], [`Watched`]),
-//! how early the watcher wakes and looks ([`Early`], [`Timing`]), and its CPU budget
-//! ([`CpuBudget`]); the figures are the constants below. Why: the [module
-//! docs](crate::waiter#the-watcher).
+//! The watcher's parts: a lane's history and its entries ([`LaneHistory`], [`Watched`]), how early
+//! the watcher wakes and looks ([`Early`], [`Timing`]), its CPU budget ([`CpuBudget`]), and the
+//! figures (the constants below). Why: the [module docs](crate::waiter#the-watcher).
 
 use std::time::{Duration, Instant};
 
