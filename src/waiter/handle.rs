@@ -310,8 +310,7 @@ impl WaiterBuilder {
         self
     }
 
-    /// How long an idle thread stays for more work; default [`DEFAULT_KEEP_ALIVE`]. Zero: threads
-    /// leave as soon as idle.
+    /// How long an idle thread stays (zero: it leaves at once); default [`DEFAULT_KEEP_ALIVE`].
     pub fn keep_alive(mut self, keep_alive: Duration) -> Self {
         self.config.keep_alive = keep_alive;
         self

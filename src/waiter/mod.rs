@@ -32,9 +32,8 @@
 //!    from the poller, or exits after its keep-alive.
 //! 4. **The poller** (`poller.rs`) asks its lanes in batches (from 1), backing off from
 //!    `POLL_BACKOFF_MIN` to `POLL_BACKOFF_MAX` while nothing moves, and wakes an idle lane thread
-//!    to take a lane back. It exits after `POLLER_LINGER_ROUNDS` idle rounds, unless `stuck_after`
-//!    is on and a lane is left: then it looks every quarter of `stuck_after` and warns once per
-//!    stall.
+//!    to take one back. It exits after `POLLER_LINGER_ROUNDS` idle rounds, unless `stuck_after` is
+//!    on and a lane is left: then it looks each quarter of `stuck_after` and warns once per stall.
 //! 5. **Withdraw**: the wait goes to the withdrawn list, for the poller or an idle lane thread to
 //!    drop; one held or in a batch stays with its thread (and on the watcher's list, if there,
 //!    until one of them is done).
@@ -50,14 +49,13 @@
 //!
 //! # Which thread calls the driver
 //!
-//! - **The caller's thread**, in `poll`: the first poll's event query (a `cuEventQuery` on CUDA),
-//!   and within a spin budget more queries and loads of the stream's progress word. Asking for the
-//!   word never allocates and never waits for a lock held across a driver call: a stream's first
-//!   ask hands it to the backend's own thread (on CUDA, the `device-events-words` thread, which
-//!   serves no wait), and gets no word. Making the fence (`cuda::fence()`) records its event, and a
-//!   word write on a stream that has one, on the caller's thread too, before any poll: driver calls
-//!   that another thread's kernel load can hold up (CUDA's lazy loading may wait for the context's
-//!   work).
+//! - **The caller's thread**, in `poll`: the first poll's event query (`cuEventQuery` on CUDA), and
+//!   within a spin budget more queries and loads of the stream's progress word. Asking for the word
+//!   never allocates and never waits on a lock held across a driver call: a stream's first ask
+//!   hands it to the backend's own thread (on CUDA, the `device-events-words` thread, which serves
+//!   no wait), and gets no word. Making the fence (`cuda::fence()`) records its event, and a word
+//!   write on a stream that has one, on the caller's thread too, before any poll: driver calls that
+//!   another thread's kernel load can hold up (CUDA's lazy loading may wait on the context's work).
 //! - **The waiter's threads**, for everything else: a lane thread asks for its stream's word (as
 //!   above, never an allocation) and blocks in the driver; the poller and the watcher query events.
 //!   A dropped future's event is released by one of them, off the caller's thread.

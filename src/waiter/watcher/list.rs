@@ -1,6 +1,5 @@
 //! The pool's operations on the watcher's list ([`WatcherState`](super::WatcherState)): put held
-//! waits on it, plan the watcher's rounds and naps. A wait leaves it as its hold ends
-//! ([`Pool::end_hold`]).
+//! waits on it, plan the watcher's rounds and naps; a wait leaves it in [`Pool::end_hold`].
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;

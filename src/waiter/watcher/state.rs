@@ -13,8 +13,7 @@ use crate::waiter::waitable::LaneKey;
 pub(crate) struct WatcherState {
     /// Held waits on the watcher's list; their lane threads block on them in the driver meanwhile.
     pub(crate) list: Vec<Watched>,
-    /// The lanes' histories, for the watcher's predictions: the [`HISTORIES`] used last, kept while
-    /// their lanes come and go.
+    /// The lanes' histories: the [`HISTORIES`] used last, kept while their lanes come and go.
     pub(crate) histories: BTreeMap<LaneKey, LaneHistory>,
     /// Counts uses of `histories`.
     history_uses: u64,

@@ -16,8 +16,7 @@ pub(crate) const FIRST_WINDOW: Duration = Duration::from_micros(50);
 const MIN_MARGIN: Duration = Duration::from_micros(5);
 /// A sleep shorter than this is spent looking instead.
 pub(crate) const MIN_NAP: Duration = Duration::from_micros(20);
-/// The longest the watcher sleeps before it looks at its list again: no prediction holds its
-/// attention for long.
+/// The longest the watcher naps: no prediction holds its attention for long.
 pub(crate) const MAX_NAP: Duration = Duration::from_millis(20);
 /// The most the watcher looks at one wait's word.
 pub(crate) const MAX_LOOK: Duration = Duration::from_micros(200);
