@@ -8,7 +8,6 @@ use super::pool::Pool;
 use super::state::{Role, Server};
 use super::threads::{Resolved, WaiterThread};
 use super::wait::Wait;
-use super::waitable::LaneKey;
 
 /// The poller's first pause after a round without progress.
 pub(super) const POLL_BACKOFF_MIN: Duration = Duration::from_micros(50);
@@ -24,38 +23,6 @@ pub(super) fn looks_every(stuck_after: Duration) -> Duration {
 }
 
 impl Pool {
-    /// A poller's round: adopt the lanes queued for it into `lanes`, take the withdrawn waits, wake
-    /// an idle lane thread if it has lanes. `None` (and uncounted) when it should exit: idle `linger`
-    /// rounds, or shut down.
-    pub(super) fn poller_round(
-        &self,
-        lanes: &mut Vec<LaneKey>,
-        idle_rounds: &mut u32,
-        linger: u32,
-    ) -> Option<Vec<Wait>> {
-        let mut state = self.lock();
-        let withdrawn = std::mem::take(&mut state.withdrawn);
-        let adopted = !state.for_poller.is_empty();
-        while let Some(key) = state.for_poller.pop_front() {
-            state.lanes.get_mut(&key).expect("a queued lane").server = Server::Poller;
-            if !lanes.contains(&key) {
-                lanes.push(key);
-            }
-        }
-        let idle = lanes.is_empty() && !adopted && withdrawn.is_empty();
-        let reports_stuck = self.reports_stuck() && !state.lanes.is_empty();
-        if idle && !reports_stuck && (*idle_rounds >= linger || state.shutdown) {
-            state.leave(Role::Poller);
-            return None;
-        }
-        *idle_rounds = if idle { *idle_rounds + 1 } else { 0 };
-        if !lanes.is_empty() && state.wake_idle() {
-            drop(state);
-            self.shared.work.notify_one();
-        }
-        Some(withdrawn)
-    }
-
     /// The poller sleeps up to `pause` between rounds, unless work came.
     pub(super) fn poller_pause(&self, pause: Duration) {
         let state = self.lock();
@@ -77,10 +44,7 @@ impl WaiterThread {
         let mut backoff = POLL_BACKOFF_MIN;
         let mut idle_rounds = 0;
         loop {
-            let round =
-                self.pool
-                    .poller_round(&mut self.lanes, &mut idle_rounds, POLLER_LINGER_ROUNDS);
-            let Some(withdrawn) = round else {
+            let Some(withdrawn) = self.poller_round(&mut idle_rounds) else {
                 return;
             };
             let mut progressed = !withdrawn.is_empty();
@@ -113,5 +77,33 @@ impl WaiterThread {
                 backoff = (backoff * 2).min(POLL_BACKOFF_MAX);
             }
         }
+    }
+
+    /// A poller's round: adopt the lanes queued for it, take the withdrawn waits, wake an idle lane
+    /// thread if it has lanes. `None` (and uncounted) when it should exit: idle
+    /// `POLLER_LINGER_ROUNDS` rounds, or shut down.
+    #[cfg_attr(device_events_loom, allow(clippy::absurd_extreme_comparisons))]
+    fn poller_round(&mut self, idle_rounds: &mut u32) -> Option<Vec<Wait>> {
+        let mut state = self.pool.lock();
+        let withdrawn = std::mem::take(&mut state.withdrawn);
+        let adopted = !state.for_poller.is_empty();
+        while let Some(key) = state.for_poller.pop_front() {
+            state.lanes.get_mut(&key).expect("a queued lane").server = Server::Poller;
+            if !self.lanes.contains(&key) {
+                self.lanes.push(key);
+            }
+        }
+        let idle = self.lanes.is_empty() && !adopted && withdrawn.is_empty();
+        let reports_stuck = self.pool.reports_stuck() && !state.lanes.is_empty();
+        if idle && !reports_stuck && (*idle_rounds >= POLLER_LINGER_ROUNDS || state.shutdown) {
+            state.leave(Role::Poller);
+            return None;
+        }
+        *idle_rounds = if idle { *idle_rounds + 1 } else { 0 };
+        if !self.lanes.is_empty() && state.wake_idle() {
+            drop(state);
+            self.pool.shared.work.notify_one();
+        }
+        Some(withdrawn)
     }
 }
