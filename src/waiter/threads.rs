@@ -173,12 +173,9 @@ impl WaiterThread {
     pub(super) fn resolve_reached(&mut self, key: LaneKey, by: Server) -> Resolved {
         let mut limit = if by == Server::Poller { 1 } else { 2 };
         let mut resolved = 0;
-        loop {
+        let more = loop {
             if !self.pool.take_batch(key, by, limit, &mut self.batch) {
-                return Resolved {
-                    resolved,
-                    more: false,
-                };
+                break false;
             }
             self.batch_lane = Some(key);
             let Asked { reached, failed } = ask(&self.batch);
@@ -197,12 +194,10 @@ impl WaiterThread {
             }
             self.batch.drain(..).for_each(contain::drop);
             if more {
-                return Resolved {
-                    resolved,
-                    more: true,
-                };
+                break true;
             }
-        }
+        };
+        Resolved { resolved, more }
     }
 }
 
@@ -225,20 +220,15 @@ struct Asked {
 /// Query `batch`'s waits in order, up to the first not reached.
 fn ask(batch: &[Wait]) -> Asked {
     let mut failed = Vec::new();
-    for (index, wait) in batch.iter().enumerate() {
+    let not_reached = batch.iter().enumerate().position(|(index, wait)| {
         match contain::backend(|| wait.waitable.query()) {
-            Ok(true) => {}
-            Ok(false) => {
-                return Asked {
-                    reached: index,
-                    failed,
-                }
+            Ok(reached) => !reached,
+            Err(err) => {
+                failed.push((index, err));
+                false
             }
-            Err(err) => failed.push((index, err)),
         }
-    }
-    Asked {
-        reached: batch.len(),
-        failed,
-    }
+    });
+    let reached = not_reached.unwrap_or(batch.len());
+    Asked { reached, failed }
 }
