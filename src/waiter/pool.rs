@@ -215,7 +215,6 @@ impl Pool {
         };
         let result = match ended {
             Ended::Driver {
-                by,
                 result,
                 took,
                 take_next,
@@ -234,7 +233,7 @@ impl Pool {
                     }
                     after.watch_next = history.worth_watching(early);
                 }
-                if take_next {
+                if let Some(by) = take_next {
                     after.next = state.take_oldest(key, by);
                 }
                 ours.then_some(result)
@@ -387,13 +386,12 @@ impl Pool {
 
 /// How a held wait's hold ends ([`Pool::end_hold`]).
 pub(super) enum Ended {
-    /// Lane thread `by` blocked on it or asked it: `result`, `took` after its hold began (known
-    /// where watchers are on); with `take_next`, it takes its lane's next wait out.
+    /// Its lane thread blocked on it or asked it: `result`, `took` after its hold began (known
+    /// where watchers are on); lane thread `take_next`, if any, takes its lane's next wait out.
     Driver {
-        by: Server,
         result: Result<(), ServerError>,
         took: Option<Duration>,
-        take_next: bool,
+        take_next: Option<Server>,
     },
     /// The watcher saw its word pass and a query said `result`, `took` after its hold began
     /// (`late`: at its first look after a nap).

@@ -110,10 +110,9 @@ impl WaiterThread {
         loop {
             let (result, took) = self.wait_out(&wait, watch);
             let ended = Ended::Driver {
-                by,
                 result,
                 took,
-                take_next: true,
+                take_next: Some(by),
             };
             let after: AfterHold = self.pool.end_hold(key, &wait.slot, ended);
             watch = after.watch_next;
@@ -128,10 +127,9 @@ impl WaiterThread {
                 reached => {
                     let result = reached.map(drop);
                     let ended = Ended::Driver {
-                        by,
                         result,
                         took: None,
-                        take_next: false,
+                        take_next: None,
                     };
                     let _ = self.pool.end_hold(key, &wait.slot, ended);
                     contain::drop(wait);
