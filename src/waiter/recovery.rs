@@ -100,8 +100,9 @@ impl Pool {
 }
 
 impl Drop for WaiterThread {
+    /// Unwinding: the pool has not uncounted it (one that returns has left).
     fn drop(&mut self) {
-        if !self.counted {
+        if !std::thread::panicking() {
             return;
         }
         crate::panics::log(|| {

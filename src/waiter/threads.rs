@@ -62,8 +62,6 @@ pub(super) struct WaiterThread {
     pub(super) batch: Vec<Wait>,
     /// The lane the batch was taken from, while it is out.
     pub(super) batch_lane: Option<LaneKey>,
-    /// Cleared once the pool has uncounted it as it left.
-    pub(super) counted: bool,
 }
 
 impl WaiterThread {
@@ -77,14 +75,12 @@ impl WaiterThread {
             // which measurably slowed a first batch.
             batch: Vec::with_capacity(BATCH),
             batch_lane: None,
-            counted: true,
         };
         match role {
             Role::Lane(n) => this.run_lane_thread(n),
             Role::Poller => this.run_poller(),
             Role::Watcher => this.run_watcher(),
         }
-        this.counted = false;
     }
 
     /// Lane thread `n`: take a lane, serve it until it is idle, take the next.
