@@ -49,14 +49,6 @@ struct Handed {
     generation: u64,
 }
 
-/// What a first poll did.
-enum FirstPoll {
-    /// Found the fence reached, or failed: the future is ready with this.
-    Ready(Result<(), ServerError>),
-    /// Handed the wait to the pool.
-    Handed(Handed),
-}
-
 impl Handed {
     /// Handed off before this process forked: its thread is in the parent.
     fn is_forked(&self) -> bool {
@@ -74,16 +66,13 @@ impl<W: Waitable> Handoff<W> {
 
     pub(crate) fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
         match std::mem::replace(&mut self.state, State::Done) {
-            State::First(waitable) => match self.first_poll(waitable, cx) {
-                FirstPoll::Handed(handed) => {
-                    self.state = State::Waiting(handed);
-                    Poll::Pending
-                }
-                FirstPoll::Ready(result) => {
+            State::First(waitable) => {
+                let poll = self.first_poll(waitable, cx);
+                if poll.is_ready() {
                     self.pool.get().counters().ready_at_first_poll();
-                    Poll::Ready(result)
                 }
-            },
+                poll
+            }
             State::Waiting(handed) if handed.is_forked() => {
                 Poll::Ready(Err(ServerError::WaiterForked))
             }
@@ -102,8 +91,8 @@ impl<W: Waitable> Handoff<W> {
         }
     }
 
-    /// Ask (and spin, if allowed), then hand off.
-    fn first_poll(&self, waitable: W, cx: &mut Context<'_>) -> FirstPoll {
+    /// Ask (and spin, if allowed): ready if reached, failed or refused, else handed off, `Waiting`.
+    fn first_poll(&mut self, waitable: W, cx: &mut Context<'_>) -> Poll<Result<(), ServerError>> {
         let pool = self.pool.get();
         let budget = pool.config().spin_budget;
         // The clock is read only when spinning: a ready await is one query.
@@ -115,11 +104,10 @@ impl<W: Waitable> Handoff<W> {
         loop {
             // Decided before the query, which one preempted past it still makes.
             let may_spin = started.is_some() && (first || in_budget());
-            match contain::backend(|| waitable.query()) {
-                Ok(true) => return FirstPoll::Ready(Ok(())),
-                Err(err) => return FirstPoll::Ready(Err(err)),
-                Ok(false) if may_spin => {}
-                Ok(false) => break,
+            match contain::backend(|| waitable.query())? {
+                true => return Poll::Ready(Ok(())),
+                false if may_spin => {}
+                false => break,
             }
             if std::mem::take(&mut first) {
                 word = contain::backend(|| Ok(waitable.progress())).ok().flatten();
@@ -132,10 +120,7 @@ impl<W: Waitable> Handoff<W> {
             std::hint::spin_loop();
         }
         // The lane and the name come from the backend's handle: its code.
-        let lane = match contain::backend(|| Ok(waitable.lane())) {
-            Ok(lane) => lane,
-            Err(err) => return FirstPoll::Ready(Err(err)),
-        };
+        let lane = contain::backend(|| Ok(waitable.lane()))?;
         let name = pool.config().stuck_after.map(|_| {
             let name = contain::backend(|| Ok(waitable.stream_name()));
             name.unwrap_or_else(|err| format!("a stream ({err})"))
@@ -143,17 +128,15 @@ impl<W: Waitable> Handoff<W> {
         });
         let slot = Arc::new(Slot::new(cx.waker().clone()));
         let wait = Wait::new(std::sync::Arc::new(waitable), slot.clone(), lane, name);
-        let (place, action) = match pool.submit(wait) {
-            Ok(placed) => placed,
-            Err(err) => return FirstPoll::Ready(Err(err)),
-        };
+        let (place, action) = pool.submit(wait)?;
         threads::act(pool, action);
-        FirstPoll::Handed(Handed {
+        self.state = State::Waiting(Handed {
             slot,
             lane,
             place,
             generation: pool.generation(),
-        })
+        });
+        Poll::Pending
     }
 
     pub(crate) fn is_terminated(&self) -> bool {
