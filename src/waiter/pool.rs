@@ -209,17 +209,15 @@ impl Pool {
         // A wait its lane thread did not time was never offered to the watcher.
         let offered = !matches!(ended, Ended::Driver { took: None, .. });
         let entry = offered.then(|| state.watcher.unwatch(slot)).flatten();
-        let ends = |state: &mut State| {
-            let lane = state.lanes.get_mut(&key);
-            lane.is_some_and(|lane| lane.end_hold(slot, reports_stuck))
-        };
+        let ends = !matches!(ended, Ended::Unwatched { .. });
+        let lane = state.lanes.get_mut(&key).filter(|_| ends);
+        let ours = lane.is_some_and(|lane| lane.end_hold(slot, reports_stuck));
         let result = match ended {
             Ended::Driver {
                 result,
                 took,
                 take_next,
             } => {
-                let ours = ends(&mut state);
                 if let (Some(took), Some(now)) = (took, now) {
                     let early = state.watcher.early(now);
                     let history = state.watcher.history(key);
@@ -239,7 +237,6 @@ impl Pool {
                 ours.then_some(result)
             }
             Ended::Seen { result, took, late } => {
-                let ours = ends(&mut state);
                 if let (true, Some(entry)) = (ours, &entry) {
                     state.watcher.history(key).seen(entry, took, late);
                 }
