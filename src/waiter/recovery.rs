@@ -1,8 +1,6 @@
 //! Recovery: a waiter thread lost (one the OS would not start, or one that unwound) gives back what
 //! it held, so no count outlives the thread it counts and no future is left pending.
 
-use std::collections::VecDeque;
-
 use super::contain;
 use super::pool::Pool;
 use super::state::{take, Action, Role, Server};
@@ -15,7 +13,7 @@ impl Pool {
     /// to watch. What to do next.
     pub(super) fn recover(&self, role: Role, lost: Lost<'_>) -> Vec<Action> {
         let (max_threads, reports_stuck) = (self.shared.config.max_threads, self.reports_stuck());
-        let (mut held, mut batch, mut queued) = (Vec::new(), Vec::new(), VecDeque::new());
+        let (mut held, mut batch, mut queued) = (Vec::new(), Vec::new(), Vec::new());
         let mut state = self.lock();
         state.leave(role);
         let refused = match lost {
@@ -44,7 +42,7 @@ impl Pool {
                     if lane.is_idle() {
                         state.lanes.remove(&key);
                     } else {
-                        queued.push_back(key);
+                        queued.push(key);
                     }
                 }
                 None
