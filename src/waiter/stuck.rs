@@ -31,11 +31,8 @@ pub struct StuckWait {
 
 /// Log the one warning about `wait`'s stall.
 pub(super) fn warn(waiter: &str, after: Duration, wait: &StuckWait) {
-    let given_up = if wait.given_up {
-        " (its future was dropped, and the stream is still held on it)"
-    } else {
-        ""
-    };
+    let dropped = " (its future was dropped, and the stream is still held on it)";
+    let given_up = if wait.given_up { dropped } else { "" };
     panics::log(|| {
         log::warn!(
             "waiter {waiter:?}: a wait on {} has been pending for {:?} (stuck_after \
