@@ -76,8 +76,9 @@ const STRIPES: usize = 16;
 /// The counters behind [`WaiterStats`]. An outcome is counted (release) after its hand-off, its
 /// latency after it; [`Counters::read`] reads them in the other order (acquire), so no snapshot
 /// shows more latencies than outcomes, nor more outcomes than hand-offs.
+#[derive(Default)]
 pub(crate) struct Counters {
-    stripes: Box<[Stripe]>,
+    stripes: [Stripe; STRIPES],
     /// The watcher's CPU time, in nanoseconds (one writer: the watcher).
     watcher_cpu_nanos: AtomicU64,
 }
@@ -94,15 +95,6 @@ struct Stripe {
     watched: AtomicU64,
     latency: [AtomicU64; LATENCY_BUCKETS],
     latency_sum_nanos: AtomicU64,
-}
-
-impl Default for Counters {
-    fn default() -> Self {
-        Self {
-            stripes: (0..STRIPES).map(|_| Stripe::default()).collect(),
-            watcher_cpu_nanos: AtomicU64::new(0),
-        }
-    }
 }
 
 impl Counters {
