@@ -172,7 +172,18 @@ impl WaiterThread {
                 break false;
             }
             self.batch_lane = Some(key);
-            let Asked { reached, failed } = ask(&self.batch);
+            // Asked in order, up to the first not reached; those that failed, by index.
+            let mut failed = Vec::new();
+            let not_reached = self.batch.iter().enumerate().position(|(index, wait)| {
+                match contain::backend(|| wait.waitable.query()) {
+                    Ok(reached) => !reached,
+                    Err(err) => {
+                        failed.push((index, err));
+                        false
+                    }
+                }
+            });
+            let reached = not_reached.unwrap_or(self.batch.len());
             let rest = self.batch.split_off(reached);
             let more = !rest.is_empty();
             resolved += reached;
@@ -201,28 +212,4 @@ pub(super) struct Resolved {
     pub(super) resolved: usize,
     /// Whether the lane has more and is still this thread's.
     pub(super) more: bool,
-}
-
-/// What a query of each wait of a batch showed ([`ask`]).
-struct Asked {
-    /// How many waits, from the first, were reached (or failed) before the first not reached.
-    reached: usize,
-    /// Those that failed, by index, in order.
-    failed: Vec<(usize, ServerError)>,
-}
-
-/// Query `batch`'s waits in order, up to the first not reached.
-fn ask(batch: &[Wait]) -> Asked {
-    let mut failed = Vec::new();
-    let not_reached = batch.iter().enumerate().position(|(index, wait)| {
-        match contain::backend(|| wait.waitable.query()) {
-            Ok(reached) => !reached,
-            Err(err) => {
-                failed.push((index, err));
-                false
-            }
-        }
-    });
-    let reached = not_reached.unwrap_or(batch.len());
-    Asked { reached, failed }
 }
