@@ -134,7 +134,7 @@ impl<W: Waitable> Handoff<W> {
             slot,
             lane,
             place,
-            generation: pool.generation(),
+            generation: pool.shared.fork_generation,
         });
         Poll::Pending
     }

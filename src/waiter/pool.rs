@@ -104,10 +104,6 @@ impl Pool {
         self.shared.config.stuck_after.is_some()
     }
 
-    pub(crate) fn generation(&self) -> u64 {
-        self.shared.fork_generation
-    }
-
     /// In a forked child, without the pool's threads (or its lock's holder).
     pub(crate) fn is_forked(&self) -> bool {
         self.shared.fork_generation != crate::os::fork_generation()
