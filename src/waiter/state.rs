@@ -145,19 +145,13 @@ impl State {
             return self.poller_for_work();
         }
         self.for_threads.push_back(key);
-        if stuck && !self.poller {
-            self.add_poller();
-            action.spawn_poller = true;
-        }
+        action.spawn_poller = stuck && self.add_poller();
         action
     }
 
     /// The poller has work: wake it, or start it.
     pub(super) fn poller_for_work(&mut self) -> Action {
-        let spawn_poller = !self.poller;
-        if spawn_poller {
-            self.add_poller();
-        }
+        let spawn_poller = self.add_poller();
         Action {
             wake_poller: !spawn_poller,
             spawn_poller,
@@ -200,13 +194,11 @@ impl State {
         self.next_thread
     }
 
-    /// Count the poller's thread as started (at most one runs at a time).
-    pub(super) fn add_poller(&mut self) {
-        if self.poller {
-            broken(format_args!("second poller counted in"));
-        }
-        self.poller = true;
+    /// Count the poller's thread in, unless it runs (at most one does): whether to start it.
+    pub(super) fn add_poller(&mut self) -> bool {
+        let start = !std::mem::replace(&mut self.poller, true);
         self.peak_threads = self.peak_threads.max(self.threads());
+        start
     }
 
     pub(super) fn threads(&self) -> usize {
