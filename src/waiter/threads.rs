@@ -97,47 +97,41 @@ impl WaiterThread {
     /// Serve lane `key` as `by` until it is empty or no longer this thread's (the steps:
     /// [`crate::waiter`]'s docs).
     fn serve_lane(&mut self, key: LaneKey, by: Server) {
-        let Some(mut wait) = self.pool.lock().take_oldest(key, by) else {
-            return;
-        };
         // Whether the lane's history, as of its last wait's end, says to offer the next to the
         // watcher (a lane with no history is offered).
         let mut watch = true;
-        loop {
-            let (result, took) = self.wait_out(&wait, watch);
+        let mut wait = self.pool.lock().take_oldest(key, by);
+        while let Some(held) = wait.take() {
+            let (result, took) = self.wait_out(&held, watch);
             let ended = Ended::Driver {
                 result,
                 took,
                 take_next: Some(by),
             };
-            let after: AfterHold = self.pool.end_hold(key, &wait.slot, ended);
+            let after: AfterHold = self.pool.end_hold(key, &held.slot, ended);
             watch = after.watch_next;
             // Its future is woken first; then its fence (its event) goes.
-            contain::drop(wait);
+            contain::drop(held);
             let Some(next) = after.next else {
                 return;
             };
-            wait = next;
-            match contain::backend(|| wait.waitable.query()) {
-                Ok(false) => continue,
-                reached => {
-                    let result = reached.map(drop);
-                    let ended = Ended::Driver {
-                        result,
-                        took: None,
-                        take_next: None,
-                    };
-                    let _ = self.pool.end_hold(key, &wait.slot, ended);
-                    contain::drop(wait);
+            let result = match contain::backend(|| next.waitable.query()) {
+                Ok(false) => {
+                    wait = Some(next);
+                    continue;
                 }
-            }
-            if !self.resolve_reached(key, by).more {
-                return;
-            }
-            let Some(next) = self.pool.lock().take_oldest(key, by) else {
-                return;
+                reached => reached.map(drop),
             };
-            wait = next;
+            let ended = Ended::Driver {
+                result,
+                took: None,
+                take_next: None,
+            };
+            let _ = self.pool.end_hold(key, &next.slot, ended);
+            contain::drop(next);
+            if self.resolve_reached(key, by).more {
+                wait = self.pool.lock().take_oldest(key, by);
+            }
         }
     }
 
