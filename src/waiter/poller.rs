@@ -16,8 +16,7 @@ pub(super) const POLL_BACKOFF_MAX: Duration = Duration::from_millis(1);
 /// Idle rounds before the poller exits (none under loom: fewer states).
 const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
 
-/// How often the poller looks for stalls past `stuck_after`: four times per `stuck_after`, at
-/// most once a millisecond.
+/// How often the poller looks for stalls past `stuck_after`.
 pub(super) fn looks_every(stuck_after: Duration) -> Duration {
     (stuck_after / 4).max(Duration::from_millis(1))
 }
@@ -79,9 +78,8 @@ impl WaiterThread {
         }
     }
 
-    /// A poller's round: adopt the lanes queued for it, take the withdrawn waits, wake an idle lane
-    /// thread if it has lanes. `None` (and uncounted) when it should exit: idle
-    /// `POLLER_LINGER_ROUNDS` rounds, or shut down.
+    /// A round: adopt its queued lanes, take the withdrawn waits, wake an idle lane thread if it
+    /// has lanes. `None` (and uncounted) to exit: idle `POLLER_LINGER_ROUNDS` rounds, or shut down.
     #[cfg_attr(device_events_loom, allow(clippy::absurd_extreme_comparisons))]
     fn poller_round(&mut self, idle_rounds: &mut u32) -> Option<Vec<Wait>> {
         let mut state = self.pool.lock();

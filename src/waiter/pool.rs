@@ -219,8 +219,7 @@ impl Pool {
                     let history = state.watcher.history(key);
                     if ours {
                         history.ended(took);
-                        // The watcher had it and the driver still came first: a watch that did not
-                        // pay.
+                        // The watcher had it, yet the driver came first: a watch that did not pay.
                         if entry.is_some() {
                             history.missed();
                         }

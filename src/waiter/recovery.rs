@@ -27,8 +27,7 @@ impl Pool {
                 batch: out,
             } => {
                 if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
-                    // Exact: a batch is out of its lane until it is settled, and then no more its
-                    // lane's.
+                    // Exact: a batch is out of its lane until settled, then no more its lane's.
                     take(&mut lane.out, out.len(), "lane's batched waits");
                 }
                 batch.append(out);

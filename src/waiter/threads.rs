@@ -97,8 +97,7 @@ impl WaiterThread {
     /// Serve lane `key` as `by` until it is empty or no longer this thread's (the steps:
     /// [`crate::waiter`]'s docs).
     fn serve_lane(&mut self, key: LaneKey, by: Server) {
-        // Whether the lane's history, as of its last wait's end, says to offer the next to the
-        // watcher (a lane with no history is offered).
+        // Whether the lane's history, as its last wait ended, says to offer the next to a watcher.
         let mut watch = true;
         let mut wait = self.pool.lock().take_oldest(key, by);
         while let Some(held) = wait.take() {
