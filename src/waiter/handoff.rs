@@ -123,8 +123,7 @@ impl<W: Waitable> Handoff<W> {
         let lane = contain::backend(|| Ok(waitable.lane()))?;
         let name = pool.config().stuck_after.map(|_| {
             let name = contain::backend(|| Ok(waitable.stream_name()));
-            name.unwrap_or_else(|err| format!("a stream ({err})"))
-                .into()
+            std::sync::Arc::from(name.unwrap_or_else(|err| format!("a stream ({err})")))
         });
         let slot = Arc::new(Slot::new(cx.waker().clone()));
         let wait = Wait::new(std::sync::Arc::new(waitable), slot.clone(), lane, name);
