@@ -46,15 +46,15 @@ use crate::ServerError;
 /// events or profiles go on one context.
 #[derive(Clone)]
 pub struct HostContext {
-    shared: Arc<ContextShared>,
+    pub(super) shared: Arc<ContextShared>,
 }
 
 pub(super) struct ContextShared {
-    id: u64,
+    pub(super) id: u64,
     /// The fork generation it was made in (see [`crate::os`]).
     generation: u64,
     /// The first fault's message; set once, never cleared.
-    fault: OnceLock<String>,
+    pub(super) fault: OnceLock<String>,
     /// The context's streams, to fault them all.
     streams: Mutex<Vec<Weak<StreamShared>>>,
 }
@@ -99,27 +99,11 @@ impl HostContext {
 
     /// Whether work on one of this context's streams has panicked.
     pub fn is_faulted(&self) -> bool {
-        self.shared.fault().is_some()
-    }
-
-    pub(super) fn shared(&self) -> &Arc<ContextShared> {
-        &self.shared
-    }
-
-    pub(super) fn from_shared(shared: Arc<ContextShared>) -> Self {
-        Self { shared }
+        self.shared.fault.get().is_some()
     }
 }
 
 impl ContextShared {
-    pub(super) fn id(&self) -> u64 {
-        self.id
-    }
-
-    pub(super) fn fault(&self) -> Option<&String> {
-        self.fault.get()
-    }
-
     /// An error for `call` if the context was made before this process forked: its workers stayed
     /// in the parent, so a wait would never end.
     pub(super) fn not_forked(&self, call: &'static str) -> Result<(), ServerError> {
@@ -137,7 +121,7 @@ impl ContextShared {
     /// An error for `call` when the context is faulted, or was made before this process forked.
     pub(super) fn check(&self, call: &'static str) -> Result<(), ServerError> {
         self.not_forked(call)?;
-        match self.fault() {
+        match self.fault.get() {
             Some(message) => Err(error::faulted(call, message.clone())),
             None => Ok(()),
         }
@@ -163,7 +147,7 @@ impl ContextShared {
             let _ = self.fault.set(message);
             streams.iter().filter_map(Weak::upgrade).collect()
         };
-        let message = self.fault().cloned().unwrap_or_default();
+        let message = self.fault.get().cloned().unwrap_or_default();
         for stream in streams {
             stream.fault_with(&message);
         }

@@ -78,7 +78,7 @@ pub(super) struct EventInner {
     /// The creating stream's counts.
     live: LiveEvents,
     /// The only context it may be recorded on, whose fault it reports.
-    context: Arc<ContextShared>,
+    pub(super) context: Arc<ContextShared>,
     /// For fence events, the pool it goes back to.
     pool: Option<Weak<FencePool>>,
 }
@@ -164,15 +164,6 @@ impl HostEvent {
             .idle
             .give_back(0, self, |idle| pool.live.set_idle(idle));
         drop(full);
-    }
-
-    /// An error for `call` if the event's context predates a fork ([`ContextShared::not_forked`]).
-    pub(super) fn not_forked(&self, call: &'static str) -> Result<(), ServerError> {
-        self.inner.context.not_forked(call)
-    }
-
-    pub(super) fn context(&self) -> u64 {
-        self.inner.context.id()
     }
 
     /// Start a new generation; the caller queues a marker for it on the stream of `worker_key`.
@@ -287,7 +278,7 @@ impl HostEvent {
     /// (`CUDA_ERROR_INVALID_HANDLE`).
     pub(super) fn elapsed(start: &Self, end: &Self) -> Result<Duration, ServerError> {
         const CALL: &str = "event_elapsed";
-        if start.context() != end.context() {
+        if start.inner.context.id != end.inner.context.id {
             return Err(error::call(
                 CALL,
                 error::INVALID_HANDLE,
@@ -338,7 +329,7 @@ mod tests {
 
     fn event() -> HostEvent {
         let context = super::super::HostContext::new();
-        HostEvent::create(false, &LiveEvents::default(), context.shared(), None)
+        HostEvent::create(false, &LiveEvents::default(), &context.shared, None)
     }
 
     #[test]

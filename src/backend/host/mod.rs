@@ -89,7 +89,7 @@ impl EventApi for Host {
 
     /// The number of the stream's [`HostContext`], never given to another.
     fn stream_context(stream: HostStreamHandle) -> Result<u64, ServerError> {
-        Ok(stream.resolve("stream_context")?.context_id())
+        Ok(stream.resolve("stream_context")?.context.id)
     }
 
     /// From the stream's pool of up to 64 idle fence events.
@@ -113,7 +113,7 @@ impl EventApi for Host {
 
     /// Exact: the stream's registry number, never given to two streams.
     fn stream_id(stream: HostStreamHandle) -> u64 {
-        stream.id()
+        stream.id
     }
 
     /// Advanced by the stream's worker as it passes each marker; a dropped stream has none.
@@ -121,7 +121,7 @@ impl EventApi for Host {
         stream
             .resolve("stream_progress")
             .ok()
-            .map(|stream| stream.progress())
+            .map(|stream| ProgressWord::new(stream.progress.clone()))
     }
 
     fn fence_event_record(stream: HostStreamHandle) -> Result<(HostEvent, u64), ServerError> {

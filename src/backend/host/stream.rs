@@ -15,7 +15,7 @@ use crate::api::HostWord;
 use crate::backend::live_events::LiveEvents;
 use crate::backend::registry::Registry;
 use crate::sync::{Condvar, Mutex, MutexGuard};
-use crate::{panics, EventFence, ProgressWord, ServerError};
+use crate::{panics, EventFence, ServerError};
 
 /// Every live host stream, so a copied handle can never dangle.
 static STREAMS: Registry<StreamShared> = Registry::new();
@@ -50,12 +50,13 @@ pub struct HostStream {
 /// does not keep the stream alive.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct HostStreamHandle {
-    id: u64,
+    /// No other stream ever has it.
+    pub(super) id: u64,
 }
 
 pub(super) struct StreamShared {
     state: Mutex<StreamState>,
-    context: Arc<ContextShared>,
+    pub(super) context: Arc<ContextShared>,
     work_queued: Condvar,
     /// Synchronizing threads wait here for the worker's progress.
     progressed: Condvar,
@@ -64,7 +65,7 @@ pub(super) struct StreamShared {
     /// The order of points recorded on this stream, for the waiter.
     sequence: AtomicU64,
     /// The latest point passed, in that order.
-    progress: Arc<HostWord>,
+    pub(super) progress: Arc<HostWord>,
 }
 
 #[derive(Default)]
@@ -102,7 +103,7 @@ impl HostStream {
     }
 
     pub(super) fn on(context: &HostContext) -> Result<Self, ServerError> {
-        let context = context.shared().clone();
+        let context = context.shared.clone();
         let live_events = LiveEvents::default();
         let shared = Arc::new(StreamShared {
             state: Mutex::new(StreamState::default()),
@@ -203,12 +204,14 @@ impl HostStream {
 
     /// Whether work launched on a stream of this stream's context has panicked.
     pub fn is_faulted(&self) -> bool {
-        self.shared.context.fault().is_some()
+        self.shared.context.fault.get().is_some()
     }
 
     /// The context this stream belongs to.
     pub fn context(&self) -> HostContext {
-        HostContext::from_shared(self.shared.context.clone())
+        HostContext {
+            shared: self.shared.context.clone(),
+        }
     }
 }
 
@@ -224,11 +227,6 @@ impl Drop for HostStream {
 }
 
 impl HostStreamHandle {
-    /// No other stream ever has it.
-    pub(super) fn id(self) -> u64 {
-        self.id
-    }
-
     /// The stream's shared state, or an invalid-handle error once dropped.
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<StreamShared>, ServerError> {
         STREAMS
@@ -239,16 +237,8 @@ impl HostStreamHandle {
 }
 
 impl StreamShared {
-    pub(super) fn context_id(&self) -> u64 {
-        self.context.id()
-    }
-
     pub(super) fn next_sequence(&self) -> u64 {
         self.sequence.fetch_add(1, Ordering::Relaxed)
-    }
-
-    pub(super) fn progress(&self) -> ProgressWord {
-        ProgressWord::new(self.progress.clone())
     }
 
     /// A new event of this stream's context; refused once it is faulted.
@@ -295,7 +285,7 @@ impl StreamShared {
     pub(super) fn record(&self, event: &HostEvent) -> Result<u64, ServerError> {
         // Lock order: stream, then event. Under the stream lock, the generation and the sequence
         // keep queue order.
-        if event.context() != self.context.id() {
+        if event.inner.context.id != self.context.id {
             return Err(error::call(
                 "event_record",
                 error::INVALID_HANDLE,
@@ -321,7 +311,7 @@ impl StreamShared {
     /// Queue a wait for the latest record of `event`.
     pub(super) fn wait_event(&self, event: &HostEvent) -> Result<(), ServerError> {
         // An event of the parent's, in a forked child, is never signalled.
-        event.not_forked("stream_wait_event")?;
+        event.inner.context.not_forked("stream_wait_event")?;
         let generation = event.latest_generation();
         if generation == 0 {
             // Never recorded: complete, by the driver's rule.
@@ -407,7 +397,7 @@ impl StreamShared {
             let op = {
                 let mut state = self.state.lock();
                 loop {
-                    if let Some(message) = self.context.fault() {
+                    if let Some(message) = self.context.fault.get() {
                         if !state.queue.is_empty() {
                             // Queued before the fault reached this stream: never runs.
                             drop(state);
