@@ -67,21 +67,32 @@ struct Kernel {
 }
 
 impl Kernel {
-    /// JIT-load `ptx` (NUL-terminated PTX text) into `ctx`, find `name` and load it now, not at
-    /// its first launch (why: [`SleepKernel::new`]; how: `driver::FUNC_LOAD_SYMBOL`).
-    fn load(ctx: &Arc<CudaContext>, ptx: &CStr, name: &CStr) -> Result<Self, ServerError> {
+    /// JIT-load the test module into `ctx`, trying each target, find `name` and load it now, not
+    /// at its first launch (why: [`SleepKernel::new`]; how: `driver::FUNC_LOAD_SYMBOL`).
+    fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Self, ServerError> {
         let bound = bind(ctx)?;
-        // Relaxed: a load can synchronize the context, which could invalidate a capture.
-        let function = bound.relaxed(|driver| {
-            let module = driver.module_load_data(ptx)?;
-            let function = driver.module_get_function(&module, name)?;
-            driver.func_load(&function)?;
-            Ok(function)
-        })?;
-        Ok(Self {
-            function,
-            ctx: HeldContext::from(ctx.clone()),
-        })
+        let mut last = None;
+        for (_, ptx) in ptx_modules() {
+            let ptx = ptx + "\0";
+            let Ok(ptx) = CStr::from_bytes_with_nul(ptx.as_bytes()) else {
+                continue;
+            };
+            // Relaxed: a load can synchronize the context, which could invalidate a capture.
+            let loaded = bound.relaxed(|driver| {
+                let module = driver.module_load_data(ptx)?;
+                let function = driver.module_get_function(&module, name)?;
+                driver.func_load(&function)?;
+                Ok(function)
+            });
+            match loaded {
+                Ok(function) => {
+                    let ctx = HeldContext::from(ctx.clone());
+                    return Ok(Self { function, ctx });
+                }
+                Err(err) => last = Some(err),
+            }
+        }
+        Err(last.unwrap_or_else(|| unavailable("no PTX target could be loaded".to_owned())))
     }
 
     /// Launch on one thread of one block with one `u64` argument.
@@ -94,25 +105,8 @@ impl Kernel {
             ));
         }
         let bound = bind(&self.ctx)?;
-        bound.driver().launch_u64(&self.function, stream, argument)
+        bound.driver.launch_u64(&self.function, stream, argument)
     }
-}
-
-/// Load the test module into `ctx` and find `name`, trying each target.
-fn load(ctx: &Arc<CudaContext>, name: &CStr) -> Result<Kernel, ServerError> {
-    super::driver::driver()?;
-    let mut last = None;
-    for (_, ptx) in ptx_modules() {
-        let ptx = ptx + "\0";
-        let Ok(ptx) = CStr::from_bytes_with_nul(ptx.as_bytes()) else {
-            continue;
-        };
-        match Kernel::load(ctx, ptx, name) {
-            Ok(kernel) => return Ok(kernel),
-            Err(err) => last = Some(err),
-        }
-    }
-    Err(last.unwrap_or_else(|| unavailable("no PTX target could be loaded".to_owned())))
 }
 
 /// The PTX modules the crate ships, `(target, NUL-free PTX text)` in the order they are tried,
@@ -165,7 +159,7 @@ impl SleepKernel {
     /// The driver could not JIT-compile the PTX for this device.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, ServerError> {
         Ok(Self {
-            kernel: load(ctx, c"sleep_ns")?,
+            kernel: Kernel::load(ctx, c"sleep_ns")?,
         })
     }
 
@@ -252,7 +246,7 @@ impl FaultKernel {
     /// The driver could not JIT-compile the PTX for this device.
     pub fn new(ctx: &Arc<CudaContext>) -> Result<Self, ServerError> {
         Ok(Self {
-            kernel: load(ctx, c"write_u32")?,
+            kernel: Kernel::load(ctx, c"write_u32")?,
         })
     }
 
