@@ -23,17 +23,13 @@ use crate::ServerError;
 pub(super) struct Bound {
     /// What was current before, to restore; `None` if it was `ctx` or on the crate's own threads.
     previous: Option<CurrentContext>,
-    driver: Driver,
+    /// The driver, to call while the context is bound.
+    pub(super) driver: Driver,
     /// One of the crate's own threads (already relaxed, see [`relaxed`](Self::relaxed)).
     own: bool,
 }
 
 impl Bound {
-    /// The driver, to call while the context is bound.
-    pub(super) fn driver(&self) -> Driver {
-        self.driver
-    }
-
     /// Make `call`, one of the driver's "potentially unsafe" calls during a graph capture (a query
     /// or a synchronize), in the relaxed capture mode, so it cannot invalidate a capture
     /// (`cuThreadExchangeStreamCaptureMode`: "if any other thread has a concurrent capture sequence

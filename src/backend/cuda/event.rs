@@ -82,7 +82,7 @@ impl CudaEvent {
         live: &LiveEvents,
     ) -> Result<Self, ServerError> {
         let bound = bind(ctx)?;
-        let raw = bound.driver().event_create(flags)?;
+        let raw = bound.driver.event_create(flags)?;
         live.allocated();
         Ok(Self::from_raw(raw, ctx, Some(live)))
     }
@@ -163,7 +163,7 @@ impl CudaEvent {
             ));
         }
         let bound = bind(&self.ctx)?;
-        let driver = bound.driver();
+        let driver = bound.driver;
         let before = driver.stream_capture(CALL, stream)?;
         let previous = std::mem::replace(&mut *self.recorded.lock(), Recorded::Unknown);
         if let Err(refused) = driver.event_record(self.raw(), stream) {
@@ -248,7 +248,7 @@ impl CudaEvent {
     pub(super) fn wait_on(&self, stream: &CudaStream) -> Result<(), ServerError> {
         const CALL: &str = "cuStreamWaitEvent";
         let bound = bind(stream.context())?;
-        let waiting = bound.driver().stream_capture(CALL, stream)?;
+        let waiting = bound.driver.stream_capture(CALL, stream)?;
         let refusal = match (self.recorded(), waiting) {
             (Recorded::Outside, Capture::None) => None,
             (Recorded::Outside, _) => Some(refused(
@@ -282,7 +282,7 @@ impl CudaEvent {
         };
         match refusal {
             Some(err) => Err(err),
-            None => bound.driver().stream_wait_event(stream, self.raw()),
+            None => bound.driver.stream_wait_event(stream, self.raw()),
         }
     }
 
@@ -292,10 +292,7 @@ impl CudaEvent {
             return Ok(false);
         };
         let bound = bind(origin.context())?;
-        Ok(bound
-            .driver()
-            .stream_capture("cuStreamWaitEvent", &origin)?
-            == Capture::Active(id))
+        Ok(bound.driver.stream_capture("cuStreamWaitEvent", &origin)? == Capture::Active(id))
     }
 
     /// Milliseconds from `start` to `self`; refused first across contexts, as the driver would.

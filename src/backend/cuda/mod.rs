@@ -288,9 +288,10 @@ impl EventApi for Cuda {
     }
 
     /// Exact: the stream's registry number and, for a per-thread default stream, its thread's
-    /// number, side by side.
+    /// number, side by side. Both are counters from 1 (the registry's, times its 16 shards, plus
+    /// the shard; the thread's, or 0 if not per-thread), far below 2^32 in any process.
     fn stream_id(stream: CudaStreamHandle) -> u64 {
-        stream.lane_id()
+        stream.id | stream.thread << 32
     }
 
     /// The stream's progress word, once a fence wrote it; the first ask installs one for later

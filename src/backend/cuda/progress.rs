@@ -129,7 +129,7 @@ impl StreamWord {
             return false;
         };
         let written = bound
-            .driver()
+            .driver
             .stream_write_value64(stream, &word.memory, value);
         let mut state = self.0.lock();
         match written {
@@ -265,7 +265,7 @@ impl PoolWords {
     /// context's work (see the module's docs).
     pub(super) fn take(&self, stream: &Arc<CudaStream>) -> Result<Arc<SlabWord>, ServerError> {
         let bound = bind(stream.context())?;
-        let driver = bound.driver();
+        let driver = bound.driver;
         let device = stream.context().cu_device();
         for (attribute, name) in ATTRIBUTES {
             if driver.device_attribute(attribute, device)? == 0 {

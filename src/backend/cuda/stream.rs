@@ -147,9 +147,9 @@ impl word_thread::Request for WordFor {
 /// ```
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct CudaStreamHandle {
-    id: u64,
+    pub(super) id: u64,
     /// Per-thread default stream: the thread the handle belongs to (see [`thread_key`]); else 0.
-    thread: u64,
+    pub(super) thread: u64,
 }
 
 /// `CU_STREAM_PER_THREAD`, as the driver API defines it.
@@ -196,14 +196,6 @@ impl CudaStreamHandle {
         STREAMS.get(self.id).map(|(stream, _)| stream)
     }
 
-    /// A number no other stream alive at the same time has, a per-thread default stream counting as
-    /// one stream per thread (see [`EventApi::stream_id`](crate::EventApi::stream_id)).
-    pub(super) fn lane_id(self) -> u64 {
-        // Both are counters from 1 (the registry's, times its 16 shards, plus the shard; the
-        // thread's, or 0 if not per-thread), far below 2^32 in any process: the number is exact.
-        self.id | self.thread << 32
-    }
-
     /// The stream, or an invalid-handle error once it was dropped or on another thread's
     /// per-thread default stream.
     pub(super) fn resolve(self, call: &'static str) -> Result<Arc<CudaStream>, ServerError> {
@@ -235,11 +227,7 @@ impl CudaStreamHandle {
 /// invalidate the capture.
 pub(super) fn synchronize_stream(stream: &CudaStream) -> Result<(), ServerError> {
     let bound = bind(stream.context())?;
-    if bound
-        .driver()
-        .stream_capture("cuStreamSynchronize", stream)?
-        != Capture::None
-    {
+    if bound.driver.stream_capture("cuStreamSynchronize", stream)? != Capture::None {
         return Err(refused(
             "cuStreamSynchronize",
             sys::CUresult::CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
