@@ -367,10 +367,6 @@ impl<A: EventApi> EventPair<A> {
         self.end.as_ref().expect("emptied only by its drop")
     }
 
-    fn both_complete(&self) -> Result<bool, ServerError> {
-        Ok(self.start().is_complete()? && self.end().is_complete()?)
-    }
-
     /// The start may be on another, busier stream than the stop.
     fn wait_both(&self) -> Result<(), ServerError> {
         self.start().wait_sync()?;
@@ -422,9 +418,10 @@ impl<A: EventApi> Waitable for PairWait<A> {
     }
 
     fn query(&self) -> Result<bool, ServerError> {
-        self.pair
-            .upgrade()
-            .map_or(Ok(true), |pair| pair.both_complete())
+        let Some(pair) = self.pair.upgrade() else {
+            return Ok(true);
+        };
+        Ok(pair.start().is_complete()? && pair.end().is_complete()?)
     }
 
     fn block(&self) -> Result<(), ServerError> {
