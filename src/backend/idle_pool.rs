@@ -29,11 +29,6 @@ impl<T, const SHARDS: usize> IdlePool<T, SHARDS> {
         }
     }
 
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn home(&self) -> usize {
-        crate::sync::shards::home(SHARDS)
-    }
-
     /// An idle item from `shard`, else from another. `counted` is told the length of the shard it
     /// came from, under that shard's lock (a gauge kept in step).
     pub(crate) fn take(&self, shard: usize, counted: impl Fn(usize)) -> Option<T> {

@@ -105,7 +105,7 @@ impl FencePool {
         ctx: &Arc<CudaContext>,
         live: &LiveEvents,
     ) -> Result<CudaEvent, ServerError> {
-        let shard = self.idle.home();
+        let shard = crate::sync::shards::home(FENCE_POOL_SHARDS);
         let event = match self.idle.take(shard, |_| {}) {
             Some(IdleEvent(raw)) => {
                 live.reused();
