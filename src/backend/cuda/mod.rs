@@ -5,12 +5,8 @@
 //! context back; for contexts and threads, default streams, faults and graph capture, see the
 //! CUDA guide, docs/cuda.md.
 //!
-//! Where the device supports 64-bit stream memory operations and mapped host memory, a stream a
-//! waiter asks about also keeps a progress word: each fence's record is followed by a
-//! `cuStreamWriteValue64` of its number into page-locked host memory, which the waiter's watcher
-//! (`WaiterBuilder::watchers`) and a spinning first poll (`WaiterBuilder::spin_budget`) read,
-//! querying the event once the word says the stream got there. Never on a capturing stream; any
-//! refusal leaves the stream's fences on events alone.
+//! Where the device allows, a stream the waiter's watcher or a spinning first poll reads also
+//! keeps a progress word, which tells with a load that a fence was passed (see the CUDA guide).
 //!
 //! From cudarc, a fence is one call:
 //!
