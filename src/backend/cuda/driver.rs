@@ -33,7 +33,6 @@
 #![allow(unsafe_code)]
 
 use std::ffi::{c_char, c_int, c_uint, c_void, CStr};
-use std::fmt;
 use std::ptr::{self, NonNull};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::OnceLock;
@@ -520,6 +519,7 @@ impl CurrentContext {
 /// An event made by [`Driver::event_create`], destroyed only by [`Driver::event_destroy`] (by
 /// value); dropped, it is forgotten (its context frees it). It is called through only while a
 /// [`CudaEvent`](super::CudaEvent) holds it, and so its context, alive.
+#[derive(Debug)]
 pub(super) struct RawEvent(sys::CUevent);
 
 // SAFETY: a CUevent is a driver handle, not memory this process reads; the driver API is
@@ -527,12 +527,6 @@ pub(super) struct RawEvent(sys::CUevent);
 unsafe impl Send for RawEvent {}
 // SAFETY: as for `Send`; the driver serializes concurrent calls on one event.
 unsafe impl Sync for RawEvent {}
-
-impl fmt::Debug for RawEvent {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&self.0, f)
-    }
-}
 
 /// A module loaded by [`Driver::module_load_data`]. Never unloaded: `cuModuleUnload` makes no
 /// promise about launches still queued, and a module goes with its context anyway.
@@ -672,12 +666,6 @@ impl MappedWord {
 extern "C" fn stop_word_access() {
     if let Some(&generation) = EXIT_HANDLER_GENERATION.get() {
         WORD_ACCESS.close(generation);
-    }
-}
-
-impl fmt::Debug for MappedWord {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "MappedWord({:p})", self.host)
     }
 }
 
