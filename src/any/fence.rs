@@ -1,7 +1,5 @@
 //! [`AnyFence`]: one fence type for either backend, not generic over [`EventApi`](crate::EventApi).
 
-use std::fmt;
-
 use super::stream::AnyStream;
 #[cfg(feature = "cuda")]
 use crate::cuda::Cuda;
@@ -146,11 +144,7 @@ impl From<EventFence<Host>> for AnyFence {
     }
 }
 
-impl fmt::Debug for AnyFence {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match_backend!(self, AnyFence(fence) => fence.fmt(f))
-    }
-}
+any_debug!(AnyFence(AnyFence));
 
 /// The future of [`AnyFence::wait`] and `fence.await`, with [`FenceFuture`]'s errors.
 ///

@@ -5,13 +5,14 @@
 //! - `stream.rs`: [`AnyStream`], which makes them;
 //! - `profiler.rs`: [`AnyProfiler`], an [`EventProfiler`](crate::EventProfiler) per backend.
 
-/// `Debug` of `Any*` wrappers of an enum (`$inner`) of each backend's value: that value's.
+/// `Debug` of `Any*` enums (`$inner`) of each backend's value, or of wrappers of one (its field
+/// `.0`): that value's.
 #[cfg(multi_threading)]
 macro_rules! any_debug {
-    ($($any:ident($inner:ident)),+) => {$(
+    ($($any:ident$(.$field:tt)?($inner:ident)),+) => {$(
         impl std::fmt::Debug for $any {
             fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                match_backend!(&self.0, $inner(inner) => inner.fmt(f))
+                match_backend!(&self$(.$field)?, $inner(inner) => inner.fmt(f))
             }
         }
     )+};
@@ -64,7 +65,7 @@ macro_rules! any_future {
             }
         }
 
-        any_debug!($future($inner));
+        any_debug!($future.0($inner));
     };
 }
 

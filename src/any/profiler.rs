@@ -193,7 +193,7 @@ enum Reading {
 }
 
 any_future!(AnyProfile.0(Stopped) => AnyProfileFuture(Reading) -> Result<Duration, ServerError>);
-any_debug!(AnyProfileStart(Start), AnyProfile(Stopped));
+any_debug!(AnyProfileStart.0(Start), AnyProfile.0(Stopped));
 
 impl fmt::Debug for AnyProfiler {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
