@@ -66,11 +66,7 @@ impl<T, X: Clone> Registry<T, X> {
         if let Some(found) = shard.known(address) {
             return found;
         }
-        let swept = if shard.by_id.len() >= shard.sweep_at {
-            shard.sweep()
-        } else {
-            Vec::new()
-        };
+        let swept = (shard.by_id.len() >= shard.sweep_at).then(|| shard.sweep());
         let id = (self.next.fetch_add(1, Ordering::Relaxed) << SHARD_BITS) | index as u64;
         shard
             .by_id
@@ -115,22 +111,16 @@ impl<T, X: Clone> Shard<T, X> {
     }
 
     /// Take out the entries whose value is gone, for the caller to drop after the lock.
-    fn sweep(&mut self) -> Vec<(Weak<T>, X)> {
-        let gone: Vec<u64> = self
-            .by_id
-            .iter()
-            .filter(|(_, (weak, _))| weak.strong_count() == 0)
-            .map(|(id, _)| *id)
-            .collect();
-        let mut swept = Vec::with_capacity(gone.len());
-        for id in gone {
-            if let Some(entry) = self.by_id.remove(&id) {
-                self.by_address.remove(&(entry.0.as_ptr() as usize));
-                swept.push(entry);
-            }
+    fn sweep(&mut self) -> BTreeMap<u64, (Weak<T>, X)> {
+        let (live, gone): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut self.by_id)
+            .into_iter()
+            .partition(|(_, (weak, _))| weak.strong_count() > 0);
+        self.by_id = live;
+        for (weak, _) in gone.values() {
+            self.by_address.remove(&(weak.as_ptr() as usize));
         }
         self.sweep_at = (self.by_id.len() * 2).max(FIRST_SWEEP);
-        swept
+        gone
     }
 }
 
