@@ -175,11 +175,7 @@ impl<A: EventApi> EventFence<A> {
     /// the API call", `cuEventRecord` in the CUDA driver API), so the same fence serves on
     /// (another wait, an await, a drop queue) with no second event recorded.
     ///
-    /// Streams for stages: a device-side wait holds back everything queued on `stream` after it,
-    /// other requests' work included, so routing each request's stage two to the next stream of
-    /// a shared pool serializes requests behind each other's stage one. Give each request in
-    /// flight its own streams, or queue stage two behind stage one on the same stream (ordered at
-    /// no cost), and keep `wait_async` for joining work that must run on another stream.
+    /// Which streams to give a request's stages: the service guide's Deadlines, docs/service.md.
     ///
     /// ```
     /// use device_events::host::HostStream;
