@@ -348,11 +348,7 @@ impl Drop for CudaEvent {
 
 impl fmt::Debug for CudaEvent {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut event = f.debug_struct("CudaEvent");
-        if let Some(raw) = &self.raw {
-            event.field("raw", raw);
-        }
-        event.finish()
+        f.debug_tuple("CudaEvent").field(self.raw()).finish()
     }
 }
 
