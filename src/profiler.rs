@@ -108,14 +108,11 @@ pub struct Profile<A: EventApi> {
     sequence: u64,
 }
 
-/// The two events of a measurement; back to the pool when the last holder (the caller, or a
-/// waiter thread) drops it.
+/// The two events of a measurement, each held as a [`ProfileStart`] is: back to its pool when the
+/// last holder (the caller, or a waiter thread) drops the pair.
 struct EventPair<A: EventApi> {
-    start: Option<Event<A>>,
-    end: Option<Event<A>>,
-    /// The context keys of `start` and `end`.
-    keys: [u64; 2],
-    pool: Arc<EventPool<A>>,
+    start: ProfileStart<A>,
+    end: ProfileStart<A>,
 }
 
 impl<A: EventApi> EventProfiler<A> {
@@ -147,13 +144,7 @@ impl<A: EventApi> EventProfiler<A> {
     /// [`ServerError::InvalidArgument`] when the backend gives two contexts one key (the default
     /// [`EventApi::stream_context`]) and the idle events are of the other.
     pub fn start(&self, stream: A::Stream) -> Result<ProfileStart<A>, ServerError> {
-        let key = A::stream_context(stream)?;
-        let (event, _sequence) = self.pool.record(key, stream)?;
-        Ok(ProfileStart {
-            event: Some(event),
-            key,
-            pool: self.pool.clone(),
-        })
+        Ok(self.record(stream)?.0)
     }
 
     /// Record the end of `start` at the current end of `stream` (usually the one it started on).
@@ -163,21 +154,27 @@ impl<A: EventApi> EventProfiler<A> {
     /// As for [`start`](Self::start); `start`'s event goes back to the pool.
     pub fn stop(
         &self,
-        mut start: ProfileStart<A>,
+        start: ProfileStart<A>,
         stream: A::Stream,
     ) -> Result<Profile<A>, ServerError> {
-        let key = A::stream_context(stream)?;
-        let (end, sequence) = self.pool.record(key, stream)?;
+        let (end, sequence) = self.record(stream)?;
         Ok(Profile {
-            pair: Arc::new(EventPair {
-                start: start.event.take(),
-                end: Some(end),
-                keys: [start.key, key],
-                pool: self.pool.clone(),
-            }),
+            pair: Arc::new(EventPair { start, end }),
             stream,
             sequence,
         })
+    }
+
+    /// A pooled timing event recorded at the current end of `stream`, with the record's sequence.
+    fn record(&self, stream: A::Stream) -> Result<(ProfileStart<A>, u64), ServerError> {
+        let key = A::stream_context(stream)?;
+        let (event, sequence) = self.pool.record(key, stream)?;
+        let start = ProfileStart {
+            event: Some(event),
+            key,
+            pool: self.pool.clone(),
+        };
+        Ok((start, sequence))
     }
 
     /// Idle events in the pool now, over all contexts.
@@ -360,11 +357,11 @@ impl<A: EventApi> crate::waiter::Awaitable for Profile<A> {
 
 impl<A: EventApi> EventPair<A> {
     fn start(&self) -> &Event<A> {
-        self.start.as_ref().expect("emptied only by its drop")
+        self.start.event.as_ref().expect("emptied only by its drop")
     }
 
     fn end(&self) -> &Event<A> {
-        self.end.as_ref().expect("emptied only by its drop")
+        self.end.event.as_ref().expect("emptied only by its drop")
     }
 
     /// The start may be on another, busier stream than the stop.
@@ -375,17 +372,6 @@ impl<A: EventApi> EventPair<A> {
 
     fn elapsed(&self) -> Result<Duration, ServerError> {
         self.end().elapsed_since(self.start())
-    }
-}
-
-impl<A: EventApi> Drop for EventPair<A> {
-    fn drop(&mut self) {
-        let [start_key, end_key] = self.keys;
-        for (key, event) in [(start_key, self.start.take()), (end_key, self.end.take())] {
-            if let Some(event) = event {
-                self.pool.give_back(key, event);
-            }
-        }
     }
 }
 
