@@ -309,26 +309,19 @@ pub(super) fn take(count: &mut usize, n: usize, what: &'static str) {
     };
 }
 
-/// Out of line, with its arguments by value: the hot path is one compare and branch.
+/// Out of line, with its arguments by value, so the hot path is one compare and branch: a panic,
+/// which the thread's recovery contains as any other; logged instead on a thread already unwinding
+/// (recovery itself), where a second panic would abort.
 #[cold]
 #[inline(never)]
 #[track_caller]
 fn below_zero(count: usize, n: usize, what: &'static str) -> usize {
-    broken(format_args!("{what} count below zero ({count} - {n})"));
-    0
-}
-
-/// A broken invariant of the waiter's counts: a panic, which the thread's recovery contains as any
-/// other; logged instead on a thread already unwinding (recovery itself), where a second panic
-/// would abort.
-#[cold]
-#[inline(never)]
-#[track_caller]
-fn broken(what: std::fmt::Arguments<'_>) {
+    let what = format_args!("{what} count below zero ({count} - {n})");
     if !std::thread::panicking() {
         panic!("a bug in the waiter: {what}");
     }
     crate::panics::log(|| log::error!("a bug in the waiter, found in a thread's recovery: {what}"));
+    0
 }
 
 impl Invariants for State {
