@@ -219,8 +219,7 @@ impl State {
     /// (none: at once): wake it if it waits and would not wake by then anyway, or start it.
     pub(super) fn watcher_for_work(&mut self, looks_from: Option<Instant>) -> Action {
         let watcher = &mut self.watcher;
-        let spawn_watcher = !watcher.running;
-        watcher.running = true;
+        let spawn_watcher = !std::mem::replace(&mut watcher.running, true);
         let wakes_in_time = matches!(
             (looks_from, watcher.nap_until),
             (Some(looks_from), Some(until)) if until <= looks_from
@@ -286,12 +285,9 @@ impl State {
         let queued = self.for_threads.pop_front();
         let key = match queued.or_else(|| self.for_poller.pop_front()) {
             Some(key) => key,
-            None if self.poller => {
-                let mut lanes = self.lanes.iter();
-                let (&key, _) =
-                    lanes.find(|(_, lane)| lane.server == Server::Poller && lane.out == 0)?;
-                key
-            }
+            None if self.poller => self.lanes.iter().find_map(|(&key, lane)| {
+                (lane.server == Server::Poller && lane.out == 0).then_some(key)
+            })?,
             None => return None,
         };
         self.lanes.get_mut(&key).expect("a queued lane").server = server;
