@@ -18,17 +18,16 @@ const BATCH: usize = 256;
 /// gets here: the pool refuses it).
 pub(super) fn act(pool: &Pool, action: Action) {
     pool.notify(&action);
-    let name = &pool.config().thread_name;
-    let threads = action
-        .spawn_thread
-        .map(|n| (format!("{name}-{n}"), Role::Lane(n)));
-    let poller = action
-        .spawn_poller
-        .then(|| (format!("{name}-poller"), Role::Poller));
-    let watcher = action
-        .spawn_watcher
-        .then(|| (format!("{name}-watcher"), Role::Watcher));
-    for (name, role) in threads.into_iter().chain(poller).chain(watcher) {
+    let lane = action.spawn_thread.map(Role::Lane);
+    let poller = action.spawn_poller.then_some(Role::Poller);
+    let watcher = action.spawn_watcher.then_some(Role::Watcher);
+    let prefix = &pool.config().thread_name;
+    for role in lane.into_iter().chain(poller).chain(watcher) {
+        let name = match role {
+            Role::Lane(n) => format!("{prefix}-{n}"),
+            Role::Poller => format!("{prefix}-poller"),
+            Role::Watcher => format!("{prefix}-watcher"),
+        };
         let worker = pool.clone();
         let spawned = thread::Builder::new()
             .name(name)
