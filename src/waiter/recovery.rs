@@ -21,17 +21,14 @@ impl Pool {
                 crate::panics::log(|| log::error!("a waiter thread could not be started: {err}"));
                 Some(err)
             }
-            Lost::Unwound {
-                lanes,
-                batch_lane,
-                batch: out,
-            } => {
+            Lost::Unwound(thread) => {
+                let batch_lane = thread.batch_lane.take();
                 if let Some(lane) = batch_lane.and_then(|key| state.lanes.get_mut(&key)) {
                     // Exact: a batch is out of its lane until settled, then no more its lane's.
-                    take(&mut lane.out, out.len(), "lane's batched waits");
+                    take(&mut lane.out, thread.batch.len(), "lane's batched waits");
                 }
-                batch.append(out);
-                for &key in lanes {
+                batch.append(&mut thread.batch);
+                for &key in &thread.lanes {
                     let server = role.server();
                     let Some(lane) = server.and_then(|server| state.lane_of(key, server)) else {
                         continue;
@@ -110,13 +107,9 @@ impl Drop for WaiterThread {
                 self.role
             );
         });
-        let lost = Lost::Unwound {
-            lanes: &self.lanes,
-            batch_lane: self.batch_lane.take(),
-            batch: &mut self.batch,
-        };
-        for action in self.pool.recover(self.role, lost) {
-            act(&self.pool, action);
+        let pool = self.pool.clone();
+        for action in pool.recover(self.role, Lost::Unwound(self)) {
+            act(&pool, action);
         }
     }
 }

@@ -44,12 +44,8 @@ pub(super) fn act(pool: &Pool, action: Action) {
 pub(super) enum Lost<'a> {
     /// The OS would not start it.
     NotStarted(std::io::Error),
-    /// It unwound (a bug in the waiter) serving `lanes`, with `batch` out of `batch_lane`.
-    Unwound {
-        lanes: &'a [LaneKey],
-        batch_lane: Option<LaneKey>,
-        batch: &'a mut Vec<Wait>,
-    },
+    /// It unwound (a bug in the waiter), with the lanes and batch it held.
+    Unwound(&'a mut WaiterThread),
 }
 
 /// A waiter thread's lanes and batch, which [`Pool::recover`] gives back if it unwinds.
