@@ -44,14 +44,10 @@ impl Pool {
                 None
             }
         };
-        let entries = match role {
-            Role::Watcher => std::mem::take(&mut state.watcher.list),
-            Role::Lane(_) => {
-                queued.extend(state.for_threads.drain(..));
-                Vec::new()
-            }
-            Role::Poller => Vec::new(),
-        };
+        if let Role::Lane(_) = role {
+            queued.extend(state.for_threads.drain(..));
+        }
+        let entries = (role == Role::Watcher).then(|| std::mem::take(&mut state.watcher.list));
         let mut actions = Vec::new();
         if refused.is_some() && matches!(role, Role::Lane(_)) {
             state.for_poller.extend(queued);
@@ -73,7 +69,7 @@ impl Pool {
             left.extend(std::mem::take(&mut state.withdrawn));
         }
         drop(state);
-        entries.into_iter().for_each(contain::drop);
+        entries.into_iter().flatten().for_each(contain::drop);
         let failure = match refused {
             Some(err) => ServerError::ThreadSpawn {
                 component: "Waiter",
