@@ -37,14 +37,10 @@ use crate::{EventApi, EventFence, ServerError};
 /// waker or an event's release is logged once and costs only that wait.
 #[must_use = "futures do nothing unless you .await or poll them"]
 pub struct FenceFuture<A: EventApi> {
-    handoff: Handoff<EventFence<A>>,
+    pub(super) handoff: Handoff<EventFence<A>>,
 }
 
 impl<A: EventApi> FenceFuture<A> {
-    pub(super) fn new(handoff: Handoff<EventFence<A>>) -> Self {
-        Self { handoff }
-    }
-
     /// Block the calling thread, asleep, until the fence is reached or `timeout` passes (a watchdog
     /// on a kernel that may hang). `None` when the time ran out: the future is left to wait on
     /// again, or to drop.

@@ -247,7 +247,8 @@ impl<A: EventApi> Awaitable for EventFence<A> {
     type Future = FenceFuture<A>;
 
     fn wait_on(self, waiter: &Waiter) -> FenceFuture<A> {
-        FenceFuture::new(waiter.handoff(self))
+        let handoff = waiter.handoff(self);
+        FenceFuture { handoff }
     }
 }
 
