@@ -4,7 +4,6 @@
 use std::time::{Duration, Instant};
 
 use super::contain;
-use super::pool::Pool;
 use super::state::{Role, Server};
 use super::threads::{Resolved, WaiterThread};
 use super::wait::Wait;
@@ -19,19 +18,6 @@ const POLLER_LINGER_ROUNDS: u32 = if cfg!(device_events_loom) { 0 } else { 6 };
 /// How often the poller looks for stalls past `stuck_after`.
 pub(super) fn looks_every(stuck_after: Duration) -> Duration {
     (stuck_after / 4).max(Duration::from_millis(1))
-}
-
-impl Pool {
-    /// The poller sleeps up to `pause` between rounds, unless work came.
-    pub(super) fn poller_pause(&self, pause: Duration) {
-        let state = self.lock();
-        if state.for_poller.is_empty() && state.withdrawn.is_empty() && !state.shutdown {
-            // Under loom a zero timeout is a yield: the model explores both.
-            #[cfg(device_events_loom)]
-            let pause = pause.min(Duration::ZERO);
-            drop(state.wait_timeout(&self.shared.poller_work, pause));
-        }
-    }
 }
 
 impl WaiterThread {
@@ -72,7 +58,7 @@ impl WaiterThread {
             if progressed {
                 backoff = POLL_BACKOFF_MIN;
             } else {
-                self.pool.poller_pause(pause);
+                self.poller_pause(pause);
                 backoff = (backoff * 2).min(POLL_BACKOFF_MAX);
             }
         }
@@ -103,5 +89,16 @@ impl WaiterThread {
             self.pool.shared.work.notify_one();
         }
         Some(withdrawn)
+    }
+
+    /// Sleep up to `pause` between rounds, unless work came.
+    fn poller_pause(&self, pause: Duration) {
+        let state = self.pool.lock();
+        if state.for_poller.is_empty() && state.withdrawn.is_empty() && !state.shutdown {
+            // Under loom a zero timeout is a yield: the model explores both.
+            #[cfg(device_events_loom)]
+            let pause = pause.min(Duration::ZERO);
+            drop(state.wait_timeout(&self.pool.shared.poller_work, pause));
+        }
     }
 }
