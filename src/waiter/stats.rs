@@ -139,26 +139,21 @@ impl Counters {
 
     /// `gauges` with the counters, read in the order the type's docs say.
     pub(crate) fn read(&self, gauges: WaiterStats) -> WaiterStats {
-        let sum = |field: fn(&Stripe) -> &AtomicU64| -> u64 {
-            self.stripes.iter().map(|s| field(s).load(Acquire)).sum()
+        let sum = |field: &dyn Fn(&Stripe) -> &AtomicU64| -> u64 {
+            let counts = self.stripes.iter().map(|s| field(s).load(Acquire));
+            counts.fold(0, u64::saturating_add)
         };
-        let mut buckets = [0u64; LATENCY_BUCKETS];
-        let mut sum_nanos = 0u64;
-        for stripe in self.stripes.iter() {
-            for (total, count) in buckets.iter_mut().zip(&stripe.latency) {
-                *total = total.saturating_add(count.load(Acquire));
-            }
-            sum_nanos = sum_nanos.saturating_add(stripe.latency_sum_nanos.load(Relaxed));
-        }
+        let buckets = std::array::from_fn(|bucket| sum(&|stripe| &stripe.latency[bucket]));
+        let sum_nanos = sum(&|stripe| &stripe.latency_sum_nanos);
         // Read in the order written: `watched` (counted after its `resolved`), the outcomes, then
         // the hand-offs.
         WaiterStats {
-            watched: sum(|stripe| &stripe.watched),
-            resolved: sum(|stripe| &stripe.resolved),
-            failed: sum(|stripe| &stripe.failed),
-            cancelled: sum(|stripe| &stripe.cancelled),
-            ready_at_first_poll: sum(|stripe| &stripe.ready_at_first_poll),
-            handed_off: sum(|stripe| &stripe.handed_off),
+            watched: sum(&|stripe| &stripe.watched),
+            resolved: sum(&|stripe| &stripe.resolved),
+            failed: sum(&|stripe| &stripe.failed),
+            cancelled: sum(&|stripe| &stripe.cancelled),
+            ready_at_first_poll: sum(&|stripe| &stripe.ready_at_first_poll),
+            handed_off: sum(&|stripe| &stripe.handed_off),
             watcher_cpu: Duration::from_nanos(self.watcher_cpu_nanos.load(Relaxed)),
             wake_latency: LatencyHistogram::new(buckets, sum_nanos),
             ..gauges
