@@ -60,14 +60,13 @@ impl LatencyHistogram {
         }
         // 1-based, and at most the count (past 2^53 the float may round up).
         let rank = ((percentile / 100.0 * count as f64).ceil() as u64).clamp(1, count);
-        let mut seen = 0;
-        for (index, &bucket) in self.buckets.iter().enumerate() {
-            seen = bucket.saturating_add(seen);
-            if seen >= rank {
-                return Some(Self::upper_bound(index).unwrap_or(Duration::MAX));
-            }
-        }
-        Some(Duration::MAX) // not reached: the rank is at most the count
+        let mut seen = 0u64;
+        let index = self.buckets.iter().position(|&bucket| {
+            seen = seen.saturating_add(bucket);
+            seen >= rank
+        });
+        // Found: the rank is at most the count.
+        Some(index.and_then(Self::upper_bound).unwrap_or(Duration::MAX))
     }
 
     /// The bucket `duration` falls in.

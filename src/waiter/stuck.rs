@@ -33,13 +33,11 @@ pub struct StuckWait {
 pub(super) fn warn(waiter: &str, after: Duration, wait: &StuckWait) {
     let dropped = " (its future was dropped, and the stream is still held on it)";
     let given_up = if wait.given_up { dropped } else { "" };
+    let (stream, waited, behind) = (&wait.stream, wait.waited, wait.behind);
     panics::log(|| {
         log::warn!(
-            "waiter {waiter:?}: a wait on {} has been pending for {:?} (stuck_after \
-             {after:?}){given_up}, with {} more queued behind it",
-            wait.stream,
-            wait.waited,
-            wait.behind
+            "waiter {waiter:?}: a wait on {stream} has been pending for {waited:?} (stuck_after \
+             {after:?}){given_up}, with {behind} more queued behind it"
         );
     });
 }
