@@ -321,10 +321,8 @@ impl Pool {
             } else {
                 state.idle += 1;
                 let keep_alive = self.shared.config.keep_alive;
-                let (woken, timeout) = state.wait_timeout(&self.shared.work, keep_alive);
-                state = woken;
+                (state, timed_out) = state.wait_timeout(&self.shared.work, keep_alive);
                 state.woke();
-                timed_out = timeout;
             }
         }
     }
