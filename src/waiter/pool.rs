@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use super::contain;
 use super::slot::Slot;
 use super::state::{take, Action, Role, Server, State};
-use super::stats::{self, Counters, WaiterStats};
+use super::stats::{Counters, WaiterStats};
 use super::stuck::{self, StuckWait};
 use super::wait::{Place, Wait};
 use super::waitable::LaneKey;
@@ -365,12 +365,19 @@ impl Pool {
         }
     }
 
-    /// [`stats::gauges`] under the lock (none in a forked child).
+    /// [`WaiterStats`]' threads and pending waits, read under the lock (none in a forked child).
     pub(crate) fn gauges(&self) -> WaiterStats {
+        let mut gauges = WaiterStats::default();
         if self.is_forked() {
-            return WaiterStats::default();
+            return gauges;
         }
-        stats::gauges(&self.lock())
+        let state = self.lock();
+        (gauges.threads, gauges.peak_threads) = (state.threads(), state.peak_threads);
+        for lane in state.lanes.values() {
+            gauges.pending += lane.pending();
+            gauges.cancelled_held += usize::from(lane.held_given_up());
+        }
+        gauges
     }
 }
 

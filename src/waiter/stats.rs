@@ -1,10 +1,9 @@
-//! [`WaiterStats`]: its gauges, read from the state, and the striped [`Counters`] behind it.
+//! [`WaiterStats`] and the striped [`Counters`] behind it (its gauges: `Pool::gauges`).
 
 use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::{Acquire, Relaxed, Release};
 use std::time::{Duration, Instant};
 
-use super::state::State;
 use crate::waiter::latency_histogram::{LatencyHistogram, LATENCY_BUCKETS};
 
 /// A snapshot of a [`Waiter`](super::Waiter): [`Waiter::stats`](super::Waiter::stats).
@@ -56,17 +55,6 @@ pub struct WaiterStats {
     /// device's work left at the hand-off, plus the wake-up. A tail far above the work's own length
     /// means slow wake-ups (an overloaded host, or more busy streams than `max_threads`).
     pub wake_latency: LatencyHistogram,
-}
-
-/// [`WaiterStats`]' threads and pending waits, as `state` has them.
-pub(super) fn gauges(state: &State) -> WaiterStats {
-    let mut gauges = WaiterStats::default();
-    (gauges.threads, gauges.peak_threads) = (state.threads(), state.peak_threads);
-    for lane in state.lanes.values() {
-        gauges.pending += lane.pending();
-        gauges.cancelled_held += usize::from(lane.held_given_up());
-    }
-    gauges
 }
 
 /// Stripes, one per thread's [`crate::sync::shards::home`]: executor and waiter threads do not
