@@ -44,10 +44,9 @@ impl LatencyHistogram {
     /// The count in each bucket, with the bucket's upper bound (exclusive; `None` for the last,
     /// which has none).
     pub fn buckets(&self) -> impl Iterator<Item = (Option<Duration>, u64)> + '_ {
-        self.buckets
-            .iter()
-            .enumerate()
-            .map(|(index, &count)| (Self::upper_bound(index), count))
+        (0..LATENCY_BUCKETS)
+            .map(Self::upper_bound)
+            .zip(self.buckets)
     }
 
     /// The upper bound of the bucket that holds the `percentile`-th duration (0 to 100): at least

@@ -136,11 +136,10 @@ impl Pool {
         let place = wait.place;
         // Counted before any thread can take it, so its outcome comes after.
         self.shared.counters.handed_off();
-        if !state.insert(wait) {
-            return Ok((place, Action::default()));
-        }
         let max_threads = self.shared.config.max_threads;
-        Ok((place, state.place(key, max_threads, self.reports_stuck())))
+        let made = state.insert(wait);
+        let action = made.then(|| state.place(key, max_threads, self.reports_stuck()));
+        Ok((place, action.unwrap_or_default()))
     }
 
     /// The future of the wait at `place` in `key` was dropped: take it out (unless a thread holds

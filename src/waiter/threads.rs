@@ -136,13 +136,10 @@ impl WaiterThread {
             return (contain::backend(|| wait.waitable.block()), None);
         }
         let started = self.pool.now();
-        if watch {
-            let word = contain::backend(|| Ok(wait.waitable.progress()));
-            if let Some(word) = word.ok().flatten() {
-                if let Some(action) = self.pool.watch(wait, &word, started) {
-                    act(&self.pool, action);
-                }
-            }
+        let word = watch.then(|| contain::backend(|| Ok(wait.waitable.progress())));
+        let word = word.and_then(|word| word.ok().flatten());
+        if let Some(action) = word.and_then(|word| self.pool.watch(wait, &word, started)) {
+            act(&self.pool, action);
         }
         let result = contain::backend(|| wait.waitable.block());
         let took = self.pool.now().saturating_duration_since(started);

@@ -92,8 +92,7 @@ impl Pool {
         let (mut state, timed_out) = state.wait_until(&self.shared.watch_work, until, clock);
         let watcher = &mut state.watcher;
         // Cleared by whoever decided to wake it, whether or not its notification came in time.
-        let wake_sent = !watcher.waits;
-        watcher.waits = false;
+        let wake_sent = !std::mem::take(&mut watcher.waits);
         watcher.nap_until = None;
         if self.published() == published {
             entries.extend(watcher.list.iter().cloned());
