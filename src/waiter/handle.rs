@@ -24,8 +24,7 @@ pub const MAX_THREADS_LIMIT: usize = 4096;
 /// The longest [`WaiterBuilder::spin_budget`] (it spins an executor thread).
 pub const MAX_SPIN_BUDGET: Duration = Duration::from_millis(1);
 
-/// A pool of waiter threads, which serve `fence.await` without blocking an executor thread; cheap
-/// to clone.
+/// A pool of threads that serve `fence.await` without blocking an executor thread; cheap to clone.
 ///
 /// ```
 /// use device_events::host::{Host, HostStream};

@@ -115,8 +115,7 @@ impl Pool {
         slot.complete(result, |ok, since| counters.delivered(ok, since))
     }
 
-    /// Hand `wait` to the pool: its place and what to do next. Refused in a forked child, with
-    /// unusable settings, or after shutdown.
+    /// Hand `wait` over: its place and what to do next; refused if forked, unusable or shut down.
     pub(super) fn submit(&self, mut wait: Wait) -> Result<(Place, Action), ServerError> {
         if self.is_forked() {
             return Err(ServerError::WaiterForked);
@@ -142,8 +141,7 @@ impl Pool {
         Ok((place, action.unwrap_or_default()))
     }
 
-    /// The future of the wait at `place` in `key` was dropped: take it out (unless a thread holds
-    /// it) for a waiter thread to drop.
+    /// `key`'s wait at `place` was dropped: take it out, unless a thread holds it, for one to drop.
     pub(super) fn withdraw(&self, key: LaneKey, place: Place) -> Action {
         if self.is_forked() {
             return Action::default();

@@ -59,8 +59,7 @@ pub(super) struct Lane {
 }
 
 impl Lane {
-    /// Its waits not resolved yet: queued, out in a batch, and the one a lane thread holds
-    /// (blocked on it, or asking it), if any.
+    /// Its waits not resolved yet: queued, out in a batch, and the one a lane thread holds, if any.
     pub(super) fn pending(&self) -> usize {
         self.waits.len() + self.out + usize::from(self.held.is_some())
     }

@@ -89,8 +89,7 @@ impl WaiterThread {
         }
     }
 
-    /// Serve lane `key` as `by` until it is empty or no longer this thread's (the steps:
-    /// [`crate::waiter`]'s docs).
+    /// Serve lane `key` as `by` until it is empty or another's (step 3 of [`crate::waiter`]).
     fn serve_lane(&mut self, key: LaneKey, by: Server) {
         // Whether the lane's history, as its last wait ended, says to offer the next to a watcher.
         let mut watch = true;
@@ -146,9 +145,8 @@ impl WaiterThread {
         (result, Some(took))
     }
 
-    /// Resolve, in order, the waits of `key` a query shows reached, up to the first that is not, in
-    /// batches taken out and put back under the lock and asked outside it (steps 3 and 4 of
-    /// [`crate::waiter`]).
+    /// Resolve `key`'s waits in order up to the first a query shows not reached, in batches asked
+    /// outside the lock (steps 3 and 4 of [`crate::waiter`]).
     pub(super) fn resolve_reached(&mut self, key: LaneKey, by: Server) -> Resolved {
         let mut limit = if by == Server::Poller { 1 } else { 2 };
         let mut resolved = 0;

@@ -42,11 +42,10 @@ impl Pool {
         Some(state.watcher_for_work(Some(looks_from)))
     }
 
-    /// The watcher's round: how many entries had been handed over (see [`Pool::published`]), and
-    /// when, by `timing`, the first on its list is due to be looked at; it waits for one up to its
-    /// keep-alive. If that is within [`MIN_NAP`], the entries are copied into `entries` (empty) to
-    /// look at now; else none is, and the watcher naps first holding none ([`Pool::watcher_nap`]).
-    /// `None` (and uncounted) when it should exit: idle past its keep-alive, or shut down.
+    /// The watcher's round: its [`Plan`] by `timing`, once its list has an entry (it waits for one
+    /// up to its keep-alive), with the entries copied into `entries` (empty) if the first is due
+    /// within [`MIN_NAP`] (else it naps first, holding none: [`Pool::watcher_nap`]). `None` (and
+    /// uncounted) when it should exit: idle past its keep-alive, or shut down.
     pub(crate) fn watch_round(&self, timing: &Timing, entries: &mut Vec<Watched>) -> Option<Plan> {
         let mut state = self.lock();
         let mut timed_out = false;

@@ -136,8 +136,7 @@ impl LaneHistory {
     }
 
     /// Whether the lane's next wait is worth offering to the watcher, waking `early` before an end
-    /// it expects: not if its waits are predicted shorter than [`MIN_WATCHED`] or than twice
-    /// `early`; a lane with no prediction is watched.
+    /// it expects: yes unless predicted shorter than [`MIN_WATCHED`] or than twice `early`.
     pub(crate) fn worth_watching(&self, early: Duration) -> bool {
         self.predicted()
             .is_none_or(|predicted| predicted >= (early * 2).max(MIN_WATCHED))
