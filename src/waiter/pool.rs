@@ -160,15 +160,14 @@ impl Pool {
         if self.is_forked() {
             return;
         }
-        let (lanes, withdrawn, watched) = {
-            let mut state = self.lock();
-            state.shutdown = true;
-            state.for_threads.clear();
-            state.for_poller.clear();
-            let lanes = std::mem::take(&mut state.lanes);
-            let withdrawn = std::mem::take(&mut state.withdrawn);
-            (lanes, withdrawn, std::mem::take(&mut state.watcher.list))
-        };
+        let mut state = self.lock();
+        state.shutdown = true;
+        state.for_threads.clear();
+        state.for_poller.clear();
+        let lanes = std::mem::take(&mut state.lanes);
+        let withdrawn = std::mem::take(&mut state.withdrawn);
+        let watched = std::mem::take(&mut state.watcher.list);
+        drop(state);
         watched.into_iter().for_each(contain::drop);
         self.shared.work.notify_all();
         self.shared.poller_work.notify_all();
@@ -340,13 +339,10 @@ impl Pool {
 
     /// [`stuck::stalled`], under the lock.
     fn collect_stuck(&self, mark: bool) -> Vec<StuckWait> {
-        match self.shared.config.stuck_after {
-            Some(after) if !self.is_forked() => {
-                let now = Instant::now();
-                stuck::stalled(&mut self.lock().lanes, now, after, mark)
-            }
-            _ => Vec::new(),
-        }
+        let Some(after) = self.shared.config.stuck_after.filter(|_| !self.is_forked()) else {
+            return Vec::new();
+        };
+        stuck::stalled(&mut self.lock().lanes, Instant::now(), after, mark)
     }
 
     /// Wake what `action` says to wake; the caller starts the rest.
