@@ -193,7 +193,6 @@ impl Pool {
     /// of [`crate::waiter`]); none once shutdown or recovery took it. Teaches the lane's history;
     /// delivers after the lock, and drops the entry there (its fence may be the last copy left).
     pub(super) fn end_hold(&self, key: LaneKey, slot: &Arc<Slot>, ended: Ended) -> AfterHold {
-        let reports_stuck = self.reports_stuck();
         let mut after = AfterHold::default();
         // Read before the lock, where the next wait's watch is decided.
         let now = matches!(ended, Ended::Driver { took: Some(_), .. }).then(|| self.now());
@@ -203,7 +202,7 @@ impl Pool {
         let entry = offered.then(|| state.watcher.unwatch(slot)).flatten();
         let ends = !matches!(ended, Ended::Unwatched { .. });
         let lane = state.lanes.get_mut(&key).filter(|_| ends);
-        let ours = lane.is_some_and(|lane| lane.end_hold(slot, reports_stuck));
+        let ours = lane.is_some_and(|lane| lane.end_hold(slot, self.reports_stuck()));
         let result = match ended {
             Ended::Driver {
                 result,
@@ -274,14 +273,13 @@ impl Pool {
     /// A batch of `key`'s is back: `resolved` reached (the caller delivers them), `rest` not, put
     /// back (or dropped, if their futures were; failed, after shutdown).
     pub(super) fn settle(&self, key: LaneKey, resolved: usize, rest: Vec<Wait>) {
-        let reports_stuck = self.reports_stuck();
         let mut state = self.lock();
         let Some(lane) = state.lanes.get_mut(&key) else {
             drop(state);
             return self.fail(rest, &ServerError::WaiterGone);
         };
         let out = resolved + rest.len();
-        lane.progressed(reports_stuck && resolved > 0);
+        lane.progressed(self.reports_stuck() && resolved > 0);
         let (cancelled, back): (Vec<Wait>, Vec<Wait>) =
             rest.into_iter().partition(|wait| wait.slot.is_cancelled());
         lane.waits

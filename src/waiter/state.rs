@@ -260,14 +260,12 @@ impl State {
 
     /// Lane thread `server` is done with `key`: whether it has waits again.
     pub(super) fn release(&mut self, key: LaneKey, server: Server) -> bool {
-        let Some(lane) = self.lane_of(key, server) else {
-            return false;
-        };
-        if lane.is_idle() {
+        let lane = self.lane_of(key, server);
+        let has_waits = lane.as_ref().is_some_and(|lane| !lane.waits.is_empty());
+        if lane.is_some_and(|lane| lane.is_idle()) {
             self.lanes.remove(&key);
-            return false;
         }
-        !lane.waits.is_empty()
+        has_waits
     }
 
     /// Lane thread `server` takes `key`'s oldest wait out to block on or ask.
