@@ -1,6 +1,5 @@
 //! Calls into code the waiter does not own, each under `catch_unwind`: a backend's query or block,
-//! a task's [`Waker`], a wait's drop (its event). A panic there costs only its wait; the thread
-//! goes on, its lane and counts intact.
+//! a task's [`Waker`], a wait's drop (its event): a panic costs only that wait, not the thread.
 
 use std::task::Waker;
 

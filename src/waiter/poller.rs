@@ -21,8 +21,7 @@ pub(super) fn looks_every(stuck_after: Duration) -> Duration {
 }
 
 impl WaiterThread {
-    /// The poller: each round, adopt lanes, drop withdrawn waits, ask its lanes, warn of stalls,
-    /// and pause (backing off while nothing moves).
+    /// The poller's loop: rounds as this file's doc says, backing off while nothing moves.
     pub(super) fn run_poller(&mut self) {
         let check_every = self.pool.config().stuck_after.map(looks_every);
         let mut next_check = Instant::now();

@@ -86,8 +86,7 @@ impl Pool {
         &self.shared.config
     }
 
-    /// The time by the clock the watcher and the lane threads that hand it their waits go by
-    /// (std's; under loom, one that moves only as far as a nap's end).
+    /// The watcher's clock, and its lane threads' (std's; under loom, one only a nap's end moves).
     pub(crate) fn now(&self) -> Instant {
         self.shared.clock.now()
     }

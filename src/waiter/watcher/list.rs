@@ -24,10 +24,9 @@ impl Pool {
         self.shared.published.load(Ordering::Acquire)
     }
 
-    /// A lane thread about to block on `wait`, held `since`, its stream's progress in `word` (its
-    /// copy, if watched, is made under the lock; the word itself is dropped after it), puts it on
-    /// the watcher's list, unless its lane's history says not to or the pool is shut down. What to
-    /// do then, if it did.
+    /// A lane thread about to block on `wait`, held `since`, puts it on the watcher's list with its
+    /// stream's `word` (copied under the lock; the word itself is dropped after it), unless its
+    /// lane's history says not to or the pool is shut down: what to do then, if it did.
     pub(crate) fn watch(&self, wait: &Wait, word: &ProgressWord, since: Instant) -> Option<Action> {
         let mut state = self.lock();
         if state.shutdown {

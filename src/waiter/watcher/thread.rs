@@ -10,8 +10,7 @@ use crate::waiter::pool::Ended;
 use crate::waiter::threads::WaiterThread;
 
 impl WaiterThread {
-    /// The watcher's loop, until idle past its keep-alive or shut down: nap, look, spend its CPU
-    /// budget. See the [module docs](crate::waiter#the-watcher).
+    /// The watcher's loop, until idle or shut down ([module docs](crate::waiter#the-watcher)).
     pub(crate) fn run_watcher(&mut self) {
         crate::os::lower_timer_slack();
         let mut timing = Timing::default();

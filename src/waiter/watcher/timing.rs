@@ -235,8 +235,7 @@ impl Timing {
     }
 }
 
-/// The watcher's CPU budget: over time, at most its share of one core, beyond one burst and one
-/// round. See the [module docs](crate::waiter#the-watcher).
+/// The watcher's CPU budget, as the [module docs](crate::waiter#the-watcher) tell.
 pub(crate) struct CpuBudget {
     /// Nanoseconds left; below zero, owed.
     left: i64,
