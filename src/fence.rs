@@ -175,7 +175,7 @@ impl<A: EventApi> EventFence<A> {
     /// the API call", `cuEventRecord` in the CUDA driver API), so the same fence serves on
     /// (another wait, an await, a drop queue) with no second event recorded.
     ///
-    /// Which streams to give a request's stages: the service guide's Deadlines, docs/service.md.
+    /// Which streams to give a request's stages: `docs/service.md` (Deadlines) in the repository.
     ///
     /// ```
     /// use device_events::host::HostStream;

@@ -111,16 +111,16 @@ impl<T, X: Clone> Shard<T, X> {
     }
 
     /// Take out the entries whose value is gone, for the caller to drop after the lock.
-    fn sweep(&mut self) -> BTreeMap<u64, (Weak<T>, X)> {
-        let (live, gone): (BTreeMap<_, _>, BTreeMap<_, _>) = std::mem::take(&mut self.by_id)
-            .into_iter()
-            .partition(|(_, (weak, _))| weak.strong_count() > 0);
-        self.by_id = live;
-        for (weak, _) in gone.values() {
-            self.by_address.remove(&(weak.as_ptr() as usize));
-        }
+    fn sweep(&mut self) -> Vec<(Weak<T>, X)> {
+        let (by_id, mut swept) = (&mut self.by_id, Vec::new());
+        // Each entry has its address's: the live ones stay where they are.
+        self.by_address.retain(|_, id| {
+            let gone = matches!(by_id.get(id), Some((weak, _)) if weak.strong_count() == 0);
+            swept.extend(gone.then(|| by_id.remove(id)).flatten());
+            !gone
+        });
         self.sweep_at = (self.by_id.len() * 2).max(FIRST_SWEEP);
-        gone
+        swept
     }
 }
 

@@ -326,7 +326,7 @@ impl WaiterBuilder {
 
     /// How long a first poll may spin before handing the wait to a thread, on the executor's
     /// thread: default zero, at most [`MAX_SPIN_BUDGET`] (clamped). It loads the stream's progress
-    /// word (no driver call) where the backend keeps one (the host backend does), else queries.
+    /// word where the backend keeps one (the host does), then asks the event once; else queries.
     pub fn spin_budget(mut self, spin_budget: Duration) -> Self {
         self.config.spin_budget = spin_budget.min(MAX_SPIN_BUDGET);
         self

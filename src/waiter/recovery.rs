@@ -90,7 +90,7 @@ impl Pool {
 }
 
 impl Drop for WaiterThread {
-    /// Unwinding: the pool has not uncounted it (one that returns has left).
+    /// Unwinding, give back what it held (a thread that returns has left the pool already).
     fn drop(&mut self) {
         if !std::thread::panicking() {
             return;

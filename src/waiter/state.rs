@@ -309,7 +309,7 @@ pub(super) fn take(count: &mut usize, n: usize, what: &'static str) {
 #[inline(never)]
 #[track_caller]
 fn below_zero(count: usize, n: usize, what: &'static str) -> usize {
-    let what = format_args!("{what} count below zero ({count} - {n})");
+    let what = format!("{what} count below zero ({count} - {n})");
     if !std::thread::panicking() {
         panic!("a bug in the waiter: {what}");
     }

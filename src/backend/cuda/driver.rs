@@ -269,9 +269,9 @@ fn load() -> Result<Loaded, ServerError> {
     // driver API's signature for that name, with `CUresult` as the `int` it is.
     macro_rules! optional {
         ($name:expr) => {
-            // SAFETY: the field's type is the symbol's C signature (see `Api`); the library stays
-            // loaded for the life of the process (cudarc keeps it in a static), so the pointer
-            // stays valid.
+            // SAFETY: the field's type is the symbol's C signature (`Api`, `WordApi`; both names
+            // of `ELAPSED_SYMBOLS` have one); the library stays loaded for the life of the process
+            // (cudarc keeps it in a static), so the pointer stays valid.
             unsafe { library.get($name.as_bytes()) }
                 .ok()
                 .map(|symbol| *symbol)
@@ -1032,7 +1032,7 @@ impl Driver {
     }
 
     /// `cuFuncLoad`: finish loading `function` now, in the current context, not at its first
-    /// launch; `false`: the driver lacks it, and `cuModuleGetFunction` loaded it ([`FUNC_LOAD_SYMBOL`]).
+    /// launch; `false`: the driver lacks it, and `cuModuleGetFunction` loaded it (see the symbol).
     pub(super) fn func_load(self, function: &Function) -> Result<bool, ServerError> {
         let Some(load) = self.api.func_load else {
             return Ok(false);

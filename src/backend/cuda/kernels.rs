@@ -150,9 +150,9 @@ impl SleepKernel {
     /// Load the kernel into `ctx`, for as long as the context lives: once per context, and before
     /// launching work that must overlap (the CUDA Programming Guide, "Lazy Loading": loading
     /// kernels "might require context synchronization"; on an H200 it held other threads' calls).
-    /// The kernel is loaded here, lazy loading (the default on Linux since CUDA 12.2) or not
-    /// (`cuFuncLoad` where the driver has it), so no launch loads it: a first launch waits for no
-    /// other stream.
+    /// The kernel is loaded here (by `cuFuncLoad` where the driver has it), whether lazy loading
+    /// (the default on Linux since CUDA 12.2) is on or not, so no launch loads it: a first launch
+    /// waits for no other stream.
     ///
     /// # Errors
     ///

@@ -19,7 +19,7 @@ impl WaiterThread {
         let mut entries = Vec::new();
         while let Some(Plan { published, first }) = self.pool.watch_round(&timing, &mut entries) {
             let mut napped = false;
-            // None copied: the first is not due yet; it naps holding none (the module docs say why).
+            // None copied: the first is not due yet; it naps holding none (the module docs: why).
             if entries.is_empty() {
                 let until = first.min(self.pool.now() + MAX_NAP);
                 let slept = (self.pool).watcher_nap(until, published, &mut timing, &mut entries);
