@@ -113,7 +113,7 @@ impl<T, X: Clone> Shard<T, X> {
     /// Take out the entries whose value is gone, for the caller to drop after the lock.
     fn sweep(&mut self) -> Vec<(Weak<T>, X)> {
         let (by_id, mut swept) = (&mut self.by_id, Vec::new());
-        // Each entry has its address's: the live ones stay where they are.
+        // Every entry has one in the address map, so each is visited; the live stay in place.
         self.by_address.retain(|_, id| {
             let gone = matches!(by_id.get(id), Some((weak, _)) if weak.strong_count() == 0);
             swept.extend(gone.then(|| by_id.remove(id)).flatten());
